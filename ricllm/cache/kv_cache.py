@@ -1,0 +1,64 @@
+"""The KV store: one K and one V tensor per layer, allocated once from the byte budget.
+
+    bytes_per_block = 2 · L · block_size · n_kv · d_h · dtype_bytes
+    num_blocks      = budget // bytes_per_block
+
+These tensors are the only KV storage the engine ever holds; nothing grows after start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ricllm.errors import ConfigError
+from ricllm.model.spec import ModelSpec
+from ricllm.units import format_bytes
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, dtype: torch.dtype) -> CacheGeometry:
+    """Blocks that fit the budget; an error when not even one does."""
+    if block_size < 1:
+        raise ConfigError(f"block_size must be at least 1, got {block_size}")
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    bytes_per_block = spec.kv_bytes_per_token(dtype_bytes) * block_size
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ConfigError(
+            f"kv_cache_budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below one block: "
+            f"a block of {block_size} tokens needs {bytes_per_block} B "
+            f"(2·L·block_size·n_kv·d_h·b = 2·{spec.num_layers}·{block_size}·{spec.num_kv_heads}·"
+            f"{spec.head_dim}·{dtype_bytes})")
+    return CacheGeometry(num_blocks, block_size, bytes_per_block, budget_bytes)
+
+
+class KVCache:
+    """``layers[i] = (k, v)``, each ``[num_blocks, block_size, n_kv_heads, head_dim]``."""
+
+    def __init__(self, spec: ModelSpec, geometry: CacheGeometry, dtype: torch.dtype, device: torch.device):
+        shape = (geometry.num_blocks, geometry.block_size, spec.num_kv_heads, spec.head_dim)
+        self.geometry = geometry
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+
+    def total_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)

@@ -1,0 +1,139 @@
+"""Which blocks each sequence holds: on-demand allocation, prefix-cache hits, pins.
+
+A sequence holds one reference on every block in its ``block_table``; a block shared through
+the prefix cache has one reference per holder. Only full blocks are ever shared.
+
+The prefix hit of a prompt is capped at ``num_tokens - 1`` tokens (rounded down to whole
+blocks): the last token is always recomputed, because its logits are what the first output
+token is sampled from, and logits are not cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ricllm.cache.block_pool import Block, BlockPool, hash_block
+from ricllm.engine.sequence import Sequence
+
+
+@dataclass
+class PinHandle:
+    """A prefix kept resident: its full blocks hold a reference until ``unpin``."""
+
+    handle_id: int
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pins: dict[int, PinHandle] = {}
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+        self.peak_used_blocks = 0
+
+    # ------------------------------------------------------------ lookups
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def hash_chain(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        hashes, parent = [], None
+        for i in range(num_blocks):
+            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
+        """Leading full blocks of ``token_ids`` already cached, leaving the last token uncached."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits, parent = [], None
+        for i in range(max_blocks):
+            chunk = token_ids[i * self.block_size:(i + 1) * self.block_size]
+            parent = hash_block(parent, chunk)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len({bid for pin in self.pins.values() for bid in pin.block_ids})
+
+    # ------------------------------------------------------------ allocation
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[Block] = ()) -> bool:
+        """Enough free blocks for ``num_new_tokens`` more, after reviving the hit blocks."""
+        held = len(seq.block_table) + len(hits)
+        needed = self.blocks_for_tokens(seq.num_computed_tokens + len(hits) * self.block_size
+                                        + num_new_tokens) - held
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        return needed + revived <= self.pool.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[Block] = ()) -> bool:
+        """Take the hit blocks and enough new ones for ``num_new_tokens``; False, unchanged, if short."""
+        if not self.can_allocate(seq, num_new_tokens, hits):
+            return False
+        if hits:
+            self._take_hits(seq, hits)
+        if seq.num_cached_tokens < 0:
+            self._count_query(seq, len(hits))
+        target = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < target:
+            seq.block_table.append(self.pool.allocate().block_id)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
+        return True
+
+    def _take_hits(self, seq: Sequence, hits: list[Block]) -> None:
+        for block in hits:
+            self.pool.acquire(block)
+            seq.block_table.append(block.block_id)
+            seq.block_hashes.append(block.block_hash)
+        seq.num_computed_tokens = len(hits) * self.block_size
+
+    def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
+        seq.num_cached_tokens = num_hit_blocks * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_queries_tokens += seq.num_prompt_tokens
+            self.prefix_hits_tokens += seq.num_cached_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full with computed K/V, so later prompts can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            parent = hash_block(parent, chunk)
+            self.pool.register(self.pool.blocks[seq.block_table[i]], parent, chunk)
+            seq.block_hashes.append(parent)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references, tail first (tails are evicted before heads)."""
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.block_table = []
+        seq.block_hashes = []
+
+    # ------------------------------------------------------------ pins
+
+    def pin(self, seq: Sequence, handle: PinHandle) -> None:
+        """Keep the sequence's full prompt blocks resident under ``handle`` (call before ``free``)."""
+        num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // self.block_size
+        for block_id in seq.block_table[:num_full]:
+            self.pool.acquire(self.pool.blocks[block_id])
+            handle.block_ids.append(block_id)
+        self.pins[handle.handle_id] = handle
+
+    def unpin(self, handle: PinHandle) -> None:
+        for block_id in reversed(handle.block_ids):
+            self.pool.release(self.pool.blocks[block_id])
+        handle.block_ids = []
+        del self.pins[handle.handle_id]

@@ -1,0 +1,132 @@
+"""``ricllm`` command line: every subcommand is a thin layer over the public API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ricllm.errors import RicllmError
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="GGUF file or HF checkpoint folder (default: the installed SmolLM2-135M-Instruct GGUF)")
+    group.add_argument("--kv-cache-budget", default="256MiB",
+                       help="bytes for the whole KV cache, e.g. 256MiB or 1GB (default: %(default)s)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget per step, prefill chunks included (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    group.add_argument("--attention-backend", default="auto", help="auto, torch, triton or cuda")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or all cores)")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(kv_cache_budget=args.kv_cache_budget, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+                attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
+                threads=args.threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ricllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        outputs = llm.chat(messages + [{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    out = outputs[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
+                          "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "e2e_s": out.e2e_s}))
+        return 0
+    print(out.text)
+    tpot = f", {1 / out.tpot_s:.1f} tok/s decode" if out.tpot_s else ""
+    print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
+          f"finish: {out.finish_reason}; TTFT {out.ttft_s * 1000:.1f} ms, total {out.e2e_s * 1000:.1f} ms{tpot}; "
+          f"load {llm.engine.startup_s:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from ricllm.model.loader import open_checkpoint
+    from ricllm.units import format_bytes
+
+    ckpt = open_checkpoint(args.model)
+    spec = ckpt.spec
+    rows = [
+        ("file", str(ckpt.path)), ("format", ckpt.format), ("name", spec.name),
+        ("layers (L)", spec.num_layers), ("hidden size", spec.hidden_size),
+        ("query heads", spec.num_heads), ("KV heads (n_kv)", spec.num_kv_heads),
+        ("head dim (d_h)", spec.head_dim), ("FFN size", spec.intermediate_size),
+        ("vocabulary", spec.vocab_size), ("max context", f"{spec.max_position_embeddings} tokens"),
+        ("RoPE theta", spec.rope_theta), ("tied embeddings", spec.tie_word_embeddings),
+        ("parameters", f"{spec.num_parameters() / 1e6:.1f} M"),
+    ]
+    types = sorted(set(ckpt.tensor_types().values()))
+    if types:
+        rows.append(("tensor types", ", ".join(types)))
+    for label, size in (("fp32", 4), ("bf16/fp16", 2)):
+        per_token = spec.kv_bytes_per_token(size)
+        rows.append((f"KV bytes/token {label}", f"{per_token} B  (2·{spec.num_layers}·{spec.num_kv_heads}·"
+                     f"{spec.head_dim}·{size}); full context {format_bytes(per_token * spec.max_position_embeddings)}"))
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ricllm", description="Deadline-aware LLM inference for the O-RAN near-RT RIC.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt and print it with its timings",
+                         description="Generate a completion (or a chat reply with --chat) and print the "
+                                     "text, then token counts and timings on stderr.")
+    gen.add_argument("prompt", help="the prompt text (the user message with --chat)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed for a reproducible output")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="print a model's dimensions and KV bytes per token",
+                          description="Read a model file's metadata (no weights are loaded).")
+    info.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RicllmError as exc:
+        print(f"ricllm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ricllm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""One engine configuration, checked once at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ricllm.errors import ConfigError
+from ricllm.units import parse_bytes
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Sizes in bytes and tokens. ``dtype`` and ``device`` may be ``"auto"``."""
+
+    model: str | None = None
+    kv_cache_budget: int | str = "256MiB"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        self.kv_cache_budget = parse_bytes(self.kv_cache_budget)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"unknown device {self.device!r}: {exc}") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA GPU")
+        return device
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """``auto``: bf16 where the hardware has it (CPU with AVX-512 BF16 / AMX, or CUDA), else fp32."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+    def apply_threads(self) -> int:
+        """Torch intra-op threads: ``threads``, else ``OMP_NUM_THREADS``, else torch's default."""
+        threads = self.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads:
+            torch.set_num_threads(threads)
+        return torch.get_num_threads()

@@ -1,0 +1,1 @@
+"""Requests flow one way: sequence -> scheduler -> model runner -> cache -> output."""

@@ -1,0 +1,131 @@
+"""The offline API, in vLLM's words: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from ricllm.cache.kv_cache_manager import PinHandle
+from ricllm.config import EngineConfig
+from ricllm.engine.llm_engine import LLMEngine
+from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.outputs import RequestOutput
+from ricllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict]
+
+
+class LLM:
+    """Load a model (``None`` = the installed SmolLM2-135M-Instruct GGUF) on a fixed KV budget."""
+
+    def __init__(self, model: str | None = None, *, kv_cache_budget: int | str = "256MiB",
+                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, dtype: str = "auto", device: str = "auto",
+                 attention_backend: str = "auto", enable_prefix_caching: bool = True,
+                 seed: int = 0, threads: int | None = None):
+        self.config = EngineConfig(
+            model=model, kv_cache_budget=kv_cache_budget, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, dtype=dtype, device=device,
+            attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
+            seed=seed, threads=threads)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is checked before any is queued."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        for (_, token_ids), p in zip(encoded, params):
+            self.engine.check_request(token_ids, p)
+        seqs = [self.engine.add_request(tokens if text is None else text, p)
+                for (text, tokens), p in zip(encoded, params)]
+        return self._run(seqs, use_tqdm)
+
+    def chat(self, messages: Messages | Seq[Messages],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        wanted = {s.request_id for s in seqs}
+        outputs: dict[str, RequestOutput] = {}
+        with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(outputs) < len(wanted):
+                for out in self.engine.step():
+                    if out.request_id in wanted:
+                        outputs[out.request_id] = out
+                        bar.update(1)
+        return [outputs[s.request_id] for s in seqs]
+
+    # ------------------------------------------------------------ prefix pinning
+
+    def pin_prefix(self, prefix: str | list[int] | Messages) -> PinHandle:
+        """Compute a prefix's K/V once and keep its full blocks resident until ``unpin_prefix``.
+
+        A list of chat messages (e.g. one system message) is pinned in its rendered form, which
+        is what ``chat`` requests start with.
+        """
+        if isinstance(prefix, list) and prefix and isinstance(prefix[0], dict):
+            prefix = self.render_chat(prefix, add_generation_prompt=False)
+        _, token_ids = self.engine.encode_prompt(prefix)
+        self._check_pin_fits(token_ids)
+        handle = PinHandle(handle_id=next(self.engine._pin_ids), token_ids=list(token_ids))
+        seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                                      pin_on_finish=handle)
+        self._run([seq], use_tqdm=False)
+        return handle
+
+    def _check_pin_fits(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prefix to pin is empty")
+        cache = self.engine.cache
+        needed = len(token_ids) // cache.block_size
+        free_for_pins = self.engine.kv_cache.geometry.num_blocks - cache.num_pinned_blocks - 1
+        if needed > free_for_pins:
+            raise CapacityError(
+                f"pinning {len(token_ids)} tokens needs {needed} full KV blocks, but only {free_for_pins} "
+                f"can be pinned ({cache.num_pinned_blocks} already pinned, one block kept for decoding)")
+
+    def unpin_prefix(self, handle: PinHandle) -> None:
+        if handle.handle_id not in self.engine.cache.pins:
+            raise InvalidRequestError(f"prefix handle {handle.handle_id} is not pinned")
+        self.engine.cache.unpin(handle)
+
+    def kv_cache_stats(self) -> dict:
+        return self.engine.kv_cache_stats()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

@@ -1,0 +1,207 @@
+"""The engine: load once, accept requests, and advance every running request by one step.
+
+``add_request`` checks a request and queues it; ``step`` schedules a batch, runs the model once,
+samples, and returns the requests that finished. The offline ``LLM`` API and the servers drive
+this same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from ricllm.attention.backends import select_backend
+from ricllm.cache.kv_cache import KVCache, plan_cache
+from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
+from ricllm.config import EngineConfig
+from ricllm.engine.model_runner import ModelRunner
+from ricllm.engine.sampler import sample
+from ricllm.engine.scheduler import Scheduler
+from ricllm.engine.sequence import Sequence
+from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.logging import get_logger
+from ricllm.model.llama import LlamaModel
+from ricllm.model.loader import open_checkpoint
+from ricllm.model.tokenizer import IncrementalDetokenizer
+from ricllm.outputs import RequestOutput
+from ricllm.sampling_params import SamplingParams
+from ricllm.units import format_bytes
+
+log = get_logger("ricllm.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        started = time.perf_counter()
+        self.config = config
+        self.threads = config.apply_threads()
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        checkpoint = open_checkpoint(config.model)
+        self.checkpoint, self.spec, self.tokenizer = checkpoint, checkpoint.spec, checkpoint.tokenizer
+        self.model = self._load_model(checkpoint)
+        self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
+        geometry = plan_cache(self.spec, config.kv_cache_budget, config.block_size, self.dtype)
+        self.kv_cache = KVCache(self.spec, geometry, self.dtype, self.device)
+        self.cache = KVCacheManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self._ids = itertools.count()
+        self._pin_ids = itertools.count(1)
+        self.startup_s = time.perf_counter() - started
+        self._log_start()
+
+    def _load_model(self, checkpoint) -> LlamaModel:
+        from tqdm import tqdm
+
+        backend = select_backend(self.config.attention_backend, self.device)
+        self.attention_backend = backend.name
+        model = LlamaModel.build(self.spec, backend, self.dtype, self.device)
+        tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
+        model.load_weights(tensors)
+        return model.eval()
+
+    def _log_start(self) -> None:
+        g, spec = self.kv_cache.geometry, self.spec
+        per_token = g.bytes_per_block // g.block_size
+        log.info(
+            "kv_cache_allocated",
+            equation="M_KV = 2*L*n*n_kv*d_h*b*B",
+            layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            bytes_per_token=per_token, block_size=g.block_size, bytes_per_block=g.bytes_per_block,
+            num_blocks=g.num_blocks, num_tokens=g.num_tokens, budget=format_bytes(g.budget_bytes),
+            allocated=format_bytes(self.kv_cache.total_bytes()), max_model_len=self.max_model_len,
+            max_concurrency_at_max_len=round(g.num_tokens / self.max_model_len, 2),
+        )
+        log.info("engine_ready", model=self.spec.name, device=str(self.device), threads=self.threads,
+                 attention_backend=self.attention_backend, startup_s=round(self.startup_s, 2))
+
+    # ------------------------------------------------------------ requests
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise for a prompt that is malformed or can never fit the context or the budget."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)")
+        for position, token in enumerate(prompt_token_ids):
+            if not isinstance(token, int) or not 0 <= token < self.spec.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token!r} at position {position} is outside the vocabulary [0, {self.spec.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise CapacityError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens")
+        self._check_fits_budget(prompt_token_ids, total)
+
+    def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int) -> None:
+        pinned = self.cache.num_pinned_blocks
+        pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
+        shared = sum(1 for b in self.cache.find_cached_prefix(prompt_token_ids) if b.block_id in pinned_ids)
+        needed = self.cache.blocks_for_tokens(total_tokens) - shared
+        available = self.kv_cache.geometry.num_blocks - pinned
+        if needed > available:
+            bs = self.config.block_size
+            raise CapacityError(
+                f"request needs {needed} KV blocks ({total_tokens} tokens: prompt + max_tokens, "
+                f"{bs} tokens per block) but the KV budget of {format_bytes(self.config.kv_cache_budget)} "
+                f"holds {available} blocks ({available * bs} tokens)"
+                + (f" besides {pinned} pinned blocks" if pinned else ""))
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    pin_on_finish: PinHandle | None = None) -> Sequence:
+        text, token_ids = self.encode_prompt(prompt)
+        self.check_request(token_ids, params)
+        seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
+                       num_prompt_tokens=len(token_ids), params=params, prompt=text,
+                       pin_on_finish=pin_on_finish)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + int(
+                torch.randint(0, 2**31, (1,)))
+            seq.generator = torch.Generator().manual_seed(seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler could not schedule any request: this is a bug in ricllm")
+            return []
+        logits, _ = self.runner.run(batch)
+        for seq, num_new in batch.items:
+            seq.num_computed_tokens += num_new
+            self.cache.cache_full_blocks(seq)
+        ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
+        tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready])
+        now = time.perf_counter()
+        finished = []
+        for seq, token in zip(ready, tokens):
+            reason = self._append_token(seq, token, now)
+            if reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, reason)
+                finished.append(self._output(seq))
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> str | None:
+        """Add a sampled token; the finish reason if it ends the request."""
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        params = seq.params
+        if (not params.ignore_eos and token in self.tokenizer.eos_token_ids) or token in params.stop_token_ids:
+            return "stop"
+        seq.detokenizer.add(token)
+        seq.output_text = seq.detokenizer.text
+        if params.stop and self._truncate_at_stop(seq):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence) -> bool:
+        hits = [i for i in (seq.output_text.find(s) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.output_text = seq.output_text[:min(hits)]
+        return True
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
+            token_ids=seq.output_token_ids, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            finish_reason=seq.finish_reason, ttft_s=seq.first_token_time - seq.arrival_time,
+            e2e_s=seq.finish_time - seq.arrival_time)
+
+    # ------------------------------------------------------------ stats
+
+    def kv_cache_stats(self) -> dict:
+        g, pool = self.kv_cache.geometry, self.cache.pool
+        return {
+            "num_blocks": g.num_blocks, "block_size": g.block_size, "bytes_per_block": g.bytes_per_block,
+            "budget_bytes": g.budget_bytes, "allocated_bytes": self.kv_cache.total_bytes(),
+            "used_blocks": pool.num_used, "free_blocks": pool.num_free,
+            "cached_free_blocks": pool.num_cached_free, "pinned_blocks": self.cache.num_pinned_blocks,
+            "peak_used_blocks": self.cache.peak_used_blocks,
+            "prefix_cache_queries_tokens": self.cache.prefix_queries_tokens,
+            "prefix_cache_hits_tokens": self.cache.prefix_hits_tokens,
+            "preemptions": self.scheduler.num_preemptions, "waits": self.scheduler.num_waits,
+        }

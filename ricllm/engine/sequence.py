@@ -1,0 +1,66 @@
+"""A request inside the engine: its tokens, how many have K/V in the cache, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ricllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """``token_ids`` = prompt + generated tokens; the first ``num_computed_tokens`` have K/V cached.
+
+    In decode the newest sampled token is not computed yet, so ``num_tokens - num_computed_tokens``
+    is 1. After a preemption ``num_computed_tokens`` drops to 0 and the whole sequence, outputs
+    included, is prefilled again (mostly from the prefix cache).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    prompt: str | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
+    finish_reason: str | None = None
+    output_text: str = ""
+    detokenizer: object = None
+    generator: torch.Generator | None = None
+    pin_on_finish: object = None  # a PinHandle to fill with this sequence's full prompt blocks
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

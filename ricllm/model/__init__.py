@@ -1,0 +1,1 @@
+"""Model files (GGUF, HF folders), the tokenizer, and the Llama-family transformer."""

@@ -1,0 +1,227 @@
+"""The Llama-family transformer (Llama 2/3, SmolLM2, Mistral without sliding window).
+
+One call runs a flat batch of ``T`` tokens from many sequences: prefill chunks and decode
+tokens side by side. Each layer writes its new K/V into the paged cache (slots from
+``meta.slot_mapping``) and attends through the block tables, so the model holds no per-sequence
+state of its own.
+
+    h = x + W_o · Attn(RoPE(W_q · n1(x)), RoPE(W_k · n1(x)), W_v · n1(x))
+    y = h + W_down · (silu(W_gate · n2(h)) ⊙ W_up · n2(h)),   n(x) = x / rms(x) ⊙ g
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ricllm.attention.metadata import AttentionMetadata
+from ricllm.errors import ModelLoadError
+from ricllm.model.spec import ModelSpec, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale after casting back, as HF does, so bf16 rounding matches.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(spec: ModelSpec, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """``θ^(-2i/d)`` for ``i < d/2``, rescaled as the model's RoPE scaling asks."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = spec.rope_scaling
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.double()
+    elif scaling is not None and scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.kind == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    return inv_freq.float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short kept, a smooth ramp between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(middle, ramped, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a cos/sin table built once for every position the model allows."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int):
+        super().__init__()
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin: [T, 1, head_dim]`` for the step's positions, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=False)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.split_sizes = (spec.q_size, spec.kv_size, spec.kv_size)
+        self.scale = spec.head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope_cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend):
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attn = Attention(spec, backend)
+        self.ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, rope_cos_sin, kv_cache, meta):
+        h = x + self.attn(self.attn_norm(x), rope_cos_sin, kv_cache, meta)
+        return h + self.mlp(self.ffn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
+            spec.hidden_size, spec.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings)
+        self.requires_grad_(False)
+
+    @classmethod
+    def build(cls, spec: ModelSpec, backend, dtype: torch.dtype, device: torch.device) -> "LlamaModel":
+        """Allocate uninitialised weights directly in ``dtype`` on ``device`` (no random init)."""
+        with torch.device("meta"):
+            model = cls(spec, backend)
+        model = model.to_empty(device=device).to(dtype)
+        model.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings).to(device)
+        return model
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm."""
+        x = self.embed(input_ids)
+        rope_cos_sin = self.rope(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, rope_cos_sin, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ricllm-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        pending: dict[str, torch.Tensor] = {}
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            if name == "rope_freqs":
+                self._set_rope(rope_inverse_frequencies(self.spec, tensor))
+                continue
+            for target in self._assign(name, tensor, pending):
+                loaded.add(target)
+        self._check_complete(loaded)
+
+    def _set_rope(self, inv_freq: torch.Tensor) -> None:
+        device = self.rope.cos.device
+        self.rope = RotaryEmbedding(inv_freq, self.spec.max_position_embeddings).to(device)
+
+    def _assign(self, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]) -> list[str]:
+        if not name.startswith("layers."):
+            return self._assign_global(name, tensor)
+        _, index, part = name.split(".")
+        layer = self.layers[int(index)]
+        fused = {"q": ("qkv", ("q", "k", "v")), "k": ("qkv", ("q", "k", "v")), "v": ("qkv", ("q", "k", "v")),
+                 "gate": ("gate_up", ("gate", "up")), "up": ("gate_up", ("gate", "up"))}
+        if part in fused:
+            group, members = fused[part]
+            pending[f"{index}.{part}"] = tensor
+            if not all(f"{index}.{m}" in pending for m in members):
+                return []
+            tensor = torch.cat([pending.pop(f"{index}.{m}") for m in members], dim=0)
+            target = layer.attn.qkv_proj.weight if group == "qkv" else layer.mlp.gate_up_proj.weight
+            _copy(target, tensor, name)
+            return [f"layers.{index}.{group}"]
+        targets = {"attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight,
+                   "o": layer.attn.o_proj.weight, "down": layer.mlp.down_proj.weight}
+        _copy(targets[part], tensor, name)
+        return [f"layers.{index}.{part}"]
+
+    def _assign_global(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name == "lm_head" and self.lm_head is None:
+            return []  # a checkpoint may ship an explicit copy of a tied head
+        target = {"embed": self.embed.weight, "norm": self.norm.weight,
+                  "lm_head": None if self.lm_head is None else self.lm_head.weight}[name]
+        _copy(target, tensor, name)
+        return [name]
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected = {"embed", "norm"} | ({"lm_head"} if self.lm_head is not None else set())
+        for i in range(self.spec.num_layers):
+            expected |= {f"layers.{i}.{p}" for p in ("qkv", "gate_up", "attn_norm", "ffn_norm", "o", "down")}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"model file lacks weight(s): {', '.join(missing[:5])}")
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} from the metadata")
+    with torch.no_grad():
+        target.copy_(tensor)

@@ -1,0 +1,50 @@
+"""How to pick tokens and when to stop: the per-request knobs, checked when they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ricllm.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """``temperature=0`` is greedy. ``top_k <= 0`` and ``top_p = 1`` switch those filters off.
+
+    ``seed`` makes a sampled request reproducible whatever else shares its batch.
+    ``stop`` strings end the output before the string; ``stop_token_ids`` and the model's EOS
+    end it after the token (not shown in ``text``) unless ``ignore_eos``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

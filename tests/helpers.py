@@ -1,0 +1,95 @@
+"""Shared test helpers: optional-tool gating, and tiny random Llama GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip on a user's machine when an optional tool is missing; fail in CI, where it must run."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: .ci/run must install it)")
+    pytest.skip(reason)
+
+
+def require_module(name: str) -> None:
+    require(importlib.util.find_spec(name) is not None, f"python package {name!r} is not installed")
+
+
+def smollm2_path() -> Path:
+    from ricllm.errors import ModelLoadError
+    from ricllm.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as exc:
+        require(False, str(exc))
+
+
+TINY = dict(vocab=None, hidden=64, heads=4, kv_heads=2, layers=2, ffn=128, context=512)
+
+
+def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_heads: int = 2,
+                          quant: str | None = None, rope_theta: float = 10000.0) -> Path:
+    """A random Llama GGUF that both ricllm and HF transformers load (the oracle needs no download).
+
+    ``quant`` ("Q8_0" or "Q4_1") stores the 2-D layer weights quantized, to test dequantization.
+    """
+    import gguf
+
+    from tests.fixtures_tokenizer import add_tiny_tokenizer
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    vocab = add_tiny_tokenizer(writer)
+    h, heads, ffn, layers = TINY["hidden"], TINY["heads"], TINY["ffn"], TINY["layers"]
+    head_dim = h // heads
+    writer.add_name("tiny-random-llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(TINY["context"])
+    writer.add_embedding_length(h)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+
+    def add(name: str, shape: tuple[int, ...], scale: float = 0.08, quantize: bool = False,
+            offset: float = 0.0) -> None:
+        array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
+        if quantize and qtype is not None:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_shape=array.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+
+    add("token_embd.weight", (vocab, h), 0.5)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", (h,), 0.1, offset=1.0)
+        add(f"blk.{i}.attn_q.weight", (heads * head_dim, h), quantize=True)
+        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, h), quantize=True)
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, h), quantize=True)
+        add(f"blk.{i}.attn_output.weight", (h, heads * head_dim), quantize=True)
+        add(f"blk.{i}.ffn_norm.weight", (h,), 0.1, offset=1.0)
+        add(f"blk.{i}.ffn_gate.weight", (ffn, h), quantize=True)
+        add(f"blk.{i}.ffn_up.weight", (ffn, h), quantize=True)
+        add(f"blk.{i}.ffn_down.weight", (h, ffn), quantize=True)
+    add("output_norm.weight", (h,), 0.1, offset=1.0)
+    if not tied:
+        add("output.weight", (vocab, h), 0.2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
