@@ -50,7 +50,7 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
 
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
-    vocab = add_tiny_tokenizer(writer)
+    vocab = add_tiny_tokenizer(writer).vocab_size
     h, heads, ffn, layers = TINY["hidden"], TINY["heads"], TINY["ffn"], TINY["layers"]
     head_dim = h // heads
     writer.add_name("tiny-random-llama")
@@ -70,7 +70,7 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
             offset: float = 0.0) -> None:
         array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
         if quantize and qtype is not None:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_shape=array.shape, raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
 

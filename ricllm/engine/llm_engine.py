@@ -166,14 +166,17 @@ class LLMEngine:
             seq.first_token_time = now
         params = seq.params
         if (not params.ignore_eos and token in self.tokenizer.eos_token_ids) or token in params.stop_token_ids:
-            return "stop"
-        seq.detokenizer.add(token)
+            reason = "stop"  # the stop token ends the output but is not part of its text
+        else:
+            seq.detokenizer.add(token)
+            out_of_room = seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+            reason = "length" if out_of_room else None
+        if reason is not None:
+            seq.detokenizer.finish()  # flush text held back for an unfinished UTF-8 character
         seq.output_text = seq.detokenizer.text
         if params.stop and self._truncate_at_stop(seq):
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return reason
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> bool:

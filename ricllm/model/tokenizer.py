@@ -153,8 +153,7 @@ class Tokenizer:
             self.add_bos_token, self.add_eos_token = self._probe_post_processor()
         self.eos_token_ids: set[int] = self._end_of_generation_ids(extra_eos_token_ids)
         self.chat_template = chat_template
-        self.has_chat_template: bool = bool(chat_template)
-        self._compiled_template: jinja2.Template | None = None
+        self._compiled_template: tuple[str, jinja2.Template] | None = None  # (source, compiled)
 
     # ------------------------------------------------------------------ construction
 
@@ -267,6 +266,10 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat template
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
@@ -277,14 +280,14 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template; build the prompt text yourself")
-        if self._compiled_template is None:
-            self._compiled_template = _chat_environment().from_string(self.chat_template)
+        if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
+            self._compiled_template = (self.chat_template, _chat_environment().from_string(self.chat_template))
         variables: dict[str, Any] = {"tools": None, "documents": None}
         for name in ("bos", "eos", "unk", "pad"):
             if (token := getattr(self, f"{name}_token")) is not None:
                 variables[f"{name}_token"] = token
         variables.update(template_kwargs)
-        return self._compiled_template.render(
+        return self._compiled_template[1].render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
 

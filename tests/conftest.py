@@ -1,0 +1,43 @@
+"""Fixtures: tiny random Llama GGUF files (written once per session) and the HF oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import require_module, smollm2_path, write_tiny_llama_gguf
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """GQA 4:2, untied head, F32 weights."""
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_q8_gguf(tmp_path_factory):
+    """Tied embeddings, layer weights stored as Q8_0."""
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_q8") / "tiny_q8.gguf", seed=1, tied=True,
+                                 quant="Q8_0")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return smollm2_path()
+
+
+def load_hf_oracle(path):
+    """HF transformers on the same GGUF, fp32: the numerical oracle."""
+    require_module("transformers")
+    require_module("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_oracle(tiny_gguf):
+    return load_hf_oracle(tiny_gguf)
