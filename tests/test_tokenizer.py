@@ -122,8 +122,19 @@ def smol_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol(smol_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(smol_path))
+def smol_reader(smol_path: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(smol_path)
+
+
+@pytest.fixture(scope="module")
+def smol(smol_reader: gguf.GGUFReader) -> Tokenizer:
+    return Tokenizer.from_gguf(smol_reader)
+
+
+@pytest.fixture(scope="module")
+def smol_as_transformers(smol_reader: gguf.GGUFReader) -> Tokenizer:
+    """The same file with transformers' GGUF splitting (plain GPT-2 regex, no digit isolation)."""
+    return Tokenizer.from_gguf(smol_reader, pre="gpt-2")
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +158,10 @@ def test_smollm2_ids_match_transformers(smol: Tokenizer, hf_smol, text: str) -> 
 
 
 @pytest.mark.slow
-def test_smollm2_digits_follow_the_models_own_pre_tokenizer(smol: Tokenizer, smol_path: Path, hf_smol) -> None:
-    reference = with_digit_isolation(hf_smol)
-    as_transformers = Tokenizer.from_gguf(gguf.GGUFReader(smol_path), pre="gpt-2")
+def test_smollm2_digits_follow_the_models_own_pre_tokenizer(
+    smol: Tokenizer, smol_as_transformers: Tokenizer, hf_smol
+) -> None:
+    reference, as_transformers = with_digit_isolation(hf_smol), smol_as_transformers
     for text in DIGIT_TEXTS:
         ours = smol.encode(text)
         assert ours == reference.encode(text).ids, text
@@ -157,6 +169,22 @@ def test_smollm2_digits_follow_the_models_own_pre_tokenizer(smol: Tokenizer, smo
         assert ours != as_transformers.encode(text), f"{text!r} should show the digit split"
     for text in TEXTS:  # where both agree, the override changes nothing
         assert smol.encode(text) == reference.encode(text).ids == as_transformers.encode(text)
+
+
+@pytest.mark.slow
+def test_smollm2_random_strings_match(smol: Tokenizer, smol_as_transformers: Tokenizer, hf_smol) -> None:
+    """Seeded fuzz over the characters where pre-tokenizers differ: spaces, digits, newlines, bytes."""
+    import random
+
+    reference, as_transformers = with_digit_isolation(hf_smol), smol_as_transformers
+    alphabet = list("abcXYZ 019\n\t.,'-_%=😀é日") + ["  ", "\n\n", "<|im_start|>", "'s", "ll", "🤖"]
+    rng = random.Random(0)
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        assert smol.encode(text) == reference.encode(text).ids, text
+        assert as_transformers.encode(text) == hf_smol.encode(text), text
+        pieces, detok = _stream(smol, smol.encode(text))
+        assert detok.text == smol.decode(smol.encode(text)), text
 
 
 @pytest.mark.slow
@@ -222,7 +250,7 @@ def _stream(tokenizer: Tokenizer, ids: list[int], **kwargs) -> tuple[list[str], 
     return pieces, detok
 
 
-@pytest.mark.parametrize("which", ["smollm2", "tiny"])
+@pytest.mark.parametrize("which", [pytest.param("smollm2", marks=pytest.mark.slow), "tiny"])
 def test_incremental_detokenizer_equals_full_decode(which: str, request: pytest.FixtureRequest) -> None:
     tok = request.getfixturevalue("smol" if which == "smollm2" else "tiny")
     text = "Hi 🤖👍🏽 café 日本語 👨‍👩‍👧<|im_end|>"
@@ -319,6 +347,7 @@ def test_unsupported_gguf_tokenizers_raise_clear_errors(tmp_path: Path, key: str
 # ---------------------------------------------------------------------- tiny GGUF vs transformers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
 def test_tiny_gguf_ids_match_transformers(tmp_path: Path, pre: str) -> None:
     path = write_tokenizer_only_gguf(tmp_path / f"tiny-{pre}.gguf", pre=pre)
@@ -332,6 +361,7 @@ def test_tiny_gguf_ids_match_transformers(tmp_path: Path, pre: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_tiny_gguf_smollm_pre_isolates_digits(tmp_path: Path) -> None:
     path = write_tokenizer_only_gguf(tmp_path / "tiny-smollm.gguf", pre="smollm")
     reference = with_digit_isolation(hf_from_gguf(path))
@@ -340,6 +370,7 @@ def test_tiny_gguf_smollm_pre_isolates_digits(tmp_path: Path) -> None:
         assert ours.encode(text) == reference.encode(text).ids, text
 
 
+@pytest.mark.slow
 def test_tiny_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
     path = write_tokenizer_only_gguf(tmp_path / "tiny-spm.gguf", add_tokenizer=add_tiny_spm_tokenizer)
     hf = hf_from_gguf(path)
@@ -355,6 +386,7 @@ def test_tiny_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
     assert detok.text == ours.decode(ours.encode("hello 🤖 world")) == "hello 🤖 world"
 
 
+@pytest.mark.slow
 def test_from_hf_dir_reads_config_flags_and_template(tmp_path: Path) -> None:
     path = write_tokenizer_only_gguf(tmp_path / "tiny-spm.gguf", add_tokenizer=add_tiny_spm_tokenizer)
     hf = hf_from_gguf(path)

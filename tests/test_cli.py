@@ -1,0 +1,46 @@
+"""The command line: --help explains, generate prints text and timings, info prints the shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def ricllm(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ricllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_commands():
+    result = ricllm("--help")
+    assert result.returncode == 0
+    assert "generate" in result.stdout and "info" in result.stdout
+    assert "--kv-cache-budget" in ricllm("generate", "--help").stdout
+
+
+def test_generate_prints_text_and_timings(tiny_gguf):
+    result = ricllm("generate", "hello world", "--model", str(tiny_gguf), "--max-tokens", "5", "--ignore-eos",
+                    "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert "5 generated, finish: length; TTFT" in result.stderr and " ms" in result.stderr
+
+
+def test_generate_json(tiny_gguf):
+    result = ricllm("generate", "hello", "--model", str(tiny_gguf), "--max-tokens", "3", "--ignore-eos", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert len(payload["token_ids"]) == 3 and payload["finish_reason"] == "length"
+
+
+def test_info_prints_dimensions_and_kv_bytes(smollm2):
+    result = ricllm("info", str(smollm2))
+    assert result.returncode == 0, result.stderr
+    assert "KV heads (n_kv)" in result.stdout
+    assert "23040 B  (2·30·3·64·2)" in result.stdout  # bf16 bytes per token of SmolLM2
+
+
+def test_bad_flag_value_is_a_clear_error(tiny_gguf):
+    result = ricllm("generate", "x", "--model", str(tiny_gguf), "--kv-cache-budget", "lots")
+    assert result.returncode == 2 and "cannot parse byte size 'lots'" in result.stderr
+    assert "Traceback" not in result.stderr

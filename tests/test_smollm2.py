@@ -1,0 +1,39 @@
+"""The default model: greedy continuations identical to HF transformers fp32 on the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ricllm import LLM, SamplingParams
+from tests.conftest import load_hf_oracle
+
+PROMPTS = [
+    "The O-RAN near-real-time RIC hosts xApps that",
+    "Cell 17 reports RRU.PrbUsedDl=92 of 106 PRBs and DRB.UEThpDl=12000 kbps. The load is",
+    "def fibonacci(n):\n    ",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(str(smollm2), dtype="float32", kv_cache_budget="64MiB")
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_hf_on_default_model(llm, smollm2):
+    oracle = load_hf_oracle(smollm2)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    for out in outputs:
+        with torch.no_grad():
+            expected = oracle.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=32, min_new_tokens=32,
+                                       do_sample=False)[0, len(out.prompt_token_ids):].tolist()
+        assert out.token_ids == expected, out.prompt
+
+
+@pytest.mark.slow
+def test_default_model_is_found_without_a_path():
+    llm = LLM(kv_cache_budget="16MiB")
+    assert llm.engine.spec.num_layers == 30 and llm.engine.spec.num_kv_heads == 3
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=16))[0]
+    assert "Paris" in out.text
