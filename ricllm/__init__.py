@@ -1,8 +1,26 @@
-"""ricllm: a deadline-aware LLM inference engine for the O-RAN near-RT RIC."""
+"""ricllm: a deadline-aware LLM inference engine for the O-RAN near-RT RIC.
 
-from ricllm.engine.llm import LLM
-from ricllm.outputs import RequestOutput
-from ricllm.sampling_params import SamplingParams
+The public names load lazily, so ``ricllm.model.llama`` or ``ricllm.kernels`` can be imported
+where only torch is installed (the GPU check script runs so).
+"""
+
+from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from ricllm.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from ricllm.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "RequestOutput":
+        from ricllm.outputs import RequestOutput
+
+        return RequestOutput
+    raise AttributeError(f"module 'ricllm' has no attribute {name!r}")

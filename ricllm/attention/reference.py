@@ -25,38 +25,54 @@ def store_kv(
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:
-    """Contiguous copy ``[B, max_context_len, n_kv, d]`` of each sequence's paged K or V."""
-    block_size = cache.shape[1]
-    num_blocks = -(-max_context_len // block_size)
-    gathered = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, n_kv, d]
-    batch = block_tables.shape[0]
-    return gathered.reshape(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_context_len]
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int,
+              slot_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous copy ``[B, max_context_len, n_kv, d]`` of each sequence's paged K or V.
+
+    Positions past a sequence's context read slot 0 of its first block: harmless, they are masked.
+    """
+    if slot_index is None:
+        slot_index = gather_slot_index(block_tables, cache.shape[1], max_context_len)
+    flat = cache.view(-1, *cache.shape[2:]).index_select(0, slot_index.reshape(-1))  # faster than [] on CPU
+    return flat.view(*slot_index.shape, *cache.shape[2:])
+
+
+def gather_slot_index(block_tables: torch.Tensor, block_size: int, max_context_len: int) -> torch.Tensor:
+    """Flat cache slot of every position ``[B, max_context_len]``, read through the block table."""
+    positions = torch.arange(max_context_len, device=block_tables.device)
+    blocks = block_tables.long()[:, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def _cached_slot_index(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """The gather index is the same for every layer: build it once per step."""
+    index = meta.scratch.get("slot_index")
+    if index is None:
+        index = gather_slot_index(meta.block_tables, block_size, meta.max_context_len)
+        meta.scratch["slot_index"] = index
+    return index
 
 
 def paged_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    max_context_len: int | None = None,
+    max_context_len: int | None = None, slot_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query [B, n_heads, d] -> [B, n_heads, d]``.
 
-    Softmax in fp32 whatever the cache dtype; the output has the query's dtype.
+    Softmax accumulates in fp32 (SDPA's CPU and CUDA kernels do); the output has the query's dtype.
     """
-    batch, n_heads, head_dim = query.shape
-    n_kv = k_cache.shape[2]
     if max_context_len is None:
         max_context_len = int(context_lens.max())
-    keys = gather_kv(k_cache, block_tables, max_context_len).float()
-    values = gather_kv(v_cache, block_tables, max_context_len).float()
-    q = query.float().view(batch, n_kv, n_heads // n_kv, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", q, keys) * scale
+    if slot_index is None:
+        slot_index = gather_slot_index(block_tables, k_cache.shape[1], max_context_len)
+    keys = gather_kv(k_cache, block_tables, max_context_len, slot_index).to(query.dtype).transpose(1, 2)
+    values = gather_kv(v_cache, block_tables, max_context_len, slot_index).to(query.dtype).transpose(1, 2)
     positions = torch.arange(max_context_len, device=query.device)
     visible = positions[None, :] < context_lens[:, None].to(positions.device)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, values)
-    return out.reshape(batch, n_heads, head_dim).to(query.dtype)
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
 
 
 def _padded_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,16 +109,17 @@ def paged_attention(
 
     The K/V of this step's tokens must already be in the cache (``store_kv`` first).
     """
+    slot_index = _cached_slot_index(meta, k_cache.shape[1])
     if meta.is_decode_only:
-        return paged_decode_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len)
+        return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                      meta.max_context_len, slot_index)
     n_tokens, n_heads, head_dim = query.shape
     flat_index, mask = _padded_layout(meta, query.device)
     batch, max_q = meta.num_seqs, meta.max_query_len
     q = query.new_zeros(batch * max_q, n_heads, head_dim).index_copy_(0, flat_index, query)
     q = q.view(batch, max_q, n_heads, head_dim).transpose(1, 2)
-    keys = gather_kv(k_cache, meta.block_tables, meta.max_context_len).to(query.dtype).transpose(1, 2)
-    values = gather_kv(v_cache, meta.block_tables, meta.max_context_len).to(query.dtype).transpose(1, 2)
+    keys = gather_kv(k_cache, meta.block_tables, meta.max_context_len, slot_index).to(query.dtype).transpose(1, 2)
+    values = gather_kv(v_cache, meta.block_tables, meta.max_context_len, slot_index).to(query.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(batch * max_q, n_heads, head_dim)
     return out.index_select(0, flat_index)
