@@ -22,7 +22,7 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 

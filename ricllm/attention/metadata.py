@@ -31,6 +31,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_context_len: int
+    has_padding: bool = False  # some slot_mapping entries are -1 (CUDA-graph style padded batches)
     # Derived tensors memoized by backends for reuse across layers (gather indices, masks).
     scratch: dict = field(default_factory=dict, repr=False)
 

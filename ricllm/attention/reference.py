@@ -14,12 +14,15 @@ from ricllm.attention.metadata import AttentionMetadata
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True,
 ) -> None:
-    """Write ``key/value: [T, n_kv, d]`` into the cache slots; slots ``< 0`` are padding, skipped."""
+    """Write ``key/value: [T, n_kv, d]`` into the cache slots; slots ``< 0`` are padding, skipped.
+
+    ``has_padding=False`` promises there are none and saves a device sync per layer.
+    """
     n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if has_padding:
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))

@@ -31,9 +31,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale after casting back, as HF does, so bf16 rounding matches.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(spec: ModelSpec, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,18 +87,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=False)
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
-        self.split_sizes = (spec.q_size, spec.kv_size, spec.kv_size)
+        self.qk_v_sizes = (spec.q_size + spec.kv_size, spec.kv_size)
         self.scale = spec.head_dim ** -0.5
         self.backend = backend
 
     def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split(self.qk_v_sizes, dim=-1)
+        # q and k heads sit side by side in the fused projection: rotate them in one pass
+        qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope_cos_sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 

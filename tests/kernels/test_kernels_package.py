@@ -61,8 +61,9 @@ def test_splits_off_cuda_is_one_pass() -> None:
 
 @pytest.mark.parametrize(("batch", "n_kv", "ctx", "expected"), [
     (256, 8, 4096, 1),     # 2048 programs already fill 132 SMs x 4
-    (64, 8, 4096, 2),      # 512 programs: two splits reach 528
-    (64, 3, 4096, 3),
+    (64, 8, 4096, 1),      # 512 programs: at least half of 528, one pass
+    (64, 3, 4096, 3),      # 192 programs: three splits reach 528
+    (16, 8, 4096, 5),
     (1, 8, 32768, 64),     # capped at MAX_SPLITS
     (1, 8, 512, 2),        # no split shorter than 256 keys
     (16, 3, 100, 1),
