@@ -7,6 +7,7 @@ import json
 import sys
 
 from ricllm.errors import RicllmError
+from ricllm.plan import add_subparser as add_plan_subparser
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Read a model file's metadata (no weights are loaded).")
     info.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     info.set_defaults(func=cmd_info)
+    add_plan_subparser(sub)
     return parser
 
 

@@ -47,6 +47,12 @@ def gather_slot_index(block_tables: torch.Tensor, block_size: int, max_context_l
     return blocks * block_size + positions % block_size
 
 
+def decode_mask(context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    """``[B, 1, 1, max_context_len]``: True where a position holds K/V of the sequence."""
+    positions = torch.arange(max_context_len, device=context_lens.device)
+    return (positions[None, :] < context_lens[:, None])[:, None, None, :]
+
+
 def _cached_slot_index(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
     """The gather index is the same for every layer: build it once per step."""
     index = meta.scratch.get("slot_index")
@@ -60,6 +66,7 @@ def paged_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
     max_context_len: int | None = None, slot_index: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query [B, n_heads, d] -> [B, n_heads, d]``.
 
@@ -71,9 +78,9 @@ def paged_decode_attention(
         slot_index = gather_slot_index(block_tables, k_cache.shape[1], max_context_len)
     keys = gather_kv(k_cache, block_tables, max_context_len, slot_index).to(query.dtype).transpose(1, 2)
     values = gather_kv(v_cache, block_tables, max_context_len, slot_index).to(query.dtype).transpose(1, 2)
-    positions = torch.arange(max_context_len, device=query.device)
-    visible = positions[None, :] < context_lens[:, None].to(positions.device)
-    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+    if visible is None:
+        visible = decode_mask(context_lens, max_context_len)
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
@@ -114,8 +121,11 @@ def paged_attention(
     """
     slot_index = _cached_slot_index(meta, k_cache.shape[1])
     if meta.is_decode_only:
+        visible = meta.scratch.get("decode_mask")
+        if visible is None:
+            visible = meta.scratch["decode_mask"] = decode_mask(meta.context_lens, meta.max_context_len)
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      meta.max_context_len, slot_index)
+                                      meta.max_context_len, slot_index, visible)
     n_tokens, n_heads, head_dim = query.shape
     flat_index, mask = _padded_layout(meta, query.device)
     batch, max_q = meta.num_seqs, meta.max_query_len

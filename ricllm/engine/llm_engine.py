@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +20,7 @@ from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
 from ricllm.engine.model_runner import ModelRunner
 from ricllm.engine.sampler import sample
-from ricllm.engine.scheduler import Scheduler
+from ricllm.engine.scheduler import Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
@@ -30,6 +32,14 @@ from ricllm.sampling_params import SamplingParams
 from ricllm.units import format_bytes
 
 log = get_logger("ricllm.engine")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One executed step: what it carried and how long it took (for the latency model)."""
+
+    features: StepFeatures
+    duration_s: float
 
 
 class LLMEngine:
@@ -50,6 +60,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self._ids = itertools.count()
         self._pin_ids = itertools.count(1)
+        self.step_history: deque[StepRecord] = deque(maxlen=4096)
         self.startup_s = time.perf_counter() - started
         self._log_start()
 
@@ -143,6 +154,8 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler could not schedule any request: this is a bug in ricllm")
             return []
+        features = batch.features()
+        started = time.perf_counter()
         logits, _ = self.runner.run(batch)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
@@ -150,6 +163,7 @@ class LLMEngine:
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
         tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready])
         now = time.perf_counter()
+        self.step_history.append(StepRecord(features, now - started))
         finished = []
         for seq, token in zip(ready, tokens):
             reason = self._append_token(seq, token, now)

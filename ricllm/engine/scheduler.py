@@ -18,6 +18,16 @@ from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True)
+class StepFeatures:
+    """The inputs of the step-latency model."""
+
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_context_tokens: int  # Σ over the batch of the positions each sequence attends to
+    prefill_attention: int = 0  # Σ over prefill chunks of chunk length × positions attended
+
+
 @dataclass
 class ScheduledBatch:
     """The step's work: ``(sequence, number of its tokens to compute)``, in batch order."""
@@ -27,6 +37,19 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+    def features(self) -> "StepFeatures":
+        """What the step costs: prefill tokens, decode sequences, and K/V positions read."""
+        prefill = decode = context = attention = 0
+        for seq, num_new in self.items:
+            is_decode = num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            attended = seq.num_computed_tokens + num_new
+            decode += is_decode
+            context += attended
+            if not is_decode:
+                prefill += num_new
+                attention += num_new * attended
+        return StepFeatures(prefill, decode, context, attention)
 
     def __bool__(self) -> bool:
         return bool(self.items)

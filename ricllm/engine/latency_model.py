@@ -1,0 +1,113 @@
+"""Predict one engine step's time from what it carries, so admission can promise deadlines.
+
+    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q )
+
+P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
+prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
+term in P misses for long prompts). The roofline ``(weight bytes + KV bytes read) / bandwidth``
+is the floor: no step can be faster than reading its bytes once.
+
+The fit is non-negative least squares on a calibration sweep; online, a multiplicative
+correction tracks the ratio of measured to predicted time (an exponentially weighted mean), so
+a machine that slows down is caught within a few steps, and every error is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ricllm.engine.scheduler import StepFeatures
+
+FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention")
+
+
+def feature_vector(f: StepFeatures) -> np.ndarray:
+    return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention])
+
+
+@dataclass
+class Roofline:
+    weight_bytes: float
+    kv_bytes_per_token: float
+    bandwidth_bytes_per_s: float
+
+    def seconds(self, f: StepFeatures) -> float:
+        return (self.weight_bytes + self.kv_bytes_per_token * f.num_context_tokens) / self.bandwidth_bytes_per_s
+
+
+@dataclass
+class LatencyModel:
+    coefficients: list[float]  # seconds per unit of each FEATURES entry
+    roofline: Roofline | None = None
+    correction: float = 1.0  # measured / predicted, tracked online
+    smoothing: float = 0.2
+    errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
+
+    def base(self, f: StepFeatures) -> float:
+        linear = float(feature_vector(f) @ np.asarray(self.coefficients))
+        floor = self.roofline.seconds(f) if self.roofline else 0.0
+        return max(linear, floor)
+
+    def predict(self, f: StepFeatures) -> float:
+        """Seconds for one step carrying ``f``, with the online correction applied."""
+        return self.base(f) * self.correction
+
+    def observe(self, f: StepFeatures, measured_s: float) -> None:
+        """Refine online from a measured step and record the relative error of the prediction."""
+        predicted = self.predict(f)
+        self.errors.append((measured_s - predicted) / measured_s if measured_s > 0 else 0.0)
+        base = self.base(f)
+        if base > 0 and measured_s > 0:
+            self.correction += self.smoothing * (measured_s / base - self.correction)
+
+    def error_summary(self) -> dict:
+        """Median and p95 of |relative error|, over the recorded steps."""
+        if not self.errors:
+            return {"steps": 0, "median_abs_error": None, "p95_abs_error": None}
+        absolute = sorted(abs(e) for e in self.errors)
+        return {"steps": len(absolute), "median_abs_error": statistics.median(absolute),
+                "p95_abs_error": absolute[min(len(absolute) - 1, int(0.95 * len(absolute)))]}
+
+    def to_json(self) -> dict:
+        return {"features": list(FEATURES), "coefficients": self.coefficients,
+                "roofline": asdict(self.roofline) if self.roofline else None, "correction": self.correction}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LatencyModel":
+        roofline = Roofline(**data["roofline"]) if data.get("roofline") else None
+        return cls(coefficients=list(data["coefficients"]), roofline=roofline,
+                   correction=float(data.get("correction", 1.0)))
+
+    def save(self, path: Path, key: dict | None = None) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key or {}, "model": self.to_json()}, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "LatencyModel":
+        return cls.from_json(json.loads(Path(path).read_text())["model"])
+
+
+def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = None) -> LatencyModel:
+    """Non-negative least squares over ``(features, seconds)`` samples.
+
+    Relative (not absolute) error is minimised: rows are weighted by 1/t, so a 2 ms decode
+    step counts as much as a 200 ms prefill.
+    """
+    x = np.stack([feature_vector(f) for f, _ in samples])
+    y = np.array([t for _, t in samples])
+    weights = 1.0 / np.maximum(y, 1e-6)
+    active = list(range(x.shape[1]))
+    while True:
+        solution, *_ = np.linalg.lstsq(x[:, active] * weights[:, None], y * weights, rcond=None)
+        if (solution >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(solution)))  # drop the most negative term and refit
+    coefficients = np.zeros(x.shape[1])
+    coefficients[active] = np.maximum(solution, 0)
+    return LatencyModel(coefficients=coefficients.tolist(), roofline=roofline)
