@@ -24,6 +24,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
     group.add_argument("--attention-backend", default="auto", help="auto, torch, triton or cuda")
+    group.add_argument("--weights", default="auto",
+                       help="auto, bf16, int8 or int4: weight-only quantized projections on the CPU; auto keeps "
+                            "the file's precision (default: %(default)s)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or all cores)")
 
@@ -32,7 +35,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(kv_cache_budget=args.kv_cache_budget, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-                attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
+                attention_backend=args.attention_backend, weights=args.weights, enable_prefix_caching=not args.no_prefix_caching,
                 threads=args.threads)
 
 

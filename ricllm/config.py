@@ -27,7 +27,14 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    weights: str = "auto"  # auto, bf16, int8, int4: weight-only quantized projections on the CPU
+    max_packed_rows: int = 16  # batches up to this many tokens use packed weights, larger ones bf16
     enable_prefix_caching: bool = True
+    admission: str = "off"  # off: refuse only what can never fit (raise); deadline: promise deadlines; fcfs: queue all
+    safety_margin: float = 0.1  # admission inflates predicted times by this fraction
+    max_queue: int = 256  # best-effort requests that may wait
+    abort_late: bool = False  # abort a request once its deadline passed (finish_reason "deadline")
+    latency_fit: str | None = None  # JSON file of a latency-model fit; None: calibrate (cached on disk)
     seed: int = 0
     threads: int | None = None
 
@@ -41,6 +48,10 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
+        if self.admission not in ("off", "deadline", "fcfs"):
+            raise ConfigError(f"unknown admission policy {self.admission!r}; choose off, deadline or fcfs")
+        if not 0 <= self.safety_margin < 10:
+            raise ConfigError(f"safety_margin must be in [0, 10), got {self.safety_margin}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from ricllm.errors import InvalidRequestError
 
+PRIORITIES = ("near_rt", "non_rt", "best_effort")
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    deadline_ms: float | None = None  # from arrival at the engine, on the engine's clock; None = best effort
+    priority: str | None = None  # near_rt, non_rt or best_effort; derived from deadline_ms when None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +48,21 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        self._validate_deadline()
+
+    def _validate_deadline(self) -> None:
+        if self.deadline_ms is not None:
+            if isinstance(self.deadline_ms, bool) or not isinstance(self.deadline_ms, (int, float)):
+                raise InvalidRequestError(f"deadline_ms must be a number of milliseconds, got {self.deadline_ms!r}")
+            if not self.deadline_ms > 0:
+                raise InvalidRequestError(f"deadline_ms must be > 0, got {self.deadline_ms}")
+        if self.priority is None:
+            self.priority = "best_effort" if self.deadline_ms is None else (
+                "near_rt" if self.deadline_ms <= 1000 else "non_rt")
+        if self.priority not in PRIORITIES:
+            raise InvalidRequestError(f"unknown priority {self.priority!r}; choose one of {', '.join(PRIORITIES)}")
+        if self.priority != "best_effort" and self.deadline_ms is None:
+            raise InvalidRequestError(f"priority {self.priority!r} needs a deadline_ms")
 
     @property
     def greedy(self) -> bool:

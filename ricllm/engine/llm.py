@@ -16,19 +16,27 @@ Messages = list[dict]
 
 
 class LLM:
-    """Load a model (``None`` = the installed SmolLM2-135M-Instruct GGUF) on a fixed KV budget."""
+    """Load a model (``None`` = the installed SmolLM2-135M-Instruct GGUF) on a fixed KV budget.
+
+    ``admission="deadline"`` promises deadlines: a request that cannot be served in time (or can
+    never fit) comes back at once with ``finish_reason == "rejected"`` and its ``rejection``;
+    ``"off"`` (the default) queues everything that can fit and raises for what never can.
+    """
 
     def __init__(self, model: str | None = None, *, kv_cache_budget: int | str = "256MiB",
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, dtype: str = "auto", device: str = "auto",
-                 attention_backend: str = "auto", enable_prefix_caching: bool = True,
+                 attention_backend: str = "auto", weights: str = "auto", enable_prefix_caching: bool = True,
+                 admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
+                 abort_late: bool = False, latency_fit: str | None = None,
                  seed: int = 0, threads: int | None = None):
         self.config = EngineConfig(
             model=model, kv_cache_budget=kv_cache_budget, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, dtype=dtype, device=device,
-            attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
-            seed=seed, threads=threads)
+            attention_backend=attention_backend, weights=weights, enable_prefix_caching=enable_prefix_caching,
+            admission=admission, safety_margin=safety_margin, max_queue=max_queue, abort_late=abort_late,
+            latency_fit=latency_fit, seed=seed, threads=threads)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
@@ -40,7 +48,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         encoded = [self.engine.encode_prompt(p) for p in prompts]
         for (_, token_ids), p in zip(encoded, params):
-            self.engine.check_request(token_ids, p)
+            self.engine.validate(token_ids, p)
         seqs = [self.engine.add_request(tokens if text is None else text, p)
                 for (text, tokens), p in zip(encoded, params)]
         return self._run(seqs, use_tqdm)

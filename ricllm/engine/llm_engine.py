@@ -18,14 +18,16 @@ from ricllm.attention.backends import select_backend
 from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
+from ricllm.engine.admission import AdmissionConfig, AdmissionController
 from ricllm.engine.model_runner import ModelRunner
 from ricllm.engine.sampler import sample
 from ricllm.engine.scheduler import Scheduler, StepFeatures
-from ricllm.engine.sequence import Sequence
+from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model.llama import LlamaModel
 from ricllm.model.loader import open_checkpoint
+from ricllm.model.packed_linear import resolve_formats
 from ricllm.model.tokenizer import IncrementalDetokenizer
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
@@ -43,9 +45,10 @@ class StepRecord:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, clock=time.perf_counter, latency_model=None):
         started = time.perf_counter()
         self.config = config
+        self.clock = clock
         self.threads = config.apply_threads()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
@@ -56,13 +59,29 @@ class LLMEngine:
         geometry = plan_cache(self.spec, config.kv_cache_budget, config.block_size, self.dtype)
         self.kv_cache = KVCache(self.spec, geometry, self.dtype, self.device)
         self.cache = KVCacheManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self._ids = itertools.count()
         self._pin_ids = itertools.count(1)
         self.step_history: deque[StepRecord] = deque(maxlen=4096)
+        self.deadline_counts = {"met": 0, "missed": 0}
+        self.slack_ms: deque[float] = deque(maxlen=4096)  # deadline − finish, of finished deadline requests
+        self._rejected: list[RequestOutput] = []
+        self.admission = None
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        if config.admission != "off":
+            self.admission = self._build_admission(latency_model)  # may calibrate: runs real steps first
+            self.scheduler.gate = self.admission
         self.startup_s = time.perf_counter() - started
         self._log_start()
+
+    def _build_admission(self, latency_model) -> AdmissionController:
+        from ricllm.engine.calibration import load_or_calibrate
+
+        latency = latency_model or load_or_calibrate(self)
+        settings = AdmissionConfig(policy=self.config.admission, safety_margin=self.config.safety_margin,
+                                   max_queue=self.config.max_queue, abort_late=self.config.abort_late)
+        return AdmissionController(settings, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
+                                   self.config.max_num_batched_tokens, self.max_model_len)
 
     def _load_model(self, checkpoint) -> LlamaModel:
         from tqdm import tqdm
@@ -72,6 +91,9 @@ class LLMEngine:
         model = LlamaModel.build(self.spec, backend, self.dtype, self.device)
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
         model.load_weights(tensors)
+        self.weight_formats = resolve_formats(self.config.weights, checkpoint.tensor_types(), self.dtype, self.device)
+        if self.weight_formats != ("dense", "dense"):
+            model.pack_weights(*self.weight_formats, max_packed_rows=self.config.max_packed_rows)
         return model.eval()
 
     def _log_start(self) -> None:
@@ -88,6 +110,7 @@ class LLMEngine:
             max_concurrency_at_max_len=round(g.num_tokens / self.max_model_len, 2),
         )
         log.info("engine_ready", model=self.spec.name, device=str(self.device), threads=self.threads,
+                 weights=f"layers {self.weight_formats[0]}, head {self.weight_formats[1]}",
                  attention_backend=self.attention_backend, startup_s=round(self.startup_s, 2))
 
     # ------------------------------------------------------------ requests
@@ -101,12 +124,7 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise for a prompt that is malformed or can never fit the context or the budget."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty (0 tokens)")
-        for position, token in enumerate(prompt_token_ids):
-            if not isinstance(token, int) or not 0 <= token < self.spec.vocab_size:
-                raise InvalidRequestError(
-                    f"token id {token!r} at position {position} is outside the vocabulary [0, {self.spec.vocab_size})")
+        self._check_well_formed(prompt_token_ids)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise CapacityError(
@@ -130,11 +148,23 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     pin_on_finish: PinHandle | None = None) -> Sequence:
+        """Check and queue a request; returns at once. Malformed input raises.
+
+        Without admission a request that can never fit raises ``CapacityError``. With admission
+        every well-formed request gets a decision now: a refused one comes back finished with
+        ``finish_reason == "rejected"`` and ``rejection`` set (its output is also returned by the
+        next ``step``).
+        """
         text, token_ids = self.encode_prompt(prompt)
-        self.check_request(token_ids, params)
+        self.validate(token_ids, params)
+        now = self.clock()
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text,
-                       pin_on_finish=pin_on_finish)
+                       pin_on_finish=pin_on_finish, arrival_time=now)
+        if params.deadline_ms is not None:
+            seq.deadline = now + params.deadline_ms / 1000
+        if self.admission is not None and self._admit(seq, now) is not None:
+            return seq
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         if not params.greedy:
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + int(
@@ -143,35 +173,98 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise for malformed input; without admission also for what can never fit."""
+        if self.admission is None:
+            self.check_request(token_ids, params)
+        else:
+            self._check_well_formed(token_ids)
+
+    def _admit(self, seq: Sequence, now: float):
+        """Ask admission; on refusal finish the sequence as rejected and return the rejection."""
+        pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
+        pinned_hits = sum(1 for b in self.cache.find_cached_prefix(seq.token_ids) if b.block_id in pinned_ids)
+        waiting_best_effort = sum(1 for s in self.scheduler.waiting if not s.promised)
+        running_best_effort = sum(1 for s in self.scheduler.running if not s.promised)
+        rejection = self.admission.decide(seq, now, len(pinned_ids), pinned_hits, waiting_best_effort,
+                                          best_effort_running=running_best_effort)
+        if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
+            self.admission.release(seq)
+            rejection = self.admission._reject(
+                "QUEUE_FULL", f"{self.config.max_num_seqs} deadline requests already hold every seat of the "
+                f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
+        if rejection is not None:
+            seq.rejection = rejection
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "rejected"
+            seq.finish_time = now
+            self._rejected.append(self._output(seq))
+            log.info("request_rejected", request_id=seq.request_id, code=rejection.code, **rejection.numbers)
+        return rejection
+
+    def _check_well_formed(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)")
+        for position, token in enumerate(prompt_token_ids):
+            if not isinstance(token, int) or not 0 <= token < self.spec.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token!r} at position {position} is outside the vocabulary [0, {self.spec.vocab_size})")
 
     # ------------------------------------------------------------ the step
 
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._rejected)
+
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        """Run one batch; return the requests that finished (rejected ones included)."""
+        finished, self._rejected = self._rejected, []
+        now = self.clock()
+        if self.admission is not None and self.admission.config.abort_late:
+            finished += self._abort_late(now)
+        batch = self.scheduler.schedule(now)
         if not batch:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not finished:
                 raise RuntimeError("scheduler could not schedule any request: this is a bug in ricllm")
-            return []
+            return finished
         features = batch.features()
-        started = time.perf_counter()
+        started = self.clock()
+        for seq, _ in batch.items:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = started
         logits, _ = self.runner.run(batch)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
             self.cache.cache_full_blocks(seq)
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
         tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready])
-        now = time.perf_counter()
-        self.step_history.append(StepRecord(features, now - started))
-        finished = []
+        now = self.clock()
+        self._record_step(features, now - started)
         for seq, token in zip(ready, tokens):
             reason = self._append_token(seq, token, now)
             if reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq, reason)
-                finished.append(self._output(seq))
+                finished.append(self._finish(seq, reason, now))
         return finished
+
+    def _record_step(self, features: StepFeatures, duration_s: float) -> None:
+        self.step_history.append(StepRecord(features, duration_s))
+        if self.admission is not None:
+            self.admission.latency.observe(features, duration_s)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason)
+        if self.admission is not None:
+            self.admission.release(seq)
+        if seq.deadline is not None:
+            met = now <= seq.deadline
+            self.deadline_counts["met" if met else "missed"] += 1
+            self.slack_ms.append((seq.deadline - now) * 1000)
+        return self._output(seq)
+
+    def _abort_late(self, now: float) -> list[RequestOutput]:
+        late = [s for s in self.scheduler.running + self.scheduler.waiting
+                if s.deadline is not None and now > s.deadline]
+        return [self._finish(s, "deadline", now) for s in late]
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> str | None:
         """Add a sampled token; the finish reason if it ends the request."""
@@ -201,12 +294,19 @@ class LLMEngine:
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        def since_arrival(t: float | None) -> float | None:
+            return None if t is None else t - seq.arrival_time
+
+        rejected = seq.finish_reason == "rejected"
+        met = None if seq.deadline is None or rejected else seq.finish_time <= seq.deadline
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
             token_ids=seq.output_token_ids, num_cached_tokens=max(seq.num_cached_tokens, 0),
-            finish_reason=seq.finish_reason, ttft_s=seq.first_token_time - seq.arrival_time,
-            e2e_s=seq.finish_time - seq.arrival_time)
+            finish_reason=seq.finish_reason, ttft_s=since_arrival(seq.first_token_time),
+            e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
+            admitted=not rejected, rejection=seq.rejection, deadline_met=met,
+            deadline_ms=seq.params.deadline_ms)
 
     # ------------------------------------------------------------ stats
 

@@ -11,7 +11,7 @@ checked to fit the pool alone, the oldest running sequence can always progress: 
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass
 
 from ricllm.cache.kv_cache_manager import KVCacheManager
@@ -56,76 +56,118 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    """``gate`` is the admission controller (None: plain continuous batching, everything FCFS)."""
+
+    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, gate=None):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.gate = gate
+        self.waiting: list[Sequence] = []  # kept in priority order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_waits = 0  # steps on which a waiting sequence could not get blocks
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=Sequence.priority_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, now: float = 0.0) -> ScheduledBatch:
+        """Decodes first (one token each, so no running sequence misses a step), then prefill
+        chunks in priority order, then waiting sequences while budget, blocks and seats last."""
         budget = self.max_num_batched_tokens
-        items, preempted = self._schedule_running(budget)
-        budget -= sum(n for _, n in items)
-        if not preempted:
-            items += self._schedule_waiting(budget)
-        return ScheduledBatch(items)
-
-    def _schedule_running(self, budget: int) -> tuple[list[tuple[Sequence, int]], bool]:
+        order = sorted(self.running, key=Sequence.priority_key)
         items: list[tuple[Sequence, int]] = []
         preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        for seq in [s for s in order if s.in_decode] + [s for s in order if not s.in_decode]:
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue  # preempted earlier in this step
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.cache.allocate(seq, num_new):
-                preempted = True
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
+            if self._allocate_or_preempt(seq, num_new, {s for s, _ in items}):
                 items.append((seq, num_new))
                 budget -= num_new
-                index += 1
-        return items, preempted
+            else:
+                preempted = True
+        if not preempted:
+            items += self._schedule_waiting(budget, now)
+        return ScheduledBatch(items)
 
-    def _schedule_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
+    def _schedule_waiting(self, budget: int, now: float) -> list[tuple[Sequence, int]]:
         items: list[tuple[Sequence, int]] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not seq.promised and not self._best_effort_may_join(now):
+                break
             hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
             num_new = min(seq.num_tokens - len(hits) * self.cache.block_size, budget)
-            if not self.cache.allocate(seq, num_new, hits):
+            allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
+                         else self._within_unreserved(seq, num_new, hits) and self.cache.allocate(seq, num_new, hits))
+            if not allocated:
                 self.num_waits += 1
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, num_new))
             budget -= num_new
         return items
 
+    def _best_effort_may_join(self, now: float) -> bool:
+        if self.gate is None:
+            return True
+        running_best_effort = sum(1 for s in self.running if not s.promised)
+        return self.gate.best_effort_may_join(now, running_best_effort)
+
+    def _within_unreserved(self, seq: Sequence, num_new: int, hits=()) -> bool:
+        """Best effort may only take blocks that no admitted request has reserved."""
+        if self.gate is None:
+            return True
+        held = len(seq.block_table) + len(hits)
+        needed = self.cache.blocks_for_tokens(
+            seq.num_computed_tokens + len(hits) * self.cache.block_size + num_new) - held
+        return needed <= self.cache.pool.num_free - self.gate.outstanding_reservation()
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set, hits=()) -> bool:
+        """Allocate, preempting others as needed: best effort first, newest first.
+
+        A promised sequence only ever preempts best-effort ones (its reservation guarantees
+        that suffices); a best-effort one that cannot get blocks is preempted itself.
+        """
+        while True:
+            if (seq.promised or self._within_unreserved(seq, num_new, hits)) and self.cache.allocate(seq, num_new, hits):
+                return True
+            victim = self._victim(exclude=scheduled | {seq}, best_effort_only=seq.promised or self.gate is not None)
+            if victim is None:
+                if seq.status is SequenceStatus.RUNNING:
+                    self.running.remove(seq)
+                    self._preempt(seq)
+                return False
+            self.running.remove(victim)
+            self._preempt(victim)
+
+    def _victim(self, exclude: set, best_effort_only: bool) -> Sequence | None:
+        candidates = [s for s in self.running if s not in exclude and not (best_effort_only and s.promised)]
+        return max(candidates, key=lambda s: (not s.promised, s.arrival_time), default=None)
+
     def _preempt(self, seq: Sequence) -> None:
-        """Free everything and requeue first: it resumes by recomputing prompt + outputs."""
+        """Free everything and requeue: it resumes by recomputing prompt + outputs."""
         self.cache.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.add(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         if seq.pin_on_finish is not None:
             self.cache.pin(seq, seq.pin_on_finish)
         self.cache.free(seq)

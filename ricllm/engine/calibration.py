@@ -1,0 +1,139 @@
+"""Calibrate the step-latency model by a short profiling sweep, and cache the fit on disk.
+
+The sweep runs real steps of the loaded engine: prefill-only steps of several sizes and decode
+steps at several batch sizes and contexts, then fits ``LatencyModel``. The fit depends on the
+model file, dtype, weight format, attention backend, device, thread count and ricllm version,
+which together key the cache file, so a second start pays nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import ricllm
+from ricllm.engine.latency_model import LatencyModel, Roofline, fit
+from ricllm.errors import ConfigError
+from ricllm.logging import get_logger
+from ricllm.sampling_params import SamplingParams
+
+log = get_logger("ricllm.calibration")
+
+PREFILL_LENGTHS = (32, 128, 512, 1024)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+DECODE_CONTEXTS = (64, 256)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RICLLM_CACHE_DIR", Path.home() / ".cache" / "ricllm"))
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a model file, itself cached by (path, size, mtime) so it is read once."""
+    stat = path.stat()
+    memo = cache_dir() / "digests.json"
+    memo_key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    known = json.loads(memo.read_text()) if memo.is_file() else {}
+    if memo_key not in known:
+        digest = hashlib.sha256()
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        for file in files:
+            with open(file, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(chunk)
+        known[memo_key] = digest.hexdigest()
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(json.dumps(known))
+    return known[memo_key]
+
+
+def fit_key(engine) -> dict:
+    return {
+        "model_sha256": file_digest(engine.checkpoint.path), "dtype": str(engine.dtype),
+        "weights": list(engine.weight_formats), "attention_backend": engine.attention_backend,
+        "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__,
+        "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }
+
+
+def load_or_calibrate(engine) -> LatencyModel:
+    """A given fit file, else the cached fit for this key, else a fresh sweep (then cached)."""
+    if engine.config.latency_fit:
+        return load_fit(Path(engine.config.latency_fit))
+    key = fit_key(engine)
+    path = cache_dir() / "latency" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    if path.is_file():
+        log.info("latency_fit_loaded", path=str(path))
+        return load_fit(path)
+    model = calibrate(engine)
+    model.save(path, key)
+    log.info("latency_fit_saved", path=str(path))
+    return model
+
+
+def load_fit(path: Path) -> LatencyModel:
+    try:
+        return LatencyModel.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read latency fit {str(path)!r}: {exc}") from exc
+
+
+def measure_bandwidth(device: torch.device, megabytes: int = 128) -> float:
+    """Bytes per second of a large copy (read + write), the roofline's bandwidth."""
+    source = torch.empty(megabytes << 18, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start = time.perf_counter()
+    for _ in range(3):
+        target.copy_(source)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 3 * 2 * source.nbytes / (time.perf_counter() - start)
+
+
+def roofline_of(engine) -> Roofline:
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
+    per_token = engine.kv_cache.geometry.bytes_per_block / engine.kv_cache.geometry.block_size
+    return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.device))
+
+
+def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
+    """Run the sweep within about ``budget_s`` seconds and fit the model."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(1234)
+    vocab = engine.spec.vocab_size
+    shapes = [(1, n, 1) for n in PREFILL_LENGTHS if n <= engine.config.max_num_batched_tokens] + [
+        (b, ctx, 8) for ctx in DECODE_CONTEXTS for b in DECODE_BATCHES if b <= engine.config.max_num_seqs]
+    samples = []
+    for batch, length, new_tokens in tqdm(shapes, desc="calibrating latency model", unit="shape", disable=None):
+        if time.perf_counter() - started > budget_s * 0.75:
+            break
+        engine.step_history.clear()
+        for _ in range(batch):
+            prompt = torch.randint(10, vocab - 10, (length,), generator=generator).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        samples += [(r.features, r.duration_s) for r in list(engine.step_history)[1:]]  # first step warms up
+    model = fit(samples, roofline_of(engine))
+    for features, seconds in samples:
+        model.observe(features, seconds)
+    model.correction = 1.0
+    _reset_counters(engine)
+    log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1), steps=len(samples),
+             coefficients=[f"{c:.3g}" for c in model.coefficients], **model.error_summary())
+    return model
+
+
+def _reset_counters(engine) -> None:
+    engine.cache.prefix_queries_tokens = engine.cache.prefix_hits_tokens = 0
+    engine.cache.peak_used_blocks = engine.cache.pool.num_used
+    engine.scheduler.num_preemptions = engine.scheduler.num_waits = 0
+    engine.step_history.clear()

