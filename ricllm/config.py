@@ -35,6 +35,8 @@ class EngineConfig:
     max_queue: int = 256  # best-effort requests that may wait
     abort_late: bool = False  # abort a request once its deadline passed (finish_reason "deadline")
     latency_fit: str | None = None  # JSON file of a latency-model fit; None: calibrate (cached on disk)
+    tightest_deadline_ms: float = 500.0  # the tightest deadline class: caps are computed for it at start
+    tightest_deadline_tokens: int = 16
     seed: int = 0
     threads: int | None = None
 

@@ -203,3 +203,53 @@ def test_llm_generate_with_admission_returns_rejections_in_order(tiny_gguf, tmp_
 def test_bad_deadline_input(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_caps_and_stats_are_computed_from_the_model(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, tightest_deadline_ms=500, tightest_deadline_tokens=16)
+    caps = {row["context"]: row for row in engine.caps}
+    # 64 blocks of 16 tokens: at context 128 each request holds ceil(144/16) = 9 blocks -> 7 fit
+    assert caps[128]["max_batch_memory"] == 7
+    assert 0 < caps[128]["max_batch"] <= 7 and caps[256]["max_batch"] <= caps[128]["max_batch"]
+    # the batch found meets the deadline by the bound, one more does not (or memory stops it)
+    from ricllm.engine.admission import Work, finish_bounds
+    latency, budget = engine.admission.latency, engine.admission.token_budget
+    best = caps[128]["max_batch"]
+    assert finish_bounds([Work(0.5, 128, 16, 144)] * best, latency, budget, 0.0)[-1] <= 0.5
+    if best < 7:
+        assert finish_bounds([Work(0.5, 128, 16, 144)] * (best + 1), latency, budget, 0.0)[-1] > 0.5
+    engine.add_request(prompt(10, 1), SamplingParams(max_tokens=4, deadline_ms=1, ignore_eos=True))
+    drain(engine)
+    stats = engine.admission_stats()
+    assert stats["rejected"] == {"DEADLINE_INFEASIBLE": 1} and stats["deadlines"] == {"met": 0, "missed": 0}
+
+
+def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, monkeypatch):
+    import time
+
+    from ricllm.engine import calibration
+
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    started = time.perf_counter()
+    first = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline"))
+    assert time.perf_counter() - started < 30
+    fits = list((tmp_path / "latency").glob("*.json"))
+    assert len(fits) == 1
+    stored = LatencyModel.load(fits[0])
+    assert stored.coefficients == first.admission.latency.coefficients and stored.roofline is not None
+    assert first.kv_cache_stats()["prefix_cache_queries_tokens"] == 0  # sweep counters reset
+    monkeypatch.setattr(calibration, "calibrate", lambda engine, budget_s=20: pytest.fail("recalibrated"))
+    second = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline"))
+    assert second.admission.latency.coefficients == stored.coefficients
+    given = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline",
+                                   latency_fit=str(fits[0])))
+    assert given.admission.latency.coefficients == stored.coefficients
+
+
+def test_unreadable_latency_fit_is_a_clear_error(tiny_gguf, tmp_path):
+    from ricllm.errors import ConfigError
+
+    bad = tmp_path / "fit.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read latency fit"):
+        LLMEngine(EngineConfig(model=str(tiny_gguf), admission="deadline", latency_fit=str(bad)))

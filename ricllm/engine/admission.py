@@ -164,6 +164,38 @@ class AdmissionController:
         self.counts["admitted"] += 1
         return None
 
+    # ------------------------------------------------------------ caps and stats
+
+    def caps(self, deadline_ms: float, tokens: int, contexts=(128, 256, 512, 1024, 2048, 4096, 8192)) -> list[dict]:
+        """Largest batch of identical requests (context n, ``tokens`` new) that meets the deadline
+        and fits the KV budget, per context: what the tightest deadline class allows."""
+        rows = []
+        for context in (c for c in contexts if c + tokens <= self.max_model_len):
+            blocks_each = -(-(context + tokens) // self.block_size)
+            by_memory = self.num_blocks // blocks_each
+            rows.append({"context": context, "max_batch_memory": by_memory,
+                         "max_batch": self._largest_batch_in_time(context, tokens, deadline_ms / 1000, by_memory)})
+        return rows
+
+    def _largest_batch_in_time(self, context: int, tokens: int, deadline_s: float, limit: int) -> int:
+        def fits(batch: int) -> bool:
+            works = [Work(deadline_s, context, tokens, context + tokens)] * batch
+            return finish_bounds(works, self.latency, self.token_budget, 0.0)[-1] * (
+                1 + self.config.safety_margin) <= deadline_s
+
+        low, high = 0, limit  # fits() is monotone in batch: binary search
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low
+
+    def stats(self) -> dict:
+        rejected = {k: v for k, v in self.counts.items() if k != "admitted"}
+        return {"policy": self.config.policy, "admitted": self.counts["admitted"], "rejected": rejected,
+                "reserved_blocks": self.reserved_blocks, "promised_in_flight": len(self.admitted),
+                "latency_model": {"coefficients": self.latency.coefficients, "correction": self.latency.correction,
+                                  **self.latency.error_summary()}}
+
     # ------------------------------------------------------------ running
 
     def best_effort_may_join(self, now: float, running_best_effort: int, busy_s: float = 0.0) -> bool:

@@ -109,8 +109,9 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(1234)
     vocab = engine.spec.vocab_size
-    shapes = [(1, n, 1) for n in PREFILL_LENGTHS if n <= engine.config.max_num_batched_tokens] + [
-        (b, ctx, 8) for ctx in DECODE_CONTEXTS for b in DECODE_BATCHES if b <= engine.config.max_num_seqs]
+    shapes = [s for s in [(1, n, 1) for n in PREFILL_LENGTHS if n <= engine.config.max_num_batched_tokens]
+              + [(b, ctx, 8) for ctx in DECODE_CONTEXTS for b in DECODE_BATCHES if b <= engine.config.max_num_seqs]
+              if _fits(engine, *s)]
     samples = []
     for batch, length, new_tokens in tqdm(shapes, desc="calibrating latency model", unit="shape", disable=None):
         if time.perf_counter() - started > budget_s * 0.75:
@@ -127,9 +128,15 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
         model.observe(features, seconds)
     model.correction = 1.0
     _reset_counters(engine)
-    log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1), steps=len(samples),
+    log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1),
              coefficients=[f"{c:.3g}" for c in model.coefficients], **model.error_summary())
     return model
+
+
+def _fits(engine, batch: int, length: int, new_tokens: int) -> bool:
+    """The shape runs without preemption: inside the context and, all at once, inside the pool."""
+    blocks = engine.cache.blocks_for_tokens(length + new_tokens) * batch
+    return length + new_tokens <= engine.max_model_len and blocks <= engine.kv_cache.geometry.num_blocks
 
 
 def _reset_counters(engine) -> None:

@@ -71,6 +71,9 @@ class LLMEngine:
         if config.admission != "off":
             self.admission = self._build_admission(latency_model)  # may calibrate: runs real steps first
             self.scheduler.gate = self.admission
+            self.caps = self.admission.caps(config.tightest_deadline_ms, config.tightest_deadline_tokens)
+            log.info("admission_caps", deadline_ms=config.tightest_deadline_ms,
+                     tokens=config.tightest_deadline_tokens, caps=self.caps)
         self.startup_s = time.perf_counter() - started
         self._log_start()
 
@@ -309,6 +312,18 @@ class LLMEngine:
             deadline_ms=seq.params.deadline_ms)
 
     # ------------------------------------------------------------ stats
+
+    def admission_stats(self) -> dict:
+        """Admitted / rejected by reason, deadlines met / missed, slack, latency-model error, caps."""
+        slack = sorted(self.slack_ms)
+
+        def pct(q: float) -> float | None:
+            return slack[min(len(slack) - 1, int(q * len(slack)))] if slack else None
+
+        base = self.admission.stats() if self.admission else {"policy": "off"}
+        return {**base, "deadlines": dict(self.deadline_counts),
+                "slack_ms": {"p5": pct(0.05), "p50": pct(0.5), "p95": pct(0.95)},
+                "caps": getattr(self, "caps", None)}
 
     def kv_cache_stats(self) -> dict:
         g, pool = self.kv_cache.geometry, self.cache.pool
