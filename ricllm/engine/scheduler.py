@@ -1,12 +1,14 @@
 """Continuous batching: every step, running sequences continue and waiting ones join.
 
 Each step has a token budget (``max_num_batched_tokens``) shared by decode tokens (one per
-running sequence) and prefill chunks (a long prompt is split over several steps). Running
-sequences are served first, oldest first; when the pool cannot give a running sequence its next
-block, the newest running sequence is preempted (its blocks freed, to be recomputed later,
-mostly from the prefix cache). Waiting sequences join in arrival order while blocks, budget and
-``max_num_seqs`` allow. Nothing is ever allocated beyond the pool, and since every request was
-checked to fit the pool alone, the oldest running sequence can always progress: no deadlock.
+running sequence, served first so no running sequence skips a step) and prefill chunks (a long
+prompt is split over several steps), in priority order: earliest deadline first, then
+best-effort requests first come first served. When the pool cannot give a sequence its next
+block, best-effort sequences are preempted newest first (their blocks freed, to be recomputed
+later, mostly from the prefix cache); with admission on, a promised (deadline) sequence is never
+preempted, because admission reserved its worst case. Nothing is ever allocated beyond the pool,
+and since every request was checked to fit the pool alone, the oldest running sequence can
+always progress: no deadlock.
 """
 
 from __future__ import annotations

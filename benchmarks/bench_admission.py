@@ -1,0 +1,169 @@
+"""Deadline admission vs first-come-first-served under Poisson load (SmolLM2 on this machine).
+
+Two classes, half each: near-RT (500 ms deadline, 8-16 new tokens) and non-RT (4 s, 32-64).
+Loads of 0.5x, 1x, 2x and 4x the measured capacity; for each, the same arrivals go to the engine
+with admission ("deadline") and without ("fcfs": every request queues). Reports the share of
+admitted requests that meet their deadline, goodput (requests meeting their deadline per second,
+as `vllm bench serve --goodput` counts it), rejections by reason, the latency model's error and
+the admission decision time.
+
+    python benchmarks/bench_admission.py [--seconds 20] [--loads 0.5 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ricllm.config import EngineConfig  # noqa: E402
+from ricllm.engine.async_engine import EngineThread  # noqa: E402
+from ricllm.engine.llm_engine import LLMEngine  # noqa: E402
+from ricllm.sampling_params import SamplingParams  # noqa: E402
+
+CLASSES = {"near_rt": (500.0, (8, 16)), "non_rt": (4000.0, (32, 64))}
+
+
+def make_request(rng: random.Random, vocab: int) -> tuple[list[int], SamplingParams, str]:
+    name = rng.choice(list(CLASSES))
+    deadline_ms, (low, high) = CLASSES[name]
+    prompt = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(48, 96))]
+    return prompt, SamplingParams(max_tokens=rng.randint(low, high), deadline_ms=deadline_ms, ignore_eos=True), name
+
+
+def measure_capacity(engine: LLMEngine, seconds: float, seed: int = 0) -> float:
+    """Requests per second finished with the batch kept full (no deadlines): the saturation rate."""
+    rng = random.Random(seed)
+    vocab = engine.spec.vocab_size
+    for _ in range(engine.config.max_num_seqs):
+        prompt, params, _ = make_request(rng, vocab)
+        engine.add_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        done += len(engine.step())
+        while len(engine.scheduler.running) + len(engine.scheduler.waiting) < engine.config.max_num_seqs:
+            prompt, params, _ = make_request(rng, vocab)
+            engine.add_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
+    rate = done / (time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return rate
+
+
+def run_load(engine: LLMEngine, rate: float, seconds: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    worker = EngineThread(engine)
+    arrivals, t = [], 0.0
+    while t < seconds:
+        t += rng.expovariate(rate)
+        arrivals.append((t, *make_request(rng, engine.spec.vocab_size)))
+    decision_times = timed_decisions(engine)
+    futures, start = [], time.perf_counter()
+    for at, prompt, params, name in arrivals:
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        futures.append((name, worker.submit(prompt, params)))
+    outputs = [(name, f.result()) for name, f in futures]
+    duration = time.perf_counter() - start
+    worker.stop()
+    return summarize(outputs, duration, engine, decision_times)
+
+
+def timed_decisions(engine: LLMEngine) -> list[float]:
+    """Wrap admission.decide to record how long each decision takes."""
+    times: list[float] = []
+    if engine.admission is None:
+        return times
+    decide = engine.admission.decide
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        result = decide(*args, **kwargs)
+        times.append(time.perf_counter() - started)
+        return result
+
+    engine.admission.decide = timed
+    return times
+
+
+def summarize(outputs, duration: float, engine: LLMEngine, decision_times: list[float]) -> dict:
+    admitted = [o for _, o in outputs if o.admitted]
+    met = [o for o in admitted if o.deadline_met]
+    reasons: dict[str, int] = {}
+    for _, o in outputs:
+        if not o.admitted:
+            reasons[o.rejection.code] = reasons.get(o.rejection.code, 0) + 1
+    errors = engine.admission.latency.error_summary() if engine.admission else {}
+    decisions = sorted(decision_times)
+    return {
+        "sent": len(outputs), "admitted": len(admitted), "met": len(met),
+        "met_of_admitted": len(met) / len(admitted) if admitted else float("nan"),
+        "goodput": len(met) / duration, "rejected": reasons,
+        "model_median_err": errors.get("median_abs_error"), "model_p95_err": errors.get("p95_abs_error"),
+        "decision_p99_ms": decisions[int(0.99 * (len(decisions) - 1))] * 1000 if decisions else None,
+    }
+
+
+def engine_for(policy: str, fit: str | None) -> LLMEngine:
+    """FCFS gets an unbounded queue: it is the engine as a plain serving loop, without admission."""
+    return LLMEngine(EngineConfig(admission=policy, kv_cache_budget="256MiB", max_num_seqs=64, latency_fit=fit,
+                                  max_queue=10**9 if policy == "fcfs" else 256))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20.0, help="arrival window per load (s)")
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    parser.add_argument("--no-append", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    deadline_engine = engine_for("deadline", None)  # calibrates once (cached on disk)
+    capacity = measure_capacity(deadline_engine, seconds=10)
+    rows = []
+    for load in args.loads:
+        for policy in ("deadline", "fcfs"):
+            engine = deadline_engine if policy == "deadline" else engine_for("fcfs", None)
+            result = run_load(engine, capacity * load, args.seconds, seed=int(load * 100))
+            rows.append({"load": load, "policy": policy, **result})
+            if policy == "deadline":
+                deadline_engine = engine_for("deadline", None)  # fresh counters, same cached fit
+    lines = [f"capacity (saturated, mixed classes): {capacity:.2f} requests/s", "",
+             "| load | policy | sent | admitted | met / admitted | goodput (req/s) | rejected | "
+             "model err p50 / p95 | decision p99 (ms) |", "|---:|---|---:|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        err = (f"{r['model_median_err']:.1%} / {r['model_p95_err']:.1%}"
+               if r["model_median_err"] is not None else "-")
+        decision = f"{r['decision_p99_ms']:.3f}" if r["decision_p99_ms"] is not None else "-"
+        lines.append(f"| {r['load']}x | {r['policy']} | {r['sent']} | {r['admitted']} | {r['met_of_admitted']:.1%} | "
+                     f"{r['goodput']:.2f} | {r['rejected'] or '-'} | {err} | {decision} |")
+    by = {(r["load"], r["policy"]): r for r in rows}
+    if (2, "deadline") in by and (2, "fcfs") in by and by[(2, "fcfs")]["goodput"] > 0:
+        lines.append(f"\ngoodput at 2x load, admission / FCFS: {by[(2, 'deadline')]['goodput'] / by[(2, 'fcfs')]['goodput']:.2f}x")
+    header = (f"\n## Admission benchmark, {datetime.date.today()}\n\nMachine: {platform_line()}. "
+              f"Classes: near-RT 500 ms / 8-16 tokens, non-RT 4 s / 32-64 tokens, half each; prompts 48-96 tokens; "
+              f"{args.seconds:.0f} s of Poisson arrivals per load.\n"
+              f"Command: `python benchmarks/bench_admission.py {' '.join(sys.argv[1:])}`\n\n")
+    text = header + "\n".join(lines)
+    print(text)
+    if not args.no_append:
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write(text + "\n")
+
+
+def platform_line() -> str:
+    from benchmarks.bench_engine import machine
+
+    return machine()
+
+
+if __name__ == "__main__":
+    main()
