@@ -41,22 +41,25 @@ def make_request(rng: random.Random, vocab: int) -> tuple[list[int], SamplingPar
     return prompt, SamplingParams(max_tokens=rng.randint(low, high), deadline_ms=deadline_ms, ignore_eos=True), name
 
 
-def measure_capacity(engine: LLMEngine, seconds: float, seed: int = 0) -> float:
+def measure_capacity(engine: LLMEngine, min_done: int = 96, max_seconds: float = 120.0, seed: int = 0) -> float:
     """Requests per second finished with the batch kept full (no deadlines): the saturation rate."""
     rng = random.Random(seed)
-    vocab = engine.spec.vocab_size
-    for _ in range(engine.config.max_num_seqs):
-        prompt, params, _ = make_request(rng, vocab)
-        engine.add_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        done += len(engine.step())
+
+    def top_up() -> None:
         while len(engine.scheduler.running) + len(engine.scheduler.waiting) < engine.config.max_num_seqs:
-            prompt, params, _ = make_request(rng, vocab)
+            prompt, params, _ = make_request(rng, engine.spec.vocab_size)
             engine.add_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
+
+    top_up()
+    done, start = 0, time.perf_counter()
+    while done < min_done and time.perf_counter() - start < max_seconds:
+        done += len(engine.step())
+        top_up()
     rate = done / (time.perf_counter() - start)
     while engine.has_unfinished():
         engine.step()
+    if done == 0:
+        raise SystemExit(f"no request finished in {max_seconds:.0f} s: is another process using the CPU?")
     return rate
 
 
@@ -127,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     deadline_engine = engine_for("deadline", None)  # calibrates once (cached on disk)
-    capacity = measure_capacity(deadline_engine, seconds=10)
+    capacity = measure_capacity(deadline_engine)
     rows = []
     for load in args.loads:
         for policy in ("deadline", "fcfs"):

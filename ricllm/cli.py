@@ -8,6 +8,10 @@ import sys
 
 from ricllm.errors import RicllmError
 from ricllm.plan import add_subparser as add_plan_subparser
+from ricllm.replay.runner import add_replay_subparser
+from ricllm.report import add_report_subparser
+from ricllm.serve.keys import add_client_subparser, add_keys_subparser
+from ricllm.serve.settings import add_serve_subparser
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     info.set_defaults(func=cmd_info)
     add_plan_subparser(sub)
+    add_replay_subparser(sub)
+    add_report_subparser(sub)
+    add_serve_subparser(sub)
+    add_client_subparser(sub)
+    add_keys_subparser(sub)
     return parser
 
 

@@ -97,7 +97,16 @@ def measure_bandwidth(device: torch.device, megabytes: int = 128) -> float:
 
 
 def roofline_of(engine) -> Roofline:
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
+    """Bytes a small-batch step must read: packed weights where a layer has them, else dense."""
+    from ricllm.model.packed_linear import PackedLinear
+
+    model = engine.model
+    shadowed = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None}
+    if not (model.lm_head is None and model.packed_head is None):
+        shadowed.add(id(model.embed.weight))  # only looked up, row by row, unless it is the head
+    tensors = [t for name, t in model.named_buffers() if not name.startswith("rope.")] + [
+        t for t in model.parameters() if id(t) not in shadowed]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     per_token = engine.kv_cache.geometry.bytes_per_block / engine.kv_cache.geometry.block_size
     return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.device))
 
@@ -113,6 +122,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
               + [(b, ctx, 8) for ctx in DECODE_CONTEXTS for b in DECODE_BATCHES if b <= engine.config.max_num_seqs]
               if _fits(engine, *s)]
     samples = []
+    _warm_up(engine, generator, vocab)
     for batch, length, new_tokens in tqdm(shapes, desc="calibrating latency model", unit="shape", disable=None):
         if time.perf_counter() - started > budget_s * 0.75:
             break
@@ -122,7 +132,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
             engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-        samples += [(r.features, r.duration_s) for r in list(engine.step_history)[1:]]  # first step warms up
+        samples += [(r.features, r.duration_s) for r in engine.step_history]
     model = fit(samples, roofline_of(engine))
     for features, seconds in samples:
         model.observe(features, seconds)
@@ -131,6 +141,14 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1),
              coefficients=[f"{c:.3g}" for c in model.coefficients], **model.error_summary())
     return model
+
+
+def _warm_up(engine, generator: torch.Generator, vocab: int) -> None:
+    """One small request first: the first steps of a process pay one-off costs (allocator, JIT)."""
+    engine.add_request(torch.randint(10, vocab - 10, (16,), generator=generator).tolist(),
+                       SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def _fits(engine, batch: int, length: int, new_tokens: int) -> bool:

@@ -1,0 +1,111 @@
+"""Replay reports: write report.json + report.html + PNG plots, re-render them, compare two runs.
+
+``ricllm report PATH`` re-renders the HTML and plots from a report.json alone, so a report can be
+regenerated on another machine or after a ricllm upgrade; ``ricllm report A B`` writes a
+side-by-side comparison (prefix caching on vs off, two KV budgets, ...). matplotlib and rich are
+imported only when drawing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+from ricllm.replay.records import load_report, write_report_json
+
+PLOT_FILES = {"latency_cdf": "latency_cdf.png", "timeline": "timeline.png", "trace": "trace.png"}
+
+
+def render_plots(report: dict[str, Any]) -> dict[str, bytes]:
+    from ricllm.report import plots
+
+    return {"latency_cdf": plots.latency_cdf(report), "timeline": plots.timeline(report),
+            "trace": plots.trace_kpis(report)}
+
+
+def write_html(report: dict[str, Any], directory: Path) -> dict[str, Path]:
+    """report.html and the PNGs beside it (the HTML embeds them too)."""
+    from ricllm.report.html import render_report
+
+    directory.mkdir(parents=True, exist_ok=True)
+    pngs = render_plots(report)
+    paths = {}
+    for key, png in pngs.items():
+        paths[key] = directory / PLOT_FILES[key]
+        paths[key].write_bytes(png)
+    paths["html"] = directory / "report.html"
+    paths["html"].write_text(render_report(report, pngs), encoding="utf-8")
+    return paths
+
+
+def write_report(report: dict[str, Any], directory: Path) -> dict[str, Path]:
+    """report.json first (it is the record; the rest is drawn from it), then HTML and plots."""
+    json_path = write_report_json(report, directory)
+    return {"json": json_path, **write_html(report, directory)}
+
+
+def print_summary(report: dict[str, Any], console=None) -> None:
+    from ricllm.report.terminal import print_summary as show
+
+    show(report, console)
+
+
+def compare(path_a: str | Path, path_b: str | Path,
+            out: Path | None = None) -> tuple[Path, list[list[str]], tuple[str, str]]:
+    """Write the comparison page of two reports; returns its path, the table rows and the labels."""
+    from ricllm.report import plots
+    from ricllm.report.html import comparison_rows, render_comparison
+
+    (a, file_a), (b, file_b) = load_report(path_a), load_report(path_b)
+    labels = _labels(file_a, file_b)
+    directory = out or Path("reports") / _safe(f"compare-{labels[0]}-vs-{labels[1]}")
+    directory.mkdir(parents=True, exist_ok=True)
+    pngs = {"compare_cdf": plots.compare_cdf(a, b, labels), "compare_timeline": plots.compare_timeline(a, b, labels)}
+    for key, png in pngs.items():
+        (directory / f"{key}.png").write_bytes(png)
+    html = directory / "comparison.html"
+    html.write_text(render_comparison(a, b, labels, pngs), encoding="utf-8")
+    return html, comparison_rows(a, b), labels
+
+
+def _labels(file_a: Path, file_b: Path) -> tuple[str, str]:
+    """The report folders' names, made distinct when they are not."""
+    a, b = file_a.parent.name or "A", file_b.parent.name or "B"
+    return (a, b) if a != b else (f"A:{a}", f"B:{b}")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.:-]+", "_", name).replace(":", "_")
+
+
+def add_report_subparser(sub: argparse._SubParsersAction) -> None:
+    """``ricllm report``: registered by ``ricllm.cli.build_parser``."""
+    parser = sub.add_parser(
+        "report", help="re-render a replay report, or compare two",
+        description="With one PATH (a report.json or its folder): re-render report.html and the plots beside it "
+                    "and print the summary. With two: write a side-by-side comparison page and print the "
+                    "comparison table.")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="report.json or a report folder (one or two)")
+    parser.add_argument("--out", default=None, help="comparison folder (default: reports/compare-A-vs-B)")
+    parser.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ricllm.replay.records import ReportError
+
+    if len(args.paths) > 2:
+        raise ReportError(f"give one report (to re-render) or two (to compare), not {len(args.paths)}")
+    if len(args.paths) == 1:
+        report, path = load_report(args.paths[0])
+        paths = write_html(report, path.parent)
+        print_summary(report)
+        print(f"report: {paths['html']}")
+        return 0
+    from ricllm.report.terminal import print_comparison
+
+    html, rows, labels = compare(args.paths[0], args.paths[1], Path(args.out) if args.out else None)
+    print_comparison(rows, labels)
+    print(f"comparison: {html}")
+    return 0

@@ -1,0 +1,173 @@
+"""report.html: one self-contained page (plots embedded as base64 PNG, no scripts, no links out),
+so it can be mailed, attached to a ticket or opened on an air-gapped RIC host."""
+
+from __future__ import annotations
+
+import base64
+import json
+from html import escape
+from typing import Any
+
+from ricllm.report.aggregate import TABLE_METRICS, fmt_value
+
+STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em auto;max-width:1200px;color:#222}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#f4f4f4}
+td.l,th.l{text-align:left}.pass{color:#1a7f37;font-weight:bold}.fail{color:#c62828;font-weight:bold}
+.meta{color:#555;font-size:.9em}img{max-width:100%}pre{background:#f8f8f8;padding:.6em;font-size:.8em;
+overflow:auto}details{margin:.6em 0}
+"""
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """Cells are escaped here; the first ``left`` columns align left."""
+    head = "".join(f'<th class="{"l" if i < left else ""}">{escape(h)}</th>' for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{escape(str(c))}</td>'
+                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _page(title: str, body: str) -> str:
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
+
+
+def class_table(aggregates: dict[str, Any]) -> str:
+    """Rows: the metrics; columns: overall, then each deadline class."""
+    scopes = {"overall": aggregates["overall"], **aggregates["classes"]}
+    rows = [[label, *(fmt_value(metric, s.get(metric)) for s in scopes.values())] for metric, label in TABLE_METRICS]
+    return _table(["metric", *scopes], rows)
+
+
+def targets_block(report: dict[str, Any]) -> str:
+    targets = report.get("targets", [])
+    if not targets:
+        return "<p>The scenario sets no compliance targets.</p>"
+    verdict = ('<p class="pass">All compliance targets met.</p>' if report["compliant"]
+               else '<p class="fail">Compliance targets missed.</p>')
+    rows = "".join(
+        f'<tr><td class="l">{escape(t["scope"])}</td><td class="l">{escape(t["target"])}</td>'
+        f'<td>{escape(fmt_value(t["metric"], t["value"]))}</td>'
+        f'<td class="{"pass" if t["passed"] else "fail"}">{"pass" if t["passed"] else "FAIL"}</td></tr>'
+        for t in targets)
+    return (f'{verdict}<table><tr><th class="l">scope</th><th class="l">target</th><th>measured</th>'
+            f"<th>result</th></tr>{rows}</table>")
+
+
+def _meta(report: dict[str, Any]) -> str:
+    run, model, machine = report["run"], report.get("model") or {}, report.get("machine", {})
+    where = run["mode"] + (f' ({run["endpoint"]})' if run.get("endpoint") else "")
+    parts = [f'created {report["created_at"]}', f"replay {where}, speed {run['speed']:g}",
+             f'{run["sent"]} of {run["planned"]} planned requests sent in {run["wall_s"]:.1f} s',
+             f'model {model.get("name") or model.get("path") or "unknown"} (sha256 {model.get("sha256") or "unknown"})',
+             f'machine {machine.get("cpu", "?")}, {machine.get("cores", "?")} cores'
+             + (f', torch {machine["torch"]}' if machine.get("torch") else "")]
+    if run.get("interrupted"):
+        parts.append("INTERRUPTED: outstanding requests are marked interrupted")
+    return '<p class="meta">' + "<br>".join(escape(p) for p in parts) + "</p>"
+
+
+def _dict_table(data: dict[str, Any]) -> str:
+    rows = [[k, json.dumps(v) if isinstance(v, (dict, list)) else v] for k, v in data.items()]
+    return _table(["field", "value"], rows, left=2)
+
+
+def _requests_table(report: dict[str, Any]) -> str:
+    columns = ("id", "entity", "trace_time_s", "deadline_class", "template", "status", "rejection_code",
+               "server_ttft_s", "server_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
+               "output_tokens", "met", "text")
+    rows = [[_cell(r.get(c)) for c in columns] for r in report["requests"]]
+    return (f'<details><summary>All {len(rows)} requests</summary>'
+            f"{_table(list(columns), rows, left=2)}</details>")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def render_report(report: dict[str, Any], plots: dict[str, bytes]) -> str:
+    """The whole page of one replay."""
+    name = report["scenario"]["name"]
+    trace = report["trace"]
+    sections = [
+        f"<h1>ricllm replay: {escape(name)}</h1>", _meta(report),
+        "<h2>Compliance</h2>", targets_block(report),
+        "<h2>Per deadline class</h2>", class_table(report["aggregates"]),
+        "<h2>Latency against the deadline</h2>", _img(plots["latency_cdf"], "latency CDF"),
+        "<h2>Timeline</h2>", _img(plots["timeline"], "timeline"),
+        "<h2>Trace and the requests it triggered</h2>", _img(plots["trace"], "trace KPIs"),
+        f'<p class="meta">{escape(trace["source"])}: {trace["rows"]} rows ({trace["rows_replayed"]} in the window), '
+        f'{len(trace["entities"])} entities, {trace["duration_s"]:.1f} s</p>',
+        "<details><summary>Trace load statistics</summary>", _dict_table(trace["load_stats"]), "</details>",
+        "<h2>Run</h2>", _dict_table(report["run"]),
+        "<h2>Engine</h2>", _dict_table(report.get("engine", {})),
+        "<h2>Templates</h2>", _dict_table(report["scenario"].get("templates") or {}),
+        "<h2>Scenario</h2>", f'<pre>{escape(json.dumps(report["scenario"]["spec"], indent=1))}</pre>',
+        "<h2>Requests</h2>", _requests_table(report),
+    ]
+    return _page(f"ricllm replay: {name}", "\n".join(sections))
+
+
+def comparison_rows(a: dict[str, Any], b: dict[str, Any]) -> list[list[str]]:
+    """(scope, metric, A, B, change) for overall and every class either run has."""
+    rows = []
+    scopes = ["overall", *dict.fromkeys([*a["aggregates"]["classes"], *b["aggregates"]["classes"]])]
+    for scope in scopes:
+        left, right = (_scope(r, scope) for r in (a, b))
+        for metric, label in TABLE_METRICS:
+            x, y = left.get(metric), right.get(metric)
+            rows.append([scope, label, fmt_value(metric, x), fmt_value(metric, y), _change(metric, x, y)])
+    return rows
+
+
+def _scope(report: dict[str, Any], scope: str) -> dict[str, Any]:
+    aggregates = report["aggregates"]
+    return aggregates["overall"] if scope == "overall" else aggregates["classes"].get(scope, {})
+
+
+def _change(metric: str, x: Any, y: Any) -> str:
+    if not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or isinstance(x, bool):
+        return ""
+    if metric.endswith(("_of_sent", "_of_admitted", "_rate")):
+        return f"{(y - x) * 100:+.1f} pp"
+    return f"{(y - x) / x * 100:+.1f}%" if x else ""
+
+
+def render_comparison(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str],
+                      plots: dict[str, bytes]) -> str:
+    """Side by side: both runs' settings, every metric with its change, overlaid plots."""
+    header = ["scope", "metric", labels[0], labels[1], "change (B vs A)"]
+    settings = [[k, _setting(a, k), _setting(b, k)] for k in ("scenario", "mode", "speed", "kv_cache_budget",
+                                                              "enable_prefix_caching", "admission", "model")]
+    body = "\n".join([
+        f"<h1>ricllm replay comparison: {escape(labels[0])} vs {escape(labels[1])}</h1>",
+        "<h2>Settings</h2>", _table(["setting", labels[0], labels[1]], settings),
+        "<h2>Metrics</h2>", _table(header, comparison_rows(a, b), left=2),
+        "<h2>Latency</h2>", _img(plots["compare_cdf"], "E2E CDF comparison"),
+        "<h2>Timeline</h2>", _img(plots["compare_timeline"], "timeline comparison"),
+        "<h2>Compliance</h2>", f"<h3>{escape(labels[0])}</h3>", targets_block(a),
+        f"<h3>{escape(labels[1])}</h3>", targets_block(b),
+    ])
+    return _page(f"ricllm replay comparison: {labels[0]} vs {labels[1]}", body)
+
+
+def _setting(report: dict[str, Any], key: str) -> str:
+    if key == "scenario":
+        return report["scenario"]["name"] + "".join(f" --set {o}" for o in report["scenario"].get("overrides", []))
+    if key in ("mode", "speed"):
+        return str(report["run"].get(key))
+    if key == "model":
+        model = report.get("model") or {}
+        return f'{model.get("name") or "?"} {str(model.get("sha256") or "")[:12]}'
+    settings = report.get("engine", {}).get("settings") or {}
+    return str(settings.get(key, report["scenario"]["spec"].get("engine", {}).get(key)))

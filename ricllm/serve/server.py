@@ -1,0 +1,1004 @@
+"""``ricllm serve``: the engine behind a ZeroMQ ROUTER socket (docs/protocol.md, docs/serve.md).
+
+Three threads, each the only one to touch what it owns:
+
+- the **socket thread** (:class:`_Frontend`) owns the ROUTER socket. It decodes and checks every
+  frame, answers at once what needs no engine (unreadable frames, duplicate ids, ``ping``, a full
+  inbound queue, ``DRAINING``), puts the rest on the bounded inbound queue, and sends the
+  replies the engine thread leaves in the outbox. It never waits on a model step.
+- the **engine thread** (:class:`_Worker`) owns the engine. Between steps it takes every queued
+  command (admission, templates, cancel, stats) and answers it, then runs one step and sends the
+  new tokens of streaming requests and the results of finished ones; a message on an inproc
+  PAIR socket wakes the socket thread.
+- the **HTTP thread** (:mod:`ricllm.serve.http`) serves health and metrics from thread-safe values.
+
+Invariants:
+
+- every request id gets exactly one final reply (``protocol.is_final``): the socket thread keeps
+  the (client, id) pairs in flight, refuses a second one with ``DUPLICATE_ID``, and forgets a
+  pair only when its final reply is sent; whatever the engine thread leaves unanswered when it
+  ends (drain, fault) is answered by the socket thread before it closes.
+- queues are bounded: the inbound queue by ``inbound_queue_size``; what the engine holds by
+  admission (``max_queue`` waiting best-effort requests, deadline requests by their KV
+  reservations); the outbox by one reply per in-flight request per step plus control replies.
+- a reply to a client that has gone is dropped (ROUTER_MANDATORY off); the server carries on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+from pydantic import BaseModel
+
+import ricllm
+from ricllm.errors import CapacityError, ConfigError, InvalidRequestError, RicllmError
+from ricllm.logging import configure_logging, get_logger
+from ricllm.serve import protocol as p
+from ricllm.serve.http import HealthServer
+from ricllm.serve.metrics import EngineSnapshot, ServerMetrics
+from ricllm.serve.settings import ServerOptions, ServeSettings
+
+if TYPE_CHECKING:
+    from ricllm.cache.kv_cache_manager import PinHandle
+    from ricllm.config import EngineConfig
+    from ricllm.engine.latency_model import LatencyModel
+    from ricllm.engine.llm_engine import LLMEngine
+    from ricllm.engine.sequence import Sequence
+    from ricllm.outputs import RequestOutput
+    from ricllm.sampling_params import SamplingParams
+
+__all__ = ["Server", "serve_forever"]
+
+log = get_logger("ricllm.serve")
+clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare
+Key = tuple[bytes, str]  # (ZeroMQ identity of the client, its request id)
+PUBLISH_EVERY_S = 0.1
+_wake_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Command:
+    """A checked request on its way to the engine thread; ``received`` is on :data:`clock`."""
+
+    identity: bytes
+    request: Any
+    received: float
+
+    @property
+    def key(self) -> Key:
+        return (self.identity, self.request.id)
+
+
+class _Refused(Exception):
+    """Raised before a generate reaches the engine's queues: answer ``rejected`` with the numbers."""
+
+    def __init__(self, code: str, message: str, numbers: dict[str, Any] | None = None, **more: Any) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+        self.numbers = {k: v for k, v in {**(numbers or {}), **more}.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+    def reply(self, request_id: str) -> p.Rejected:
+        return p.Rejected(id=request_id, code=self.code, message=self.message, numbers=self.numbers)
+
+
+def _client(identity: bytes) -> str:
+    return identity.hex()
+
+
+def log_refusal(command: Command, code: str, message: str, rejected: bool) -> None:
+    """The one end-of-request event of a generate that never ran."""
+    request = command.request
+    if isinstance(request, p.GenerateRequest):
+        log.info("request_done", id=request.id, client=_client(command.identity), template=request.template_id,
+                 admitted=False, reason=code, outcome="rejected" if rejected else "error", detail=message,
+                 deadline_ms=request.deadline_ms)
+
+
+# ------------------------------------------------------------------------------ the outbox
+
+class _Outbox:
+    """Replies from the engine thread to the socket thread: a queue, and a wake-up message on an
+    inproc PAIR socket that only the engine thread uses (it is made there, on first use)."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.items: queue.SimpleQueue[tuple[bytes, str | None, bytes, bool]] = queue.SimpleQueue()
+        self._context, self._address = context, address
+        self._socket: zmq.Socket | None = None
+        self._pending = False
+
+    def put(self, identity: bytes, reply: BaseModel) -> None:
+        self.items.put((identity, getattr(reply, "id", None), p.encode(reply), p.is_final(reply)))
+        self._pending = True
+
+    def wake(self, force: bool = False) -> None:
+        """One wake-up per batch of replies; a full PAIR pipe already holds one, so EAGAIN is fine."""
+        if not (self._pending or force):
+            return
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.PAIR)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.connect(self._address)
+        try:
+            self._socket.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        self._pending = False
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+
+
+# ------------------------------------------------------------------------------ the socket thread
+
+class _Frontend:
+    """The socket thread. Only it uses the ROUTER socket and the in-flight set."""
+
+    RECEIVE_BATCH = 256  # frames read per poll round, so replies go out between bursts
+
+    def __init__(self, server: Server, context: zmq.Context, options: ServerOptions) -> None:
+        self.server = server
+        self.options = options
+        self.in_flight: set[Key] = set()
+        self.router = context.socket(zmq.ROUTER)
+        try:
+            self._bind(options)
+        except BaseException:
+            self.router.close(linger=0)
+            raise
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.wake_address = f"inproc://ricllm-wake-{os.getpid()}-{next(_wake_ids)}"
+        self.wake = context.socket(zmq.PAIR)
+        self.wake.setsockopt(zmq.LINGER, 0)
+        self.wake.bind(self.wake_address)
+
+    def _bind(self, options: ServerOptions) -> None:
+        """LINGER 0, no ROUTER_MANDATORY (replies to vanished clients are dropped), a size cap."""
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * options.max_message_bytes)
+        if options.curve is not None:
+            self._curve_server(options.curve.server_secret_key_file)
+        try:
+            self.router.bind(options.zmq_endpoint)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"cannot bind the ZeroMQ socket to {options.zmq_endpoint!r}: {exc}") from None
+
+    def _curve_server(self, secret_file: str) -> None:
+        import zmq.auth
+
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the CURVE server key {secret_file!r}: {exc}") from None
+        if secret is None:
+            raise ConfigError(f"{secret_file!r} holds no secret key; pass the server's .key_secret file")
+        self.router.curve_secretkey, self.router.curve_publickey = secret, public
+        self.router.curve_server = True
+
+    # -- the loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
+        try:
+            while not self.server._worker_done.is_set():
+                events = dict(poller.poll(50))
+                if self.wake in events:
+                    self._drain_wake()
+                self._send_replies()
+                if self.router in events:
+                    self._receive()
+            self._finish()
+        except Exception as exc:  # a bug here must not leave clients hanging silently
+            log.exception("socket_thread_fault")
+            self.server._record_failure(exc)
+        finally:
+            self.router.close(linger=self.options.drain_linger_ms)
+            self.wake.close(linger=0)
+
+    def _drain_wake(self) -> None:
+        try:
+            while True:
+                self.wake.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _finish(self) -> None:
+        """The engine thread has ended: send its last replies, answer what it left queued."""
+        self._send_replies()
+        while True:
+            try:
+                command = self.server._inbound.get_nowait()
+            except queue.Empty:
+                break
+            self._refuse_leftover(command)
+        for identity, request_id in sorted(self.in_flight):  # only after an engine fault
+            self._send(identity, p.ErrorReply(id=request_id, code="INTERNAL", message=self.server._end_message()))
+        self.in_flight.clear()
+
+    def _refuse_leftover(self, command: Command) -> None:
+        self.in_flight.discard(command.key)
+        if isinstance(command.request, p.GenerateRequest) and self.server.failure is None:
+            self._reject(command, "DRAINING", "the server is shutting down and takes no new work")
+        else:
+            self._error(command.identity, command.request.id, "INTERNAL", self.server._end_message(),
+                        command=command)
+
+    # -- sending
+
+    def _send_replies(self) -> None:
+        items = self.server._outbox.items
+        while True:
+            try:
+                identity, request_id, frame, final = items.get_nowait()
+            except queue.Empty:
+                return
+            if final:
+                self.in_flight.discard((identity, request_id))
+            self._send_frame(identity, frame)
+
+    def _send(self, identity: bytes, reply: BaseModel) -> None:
+        self._send_frame(identity, p.encode(reply))
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self.router.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a gone or stuck peer: its reply is dropped
+            log.debug("reply_dropped", client=_client(identity), error=str(exc))
+
+    def _error(self, identity: bytes, request_id: str | None, code: str, message: str,
+               command: Command | None = None) -> None:
+        self._send(identity, p.ErrorReply(id=request_id, code=code, message=message))
+        if command is not None and isinstance(command.request, p.GenerateRequest):
+            self.server.metrics.outcome("error")
+            log_refusal(command, code, message, rejected=False)
+
+    def _reject(self, command: Command, code: str, message: str, **numbers: Any) -> None:
+        self._send(command.identity, _Refused(code, message, **numbers).reply(command.request.id))
+        self.server.metrics.admission(code)
+        self.server.metrics.outcome("rejected")
+        log_refusal(command, code, message, rejected=True)
+
+    # -- receiving
+
+    def _receive(self) -> None:
+        for _ in range(self.RECEIVE_BATCH):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        identity, parts = frames[0], frames[1:]
+        received = clock()
+        if len(parts) != 1:
+            self._send(identity, p.ErrorReply(id=None, code="MALFORMED", message=(
+                f"expected exactly one frame (a msgpack map) per message, got {len(parts)}")))
+            return
+        try:
+            request = p.decode_request(parts[0], self.options.max_message_bytes)
+        except p.ProtocolError as exc:
+            log.debug("request_unreadable", client=_client(identity), code=exc.code, detail=exc.message)
+            self._send(identity, exc.to_reply())
+            return
+        self._on_request(Command(identity, request, received))
+
+    def _on_request(self, command: Command) -> None:
+        request = command.request
+        if command.key in self.in_flight:
+            self._error(command.identity, request.id, "DUPLICATE_ID",
+                        f"field 'id': request {request.id!r} of this client is still in flight", command=None)
+        elif isinstance(request, p.PingRequest):
+            self._send(command.identity, p.Pong(id=request.id, server_time=time.time(), version=ricllm.__version__))
+        elif isinstance(request, p.GenerateRequest) and self.server._draining.is_set():
+            self._reject(command, "DRAINING", "the server is shutting down and takes no new work")
+        else:
+            self._enqueue(command)
+
+    def _enqueue(self, command: Command) -> None:
+        try:
+            self.server._inbound.put_nowait(command)
+        except queue.Full:
+            size = self.options.inbound_queue_size
+            if isinstance(command.request, p.GenerateRequest):
+                self._reject(command, "QUEUE_FULL", f"the server's inbound queue already holds {size} requests "
+                             "(its limit); retry later", inbound_queue=size)
+            else:
+                self._error(command.identity, command.request.id, "INTERNAL",
+                            f"the server's inbound queue already holds {size} requests (its limit); retry later")
+            return
+        self.in_flight.add(command.key)
+
+
+# ------------------------------------------------------------------------------ the engine thread
+
+@dataclass(eq=False)
+class _Pending:
+    """A generate inside the engine, until its one final reply."""
+
+    command: Command
+    seq: Sequence
+    internal_id: str
+    offset_s: float  # engine arrival − receipt: added to the engine's timings
+    holdback: int  # characters kept back while streaming, so a stop string is never sent
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+    @property
+    def request(self) -> p.GenerateRequest:
+        return self.command.request
+
+
+@dataclass(eq=False)
+class _Template:
+    """A registered system prompt and its pin; ``waiters`` are register requests awaiting the pin."""
+
+    template_id: str
+    system_prompt: str
+    token_ids: list[int]
+    text: str | None  # the rendered system message, for splicing chat prompts
+    handle: PinHandle
+    waiters: list[Command] = field(default_factory=list)
+    pinned: bool = False
+
+    def registered(self, request_id: str, block_size: int) -> p.TemplateRegistered:
+        return p.TemplateRegistered(id=request_id, template_id=self.template_id, num_tokens=len(self.token_ids),
+                                    num_pinned_tokens=len(self.handle.block_ids) * block_size)
+
+
+class _Worker:
+    """The engine thread. Only it touches the engine, the templates and the pending table.
+
+    Handlers raise (``ProtocolError``, ``_Refused``) only before a request reaches the engine's
+    queues, so a request that is answered with an error never also gets a result.
+    """
+
+    def __init__(self, server: Server, config: EngineConfig, latency_model: LatencyModel | None) -> None:
+        self.server = server
+        self.config = config
+        self.latency_model = latency_model
+        self.metrics = server.metrics
+        self.outbox = server._outbox
+        self.engine: LLMEngine | None = None
+        self._generates: dict[Key, _Pending] = {}
+        self._internal: dict[str, _Pending | _Template] = {}
+        self._templates: dict[str, _Template] = {}
+        self._ids = itertools.count(1)
+        self._template_ids = itertools.count(1)
+        self._published = 0.0
+
+    def run(self) -> None:
+        try:
+            self.engine = self._load()
+        except Exception as exc:
+            log.error("engine_load_failed", error=f"{type(exc).__name__}: {exc}")
+            self.server._record_failure(exc)
+            self._exit()
+            return
+        self._publish(force=True)
+        self.server._ready.set()
+        log.info("server_ready", endpoint=self.server.endpoint, http_port=self.server.http_port,
+                 admission=self.config.admission, startup_s=round(self.engine.startup_s, 2))
+        try:
+            self._loop()
+        except Exception as exc:
+            log.exception("engine_fault")
+            self.server._record_failure(exc)
+            self._fail_everything(f"engine fault: {type(exc).__name__}: {exc}")
+        finally:
+            self._exit()
+
+    def _load(self) -> LLMEngine:
+        from ricllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine(self.config, clock=clock, latency_model=self.latency_model)
+
+    def _exit(self) -> None:
+        self.outbox.wake(force=True)
+        self.server._worker_done.set()
+        self.outbox.wake(force=True)
+        self.outbox.close()
+
+    def _loop(self) -> None:
+        """Commands, then one step, until drained: no work, nothing queued, and draining."""
+        engine = self.engine
+        while True:
+            for command in self._take(block=not engine.has_unfinished()):
+                self._dispatch(command)
+            self._enforce_drain_deadline()
+            if engine.has_unfinished():
+                self._after_step(engine.step())
+            elif self.server._draining.is_set() and self.server._inbound.empty():
+                self._publish(force=True)
+                return
+            self._publish()
+            self.outbox.wake()
+
+    def _take(self, block: bool) -> list[Command]:
+        commands = []
+        inbound = self.server._inbound
+        try:
+            commands.append(inbound.get(timeout=0.05) if block else inbound.get_nowait())
+            while True:
+                commands.append(inbound.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _dispatch(self, command: Command) -> None:
+        handlers = {p.GenerateRequest: self._generate, p.RegisterTemplateRequest: self._register,
+                    p.UnregisterTemplateRequest: self._unregister, p.CancelRequest: self._cancel,
+                    p.StatsRequest: self._stats}
+        request = command.request
+        try:
+            handlers[type(request)](command)
+        except _Refused as refused:
+            self.outbox.put(command.identity, refused.reply(request.id))
+            self.metrics.admission(refused.code)
+            self.metrics.outcome("rejected")
+            log_refusal(command, refused.code, refused.message, rejected=True)
+        except p.ProtocolError as exc:
+            self._fail(command, exc.code, exc.message)
+        except Exception as exc:  # a bug: answer it, keep serving
+            log.exception("request_fault", id=request.id, type=request.type)
+            self._fail(command, "INTERNAL", f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, command: Command, code: str, message: str) -> None:
+        self.outbox.put(command.identity, p.ErrorReply(id=command.request.id, code=code, message=message))
+        if isinstance(command.request, p.GenerateRequest):
+            self.metrics.outcome("error")
+            log_refusal(command, code, message, rejected=False)
+
+    # -- generate
+
+    def _generate(self, command: Command) -> None:
+        request: p.GenerateRequest = command.request
+        template = self._template(request.template_id, request.id)
+        token_ids = self._prompt_tokens(request, template)
+        params = self._sampling(request, command.received)
+        internal_id = str(next(self._ids))
+        seq = self._add(request, token_ids, params, internal_id)
+        if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
+            raise _Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
+        self.metrics.admission("admitted")
+        holdback = max((len(s) for s in request.stop), default=1) - 1
+        pending = _Pending(command, seq, internal_id, max(seq.arrival_time - command.received, 0.0), holdback)
+        self._generates[command.key] = pending
+        self._internal[internal_id] = pending
+        self.outbox.put(command.identity, p.Accepted(id=request.id, predicted_ms=self._predicted_ms(pending),
+                                                     queue_position=self._queue_position(seq)))
+
+    def _template(self, template_id: str | None, request_id: str) -> _Template | None:
+        if template_id is None:
+            return None
+        template = self._templates.get(template_id)
+        if template is None:
+            raise p.ProtocolError("UNKNOWN_TEMPLATE", f"field 'template_id': no template {template_id!r} is "
+                                  "registered", request_id)
+        return template
+
+    def _prompt_tokens(self, request: p.GenerateRequest, template: _Template | None) -> list[int]:
+        """The prompt; with a template its pinned tokens come first, token for token."""
+        tokenizer = self.engine.tokenizer
+        if request.messages is not None:
+            return self._chat_tokens(request, template)
+        prefix = template.token_ids if template is not None else []
+        if request.prompt is not None:
+            return prefix + tokenizer.encode(request.prompt, add_special_tokens=not prefix)
+        return prefix + list(request.token_ids)
+
+    def _chat_tokens(self, request: p.GenerateRequest, template: _Template | None) -> list[int]:
+        messages = [m.model_dump() for m in request.messages]
+        if template is not None:
+            if messages[0]["role"] == "system":
+                raise p.ProtocolError("VALIDATION", "field 'messages': starts with a system message, but "
+                                      "template_id already supplies it", request.id)
+            messages.insert(0, {"role": "system", "content": template.system_prompt})
+        text = self._render(messages, True, request.id)
+        tokenizer = self.engine.tokenizer
+        if template is not None and template.text is not None and text.startswith(template.text):
+            return template.token_ids + tokenizer.encode(text[len(template.text):], add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, request_id: str) -> str:
+        try:
+            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # no template, or the template's raise_exception
+            raise p.ProtocolError("VALIDATION", f"field 'messages': cannot apply the model's chat template: "
+                                  f"{exc}", request_id) from None
+
+    def _sampling(self, request: p.GenerateRequest, received: float) -> SamplingParams:
+        """The deadline is counted from receipt: the time spent queued here is taken off it."""
+        from ricllm.sampling_params import SamplingParams
+
+        deadline_ms = request.deadline_ms
+        if deadline_ms is not None:
+            waited_ms = (clock() - received) * 1000
+            if waited_ms >= deadline_ms:
+                raise _Refused("DEADLINE_INFEASIBLE", f"the deadline of {deadline_ms:.1f} ms passed while the "
+                               f"request was queued ({waited_ms:.1f} ms)", deadline_ms=deadline_ms,
+                               waited_ms=round(waited_ms, 3))
+            deadline_ms -= waited_ms
+        try:
+            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=request.priority)
+        except InvalidRequestError as exc:
+            raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
+
+    def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
+             internal_id: str) -> Sequence:
+        engine = self.engine
+        total = len(token_ids) + params.max_tokens
+        if engine.admission is None and total > engine.max_model_len:
+            raise _Refused("CONTEXT_TOO_LONG", f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                           f"= {total} tokens exceeds the context of {engine.max_model_len} tokens",
+                           prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
+                           max_model_len=engine.max_model_len)
+        try:
+            return engine.add_request(token_ids, params, request_id=internal_id)
+        except CapacityError as exc:  # admission off: can never fit the KV budget
+            raise _Refused("KV_BUDGET", str(exc), prompt_tokens=len(token_ids), max_tokens=params.max_tokens) from None
+        except InvalidRequestError as exc:
+            source = "token_ids" if request.token_ids is not None else "prompt"
+            raise p.ProtocolError("VALIDATION", f"field {source!r}: {exc}", request.id) from None
+
+    def _predicted_ms(self, pending: _Pending) -> float | None:
+        """Admission's bound on this request's finish, from receipt, margin included (promised only)."""
+        from ricllm.engine.admission import finish_bounds, work_of
+
+        admission, seq = self.engine.admission, pending.seq
+        if admission is None or not seq.promised:
+            return None
+        try:
+            ordered = sorted(admission.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
+            extra = sum(1 for s in self.engine.scheduler.running if not s.promised)
+            now = clock()
+            bounds = finish_bounds([work_of(s) for s in ordered], admission.latency, admission.token_budget, now,
+                                   0.0, extra)
+            bound_s = (bounds[ordered.index(seq)] - now) * (1 + admission.config.safety_margin)
+            return round((bound_s + now - pending.command.received) * 1000, 3)
+        except Exception:  # an estimate only: never let it fail an admitted request
+            log.exception("predicted_ms_failed")
+            return None
+
+    def _queue_position(self, seq: Sequence) -> int | None:
+        waiting = self.engine.scheduler.waiting
+        return next((i for i, s in enumerate(waiting) if s is seq), None)
+
+    # -- after a step
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            item = self._internal.pop(out.request_id, None)
+            if isinstance(item, _Pending):
+                self._complete(item, out)
+            elif isinstance(item, _Template):
+                self._pinned(item)
+        for pending in self._generates.values():
+            if pending.request.stream:
+                self._stream(pending, final=False)
+
+    def _stream(self, pending: _Pending, final: bool) -> None:
+        """A ``token`` per new output token; the text since the last one rides on the newest.
+
+        While running, the last ``holdback`` characters wait (a stop string may be forming), so
+        the token texts concatenate to the result's text.
+        """
+        seq = pending.seq
+        token_ids, text = seq.output_token_ids, seq.output_text
+        visible = len(text) if final else max(pending.sent_chars, len(text) - pending.holdback)
+        for index in range(pending.sent_tokens, len(token_ids)):
+            piece = ""
+            if index == len(token_ids) - 1:
+                piece, pending.sent_chars = text[pending.sent_chars:visible], max(visible, pending.sent_chars)
+            self.outbox.put(pending.command.identity, p.Token(id=pending.request.id, index=index,
+                                                             token_id=token_ids[index], text=piece))
+        pending.sent_tokens = len(token_ids)
+
+    def _complete(self, pending: _Pending, out: RequestOutput) -> None:
+        """The final ``result`` (after any last tokens), its metrics and its one log event."""
+        self._generates.pop(pending.command.key, None)
+        self._internal.pop(pending.internal_id, None)
+        if pending.request.stream:
+            self._stream(pending, final=True)
+        timings = _timings(out, pending.offset_s)
+        self.outbox.put(pending.command.identity, p.Result(
+            id=pending.request.id, text=out.text, token_ids=out.token_ids,
+            num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
+            finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met))
+        if out.finish_reason == "cancelled":
+            self.metrics.outcome("cancelled")
+        else:
+            self.metrics.result(timings.ttft_s, timings.tpot_s, timings.e2e_s, out.deadline_met)
+        log.info("request_done", id=pending.request.id, client=_client(pending.command.identity),
+                 template=pending.request.template_id, admitted=True, reason=out.finish_reason, outcome="result",
+                 prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
+                 output_tokens=len(out.token_ids), **{f"{k[:-2]}_ms": None if v is None else round(v * 1000, 3)
+                                                       for k, v in timings.model_dump().items()},
+                 deadline_ms=pending.request.deadline_ms, deadline_met=out.deadline_met)
+
+    # -- cancel and drain
+
+    def _cancel(self, command: Command) -> None:
+        request: p.CancelRequest = command.request
+        pending = self._generates.get((command.identity, request.target_id))
+        if pending is None:
+            raise p.ProtocolError("UNKNOWN_REQUEST", f"field 'target_id': no generate request {request.target_id!r} "
+                                  "of this client is in flight", request.id)
+        self._abort(pending, "cancelled")
+        self.outbox.put(command.identity, p.Cancelled(id=request.id, target_id=request.target_id))
+
+    def _abort(self, pending: _Pending, reason: str) -> None:
+        """Finish a running or waiting sequence now (the engine hook a cancel needs)."""
+        engine, seq = self.engine, pending.seq
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
+            seq.output_text = seq.detokenizer.text
+        seq.finish_time = clock()
+        engine.scheduler.finish(seq, reason)
+        if engine.admission is not None:
+            engine.admission.release(seq)
+        self._complete(pending, _output_of(seq))
+
+    def _enforce_drain_deadline(self) -> None:
+        deadline = self.server._drain_deadline
+        if deadline is None or clock() < deadline or not self._generates:
+            return
+        log.warning("drain_timeout", cancelled=len(self._generates))
+        for pending in list(self._generates.values()):
+            self._abort(pending, "cancelled")
+
+    def _fail_everything(self, message: str) -> None:
+        """After an engine fault: an error for each request still waiting for the engine."""
+        for pending in list(self._generates.values()):
+            self._fail(pending.command, "INTERNAL", message)
+        for template in self._templates.values():
+            for waiter in template.waiters:
+                self._fail(waiter, "INTERNAL", message)
+        self._generates.clear()
+
+    # -- templates
+
+    def _register(self, command: Command) -> None:
+        from ricllm.cache.kv_cache_manager import PinHandle
+        from ricllm.sampling_params import SamplingParams
+
+        request: p.RegisterTemplateRequest = command.request
+        template_id = request.template_id or self._new_template_id()
+        existing = self._templates.get(template_id)
+        if existing is not None:
+            self._register_again(command, existing)
+            return
+        token_ids, text = self._render_system(request.system_prompt, request.id)
+        self._check_pin_fits(token_ids, request.id)
+        handle = PinHandle(handle_id=next(self._template_ids) + (1 << 30), token_ids=list(token_ids))
+        internal_id = f"template:{next(self._ids)}"
+        try:
+            seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                                          request_id=internal_id, pin_on_finish=handle)
+        except (CapacityError, InvalidRequestError) as exc:
+            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': {exc}", request.id) from None
+        if seq.rejection is not None:
+            raise p.ProtocolError("INTERNAL", f"cannot pin template {template_id!r} now: {seq.rejection}", request.id)
+        template = _Template(template_id, request.system_prompt, list(token_ids), text, handle, [command])
+        self._templates[template_id] = template
+        self._internal[internal_id] = template
+
+    def _register_again(self, command: Command, template: _Template) -> None:
+        """The same id and text again is a no-op (answered once pinned); another text is an error."""
+        request: p.RegisterTemplateRequest = command.request
+        if template.system_prompt != request.system_prompt:
+            raise p.ProtocolError("VALIDATION", f"field 'template_id': {template.template_id!r} is registered with "
+                                  "another system prompt; unregister it first", request.id)
+        if template.pinned:
+            self.outbox.put(command.identity, template.registered(request.id, self.engine.config.block_size))
+        else:
+            template.waiters.append(command)
+
+    def _new_template_id(self) -> str:
+        while True:
+            template_id = f"t-{next(self._template_ids)}"
+            if template_id not in self._templates:
+                return template_id
+
+    def _render_system(self, system_prompt: str, request_id: str) -> tuple[list[int], str | None]:
+        """The system message as chat requests start with it (raw text without a chat template)."""
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.has_chat_template:
+            return tokenizer.encode(system_prompt), None
+        text = self._render([{"role": "system", "content": system_prompt}], False, request_id)
+        return tokenizer.encode(text, add_special_tokens=False), text
+
+    def _check_pin_fits(self, token_ids: list[int], request_id: str) -> None:
+        """Pins may not take blocks that admitted requests reserved, nor the last free one."""
+        engine = self.engine
+        needed = len(token_ids) // engine.cache.block_size
+        reserved = engine.admission.reserved_blocks if engine.admission is not None else 0
+        room = engine.kv_cache.geometry.num_blocks - engine.cache.num_pinned_blocks - reserved - 1
+        if needed > room:
+            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': pinning {len(token_ids)} tokens needs "
+                                  f"{needed} full KV blocks, but only {room} can be pinned now", request_id)
+
+    def _pinned(self, template: _Template) -> None:
+        template.pinned = True
+        block_size = self.engine.config.block_size
+        if self._templates.get(template.template_id) is not template:  # unregistered while it was pinning
+            self._unpin(template)
+        for waiter in template.waiters:
+            self.outbox.put(waiter.identity, template.registered(waiter.request.id, block_size))
+        template.waiters.clear()
+        log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
+                 pinned_tokens=len(template.handle.block_ids) * block_size)
+
+    def _unpin(self, template: _Template) -> None:
+        if template.handle.handle_id in self.engine.cache.pins:
+            self.engine.cache.unpin(template.handle)
+
+    def _unregister(self, command: Command) -> None:
+        request: p.UnregisterTemplateRequest = command.request
+        template = self._templates.pop(request.template_id, None)
+        if template is None:
+            raise p.ProtocolError("UNKNOWN_TEMPLATE", f"field 'template_id': no template {request.template_id!r} "
+                                  "is registered", request.id)
+        if template.pinned:
+            self._unpin(template)
+        self.outbox.put(command.identity, p.TemplateUnregistered(id=request.id, template_id=request.template_id))
+        log.info("template_unregistered", template=request.template_id)
+
+    # -- stats and metrics
+
+    def _stats(self, command: Command) -> None:
+        self.outbox.put(command.identity, p.StatsReply(id=command.request.id, stats=self._stats_dict()))
+
+    def _stats_dict(self) -> dict[str, Any]:
+        engine, admission = self.engine, self.engine.admission
+        counts = self.metrics.counts()
+        latency = None
+        if admission is not None:
+            latency = {**admission.latency.error_summary(), "correction": admission.latency.correction}
+        return {
+            "kv_cache": engine.kv_cache_stats(),
+            "queues": {"inbound": self.server._inbound.qsize(), "inbound_capacity": self.server.options.inbound_queue_size,
+                       "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                       "in_flight": len(self._generates)},
+            "admission": {"policy": self.config.admission, "counts": counts["admission"],
+                          "reserved_blocks": admission.reserved_blocks if admission is not None else 0},
+            "deadlines": counts["deadlines"],
+            "latency_model": latency,
+            "templates": {t.template_id: {"num_tokens": len(t.token_ids), "pinned": t.pinned,
+                                          "num_pinned_tokens": len(t.handle.block_ids) * engine.config.block_size}
+                          for t in self._templates.values()},
+            "draining": self.server._draining.is_set(),
+        }
+
+    def _publish(self, force: bool = False) -> None:
+        """Hand the metrics collector a fresh snapshot, at most every PUBLISH_EVERY_S."""
+        now = clock()
+        if not force and now - self._published < PUBLISH_EVERY_S:
+            return
+        self._published = now
+        engine, admission = self.engine, self.engine.admission
+        kv = engine.kv_cache_stats()
+        errors = admission.latency.error_summary() if admission is not None else {}
+        self.metrics.publish(EngineSnapshot(
+            running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+            inbound=self.server._inbound.qsize(), num_blocks=kv["num_blocks"], used_blocks=kv["used_blocks"],
+            free_blocks=kv["free_blocks"], cached_free_blocks=kv["cached_free_blocks"],
+            pinned_blocks=kv["pinned_blocks"], prefix_queries_tokens=kv["prefix_cache_queries_tokens"],
+            prefix_hits_tokens=kv["prefix_cache_hits_tokens"], preemptions=kv["preemptions"],
+            latency_median_abs_error=errors.get("median_abs_error"), latency_p95_abs_error=errors.get("p95_abs_error"),
+            latency_correction=admission.latency.correction if admission is not None else None))
+
+
+def _timings(out: RequestOutput, offset_s: float) -> p.Timings:
+    """The engine's times count from its arrival; the protocol's from the server's receipt."""
+    def shifted(value: float | None) -> float | None:
+        return None if value is None else max(value + offset_s, 0.0)
+
+    e2e = shifted(out.e2e_s) or 0.0
+    queue_s = shifted(out.queue_s)
+    return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=shifted(out.ttft_s), e2e_s=e2e,
+                     tpot_s=out.tpot_s)
+
+
+def _output_of(seq: Sequence) -> RequestOutput:
+    """A finished sequence's output, as the engine builds it for the ones it finishes itself."""
+    from ricllm.outputs import RequestOutput
+
+    def since_arrival(t: float | None) -> float | None:
+        return None if t is None else t - seq.arrival_time
+
+    return RequestOutput(
+        request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+        text=seq.output_text, token_ids=seq.output_token_ids, num_cached_tokens=max(seq.num_cached_tokens, 0),
+        finish_reason=seq.finish_reason, ttft_s=since_arrival(seq.first_token_time),
+        e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
+        deadline_met=None if seq.deadline is None else seq.finish_time <= seq.deadline,
+        deadline_ms=seq.params.deadline_ms)
+
+
+# ------------------------------------------------------------------------------ the server
+
+class Server:
+    """``ricllm serve`` in-process: ``start()``, ``wait_ready()``, ``drain()``, ``wait()``, ``stop()``.
+
+    ``start`` binds the ROUTER socket and the HTTP port and returns; the engine loads (and
+    calibrates unless ``latency_model`` or ``config.latency_fit`` is given) in the engine thread,
+    after which ``/ric/v1/health/ready`` answers 200. Requests that arrive while it loads wait in
+    the inbound queue. ``drain`` stops taking generates (``DRAINING``), lets admitted ones finish
+    (cancelled after ``timeout_s``) and ends the threads; ``stop`` is ``drain(0)`` + ``wait``.
+    """
+
+    def __init__(self, config: EngineConfig, options: ServerOptions | None = None,
+                 latency_model: LatencyModel | None = None) -> None:
+        self.options = options or ServerOptions()
+        self.metrics = ServerMetrics()
+        self.failure: BaseException | None = None
+        self._ready, self._draining, self._worker_done = threading.Event(), threading.Event(), threading.Event()
+        self._drain_deadline: float | None = None
+        self._inbound: queue.Queue[Command] = queue.Queue(maxsize=self.options.inbound_queue_size)
+        self._context = zmq.Context()
+        self._outbox: _Outbox | None = None
+        self._auth = None
+        self._http: HealthServer | None = None
+        self._frontend: _Frontend | None = None
+        self._threads: list[threading.Thread] = []
+        self._worker = _Worker(self, config, latency_model)
+        self._closed = False
+
+    # -- lifecycle
+
+    def start(self) -> Server:
+        """Bind everything, then start the threads; on a bind error nothing is left open."""
+        try:
+            self._start_http()
+            self._start_auth()
+            self._frontend = _Frontend(self, self._context, self.options)
+        except BaseException:
+            self._close()
+            raise
+        self._outbox = _Outbox(self._context, self._frontend.wake_address)
+        self._worker.outbox = self._outbox
+        self._threads = [threading.Thread(target=self._frontend.run, name="ricllm-socket", daemon=True),
+                         threading.Thread(target=self._worker.run, name="ricllm-engine", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        log.info("server_listening", endpoint=self.endpoint, http_port=self.http_port,
+                 curve=self.options.curve is not None)
+        return self
+
+    def _start_http(self) -> None:
+        if self.options.http_port is None:
+            return
+        try:
+            self._http = HealthServer(self.options.http_host, self.options.http_port, self.ready, self.metrics.render)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen for HTTP on port {self.options.http_port}: {exc.strerror or exc}") from None
+        self._http.start()
+
+    def _start_auth(self) -> None:
+        """CURVE clients are admitted only with a public key found in ``authorized_keys_dir``."""
+        curve = self.options.curve
+        if curve is None:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        if not os.path.isdir(curve.authorized_keys_dir):
+            raise ConfigError(f"CURVE authorized_keys_dir {curve.authorized_keys_dir!r} is not a folder")
+        self._auth = ThreadAuthenticator(self._context, log=None)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new generates; admitted ones finish, or are cancelled after ``timeout_s``
+        (default ``options.drain_timeout_s``; a later call may shorten it). Returns at once."""
+        timeout_s = self.options.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = clock() + timeout_s
+        if self._drain_deadline is None or deadline < self._drain_deadline:
+            self._drain_deadline = deadline
+        if not self._draining.is_set():
+            log.info("server_draining", timeout_s=timeout_s)
+        self._draining.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once both threads have ended and everything is closed."""
+        end = None if timeout is None else clock() + timeout
+        for thread in self._threads:
+            thread.join(None if end is None else max(end - clock(), 0.0))
+            if thread.is_alive():
+                return False
+        self._close()
+        return True
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Cancel whatever runs, answer everything, close."""
+        self.drain(timeout_s=0.0)
+        if not self.wait(timeout):
+            raise RuntimeError("the server threads did not end")
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._http is not None:
+            self._http.stop()
+        if self._auth is not None:
+            self._auth.stop()
+        self._context.term()
+        log.info("server_stopped", failure=None if self.failure is None else str(self.failure))
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- state
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint (a ``*`` port resolved)."""
+        return self._frontend.endpoint if self._frontend is not None else self.options.zmq_endpoint
+
+    @property
+    def http_port(self) -> int | None:
+        return self._http.port if self._http is not None else None
+
+    def ready(self) -> bool:
+        """Loaded and calibrated, not draining, not failed: what the readiness probe reports."""
+        return self._ready.is_set() and not self._draining.is_set() and not self._worker_done.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the engine to load; re-raises its load error."""
+        end = None if timeout is None else clock() + timeout
+        while not self._ready.is_set() and not self._worker_done.is_set():
+            if end is not None and clock() >= end:
+                return False
+            self._ready.wait(0.05)
+        if self.failure is not None and not self._ready.is_set():
+            raise self.failure
+        return self._ready.is_set()
+
+    def _record_failure(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    def _end_message(self) -> str:
+        if self.failure is not None:
+            return f"the server stopped: {type(self.failure).__name__}: {self.failure}"
+        return "the server is shutting down"
+
+
+# ------------------------------------------------------------------------------ the command
+
+def serve_forever(settings: ServeSettings) -> int:
+    """Run until SIGTERM/SIGINT, then drain and return 0 (a second signal cancels what runs)."""
+    configure_logging(json=settings.log_json, level=os.environ.get("RICLLM_LOG_LEVEL", "INFO"))
+    server = Server(settings.engine_config(), settings.server)
+    server.start()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        server.drain(timeout_s=0.0 if server._draining.is_set() else None)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    while not server.wait(timeout=0.5):
+        pass
+    if server.failure is not None:
+        if isinstance(server.failure, RicllmError):
+            raise server.failure
+        log.error("server_failed", error=f"{type(server.failure).__name__}: {server.failure}")
+        return 1
+    return 0
