@@ -271,7 +271,11 @@ class RicClient:
         if not self._socket.poll(int(timeout * 1000), zmq.POLLOUT):
             self.reconnect()
             raise _timeout(request.id, self.endpoint, timeout)
-        self._socket.send(encode(request), zmq.NOBLOCK)
+        try:
+            self._socket.send(encode(request), zmq.NOBLOCK)
+        except zmq.Again:  # the pipe went away between poll and send (e.g. a refused CURVE handshake)
+            self.reconnect()
+            raise _timeout(request.id, self.endpoint, timeout) from None
 
     def _replies(self, request_id: str, timeout_s: float | None, per_reply: bool) -> Iterator[Any]:
         """Replies to ``request_id`` up to its final one; late replies to older ids are skipped."""

@@ -62,6 +62,7 @@ log = get_logger("ricllm.serve")
 clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare
 Key = tuple[bytes, str]  # (ZeroMQ identity of the client, its request id)
 PUBLISH_EVERY_S = 0.1
+SEND_HWM = 100_000  # replies queued per client before the ROUTER drops them
 _wake_ids = itertools.count()
 
 
@@ -163,9 +164,14 @@ class _Frontend:
         self.wake.bind(self.wake_address)
 
     def _bind(self, options: ServerOptions) -> None:
-        """LINGER 0, no ROUTER_MANDATORY (replies to vanished clients are dropped), a size cap."""
+        """LINGER 0, no ROUTER_MANDATORY (replies to vanished clients are dropped), a size cap.
+
+        A ROUTER also drops replies to a client whose pipe is full, so the per-client send
+        high-water mark is set well above what one client can have in flight.
+        """
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.SNDHWM, SEND_HWM)
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * options.max_message_bytes)
         if options.curve is not None:
             self._curve_server(options.curve.server_secret_key_file)
@@ -201,9 +207,10 @@ class _Frontend:
                 if self.router in events:
                     self._receive()
             self._finish()
-        except Exception as exc:  # a bug here must not leave clients hanging silently
+        except Exception as exc:  # a bug here: stop the engine thread too, so the process ends
             log.exception("socket_thread_fault")
             self.server._record_failure(exc)
+            self.server.drain(timeout_s=0.0)
         finally:
             self.router.close(linger=self.options.drain_linger_ms)
             self.wake.close(linger=0)
@@ -682,7 +689,8 @@ class _Worker:
             return
         token_ids, text = self._render_system(request.system_prompt, request.id)
         self._check_pin_fits(token_ids, request.id)
-        handle = PinHandle(handle_id=next(self._template_ids) + (1 << 30), token_ids=list(token_ids))
+        # ids far from the engine's own (LLM.pin_prefix counts from 1), in case both are ever used
+        handle = PinHandle(handle_id=(1 << 30) + next(self._template_ids), token_ids=list(token_ids))
         internal_id = f"template:{next(self._ids)}"
         try:
             seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
@@ -769,7 +777,8 @@ class _Worker:
             latency = {**admission.latency.error_summary(), "correction": admission.latency.correction}
         return {
             "kv_cache": engine.kv_cache_stats(),
-            "queues": {"inbound": self.server._inbound.qsize(), "inbound_capacity": self.server.options.inbound_queue_size,
+            "queues": {"inbound": self.server._inbound.qsize(),
+                       "inbound_capacity": self.server.options.inbound_queue_size,
                        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                        "in_flight": len(self._generates)},
             "admission": {"policy": self.config.admission, "counts": counts["admission"],
@@ -884,7 +893,8 @@ class Server:
         try:
             self._http = HealthServer(self.options.http_host, self.options.http_port, self.ready, self.metrics.render)
         except OSError as exc:
-            raise ConfigError(f"cannot listen for HTTP on port {self.options.http_port}: {exc.strerror or exc}") from None
+            raise ConfigError(f"cannot listen for HTTP on port {self.options.http_port}: "
+                              f"{exc.strerror or exc}") from None
         self._http.start()
 
     def _start_auth(self) -> None:

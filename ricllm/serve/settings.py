@@ -22,8 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ricllm.errors import ConfigError
 from ricllm.serve.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
@@ -36,6 +44,7 @@ DEFAULT_BIND = f"tcp://0.0.0.0:{DEFAULT_ZMQ_PORT}"
 # the same pattern as schema.json's kv_cache_budget (the descriptor tests check it against parse_bytes)
 BYTE_SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]*)?\s*([bB]|[kKmMgGtT][bB]|[kKmMgGtT][iI][bB]|[kKmMgG])?\s*$"
 
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|constrained-\w+|function-\w+\[.*\])$")  # pydantic's loc tags
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
 
@@ -171,11 +180,11 @@ def _describe(exc: ValidationError, source: str) -> str:
     """``--config x.json: field 'admission.policy': Input should be ... (got 'edf')``."""
     parts = []
     for error in exc.errors(include_url=False)[:3]:
-        name = ".".join(str(part) for part in error["loc"] if not str(part).startswith(("int", "str", "constrained")))
+        name = ".".join(str(part) for part in error["loc"] if not _UNION_TAG.match(str(part)))
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             parts.append(f"field {name!r}: unknown setting")
-        elif error["type"] == "missing" or not name:
+        elif error["type"] == "missing" or not name or isinstance(error.get("input"), dict):
             parts.append(f"field {name!r}: {message}" if name else message)
         else:
             parts.append(f"field {name!r}: {message} (got {error.get('input')!r:.60})")
@@ -251,19 +260,22 @@ def resolve_settings(args: argparse.Namespace | None = None, environ: dict[str, 
     """Flags over ``--config`` over ``$CONFIG_FILE`` over defaults; raises :class:`SettingsError`."""
     environ = os.environ if environ is None else environ
     args = args or argparse.Namespace()
-    layers: list[dict[str, Any]] = []
+    layers: list[tuple[str, dict[str, Any]]] = []
     if environ.get(CONFIG_ENV):
-        layers.append(load_controls_file(environ[CONFIG_ENV], f"{CONFIG_ENV}={environ[CONFIG_ENV]}"))
+        source = f"{CONFIG_ENV}={environ[CONFIG_ENV]}"
+        layers.append((source, load_controls_file(environ[CONFIG_ENV], source)))
     if getattr(args, "config", None):
-        layers.append(load_controls_file(args.config, f"--config {args.config}"))
-    layers.append(validate_layer(flag_layer(args), "command-line flags"))
+        source = f"--config {args.config}"
+        layers.append((source, load_controls_file(args.config, source)))
+    layers.append(("command-line flags", validate_layer(flag_layer(args), "command-line flags")))
     merged: dict[str, Any] = {}
-    for layer in layers:
+    for _, layer in layers:
         merged = _merge(merged, layer)
     try:
         controls = Controls.model_validate(merged)
     except ValidationError as exc:  # a rule across layers, e.g. curve enabled in one, keys in none
-        raise SettingsError(_describe(exc, "merged settings")) from None
+        sources = ", ".join(source for source, layer in layers if layer) or "defaults"
+        raise SettingsError(_describe(exc, f"settings from {sources}")) from None
     return ServeSettings(controls, server_options(controls))
 
 
