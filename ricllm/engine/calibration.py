@@ -24,6 +24,7 @@ from ricllm.sampling_params import SamplingParams
 
 log = get_logger("ricllm.calibration")
 
+CALIBRATION_VERSION = 3  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
@@ -57,6 +58,7 @@ def fit_key(engine) -> dict:
         "model_sha256": file_digest(engine.checkpoint.path), "dtype": str(engine.dtype),
         "weights": list(engine.weight_formats), "attention_backend": engine.attention_backend,
         "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__,
+        "calibration": CALIBRATION_VERSION,
         "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
     }
 
@@ -134,9 +136,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
     model = fit(samples, roofline_of(engine))
-    for features, seconds in samples:
-        model.observe(features, seconds)
-    model.correction = 1.0
+    model.errors.extend((t - model.base(f)) / t for f, t in samples)  # in-sample error, reported below
     _reset_counters(engine)
     log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1),
              coefficients=[f"{c:.3g}" for c in model.coefficients], **model.error_summary())

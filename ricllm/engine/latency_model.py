@@ -8,8 +8,9 @@ term in P misses for long prompts). The roofline ``(weight bytes + KV bytes read
 is the floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep; online, a multiplicative
-correction tracks the ratio of measured to predicted time (an exponentially weighted mean), so
-a machine that slows down is caught within a few steps, and every error is recorded.
+correction tracks the median ratio of measured to predicted time over the last steps (a median,
+so one stalled step does not swing it), so a machine that slows down is caught within a few
+dozen steps, and every prediction's error is recorded.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class LatencyModel:
     coefficients: list[float]  # seconds per unit of each FEATURES entry
     roofline: Roofline | None = None
     correction: float = 1.0  # measured / predicted, tracked online
-    smoothing: float = 0.2
+    window: int = 32  # steps whose measured/predicted ratios set the correction
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
+    ratios: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
 
     def base(self, f: StepFeatures) -> float:
         linear = float(feature_vector(f) @ np.asarray(self.coefficients))
@@ -64,7 +66,10 @@ class LatencyModel:
         self.errors.append((measured_s - predicted) / measured_s if measured_s > 0 else 0.0)
         base = self.base(f)
         if base > 0 and measured_s > 0:
-            self.correction += self.smoothing * (measured_s / base - self.correction)
+            if self.ratios.maxlen != self.window:
+                self.ratios = deque(self.ratios, maxlen=self.window)
+            self.ratios.append(measured_s / base)
+            self.correction = statistics.median(self.ratios)
 
     def error_summary(self) -> dict:
         """Median and p95 of |relative error|, over the recorded steps."""
@@ -94,20 +99,32 @@ class LatencyModel:
 
 
 def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = None) -> LatencyModel:
-    """Non-negative least squares over ``(features, seconds)`` samples.
+    """Non-negative least squares over ``(features, seconds)`` samples, refitted once without outliers.
 
     Relative (not absolute) error is minimised: rows are weighted by 1/t, so a 2 ms decode
-    step counts as much as a 200 ms prefill.
+    step counts as much as a 200 ms prefill. Steps that took more than twice (or less than half)
+    the first fit's prediction are dropped before the refit: a first run of a new shape pays
+    one-off kernel compilation, and a noisy neighbour can stall a step; neither is the model.
     """
     x = np.stack([feature_vector(f) for f, _ in samples])
     y = np.array([t for _, t in samples])
+    coefficients = _nnls(x, y)
+    ratio = y / np.maximum(x @ coefficients, 1e-9)
+    keep = (ratio < 2.0) & (ratio > 0.5)
+    if keep.sum() >= x.shape[1] * 2:
+        coefficients = _nnls(x[keep], y[keep])
+    return LatencyModel(coefficients=coefficients.tolist(), roofline=roofline)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Active-set NNLS on relative error: drop the most negative term until all are >= 0."""
     weights = 1.0 / np.maximum(y, 1e-6)
     active = list(range(x.shape[1]))
     while True:
         solution, *_ = np.linalg.lstsq(x[:, active] * weights[:, None], y * weights, rcond=None)
         if (solution >= 0).all() or len(active) == 1:
             break
-        active.pop(int(np.argmin(solution)))  # drop the most negative term and refit
+        active.pop(int(np.argmin(solution)))
     coefficients = np.zeros(x.shape[1])
     coefficients[active] = np.maximum(solution, 0)
-    return LatencyModel(coefficients=coefficients.tolist(), roofline=roofline)
+    return coefficients
