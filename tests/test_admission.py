@@ -254,3 +254,36 @@ def test_unreadable_latency_fit_is_a_clear_error(tiny_gguf, tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read latency fit"):
         LLMEngine(EngineConfig(model=str(tiny_gguf), admission="deadline", latency_fit=str(bad)))
+
+
+def test_pinned_prefix_is_not_charged_as_prefill(tiny_gguf):
+    from ricllm.cache.kv_cache_manager import PinHandle
+    from ricllm.engine.admission import work_of
+
+    engine, _ = make_engine(tiny_gguf)
+    template = prompt(96, 40)
+    handle = PinHandle(handle_id=1, token_ids=template)
+    engine.add_request(template, SamplingParams(max_tokens=1, ignore_eos=True, deadline_ms=60_000),
+                       pin_on_finish=handle)
+    drain(engine)
+    assert len(handle.block_ids) == 6
+    seq = engine.add_request(template + prompt(10, 41), SamplingParams(max_tokens=4, deadline_ms=60_000))
+    assert seq.pinned_prefix_tokens == 96 and work_of(seq).prefill_left == 10
+
+
+def test_an_idle_engine_that_refuses_relaxes_its_correction(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf)
+    latency = engine.admission.latency
+    for _ in range(8):
+        latency.observe(engine.step_history[-1].features if engine.step_history else _decode_features(), 1.0)
+    inflated = latency.correction
+    assert inflated > 5
+    for i in range(40):
+        engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=50))
+    assert latency.correction < inflated
+
+
+def _decode_features():
+    from ricllm.engine.scheduler import StepFeatures
+
+    return StepFeatures(0, 1, 20, 0)

@@ -54,7 +54,8 @@ class Work:
 
 
 def work_of(seq: Sequence) -> Work:
-    prefill_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+    """Pinned prefix blocks are never recomputed, so they are not prefill work."""
+    prefill_left = max(seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.pinned_prefix_tokens), 0)
     decode_left = seq.params.max_tokens - seq.num_output_tokens
     return Work(seq.deadline, prefill_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id)
@@ -111,6 +112,7 @@ class AdmissionController:
                                 prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                 max_model_len=self.max_model_len)
         need = -(-total // self.block_size) - pinned_hits
+        seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
         if need > capacity:
             return self._reject("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but the budget holds "
@@ -129,6 +131,8 @@ class AdmissionController:
                                 blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks)
         late = self._first_late(seq, now, busy_s, best_effort_running)
         if late is not None:
+            if not self.admitted and best_effort_running == 0:
+                self.latency.relax()  # idle and refusing: no step will ever correct an inflated correction
             return late
         return self._admit(seq, need, promise=True)
 

@@ -8,9 +8,10 @@ term in P misses for long prompts). The roofline ``(weight bytes + KV bytes read
 is the floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep; online, a multiplicative
-correction tracks the median ratio of measured to predicted time over the last steps (a median,
-so one stalled step does not swing it), so a machine that slows down is caught within a few
-dozen steps, and every prediction's error is recorded.
+correction tracks a high quantile (0.9 by default) of the ratio of measured to predicted time over
+the last steps: a promise is made against how slow steps run on this machine now, not against
+their average, yet one stalled step cannot swing it; a machine that slows down is caught within a
+few dozen steps, and every prediction's error is recorded.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class LatencyModel:
     roofline: Roofline | None = None
     correction: float = 1.0  # measured / predicted, tracked online
     window: int = 32  # steps whose measured/predicted ratios set the correction
+    quantile: float = 0.9  # of those ratios: promises hold for all but the slowest tenth of steps
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     ratios: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
 
@@ -61,15 +63,29 @@ class LatencyModel:
         return self.base(f) * self.correction
 
     def observe(self, f: StepFeatures, measured_s: float) -> None:
-        """Refine online from a measured step and record the relative error of the prediction."""
-        predicted = self.predict(f)
-        self.errors.append((measured_s - predicted) / measured_s if measured_s > 0 else 0.0)
+        """Refine online from a measured step; record the relative error of the point estimate
+        (the median-corrected prediction; the promise-making correction is a higher quantile)."""
         base = self.base(f)
+        point = base * (statistics.median(self.ratios) if self.ratios else 1.0)
+        self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
         if base > 0 and measured_s > 0:
             if self.ratios.maxlen != self.window:
                 self.ratios = deque(self.ratios, maxlen=self.window)
             self.ratios.append(measured_s / base)
-            self.correction = statistics.median(self.ratios)
+            self.correction = self._ratio_quantile()
+
+    def relax(self) -> None:
+        """Step the correction back toward the calibrated fit (ratio 1) when no step can be measured.
+
+        An engine that refuses everything runs no steps, so an inflated correction (a burst of
+        slow steps) would never come down on its own; each idle refusal adds one neutral sample.
+        """
+        self.ratios.append(1.0)
+        self.correction = self._ratio_quantile()
+
+    def _ratio_quantile(self) -> float:
+        ordered = sorted(self.ratios)
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
     def error_summary(self) -> dict:
         """Median and p95 of |relative error|, over the recorded steps."""

@@ -45,6 +45,7 @@ class Sequence:
     deadline: float | None = None  # absolute, on the engine clock
     reserved_blocks: int = 0  # worst-case blocks set aside by admission
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
+    pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
     rejection: object = None  # ricllm.outputs.Rejection when admission refused it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -42,6 +42,7 @@ class InProcessBackend:
         self.engine_kwargs = engine_kwargs
         self.thread = None
         self.prompts: dict[int, list[int]] = {}
+        self.sampler = _EngineSampler()
 
     async def start(self, plan: list, templates: dict[str, str]) -> dict[str, dict]:
         """Load the engine (off the event loop), pin each template, and tokenize every prompt now."""
@@ -86,13 +87,15 @@ class InProcessBackend:
         _fill_from_output(record, output, sent, first.get("t"), done, t0)
 
     async def sample(self) -> dict[str, Any]:
-        return await _await(self.thread.call(_engine_sample))
+        return await _await(self.thread.call(self.sampler))
 
     async def finish(self, interrupted: bool) -> dict[str, Any]:
-        """Engine settings and final counters; the thread is stopped unless the run was interrupted."""
+        """Engine settings and final counters, then stop the thread; after Ctrl-C what still runs is
+        ended first, so the thread stops at once (one killed mid-step at exit aborts the process)."""
         info = await asyncio.wait_for(_await(self.thread.call(_engine_info)), 30)
-        if not interrupted:
-            await asyncio.get_running_loop().run_in_executor(None, self.thread.stop, 60)
+        if interrupted:
+            info["cancelled_at_interrupt"] = await _await(self.thread.call(_cancel_all))
+        await asyncio.get_running_loop().run_in_executor(None, self.thread.stop, 60)
         return info
 
 
@@ -165,7 +168,7 @@ class ZmqBackend:
         finally:
             await self.client.aclose()
         return {"source": "server", "endpoint": self.endpoint, "server_version": self.version,
-                "server_stats": stats, "model": _server_model(stats)}
+                "kv_cache": stats.get("kv_cache"), "server_stats": stats, "model": _server_model(stats)}
 
 
 async def _await(future: Future, stamp: bool = False) -> Any:
@@ -228,19 +231,47 @@ def _pin_template(engine, system: str) -> dict[str, int]:
     return {"tokens": len(token_ids), "pinned_tokens": len(handle.block_ids) * cache.block_size}
 
 
-def _engine_sample(engine) -> dict[str, Any]:
-    """Runs on the engine thread between steps: what the timeline plots."""
-    stats = engine.kv_cache_stats()
-    last = engine.step_history[-1].features if engine.step_history else None
-    admission = engine.admission.stats() if engine.admission is not None else None
-    return {"kv_used_blocks": stats["used_blocks"], "kv_num_blocks": stats["num_blocks"],
-            "kv_pinned_blocks": stats["pinned_blocks"], "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting), "preemptions": stats["preemptions"],
-            "last_step_decode_seqs": last.num_decode_seqs if last else 0,
-            "last_step_prefill_tokens": last.num_prefill_tokens if last else 0,
-            "admitted_total": admission["admitted"] if admission else None,
-            "rejected_total": sum(admission["rejected"].values()) if admission else None,
-            "met_total": engine.deadline_counts["met"], "missed_total": engine.deadline_counts["missed"]}
+class _EngineSampler:
+    """Runs on the engine thread between steps: what the timeline plots, including the steps run
+    since the previous sample and their mean duration (found by the last record already seen)."""
+
+    def __init__(self) -> None:
+        self._seen = None
+
+    def __call__(self, engine) -> dict[str, Any]:
+        stats = engine.kv_cache_stats()
+        admission = engine.admission.stats() if engine.admission is not None else None
+        new = self._new_steps(engine.step_history)
+        last = engine.step_history[-1].features if engine.step_history else None
+        return {"kv_used_blocks": stats["used_blocks"], "kv_num_blocks": stats["num_blocks"],
+                "kv_pinned_blocks": stats["pinned_blocks"], "running": len(engine.scheduler.running),
+                "waiting": len(engine.scheduler.waiting), "preemptions": stats["preemptions"],
+                "steps": len(new), "step_ms_mean": 1000 * sum(r.duration_s for r in new) / len(new) if new else None,
+                "decode_seqs_mean": sum(r.features.num_decode_seqs for r in new) / len(new) if new else None,
+                "last_step_prefill_tokens": last.num_prefill_tokens if last else 0,
+                "admitted_total": admission["admitted"] if admission else None,
+                "rejected_total": sum(admission["rejected"].values()) if admission else None,
+                "met_total": engine.deadline_counts["met"], "missed_total": engine.deadline_counts["missed"]}
+
+    def _new_steps(self, history) -> list:
+        new = []
+        for record in reversed(history):
+            if record is self._seen:
+                break
+            new.append(record)
+        self._seen = history[-1] if history else None
+        return new[::-1]
+
+
+def _cancel_all(engine) -> int:
+    """Runs on the engine thread: end every unfinished request now (finish reason ``cancelled``)."""
+    unfinished = [*engine.scheduler.running, *engine.scheduler.waiting]
+    for seq in unfinished:
+        seq.finish_time = engine.clock()
+        engine.scheduler.finish(seq, "cancelled")
+        if engine.admission is not None:
+            engine.admission.release(seq)
+    return len(unfinished)
 
 
 def _engine_info(engine) -> dict[str, Any]:
@@ -487,14 +518,14 @@ class _Progress:
         self.bar.update(1)
 
     def tick(self) -> None:
-        self.bar.set_postfix_str(self.summary(), refresh=False)
+        self.bar.set_postfix_str(self.summary())
         if self.quiet and time.monotonic() - self.last_status >= QUIET_STATUS_PERIOD_S:
             self.last_status = time.monotonic()
             print(f"replay: {self.counts['done']}/{self.bar.total} answered; {self.summary()}",
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self.tick()
+        self.bar.set_postfix_str(self.summary())
         self.bar.close()
 
 
@@ -539,27 +570,52 @@ def _kv_peak(result: ReplayResult) -> dict[str, Any]:
 
 
 def _trace_section(scenario, trace) -> dict[str, Any]:
-    """Trace identity and load stats, and a downsampled series of the KPIs the triggers read."""
-    from ricllm.replay.scenario import Threshold
-
-    kpis = scenario.trace_kpis()
-    watched = [n for t in scenario.triggers if t.threshold for n in Threshold(t.threshold, kpis).names]
-    watched = list(dict.fromkeys(watched))[:2] or [k for k in ("RRU.PrbTotDl",) if k in kpis] or kpis[:1]
+    """Trace identity and load stats, and a downsampled series per entity of what the triggers
+    watch: each threshold's left side (``RRU.PrbUsedDl / RRU.PrbAvailDl``) with its threshold, or
+    the KPIs a threshold reads, or PRB usage when no trigger reads any."""
+    signals = _watched_signals(scenario)
     pacing = scenario.pacing
     end = float("inf") if pacing.duration_s is None else pacing.start_s + pacing.duration_s
     rows = [r for r in trace.rows if pacing.start_s <= r.time_s < end]
     series: dict[str, dict[str, list]] = {}
     for row in rows:
-        entry = series.setdefault(row.entity, {"t": [], **{k: [] for k in watched}})
+        entry = series.setdefault(row.entity, {"t": [], **{s["name"]: [] for s in signals}})
         entry["t"].append(row.time_s)
-        for k in watched:
-            entry[k].append(row.kpis.get(k))
+        for watched in signals:
+            entry[watched["name"]].append(watched["read"](row.kpis))
     for entity, entry in series.items():
         step = max(1, len(entry["t"]) // TRACE_SERIES_POINTS)
         series[entity] = {k: v[::step] for k, v in entry.items()}
     return {"source": str(trace.path), "rows": len(trace.rows), "rows_replayed": len(rows),
             "entities": trace.entities(), "duration_s": trace.rows[-1].time_s if trace.rows else 0.0,
-            "load_stats": trace.stats.as_dict(), "series": {"kpis": watched, "entities": series}}
+            "load_stats": trace.stats.as_dict(),
+            "series": {"signals": [{"name": s["name"], "threshold": s["threshold"]} for s in signals],
+                       "entities": series}}
+
+
+def _watched_signals(scenario) -> list[dict[str, Any]]:
+    from ricllm.replay.scenario import Threshold
+
+    kpis = scenario.trace_kpis()
+    signals: dict[str, dict[str, Any]] = {}
+    for trigger in scenario.triggers:
+        if not trigger.threshold:
+            continue
+        threshold = Threshold(trigger.threshold, kpis)
+        if threshold.signal is not None:
+            signals.setdefault(threshold.signal[0], {"name": threshold.signal[0], "threshold": threshold.signal[2],
+                                                     "read": threshold.signal_value})
+        else:
+            for name in threshold.names:
+                signals.setdefault(name, {"name": name, "threshold": None, "read": _kpi_reader(name)})
+    if not signals:
+        name = "RRU.PrbTotDl" if "RRU.PrbTotDl" in kpis else kpis[0]
+        signals[name] = {"name": name, "threshold": None, "read": _kpi_reader(name)}
+    return list(signals.values())[:3]
+
+
+def _kpi_reader(name: str):
+    return lambda kpis: kpis.get(name)
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -618,6 +674,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _backend(args: argparse.Namespace, scenario, plan: list):
     if args.endpoint:
+        if not args.endpoint.startswith(("tcp://", "ipc://")):
+            raise RicllmError(f"--endpoint {args.endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
         for flag, value in (("--latency-fit", args.latency_fit), ("--model", args.model)):
             if value:
                 raise RicllmError(f"{flag} applies to in-process replays; over ZeroMQ the server's own setting holds")

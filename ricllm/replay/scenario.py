@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -59,7 +60,7 @@ TARGET_METRICS = ("met_of_admitted", "met_of_sent", "client_met_of_sent", "admit
 TARGET_OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
 _TARGET = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|==|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
-SELECT_MODES = ("entity", "random")
+SELECT_MODES = ("entity", "entity_order", "random")
 
 
 class ScenarioError(RicllmError, ValueError):
@@ -119,21 +120,26 @@ class Pacing(_Strict):
 
 
 class Every(_Strict):
+    """Per entity, every ``seconds`` of trace time. ``stagger`` spreads the entities' phases over the
+    period (by a stable hash of the id), so cells do not all report in the same instant."""
+
     seconds: float = Field(gt=0)
+    stagger: bool = False
 
 
 class Trigger(_Strict):
     """Exactly one condition; each firing row sends one request.
 
-    ``every`` and ``cooldown_s`` count per entity, in trace seconds. ``on: rising`` fires a
-    threshold only when it turns true for that entity; ``level`` fires on every true row.
+    ``every`` and ``cooldown_s`` count per entity, in trace seconds. ``mode: rising`` fires a
+    threshold only when it turns true for that entity; ``level`` fires on every true row. (``mode``,
+    not ``on``: YAML reads a bare ``on`` key as the boolean true.)
     """
 
     name: str | None = None
     every_row: bool = False
     every: Every | None = None
     threshold: str | None = None
-    on: Literal["level", "rising"] = "level"
+    mode: Literal["level", "rising"] = "level"
     cooldown_s: float = Field(0.0, ge=0)
     entities: list[str] | None = None
     deadline_class: str | None = None
@@ -176,7 +182,8 @@ class TemplateFile(_Strict):
 class Prompts(_Strict):
     """RAN config-template system prompts (pinned once), the user prompt, and which template a row uses.
 
-    ``select``: ``entity`` (a stable hash of the entity id), ``random`` (seeded) or a template name.
+    ``select``: ``entity`` (a stable hash of the entity id), ``entity_order`` (the trace's i-th entity
+    gets template i mod n: an even spread), ``random`` (seeded) or a template name.
     """
 
     templates: dict[str, Annotated[str, Field(min_length=1)] | TemplateFile] = {}
@@ -220,10 +227,10 @@ class EngineSettings(_Strict):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
-    dtype: str | None = None
-    device: str | None = None
-    attention_backend: str | None = None
-    weights: str | None = None
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] | None = None
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] | None = None
+    attention_backend: Literal["auto", "torch", "triton", "cuda"] | None = None
+    weights: Literal["auto", "bf16", "int8", "int4"] | None = None
     enable_prefix_caching: bool | None = None
     admission: Literal["deadline", "fcfs", "off"] = "deadline"
     safety_margin: float | None = Field(None, ge=0, lt=10)
@@ -248,6 +255,11 @@ class EngineSettings(_Strict):
 
 # ---------------------------------------------------------------------------------- scenario
 
+def _valid_target(text: str) -> str:
+    parse_target(text)
+    return text
+
+
 class Scenario(_Strict):
     name: str | None = None
     description: str = ""
@@ -258,16 +270,8 @@ class Scenario(_Strict):
     prompts: Prompts = Prompts()
     classes: dict[str, DeadlineClass] = Field(min_length=1)
     engine: EngineSettings = EngineSettings()
-    targets: dict[str, list[str]] = {}
+    targets: dict[str, list[Annotated[str, AfterValidator(_valid_target)]]] = {}
     _path: Path = PrivateAttr(default=Path("scenario.yaml"))
-
-    @field_validator("targets")
-    @classmethod
-    def _targets_parse(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
-        for texts in value.values():
-            for text in texts:
-                parse_target(text)
-        return value
 
     @property
     def path(self) -> Path:
@@ -392,9 +396,29 @@ class Threshold:
             raise ValueError(f"threshold {text!r} must be a comparison, e.g. 'RRU.PrbUsedDl / RRU.PrbAvailDl > 0.8'")
         self.names: list[str] = []
         self._fn = self._build(tree.body)
+        self.signal = self._signal(tree.body)
 
     def __call__(self, kpis: Mapping[str, float | None]) -> bool:
         return bool(self._fn(kpis))
+
+    def _signal(self, node: ast.AST) -> tuple[str, KpiFn, float] | None:
+        """For ``EXPR OP NUMBER``: EXPR's text, its function and the number, so a report can plot
+        the signal against its threshold; None for other shapes."""
+        if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.comparators[0], ast.Constant)):
+            return None
+        text = ast.unparse(node.left)
+        for placeholder, kpi in self._slots.items():
+            text = text.replace(placeholder, kpi)
+        return text, self._build(node.left), float(node.comparators[0].value)
+
+    def signal_value(self, kpis: Mapping[str, float | None]) -> float | None:
+        """The left side of ``EXPR OP NUMBER`` for one row; None when a KPI is missing."""
+        if self.signal is None:
+            return None
+        try:
+            return float(self.signal[1](kpis))
+        except (_Missing, ZeroDivisionError):
+            return None
 
     def _build(self, node: ast.AST) -> KpiFn:
         builder = {ast.BoolOp: self._bool, ast.UnaryOp: self._unary, ast.BinOp: self._arith,
@@ -505,7 +529,7 @@ class TriggerRule:
         condition = self._condition(row)
         rising = condition and not self._was_true.get(row.entity, False)
         self._was_true[row.entity] = condition
-        if not condition or (self.spec.on == "rising" and self.threshold and not rising):
+        if not condition or (self.spec.mode == "rising" and self.threshold and not rising):
             return False
         last = self._last_fire.get(row.entity)
         if last is not None and row.time_s - last < self.spec.cooldown_s - 1e-9:
@@ -518,8 +542,16 @@ class TriggerRule:
             return True
         if self.threshold is not None:
             return self.threshold(row.kpis)
+        every = self.spec.every
         last = self._last_fire.get(row.entity)
-        return last is None or row.time_s - last >= self.spec.every.seconds - 1e-9
+        if last is not None:
+            return row.time_s - last >= every.seconds - 1e-9
+        return not every.stagger or row.time_s >= _phase(row.entity) * every.seconds - 1e-9
+
+
+def _phase(entity: str) -> float:
+    """A stable fraction in [0, 1) per entity id."""
+    return int.from_bytes(hashlib.sha256(entity.encode()).digest()[:8], "big") / 2**64
 
 
 def fire_triggers(triggers: Sequence[Trigger], rows: Sequence[KpiRow],
@@ -558,11 +590,12 @@ def plan_requests(scenario: Scenario, trace: LoadedTrace, speed: float | None = 
     env = _jinja_env()
     prompts = {None: env.from_string(scenario.prompts.user_prompt)}
     prompts.update({i: env.from_string(t.user_prompt) for i, t in enumerate(scenario.triggers) if t.user_prompt})
+    order = {entity: i for i, entity in enumerate(trace.entities())}
     planned = []
     for row_index, trigger_index in fire_triggers(scenario.triggers, rows, scenario.trace_kpis()):
         row, trigger = rows[row_index], scenario.triggers[trigger_index]
         cls = trigger.deadline_class or _draw_class(scenario.classes, class_rng)
-        template = trigger.template or _select_template(scenario.prompts, row.entity, template_rng)
+        template = trigger.template or _select_template(scenario.prompts, row.entity, order, template_rng)
         spec = scenario.classes[cls]
         context = prompt_context(row, template=template, deadline_class=cls, deadline_ms=spec.deadline_ms,
                                  max_tokens=spec.max_tokens, trigger=trigger.label(trigger_index))
@@ -578,12 +611,14 @@ def _draw_class(classes: Mapping[str, DeadlineClass], rng: random.Random) -> str
     return rng.choices(names, weights=[classes[n].weight for n in names])[0]
 
 
-def _select_template(prompts: Prompts, entity: str, rng: random.Random) -> str | None:
+def _select_template(prompts: Prompts, entity: str, order: Mapping[str, int], rng: random.Random) -> str | None:
     names = list(prompts.templates)
     if not names:
         return None
     if prompts.select == "entity":
-        return names[int.from_bytes(hashlib.sha256(entity.encode()).digest()[:8], "big") % len(names)]
+        return names[int(_phase(entity) * len(names))]
+    if prompts.select == "entity_order":
+        return names[order[entity] % len(names)]
     if prompts.select == "random":
         return rng.choice(names)
     return prompts.select
@@ -699,8 +734,9 @@ def cross_check(scenario: Scenario) -> list[Problem]:
     for i, trigger in enumerate(scenario.triggers):
         problems += _trigger_problems(i, trigger, classes, templates, kpis)
     if scenario.prompts.select not in (*SELECT_MODES, *templates):
+        names = ", ".join(templates) or "(none defined)"
         problems.append((("prompts", "select"), f"unknown template {scenario.prompts.select!r}; choose entity, "
-                         f"random or one of the templates: {', '.join(templates) or '(none defined)'}", "x"))
+                         f"entity_order, random or one of the templates: {names}", "x"))
     if sum(c.weight for c in classes.values()) <= 0:
         problems.append((("classes",), "the class weights add up to 0: no class can be drawn", "x"))
     problems += [(("targets", scope), f"unknown scope {scope!r}: use 'overall' or a class "
@@ -791,7 +827,12 @@ def _line_of(where: str) -> int:
 
 
 def _where(root: yaml.Node, loc: tuple, kind: str, overridden: list[tuple[str, ...]]) -> str:
-    """'line 14, triggers[0].threshold': the deepest node of ``loc`` found in the YAML."""
+    """'line 14, triggers[0].threshold': the deepest node of ``loc`` found in the YAML, or
+    '--set engine.block_size' when the value came from an override."""
+    names = tuple(str(p) for p in loc)
+    for path in overridden:
+        if names[:len(path)] == path:
+            return f"--set {'.'.join(path)}"
     node, matched = root, []
     for part in loc:
         child = _child(node, part)
@@ -800,11 +841,7 @@ def _where(root: yaml.Node, loc: tuple, kind: str, overridden: list[tuple[str, .
         node, matched = child, [*matched, part]
     if kind == "missing" and loc and (not matched or matched[-1] != loc[-1]):
         matched.append(loc[-1])
-    field = _field_path(matched) or "(top level)"
-    names = tuple(str(p) for p in matched)
-    if any(names[:len(o)] == o for o in overridden):
-        return f"--set {field}"
-    return f"line {node.start_mark.line + 1}, {field}"
+    return f"line {node.start_mark.line + 1}, {_field_path(matched) or '(top level)'}"
 
 
 def _child(node: yaml.Node, part: Any) -> yaml.Node | None:

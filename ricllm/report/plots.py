@@ -26,6 +26,12 @@ def _pyplot():
     return plt
 
 
+def _legend(ax, **style: Any) -> None:
+    """A legend only where something is labelled (matplotlib warns about an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**style)
+
+
 def _png(fig) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
@@ -39,6 +45,16 @@ def _classes(report: dict[str, Any]) -> list[str]:
 
 def _deadlines(report: dict[str, Any]) -> dict[str, float | None]:
     return {name: spec.get("deadline_ms") for name, spec in report["scenario"]["spec"]["classes"].items()}
+
+
+def _log_ms_axis(ax) -> None:
+    """Log scale with plain numbers, and no minor labels (they overlap on a short range)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _cdf(ax, values_ms: Sequence[float], **style: Any) -> None:
@@ -70,9 +86,9 @@ def latency_cdf(report: dict[str, Any]) -> bytes:
     for ax, title in zip(axes, ("time to first token", "end-to-end latency")):
         ax.set(title=f"{title}: CDF against the deadline", xlabel="ms", ylabel="share of completed requests",
                ylim=(0, 1.02))
-        ax.set_xscale("log")
+        _log_ms_axis(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        _legend(ax, fontsize=7, loc="lower right")
     return _png(fig)
 
 
@@ -97,9 +113,9 @@ def _events(report: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def timeline(report: dict[str, Any]) -> bytes:
-    """KV usage, batch (running / waiting) and per-second admissions, rejections and misses."""
+    """KV usage, batch (running / waiting), step time, and per-second admissions, rejections, misses."""
     plt = _pyplot()
-    fig, (kv_ax, batch_ax, event_ax) = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True)
+    fig, (kv_ax, batch_ax, step_ax, event_ax) = plt.subplots(4, 1, figsize=(11, 9.5), sharex=True)
     samples = report.get("timeline", [])
     _kv_lines(kv_ax, samples, "")
     for key, style in (("running", "-"), ("waiting", "--")):
@@ -107,15 +123,19 @@ def timeline(report: dict[str, Any]) -> bytes:
         if points:
             batch_ax.plot(*zip(*points), linestyle=style, label=key)
     batch_ax.set(ylabel="sequences", title="batch: running and waiting")
+    steps = [(s["t_s"], s["step_ms_mean"]) for s in samples if s.get("step_ms_mean") is not None]
+    if steps:
+        step_ax.plot(*zip(*steps), marker=".", linestyle="none", color="C4", label="mean step time")
+    step_ax.set(ylabel="ms", title="engine step time (mean over each 250 ms sample; in-process only)")
     span = report["run"]["wall_s"]
     for (name, times), colour in zip(_events(report).items(), ("#1f77b4", "#d62728", "#ff7f0e")):
         x, counts = per_second(times, span)
         event_ax.step(x, counts, where="post", color=colour, label=f"{name} per s")
     event_ax.set(xlabel="seconds since the replay started", ylabel="requests per s",
                  title="admissions (by send time), rejections, deadline misses (by finish time)")
-    for ax in (kv_ax, batch_ax, event_ax):
+    for ax in (kv_ax, batch_ax, step_ax, event_ax):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        _legend(ax, fontsize=7, loc="upper right")
     return _png(fig)
 
 
@@ -140,23 +160,27 @@ def _outcome(request: dict[str, Any]) -> str:
 
 
 def trace_kpis(report: dict[str, Any]) -> bytes:
-    """The KPIs the triggers read, per entity, over trace time; below, each request it triggered."""
+    """What the triggers watch, per entity, over trace time (threshold dashed); below, every
+    request the trace triggered, coloured by outcome."""
     plt = _pyplot()
     series = report["trace"]["series"]
-    kpis, entities = series["kpis"], series["entities"]
-    fig, axes = plt.subplots(len(kpis) + 1, 1, figsize=(11, 2.6 * (len(kpis) + 1)), sharex=True, squeeze=False)
+    signals, entities = series["signals"], series["entities"]
+    fig, axes = plt.subplots(len(signals) + 1, 1, figsize=(11, 2.6 * (len(signals) + 1)), sharex=True,
+                             squeeze=False)
     axes = axes[:, 0]
-    for ax, kpi in zip(axes, kpis):
+    many = len(entities) > MAX_ENTITY_LINES
+    for ax, signal in zip(axes, signals):
+        name = signal["name"]
         for i, (entity, data) in enumerate(entities.items()):
-            points = [(t, v) for t, v in zip(data["t"], data[kpi]) if v is not None]
+            points = [(t, v) for t, v in zip(data["t"], data[name]) if v is not None]
             if points:
-                many = len(entities) > MAX_ENTITY_LINES
                 ax.plot(*zip(*points), linewidth=0.8, color="0.6" if many else f"C{i % 10}",
                         label=None if many else entity)
-        ax.set(ylabel=kpi, title=f"trace KPI {kpi}")
+        if signal.get("threshold") is not None:
+            ax.axhline(signal["threshold"], color="k", linestyle="--", linewidth=1, label="threshold")
+        ax.set(ylabel="value", title=f"trace: {name}")
         ax.grid(alpha=0.3)
-        if len(entities) <= MAX_ENTITY_LINES:
-            ax.legend(fontsize=6, ncol=4, loc="upper left")
+        _legend(ax, fontsize=6, ncol=4, loc="upper left")
     _request_raster(axes[-1], report, list(entities))
     return _png(fig)
 
@@ -170,7 +194,7 @@ def _request_raster(ax, report: dict[str, Any], entities: list[str]) -> None:
     ax.set(xlabel="trace time (s)", ylabel="entity", title="requests triggered, by outcome")
     if len(entities) <= 24:
         ax.set_yticks(range(len(entities)), entities, fontsize=6)
-    ax.legend(fontsize=7, loc="upper right")
+    _legend(ax, fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
 
 
@@ -188,9 +212,9 @@ def compare_cdf(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -
             ax.axvline(deadlines[cls], color=colour, linestyle=":", linewidth=1.5)
     ax.set(title="end-to-end latency CDF (server clock); dotted: deadlines", xlabel="ms",
            ylabel="share of completed requests", ylim=(0, 1.02))
-    ax.set_xscale("log")
+    _log_ms_axis(ax)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    _legend(ax, fontsize=7, loc="lower right")
     return _png(fig)
 
 
@@ -207,5 +231,5 @@ def compare_timeline(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, st
     batch_ax.set(xlabel="seconds since the replay started", ylabel="sequences", title="running batch")
     for ax in (kv_ax, batch_ax):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        _legend(ax, fontsize=7, loc="upper right")
     return _png(fig)
