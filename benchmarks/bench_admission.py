@@ -13,11 +13,8 @@ the admission decision time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import random
-import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import publish  # noqa: E402
 from ricllm.config import EngineConfig  # noqa: E402
 from ricllm.engine.async_engine import EngineThread  # noqa: E402
 from ricllm.engine.llm_engine import LLMEngine  # noqa: E402
@@ -151,22 +149,9 @@ def main() -> None:
     by = {(r["load"], r["policy"]): r for r in rows}
     if (2, "deadline") in by and (2, "fcfs") in by and by[(2, "fcfs")]["goodput"] > 0:
         lines.append(f"\ngoodput at 2x load, admission / FCFS: {by[(2, 'deadline')]['goodput'] / by[(2, 'fcfs')]['goodput']:.2f}x")
-    header = (f"\n## Admission benchmark, {datetime.date.today()}\n\nMachine: {platform_line()}. "
-              f"Classes: near-RT 500 ms / 8-16 tokens, non-RT 4 s / 32-64 tokens, half each; prompts 48-96 tokens; "
-              f"{args.seconds:.0f} s of Poisson arrivals per load.\n"
-              f"Command: `python benchmarks/bench_admission.py {' '.join(sys.argv[1:])}`\n\n")
-    text = header + "\n".join(lines)
-    print(text)
-    if not args.no_append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(text + "\n")
-
-
-def platform_line() -> str:
-    from benchmarks.bench_engine import machine
-
-    return machine()
-
+    publish("Admission benchmark", f"Classes: near-RT 500 ms / 8-16 tokens, non-RT 4 s / 32-64 tokens, half each; "
+            f"prompts 48-96 tokens; {args.seconds:.0f} s of Poisson arrivals per load.", "\n".join(lines),
+            append=not args.no_append)
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,7 @@ Prints a markdown table and appends it to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import publish  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 256, 128
 
@@ -126,18 +125,6 @@ def bench_llamacpp(model_path: Path) -> list[dict]:
 
 # ------------------------------------------------------------------ report
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
 def table(rows: list[dict], baseline: dict[int, float]) -> str:
     lines = ["| engine | batch | TTFT (ms) | decode (tok/s, aggregate) | × HF bf16 decode | total (s) |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -179,14 +166,8 @@ def main() -> None:
     ours_b1 = [r for r in rows if r["engine"].startswith("ricllm") and r["batch"] == 1]
     if llama_rows and ours_b1:
         text += f"\nricllm / llama.cpp one-stream decode: {ours_b1[0]['decode_tps'] / llama_rows[0]['decode_tps']:.2f}×"
-    header = (f"\n## Engine benchmark, {datetime.date.today()}\n\nMachine: {machine()}. Model: {model_path.name}. "
-              f"{PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, greedy.\n"
-              f"Command: `python benchmarks/bench_engine.py {' '.join(sys.argv[1:])}`\n\n")
-    print(header + text)
-    if not args.no_append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(header + text + "\n")
-
+    publish("Engine benchmark", f"Model: {model_path.name}. {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, greedy.",
+            text, append=not args.no_append)
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,6 @@ both, side by side. Target: at most 1 ms added at p50.
 from __future__ import annotations
 
 import argparse
-import datetime
 import socket
 import statistics
 import sys
@@ -24,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import publish  # noqa: E402
 from ricllm.client import RicClient  # noqa: E402
 from ricllm.config import EngineConfig  # noqa: E402
 from ricllm.engine.async_engine import EngineThread  # noqa: E402
@@ -110,15 +110,8 @@ def main() -> None:
     added99 = (percentile(zmq_lat, 0.99) - percentile(base, 0.99)) * 1000
     lines.append(f"\nadded by the ZeroMQ path: p50 {added50:+.2f} ms, p99 {added99:+.2f} ms "
                  f"({args.clients} concurrent clients, max_tokens 1)")
-    from benchmarks.bench_engine import machine
-
-    text = (f"\n## Protocol overhead, {datetime.date.today()}\n\nMachine: {machine()}. "
-            f"Command: `python benchmarks/bench_protocol.py {' '.join(sys.argv[1:])}`\n\n" + "\n".join(lines))
-    print(text)
-    if not args.no_append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(text + "\n")
-
+    publish("Protocol overhead", f"{args.clients} client threads x {args.requests} requests, max_tokens 1.",
+            "\n".join(lines), append=not args.no_append)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,6 @@ comparison pages are written for caching on vs off and admission vs FCFS.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results import publish  # noqa: E402
 
 VARIANTS = {
     "caching on, admission": [],
@@ -56,16 +57,8 @@ def main() -> None:
     for a, b in (("caching on, admission", "caching off, admission"), ("caching on, admission", "caching on, FCFS")):
         subprocess.run([sys.executable, "-m", "ricllm.cli", "report", str(folders[a]), str(folders[b])],
                        capture_output=True, text=True)
-    from benchmarks.bench_engine import machine
-
-    text = (f"\n## Replay comparison ({args.scenario}), {datetime.date.today()}\n\nMachine: {machine()}. "
-            f"Command: `python benchmarks/bench_replay.py {' '.join(sys.argv[1:])}`; latencies in seconds; "
-            f"comparison pages under `{args.out}`.\n\n" + "\n".join(lines))
-    print(text)
-    if not args.no_append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(text + "\n")
-
+    publish(f"Replay comparison ({args.scenario})", f"Latencies in seconds; comparison pages under `{args.out}`.",
+            "\n".join(lines), append=not args.no_append)
 
 if __name__ == "__main__":
     main()

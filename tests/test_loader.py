@@ -7,7 +7,6 @@ import json
 import gguf
 import numpy as np
 import pytest
-import torch
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import ModelLoadError

@@ -11,7 +11,7 @@ import pytest
 from ricllm.errors import RicllmError
 from ricllm.plan import (
     NAMED_SHAPES, PlanError, format_size, kv_bytes_per_token, kv_cache_bytes, kv_product, parse_bandwidth, plan,
-    plan_to_json, render_text, resolve_model,
+    render_text, resolve_model,
 )
 
 LLAMA3, LLAMA2_70B, SMOLLM2 = NAMED_SHAPES["llama-3-8b"], NAMED_SHAPES["llama-2-70b"], NAMED_SHAPES["smollm2-135m"]
