@@ -135,10 +135,14 @@ class LLMEngine:
                 f"exceeds the model's context of {self.max_model_len} tokens")
         self._check_fits_budget(prompt_token_ids, total)
 
-    def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int) -> None:
-        pinned = self.cache.num_pinned_blocks
+    def _pinned_share(self, prompt_token_ids: list[int]) -> tuple[int, int]:
+        """(blocks pinned in all, leading full blocks of this prompt that are pinned)."""
         pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
         shared = sum(1 for b in self.cache.find_cached_prefix(prompt_token_ids) if b.block_id in pinned_ids)
+        return len(pinned_ids), shared
+
+    def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int) -> None:
+        pinned, shared = self._pinned_share(prompt_token_ids)
         needed = self.cache.blocks_for_tokens(total_tokens) - shared
         available = self.kv_cache.geometry.num_blocks - pinned
         if needed > available:
@@ -185,11 +189,10 @@ class LLMEngine:
 
     def _admit(self, seq: Sequence, now: float):
         """Ask admission; on refusal finish the sequence as rejected and return the rejection."""
-        pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
-        pinned_hits = sum(1 for b in self.cache.find_cached_prefix(seq.token_ids) if b.block_id in pinned_ids)
+        pinned_blocks, pinned_hits = self._pinned_share(seq.token_ids)
         waiting_best_effort = sum(1 for s in self.scheduler.waiting if not s.promised)
         running_best_effort = sum(1 for s in self.scheduler.running if not s.promised)
-        rejection = self.admission.decide(seq, now, len(pinned_ids), pinned_hits, waiting_best_effort,
+        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, waiting_best_effort,
                                           best_effort_running=running_best_effort)
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
@@ -262,6 +265,21 @@ class LLMEngine:
             met = now <= seq.deadline
             self.deadline_counts["met" if met else "missed"] += 1
             self.slack_ms.append((seq.deadline - now) * 1000)
+        return self._output(seq)
+
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> RequestOutput:
+        """End a waiting or running request now (cancel, shutdown); returns its output so far.
+
+        Its blocks and its admission reservation are released; it counts neither as a met nor
+        as a missed deadline, since it was not left to finish.
+        """
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
+            seq.output_text = seq.detokenizer.text
+        seq.finish_time = self.clock()
+        self.scheduler.finish(seq, reason)
+        if self.admission is not None:
+            self.admission.release(seq)
         return self._output(seq)
 
     def _abort_late(self, now: float) -> list[RequestOutput]:

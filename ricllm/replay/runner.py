@@ -267,10 +267,7 @@ def _cancel_all(engine) -> int:
     """Runs on the engine thread: end every unfinished request now (finish reason ``cancelled``)."""
     unfinished = [*engine.scheduler.running, *engine.scheduler.waiting]
     for seq in unfinished:
-        seq.finish_time = engine.clock()
-        engine.scheduler.finish(seq, "cancelled")
-        if engine.admission is not None:
-            engine.admission.release(seq)
+        engine.abort(seq, "cancelled")
     return len(unfinished)
 
 

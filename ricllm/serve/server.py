@@ -647,16 +647,8 @@ class _Worker:
         self.outbox.put(command.identity, p.Cancelled(id=request.id, target_id=request.target_id))
 
     def _abort(self, pending: _Pending, reason: str) -> None:
-        """Finish a running or waiting sequence now (the engine hook a cancel needs)."""
-        engine, seq = self.engine, pending.seq
-        if seq.detokenizer is not None:
-            seq.detokenizer.finish()
-            seq.output_text = seq.detokenizer.text
-        seq.finish_time = clock()
-        engine.scheduler.finish(seq, reason)
-        if engine.admission is not None:
-            engine.admission.release(seq)
-        self._complete(pending, _output_of(seq))
+        """Finish a running or waiting sequence now."""
+        self._complete(pending, self.engine.abort(pending.seq, reason))
 
     def _enforce_drain_deadline(self) -> None:
         deadline = self.server._drain_deadline
@@ -819,22 +811,6 @@ def _timings(out: RequestOutput, offset_s: float) -> p.Timings:
     queue_s = shifted(out.queue_s)
     return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=shifted(out.ttft_s), e2e_s=e2e,
                      tpot_s=out.tpot_s)
-
-
-def _output_of(seq: Sequence) -> RequestOutput:
-    """A finished sequence's output, as the engine builds it for the ones it finishes itself."""
-    from ricllm.outputs import RequestOutput
-
-    def since_arrival(t: float | None) -> float | None:
-        return None if t is None else t - seq.arrival_time
-
-    return RequestOutput(
-        request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-        text=seq.output_text, token_ids=seq.output_token_ids, num_cached_tokens=max(seq.num_cached_tokens, 0),
-        finish_reason=seq.finish_reason, ttft_s=since_arrival(seq.first_token_time),
-        e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
-        deadline_met=None if seq.deadline is None else seq.finish_time <= seq.deadline,
-        deadline_ms=seq.params.deadline_ms)
 
 
 # ------------------------------------------------------------------------------ the server
