@@ -27,7 +27,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
-    group.add_argument("--attention-backend", default="auto", help="auto, torch, triton or cuda")
+    group.add_argument("--attention-backend", default="auto",
+                       help="auto (the C kernel on the CPU, Triton on CUDA), torch (reference), cpu, triton or cuda")
     group.add_argument("--weights", default="auto",
                        help="auto, bf16, int8 or int4: weight-only quantized projections on the CPU; auto keeps "
                             "the file's precision (default: %(default)s)")

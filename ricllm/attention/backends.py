@@ -1,8 +1,9 @@
 """Attention backends behind one interface: write this step's K/V, then attend over the cache.
 
-``torch`` is the reference and runs anywhere; ``triton`` and ``cuda`` use the GPU decode kernels
-from ``ricllm.kernels`` for decode-only steps and the reference (SDPA over the gathered cache)
-for prefill.
+``torch`` is the reference and runs anywhere; ``cpu`` is a C kernel (``ricllm.kernels``,
+built on first use) that reads K/V in place through the block tables for prefill and decode
+alike; ``triton`` and ``cuda`` use the GPU decode kernels for decode-only steps and the
+reference (SDPA over the gathered cache) for prefill.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 from ricllm.attention import reference
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.errors import ConfigError
+from ricllm.logging import get_logger
 
-BACKENDS = ("auto", "torch", "triton", "cuda")
+BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+log = get_logger("ricllm.attention")
 
 
 class TorchAttention:
@@ -24,6 +27,21 @@ class TorchAttention:
                 scale: float) -> torch.Tensor:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+class CpuKernelAttention:
+    """The reference's ``store_kv``, then the C kernel: no gathered copy of the context."""
+
+    name = "cpu"
+
+    def __init__(self):
+        from ricllm.kernels.cpu_attention import cpu_paged_attention
+
+        self._attend = cpu_paged_attention
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale)
 
 
 class KernelAttention:
@@ -42,12 +60,17 @@ class KernelAttention:
                             meta.max_context_len)
 
 
-def select_backend(name: str, device: torch.device):
-    """``auto`` picks Triton on CUDA (when importable) and the torch reference elsewhere."""
+def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.float32):
+    """``auto`` picks Triton on CUDA (when importable), the C kernel on the CPU (when it builds
+    and takes the cache dtype), and the torch reference otherwise."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
         return TorchAttention()
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        return _cpu_backend(name, cache_dtype)
+    if name == "cpu":
+        raise ConfigError(f"attention backend 'cpu' runs on the CPU, but the engine runs on {device}")
     if device.type != "cuda":
         raise ConfigError(f"attention backend {name!r} needs a CUDA device, but the engine runs on {device}")
     from ricllm import kernels
@@ -62,3 +85,18 @@ def select_backend(name: str, device: torch.device):
     from ricllm.kernels import cuda_ext
 
     return KernelAttention("cuda", kernels.store_kv, cuda_ext.paged_decode_attention)
+
+
+def _cpu_backend(name: str, cache_dtype: torch.dtype):
+    from ricllm.kernels.cpu_attention import SUPPORTED_DTYPES, cpu_kernel_available
+
+    if cache_dtype not in SUPPORTED_DTYPES:
+        reason = f"the CPU kernel takes bfloat16 or float32 caches, not {str(cache_dtype).removeprefix('torch.')}"
+    else:
+        ok, reason = cpu_kernel_available()
+        if ok:
+            return CpuKernelAttention()
+    if name == "cpu":
+        raise ConfigError(f"attention backend 'cpu' is not available: {reason}")
+    log.warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")
+    return TorchAttention()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import ricllm
 from ricllm.engine.latency_model import LatencyModel, Roofline, fit
 from ricllm.errors import ConfigError
 from ricllm.logging import get_logger
+from ricllm.paths import cache_dir
 from ricllm.sampling_params import SamplingParams
 
 log = get_logger("ricllm.calibration")
@@ -28,10 +28,6 @@ CALIBRATION_VERSION = 3  # bump when the sweep or the model's form changes: old 
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RICLLM_CACHE_DIR", Path.home() / ".cache" / "ricllm"))
 
 
 def file_digest(path: Path) -> str:

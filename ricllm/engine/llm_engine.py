@@ -89,7 +89,7 @@ class LLMEngine:
     def _load_model(self, checkpoint) -> LlamaModel:
         from tqdm import tqdm
 
-        backend = select_backend(self.config.attention_backend, self.device)
+        backend = select_backend(self.config.attention_backend, self.device, self.dtype)
         self.attention_backend = backend.name
         model = LlamaModel.build(self.spec, backend, self.dtype, self.device)
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)

@@ -229,7 +229,7 @@ class EngineSettings(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] | None = None
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] | None = None
-    attention_backend: Literal["auto", "torch", "triton", "cuda"] | None = None
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] | None = None
     weights: Literal["auto", "bf16", "int8", "int4"] | None = None
     enable_prefix_caching: bool | None = None
     admission: Literal["deadline", "fcfs", "off"] = "deadline"

@@ -97,7 +97,7 @@ class Controls(_Strict):
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
     device: Annotated[str, StringConstraints(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     weights: Literal["auto", "bf16", "int8", "int4"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     enable_prefix_caching: bool = True
     seed: int = Field(0, ge=0)
     threads: Annotated[int, Field(ge=1)] | None = None
@@ -326,7 +326,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=S, help="cap on prompt + output tokens")
     engine.add_argument("--dtype", default=S, help="auto, float32, bfloat16 or float16 (auto)")
     engine.add_argument("--device", default=S, help="auto, cpu or cuda[:N] (auto)")
-    engine.add_argument("--attention-backend", default=S, help="auto, torch, triton or cuda (auto)")
+    engine.add_argument("--attention-backend", default=S, help="auto, torch, cpu, triton or cuda (auto)")
     engine.add_argument("--weights", default=S, help="auto, bf16, int8 or int4 (auto)")
     engine.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=S,
                         help="prefix caching (default: on)")
