@@ -15,6 +15,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     CONFIG_FILE=/opt/ric/config/config-file.json
 
+# A C compiler: ricllm builds its CPU attention kernel for the node's own CPU on first start
+# (-march=native, cached under ~/.cache/ricllm/kernels); without one it falls back to torch.
+# Unpinned on purpose: Debian replaces point versions on security updates, and an exact pin
+# would break the build when it does; the base image tag already fixes the release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the chosen index: ricllm's own `torch>=2.4` is then already met, so pip never
 # pulls the multi-GB CUDA wheels from PyPI into a CPU image.
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"

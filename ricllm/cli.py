@@ -33,6 +33,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                        help="auto, bf16, int8 or int4: weight-only quantized projections on the CPU; auto keeps "
                             "the file's precision (default: %(default)s)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--no-weight-cache", action="store_true",
+                       help="always convert the model file at start instead of reusing converted weights on disk")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or all cores)")
 
 
@@ -41,7 +43,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, weights=args.weights, enable_prefix_caching=not args.no_prefix_caching,
-                threads=args.threads)
+                weight_cache=not args.no_weight_cache, threads=args.threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

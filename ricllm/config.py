@@ -30,6 +30,7 @@ class EngineConfig:
     weights: str = "auto"  # auto, bf16, int8, int4: weight-only quantized projections on the CPU
     max_packed_rows: int = 16  # batches up to this many tokens use packed weights, larger ones bf16
     enable_prefix_caching: bool = True
+    weight_cache: bool = True  # keep converted weights on disk ($RICLLM_CACHE_DIR/weights): later starts in seconds
     admission: str = "off"  # off: refuse only what can never fit (raise); deadline: promise deadlines; fcfs: queue all
     safety_margin: float = 0.1  # admission inflates predicted times by this fraction
     max_queue: int = 256  # best-effort requests that may wait

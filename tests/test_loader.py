@@ -28,7 +28,7 @@ def test_hf_checkpoint_folder_matches_hf(tmp_path, tiny_gguf, tiny_oracle):
     plain.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).save_pretrained(folder)
     llm = LLM(str(folder), dtype="float32", kv_cache_budget="8MiB")
-    assert llm.engine.checkpoint.format == "hf"
+    assert llm.engine.model_path == folder
     assert_matches_oracle(llm, tiny_oracle, random_prompts(llm.engine.spec.vocab_size, (4, 21)))
     from_gguf = LLM(str(tiny_gguf), dtype="float32", kv_cache_budget="8MiB")
     params = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -19,7 +19,7 @@ import ricllm
 from ricllm.engine.latency_model import LatencyModel, Roofline, fit
 from ricllm.errors import ConfigError
 from ricllm.logging import get_logger
-from ricllm.paths import cache_dir
+from ricllm.paths import cache_dir, file_digest
 from ricllm.sampling_params import SamplingParams
 
 log = get_logger("ricllm.calibration")
@@ -30,28 +30,9 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a model file, itself cached by (path, size, mtime) so it is read once."""
-    stat = path.stat()
-    memo = cache_dir() / "digests.json"
-    memo_key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    known = json.loads(memo.read_text()) if memo.is_file() else {}
-    if memo_key not in known:
-        digest = hashlib.sha256()
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        for file in files:
-            with open(file, "rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(chunk)
-        known[memo_key] = digest.hexdigest()
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(known))
-    return known[memo_key]
-
-
 def fit_key(engine) -> dict:
     return {
-        "model_sha256": file_digest(engine.checkpoint.path), "dtype": str(engine.dtype),
+        "model_sha256": file_digest(engine.model_path), "dtype": str(engine.dtype),
         "weights": list(engine.weight_formats), "attention_backend": engine.attention_backend,
         "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__,
         "calibration": CALIBRATION_VERSION,

@@ -25,10 +25,12 @@ from ricllm.engine.scheduler import Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
+from ricllm.model import weight_cache
 from ricllm.model.llama import LlamaModel
-from ricllm.model.loader import open_checkpoint
+from ricllm.model.loader import open_checkpoint, resolve_model_path
 from ricllm.model.packed_linear import resolve_formats
-from ricllm.model.tokenizer import IncrementalDetokenizer
+from ricllm.model.spec import ModelSpec
+from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 from ricllm.units import format_bytes
@@ -52,9 +54,8 @@ class LLMEngine:
         self.threads = config.apply_threads()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        checkpoint = open_checkpoint(config.model)
-        self.checkpoint, self.spec, self.tokenizer = checkpoint, checkpoint.spec, checkpoint.tokenizer
-        self.model = self._load_model(checkpoint)
+        self.model_path = resolve_model_path(config.model)
+        self.spec, self.tokenizer, self.model = self._load_model()
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         geometry = plan_cache(self.spec, config.kv_cache_budget, config.block_size, self.dtype)
         self.kv_cache = KVCache(self.spec, geometry, self.dtype, self.device)
@@ -86,12 +87,33 @@ class LLMEngine:
         return AdmissionController(settings, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)
 
-    def _load_model(self, checkpoint) -> LlamaModel:
-        from tqdm import tqdm
-
+    def _load_model(self) -> tuple[ModelSpec, Tokenizer, LlamaModel]:
+        """From the weight cache when it holds this model and configuration, else from the file."""
         backend = select_backend(self.config.attention_backend, self.device, self.dtype)
         self.attention_backend = backend.name
-        model = LlamaModel.build(self.spec, backend, self.dtype, self.device)
+        entry = None
+        if self.config.weight_cache:
+            entry = weight_cache.entry_path(self.model_path, self.dtype, self.device, self.config.weights,
+                                            self.config.max_packed_rows)
+            cached = weight_cache.load(entry)
+            if cached is not None:
+                self.weight_formats = cached.weight_formats
+                with torch.device("meta"):
+                    model = LlamaModel(cached.spec, backend)
+                model = weight_cache.adopt(model, cached, self.config.max_packed_rows).to(self.device)
+                self.weights_source = f"cache {entry}"
+                return cached.spec, cached.tokenizer, model.eval()
+        checkpoint = open_checkpoint(self.model_path)
+        model = self._convert(checkpoint, backend)
+        self.weights_source = f"file {self.model_path}"
+        if entry is not None:
+            weight_cache.save(entry, checkpoint.spec, checkpoint.tokenizer, model, self.weight_formats)
+        return checkpoint.spec, checkpoint.tokenizer, model
+
+    def _convert(self, checkpoint, backend) -> LlamaModel:
+        from tqdm import tqdm
+
+        model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device)
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
         model.load_weights(tensors)
         self.weight_formats = resolve_formats(self.config.weights, checkpoint.tensor_types(), self.dtype, self.device)
@@ -114,7 +136,8 @@ class LLMEngine:
         )
         log.info("engine_ready", model=self.spec.name, device=str(self.device), threads=self.threads,
                  weights=f"layers {self.weight_formats[0]}, head {self.weight_formats[1]}",
-                 attention_backend=self.attention_backend, startup_s=round(self.startup_s, 2))
+                 weights_from=self.weights_source, attention_backend=self.attention_backend,
+                 startup_s=round(self.startup_s, 2))
 
     # ------------------------------------------------------------ requests
 

@@ -23,21 +23,49 @@ from ricllm.errors import ModelLoadError
 from ricllm.model.spec import ModelSpec, RopeScaling
 
 
+def _uninitialised(*shape: int) -> nn.Parameter:
+    # Weights always come from a file (or the weight cache): random init would be wasted work,
+    # and on the meta device it imports torch's reference decompositions (seconds at start).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x Wᵀ`` without bias or initialisation (``nn.Linear`` initialises at construction)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = _uninitialised(out_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = _uninitialised(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight = _uninitialised(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale after casting back, as HF does, so bf16 rounding matches.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        # One fused op (it accumulates in fp32 for bf16 input): HF's fp32-normalise, cast, then
+        # scale is four ops and a second bf16 rounding, which buys nothing against fp32.
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
 def rope_inverse_frequencies(spec: ModelSpec, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """``θ^(-2i/d)`` for ``i < d/2``, rescaled as the model's RoPE scaling asks."""
     dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # explicit CPU: the model may be built under a meta-device context
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = spec.rope_scaling
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.double()
@@ -66,7 +94,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int):
         super().__init__()
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -85,8 +113,8 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, backend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=False)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size)
         self.qk_v_sizes = (spec.q_size + spec.kv_size, spec.kv_size)
         self.scale = spec.head_dim ** -0.5
         self.backend = backend
@@ -105,8 +133,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -130,11 +158,10 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend):
         super().__init__()
         self.spec = spec
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
-            spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings)
         self.packed_head = None
         self.requires_grad_(False)
@@ -143,8 +170,8 @@ class LlamaModel(nn.Module):
     def build(cls, spec: ModelSpec, backend, dtype: torch.dtype, device: torch.device) -> "LlamaModel":
         """Allocate uninitialised weights directly in ``dtype`` on ``device`` (no random init)."""
         with torch.device("meta"):
-            model = cls(spec, backend)
-        model = model.to_empty(device=device).to(dtype)
+            model = cls(spec, backend).to(dtype)
+        model = model.to_empty(device=device)
         model.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings).to(device)
         return model
 
@@ -170,7 +197,7 @@ class LlamaModel(nn.Module):
         from ricllm.model.packed_linear import PackedLinear
 
         def packed(linear: nn.Module, fmt: str, max_rows: int = max_packed_rows) -> nn.Module:
-            return linear if fmt == "dense" else PackedLinear(linear.weight.float(), fmt, max_rows)
+            return linear if fmt == "dense" else PackedLinear.pack(linear.weight.float(), fmt, max_rows)
 
         for layer in self.layers:
             layer.attn.qkv_proj = packed(layer.attn.qkv_proj, layer_format)

@@ -83,11 +83,17 @@ def default_model_path() -> Path:
         f"reinstall it with `{INSTALL_HINT}`")
 
 
-def open_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
-    """Open ``model`` (None = the default SmolLM2): a ``.gguf`` file or an HF folder."""
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """``model`` as an existing path (None = the default SmolLM2), or a ``ModelLoadError``."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    return path
+
+
+def open_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
+    """Open ``model`` (None = the default SmolLM2): a ``.gguf`` file or an HF folder."""
+    path = resolve_model_path(model)
     if path.is_dir():
         return _open_hf_dir(path)
     if _is_gguf(path):

@@ -75,17 +75,24 @@ def can_pack(weight: torch.Tensor, fmt: str) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x Wᵀ`` with a packed weight for up to ``max_packed_rows`` rows, dense bf16 above."""
+    """``y = x Wᵀ`` with a packed weight for up to ``max_packed_rows`` rows, dense bf16 above.
 
-    def __init__(self, dense_weight: torch.Tensor, fmt: str, max_packed_rows: int):
+    Build it with :meth:`pack`; the constructor adopts tensors already packed (the weight cache).
+    """
+
+    def __init__(self, packed_weight: torch.Tensor, packed_scales: torch.Tensor,
+                 dense_weight: torch.Tensor | None, fmt: str, max_packed_rows: int):
         super().__init__()
         self.fmt, self.max_packed_rows = fmt, max_packed_rows
-        self.out_features = dense_weight.shape[0]
+        self.out_features = packed_scales.shape[-2] if fmt == "int4" else packed_scales.shape[0]
+        self.register_buffer("packed_weight", packed_weight)
+        self.register_buffer("packed_scales", packed_scales)
+        self.weight = None if dense_weight is None else nn.Parameter(dense_weight, requires_grad=False)
+
+    @classmethod
+    def pack(cls, dense_weight: torch.Tensor, fmt: str, max_packed_rows: int) -> "PackedLinear":
         packed = pack_int4(dense_weight) if fmt == "int4" else pack_int8(dense_weight)
-        self.register_buffer("packed_weight", packed[0], persistent=False)
-        self.register_buffer("packed_scales", packed[1], persistent=False)
-        keep_dense = max_packed_rows is not None
-        self.weight = nn.Parameter(dense_weight.to(torch.bfloat16), requires_grad=False) if keep_dense else None
+        return cls(*packed, dense_weight.to(torch.bfloat16), fmt, max_packed_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

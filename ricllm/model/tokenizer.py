@@ -189,6 +189,19 @@ class Tokenizer:
             ],
         )
 
+    def to_state(self) -> dict:
+        """Plain JSON-able data from which :meth:`from_state` rebuilds this tokenizer exactly."""
+        return {"backend": self._backend.to_str(), "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+                "unk_token_id": self.unk_token_id, "add_bos_token": self.add_bos_token,
+                "add_eos_token": self.add_eos_token, "chat_template": self.chat_template,
+                "extra_eos_token_ids": sorted(self.eos_token_ids - {self.eos_token_id})}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Tokenizer":
+        kwargs = dict(state)
+        return cls(_Backend.from_str(kwargs.pop("backend")), **kwargs)
+
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         """Load ``tokenizer.json`` plus ``tokenizer_config.json`` from an HF model folder.

@@ -275,15 +275,15 @@ def _engine_info(engine) -> dict[str, Any]:
     """Runs on the engine thread at the end: settings, final counters, model identity."""
     from dataclasses import asdict
 
-    from ricllm.engine.calibration import file_digest
+    from ricllm.paths import file_digest
 
     kv = engine.kv_cache_stats()
     return {"source": "in_process", "settings": asdict(engine.config), "kv_cache": kv,
             "admission": engine.admission_stats(), "startup_s": engine.startup_s,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "attention_backend": engine.attention_backend, "threads": engine.threads,
-            "model": {"path": str(engine.checkpoint.path), "name": engine.spec.name,
-                      "sha256": file_digest(Path(engine.checkpoint.path))}}
+            "model": {"path": str(engine.model_path), "name": engine.spec.name,
+                      "sha256": file_digest(Path(engine.model_path))}}
 
 
 def _fill_from_output(record, output, sent: float, first: float | None, done: float, t0: float) -> None:

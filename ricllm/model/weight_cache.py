@@ -1,0 +1,128 @@
+"""Converted weights on disk, so that a model's second start skips parsing, dequantizing and packing.
+
+The first start of a model builds it from the file (GGUF metadata and tokenizer, dequantized
+tensors, packed int4/int8 projections) and then saves the result as one entry under
+``$RICLLM_CACHE_DIR/weights/``. Later starts with the same key memory-map that entry: the
+model's tensors are the file's pages, read as the first steps touch them.
+
+An entry is valid only for its key: the source file's sha256, the dtype, the device type,
+the requested weight format, ``max_packed_rows``, and the ricllm and torch versions (packed
+int4 layouts are torch-internal). Anything else is rebuilt from the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ricllm
+from ricllm.logging import get_logger
+from ricllm.model.packed_linear import PackedLinear
+from ricllm.model.spec import ModelSpec, RopeScaling
+from ricllm.model.tokenizer import Tokenizer
+from ricllm.paths import cache_dir, file_digest
+
+log = get_logger("ricllm.weight_cache")
+ENTRY_VERSION = 1
+MAX_ENTRIES = 4  # most recently used entries kept; older ones are deleted when a new one is written
+PROJECTIONS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class CachedModel:
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    state: dict[str, torch.Tensor]
+    weight_formats: tuple[str, str]
+
+
+def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: str, max_packed_rows: int) -> Path:
+    key = {"sha256": file_digest(source), "dtype": str(dtype), "device": device.type, "weights": weights,
+           "max_packed_rows": max_packed_rows, "ricllm": ricllm.__version__, "torch": torch.__version__,
+           "entry": ENTRY_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "weights" / f"{digest}.pt"
+
+
+def load(path: Path) -> CachedModel | None:
+    """The entry at ``path``, memory-mapped; ``None`` when absent or unreadable (then rebuilt)."""
+    if not path.is_file():
+        return None
+    try:
+        os.utime(path)  # recently used: kept by the eviction in ``save``
+        entry = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        spec_fields = dict(entry["spec"])
+        if spec_fields.get("rope_scaling") is not None:
+            spec_fields["rope_scaling"] = RopeScaling(**spec_fields["rope_scaling"])
+        return CachedModel(ModelSpec(**spec_fields), Tokenizer.from_state(entry["tokenizer"]),
+                           entry["state"], tuple(entry["weight_formats"]))
+    except Exception as exc:  # a torn or stale file is a cache miss, never a failed start
+        log.warning("weight_cache_unreadable", path=str(path), error=str(exc))
+        return None
+
+
+def save(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model: nn.Module, weight_formats: tuple[str, str]) -> None:
+    """Write atomically (temporary file, then rename): a concurrent start never reads half an entry."""
+    entry = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(),
+             "weight_formats": list(weight_formats), "state": _state_with_rope(model)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as handle:
+            torch.save(entry, handle)
+        os.replace(handle.name, path)
+    except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
+        log.warning("weight_cache_not_written", path=str(path), error=str(exc))
+        Path(handle.name).unlink(missing_ok=True)
+        return
+    log.info("weight_cache_written", path=str(path), bytes=path.stat().st_size)
+    _evict(path.parent)
+
+
+def _evict(folder: Path) -> None:
+    """Keep the ``MAX_ENTRIES`` most recently used entries: each is a model's size on disk."""
+    entries = sorted(folder.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in entries[MAX_ENTRIES:]:
+        stale.unlink(missing_ok=True)
+        log.info("weight_cache_evicted", path=str(stale))
+
+
+def _state_with_rope(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict plus the RoPE tables, which may come from a file's ``rope_freqs``."""
+    state = dict(model.state_dict())
+    state["rope.cos"], state["rope.sin"] = model.rope.cos, model.rope.sin
+    return state
+
+
+def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int) -> nn.Module:
+    """Give a model built on the meta device the entry's tensors (packed modules included)."""
+    state = dict(cached.state)
+    layer_fmt, head_fmt = cached.weight_formats
+    for index, layer in enumerate(model.layers):
+        for name in PROJECTIONS:
+            prefix = f"layers.{index}.{name}"
+            if f"{prefix}.packed_weight" in state:
+                _swap(layer, name, _packed_from(state, prefix, layer_fmt, max_packed_rows))
+    if "packed_head.packed_weight" in state:
+        model.packed_head = _packed_from(state, "packed_head", head_fmt, max(1, max_packed_rows // 4))
+        model.lm_head = None
+    model.rope.cos, model.rope.sin = state.pop("rope.cos"), state.pop("rope.sin")
+    model.load_state_dict(state, assign=True, strict=True)
+    return model
+
+
+def _packed_from(state: dict, prefix: str, fmt: str, max_rows: int) -> PackedLinear:
+    return PackedLinear(state[f"{prefix}.packed_weight"], state[f"{prefix}.packed_scales"],
+                        state.get(f"{prefix}.weight"), fmt, max_rows)
+
+
+def _swap(layer: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, attr = dotted.split(".")
+    setattr(getattr(layer, parent), attr, module)
