@@ -56,9 +56,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (it accumulates in fp32 for bf16 input): HF's fp32-normalise, cast, then
-        # scale is four ops and a second bf16 rounding, which buys nothing against fp32.
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        # Normalise in fp32 and scale after casting back, as HF does: torch's fused bf16 rms_norm
+        # loses enough precision to change SmolLM2's greedy answers.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(spec: ModelSpec, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
