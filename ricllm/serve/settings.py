@@ -99,6 +99,7 @@ class Controls(_Strict):
     weights: Literal["auto", "bf16", "int8", "int4"] = "auto"
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = "auto"
     enable_prefix_caching: bool = True
+    weight_cache: bool = True
     seed: int = Field(0, ge=0)
     threads: Annotated[int, Field(ge=1)] | None = None
     zmq_endpoint: Annotated[str, StringConstraints(pattern=r"^(tcp|ipc)://.+$")] = DEFAULT_BIND
@@ -163,7 +164,8 @@ class ServeSettings:
                     max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                     max_model_len=c.max_model_len, dtype=c.dtype, device=c.device,
                     attention_backend=c.attention_backend, weights=c.weights,
-                    enable_prefix_caching=c.enable_prefix_caching, admission=c.admission.policy,
+                    enable_prefix_caching=c.enable_prefix_caching, weight_cache=c.weight_cache,
+                    admission=c.admission.policy,
                     safety_margin=c.admission.safety_margin, max_queue=c.admission.max_queue,
                     abort_late=c.admission.abort_late, latency_fit=c.latency_fit, seed=c.seed, threads=c.threads)
 
@@ -229,6 +231,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "max_num_seqs": ("max_num_seqs",), "max_num_batched_tokens": ("max_num_batched_tokens",),
     "max_model_len": ("max_model_len",), "dtype": ("dtype",), "device": ("device",), "weights": ("weights",),
     "attention_backend": ("attention_backend",), "prefix_caching": ("enable_prefix_caching",),
+    "weight_cache": ("weight_cache",),
     "seed": ("seed",), "threads": ("threads",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
     "admission": ("admission", "policy"), "safety_margin": ("admission", "safety_margin"),
     "max_queue": ("admission", "max_queue"), "abort_late": ("admission", "abort_late"),
@@ -330,6 +333,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--weights", default=S, help="auto, bf16, int8 or int4 (auto)")
     engine.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=S,
                         help="prefix caching (default: on)")
+    engine.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=S,
+                        help="reuse converted weights from $RICLLM_CACHE_DIR/weights (default: on)")
     engine.add_argument("--seed", type=int, default=S, help="engine sampling seed (0)")
     engine.add_argument("--threads", type=int, default=S, help="torch CPU threads (OMP_NUM_THREADS or all cores)")
 
