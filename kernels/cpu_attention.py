@@ -85,6 +85,8 @@ def cpu_kernel_available() -> tuple[bool, str]:
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu":
+        return t  # the common case, checked without dispatching a copy
     return t.to(device="cpu", dtype=torch.int32).contiguous()
 
 
@@ -97,7 +99,7 @@ def cpu_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if k_cache.dtype not in SUPPORTED_DTYPES or k_cache.device.type != "cpu":
         raise ValueError(f"the CPU attention kernel takes bf16 or fp32 caches on the CPU, got {k_cache.dtype} on {k_cache.device}")
     tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(context_lens)
-    q = query.to(k_cache.dtype).contiguous()
+    q = query if query.dtype == k_cache.dtype and query.is_contiguous() else query.to(k_cache.dtype).contiguous()
     out = torch.empty_like(q)
     _, block_size, n_kv, head_dim = k_cache.shape
     code = _library().ricllm_paged_attention(
@@ -107,4 +109,4 @@ def cpu_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if code != 0:
         raise ValueError(f"the CPU attention kernel does not take {q.shape[1]} heads over {n_kv} KV heads "
                          f"of dim {head_dim} (at most 8 query heads per KV head, head_dim <= 128)")
-    return out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -41,7 +41,11 @@ class CpuKernelAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
-        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale)
+        tables = meta.scratch.get("cpu_kernel_tables")
+        if tables is None:  # the kernel's int32 views are the same for every layer: convert once per step
+            tables = meta.scratch["cpu_kernel_tables"] = tuple(
+                t.to(dtype=torch.int32).contiguous() for t in (meta.block_tables, meta.query_start_loc, meta.context_lens))
+        return self._attend(q, k_cache, v_cache, *tables, scale)
 
 
 class KernelAttention:
