@@ -28,7 +28,8 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     weights: str = "auto"  # auto, bf16, int8, int4: weight-only quantized projections on the CPU
-    max_packed_rows: int = 16  # batches up to this many tokens use packed weights, larger ones bf16
+    max_packed_rows: int | None = 16  # batches up to this many tokens use packed weights, larger ones a bf16
+    # copy; None: packed at every size and no bf16 copy (least memory, slower prefill and large batches)
     enable_prefix_caching: bool = True
     weight_cache: bool = True  # keep converted weights on disk ($RICLLM_CACHE_DIR/weights): later starts in seconds
     admission: str = "off"  # off: refuse only what can never fit (raise); deadline: promise deadlines; fcfs: queue all
@@ -47,6 +48,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_packed_rows is not None and (not isinstance(self.max_packed_rows, int) or self.max_packed_rows < 1):
+            raise ConfigError(f"max_packed_rows must be an integer >= 1 or None, got {self.max_packed_rows!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

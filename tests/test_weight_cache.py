@@ -96,3 +96,16 @@ def test_only_the_most_recently_used_entries_are_kept(cache_dir, tiny_q4, monkey
     assert len(entries(cache_dir)) == 2
     assert LLM(str(tiny_q4), dtype="float32", kv_cache_budget="4MiB").engine.weights_source.startswith("cache")
     assert LLM(str(tiny_q4), dtype="bfloat16", weights="int8", kv_cache_budget="4MiB").engine.weights_source.startswith("file")
+
+
+def test_tied_head_shares_the_embedding_and_lean_mode_keeps_no_bf16_copy(cache_dir, tmp_path):
+    path = write_tiny_llama_gguf(tmp_path / "tied.gguf", seed=4, tied=True, quant="Q4_1")
+    for start in ("file", "cache"):
+        model = LLM(str(path), dtype="bfloat16", weights="int4", kv_cache_budget="4MiB").engine.model
+        assert model.packed_head.weight.data_ptr() == model.embed.weight.data_ptr(), start
+    lean = LLM(str(path), dtype="bfloat16", weights="int4", kv_cache_budget="4MiB", max_packed_rows=None)
+    layer = lean.engine.model.layers[0]
+    assert layer.mlp.down_proj.weight is None and lean.engine.model.packed_head.weight is None
+    default = LLM(str(path), dtype="bfloat16", weights="int4", kv_cache_budget="4MiB")
+    # packed at every batch size: same greedy tokens as the default within the packed range
+    assert tokens(lean) == tokens(default)

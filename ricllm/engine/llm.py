@@ -27,7 +27,8 @@ class LLM:
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, dtype: str = "auto", device: str = "auto",
                  attention_backend: str = "auto", weights: str = "auto", enable_prefix_caching: bool = True,
-                 weight_cache: bool = True, admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
+                 weight_cache: bool = True, max_packed_rows: int | None = 16,
+                 admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
                  abort_late: bool = False, latency_fit: str | None = None,
                  seed: int = 0, threads: int | None = None):
         self.config = EngineConfig(
@@ -35,7 +36,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, dtype=dtype, device=device,
             attention_backend=attention_backend, weights=weights, enable_prefix_caching=enable_prefix_caching,
-            weight_cache=weight_cache, admission=admission, safety_margin=safety_margin, max_queue=max_queue, abort_late=abort_late,
+            weight_cache=weight_cache, max_packed_rows=max_packed_rows,
+            admission=admission, safety_margin=safety_margin, max_queue=max_queue, abort_late=abort_late,
             latency_fit=latency_fit, seed=seed, threads=threads)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer

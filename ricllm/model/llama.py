@@ -192,12 +192,12 @@ class LlamaModel(nn.Module):
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def pack_weights(self, layer_format: str, head_format: str, max_packed_rows: int) -> None:
+    def pack_weights(self, layer_format: str, head_format: str, max_packed_rows: int | None) -> None:
         """Swap the projections for weight-only quantized ones (``"dense"`` leaves them)."""
         from ricllm.model.packed_linear import PackedLinear
 
-        def packed(linear: nn.Module, fmt: str, max_rows: int = max_packed_rows) -> nn.Module:
-            return linear if fmt == "dense" else PackedLinear.pack(linear.weight.float(), fmt, max_rows)
+        def packed(linear: nn.Module, fmt: str, max_rows: int | None = max_packed_rows, shared=None) -> nn.Module:
+            return linear if fmt == "dense" else PackedLinear.pack(linear.weight.float(), fmt, max_rows, shared)
 
         for layer in self.layers:
             layer.attn.qkv_proj = packed(layer.attn.qkv_proj, layer_format)
@@ -207,7 +207,10 @@ class LlamaModel(nn.Module):
         if head_format != "dense":
             head = self.embed if self.lm_head is None else self.lm_head
             # the vocabulary-wide head is compute-heavier per row: bf16 wins from a few rows on
-            self.packed_head = packed(head, head_format, max(1, max_packed_rows // 4))
+            head_rows = None if max_packed_rows is None else max(1, max_packed_rows // 4)
+            # a tied head's bf16 copy is the embedding itself: no second copy in memory
+            shared = self.embed.weight if head is self.embed and self.embed.weight.dtype == torch.bfloat16 else None
+            self.packed_head = packed(head, head_format, head_rows, shared)
             if self.lm_head is not None:
                 self.lm_head = None  # the packed head keeps its own dense copy
 

@@ -90,9 +90,15 @@ class PackedLinear(nn.Module):
         self.weight = None if dense_weight is None else nn.Parameter(dense_weight, requires_grad=False)
 
     @classmethod
-    def pack(cls, dense_weight: torch.Tensor, fmt: str, max_packed_rows: int) -> "PackedLinear":
+    def pack(cls, dense_weight: torch.Tensor, fmt: str, max_packed_rows: int | None,
+             shared_dense: torch.Tensor | None = None) -> "PackedLinear":
+        """``max_packed_rows=None`` keeps no bf16 copy (least memory, packed at every batch size);
+        ``shared_dense`` is a bf16 tensor holding the same weight already (a tied embedding)."""
         packed = pack_int4(dense_weight) if fmt == "int4" else pack_int8(dense_weight)
-        return cls(*packed, dense_weight.to(torch.bfloat16), fmt, max_packed_rows)
+        if max_packed_rows is None:
+            return cls(*packed, None, fmt, 0)
+        dense = shared_dense if shared_dense is not None else dense_weight.to(torch.bfloat16)
+        return cls(*packed, dense, fmt, max_packed_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -44,7 +44,8 @@ class CachedModel:
     weight_formats: tuple[str, str]
 
 
-def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: str, max_packed_rows: int) -> Path:
+def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: str,
+               max_packed_rows: int | None) -> Path:
     key = {"sha256": file_digest(source), "dtype": str(dtype), "device": device.type, "weights": weights,
            "max_packed_rows": max_packed_rows, "ricllm": ricllm.__version__, "torch": torch.__version__,
            "entry": ENTRY_VERSION}
@@ -101,7 +102,7 @@ def _state_with_rope(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int) -> nn.Module:
+def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int | None) -> nn.Module:
     """Give a model built on the meta device the entry's tensors (packed modules included)."""
     state = dict(cached.state)
     layer_fmt, head_fmt = cached.weight_formats
@@ -111,16 +112,17 @@ def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int) -> nn.Mod
             if f"{prefix}.packed_weight" in state:
                 _swap(layer, name, _packed_from(state, prefix, layer_fmt, max_packed_rows))
     if "packed_head.packed_weight" in state:
-        model.packed_head = _packed_from(state, "packed_head", head_fmt, max(1, max_packed_rows // 4))
+        head_rows = None if max_packed_rows is None else max(1, max_packed_rows // 4)
+        model.packed_head = _packed_from(state, "packed_head", head_fmt, head_rows)
         model.lm_head = None
     model.rope.cos, model.rope.sin = state.pop("rope.cos"), state.pop("rope.sin")
     model.load_state_dict(state, assign=True, strict=True)
     return model
 
 
-def _packed_from(state: dict, prefix: str, fmt: str, max_rows: int) -> PackedLinear:
+def _packed_from(state: dict, prefix: str, fmt: str, max_rows: int | None) -> PackedLinear:
     return PackedLinear(state[f"{prefix}.packed_weight"], state[f"{prefix}.packed_scales"],
-                        state.get(f"{prefix}.weight"), fmt, max_rows)
+                        state.get(f"{prefix}.weight"), fmt, 0 if max_rows is None else max_rows)
 
 
 def _swap(layer: nn.Module, dotted: str, module: nn.Module) -> None:
