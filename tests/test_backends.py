@@ -40,7 +40,7 @@ def test_cpu_backend_refuses_a_gpu_device():
 
 
 def test_engine_with_c_kernel_matches_torch_reference(tiny_gguf):
-    """Same greedy tokens through the whole engine, prefill chunks and decode alike."""
+    """Same greedy tokens through the whole engine (chunked prefill, then decode steps on the kernel)."""
     require(shutil.which("cc") is not None, "no C compiler (cc)")
     from ricllm import SamplingParams
 
