@@ -109,3 +109,11 @@ def test_tied_head_shares_the_embedding_and_lean_mode_keeps_no_bf16_copy(cache_d
     default = LLM(str(path), dtype="bfloat16", weights="int4", kv_cache_budget="4MiB")
     # packed at every batch size: same greedy tokens as the default within the packed range
     assert tokens(lean) == tokens(default)
+
+
+def test_an_edit_to_the_conversion_code_misses_the_cache(cache_dir, tiny_q4, monkeypatch):
+    from ricllm.model import weight_cache
+
+    LLM(str(tiny_q4), dtype="float32", kv_cache_budget="4MiB")
+    monkeypatch.setattr(weight_cache, "_conversion_code_digest", lambda: "edited")
+    assert LLM(str(tiny_q4), dtype="float32", kv_cache_budget="4MiB").engine.weights_source.startswith("file")

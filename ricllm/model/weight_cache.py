@@ -6,8 +6,8 @@ tensors, packed int4/int8 projections) and then saves the result as one entry un
 model's tensors are the file's pages, read as the first steps touch them.
 
 An entry is valid only for its key: the source file's sha256, the dtype, the device type,
-the requested weight format, ``max_packed_rows``, and the ricllm and torch versions (packed
-int4 layouts are torch-internal). Anything else is rebuilt from the source.
+the requested weight format, ``max_packed_rows``, the ricllm and torch versions (packed int4
+layouts are torch-internal) and a digest of the conversion code. Anything else is rebuilt.
 """
 
 from __future__ import annotations
@@ -44,11 +44,21 @@ class CachedModel:
     weight_formats: tuple[str, str]
 
 
+def _conversion_code_digest() -> str:
+    """The source of the code that turns a file into tensors: an edit to it (a fix in packing
+    or dequantization) must not be hidden by entries written before, even at the same version."""
+    model_dir = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in ("loader.py", "llama.py", "packed_linear.py", "weight_cache.py"):
+        digest.update((model_dir / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: str,
                max_packed_rows: int | None) -> Path:
     key = {"sha256": file_digest(source), "dtype": str(dtype), "device": device.type, "weights": weights,
            "max_packed_rows": max_packed_rows, "ricllm": ricllm.__version__, "torch": torch.__version__,
-           "entry": ENTRY_VERSION}
+           "code": _conversion_code_digest(), "entry": ENTRY_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "weights" / f"{digest}.pt"
 

@@ -1,0 +1,403 @@
+"""Packed weights (``weights="int8"|"int4"|"auto"``, CPU, bf16) compute what dense weights compute.
+
+A GGUF Q4_1 weight packs to int4 exactly (up to the bf16 rounding of its scales) and int8 per-row
+packing errs by at most half a step of its row; the default model keeps its greedy choices and
+its perplexity in every format; and with packed weights continuous batching and prefix caching
+give a request its solo logits (its greedy tokens, but where two tokens tie within bf16 rounding)
+and the KV budget holds, as with dense weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ricllm import LLM, SamplingParams
+from ricllm.errors import ConfigError
+from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, resolve_formats
+from tests.conftest import load_hf_oracle
+from tests.helpers import write_tiny_llama_gguf
+from tests.recorder import LogitsRecorder
+from tests.test_budget import check_pool_invariants
+from tests.test_oracle_parity import random_prompts
+
+# Every LLM in this file converts its weights from the file (weight_cache=False): a cached entry
+# would hide a change to the packing code, which the cache key does not cover.
+CPU = torch.device("cpu")
+BF16_ROUNDOFF = 2 ** -8  # bf16 keeps 8 significant bits
+BF16_REL_TOL = 2 * BF16_ROUNDOFF  # relative to the output's norm
+FORMATS = ("bf16", "int8", "int4")
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def gguf_q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """What the loader makes of a Q4_1 tensor: ``w = d·q + m`` per group of 32, ``q`` spanning 0..15."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType.Q4_1
+    source = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(source, kind), kind).copy()).float()
+
+
+# --------------------------------------------------------------------- packed_linear units
+
+def test_int4_packing_of_a_q4_1_weight_is_exact_to_bf16_precision():
+    w = gguf_q4_1_weight(96, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ref = F.linear(x.float(), w)
+    packed = PackedLinear.pack(w, "int4", max_packed_rows=16)
+    err = rel_err(packed(x), ref)
+    assert err < BF16_REL_TOL, f"int4 output is off by {err:.4f} relative (tolerance {BF16_REL_TOL:.4f})"
+    # the tolerance catches a zero point off by half a step (e.g. (q - 7.5)·scale + zero)
+    scale, zero = packed.packed_scales.float().unbind(-1)
+    packed.packed_scales = torch.stack([scale, zero + scale / 2], -1).bfloat16()
+    assert rel_err(packed(x), ref) > BF16_REL_TOL
+
+
+def test_int8_packing_error_is_at_most_half_a_step_of_each_row():
+    gen = torch.Generator().manual_seed(2)
+    row_scales = torch.logspace(-3, 0, 64)[:, None]  # rows of very different sizes: the scale must be per row
+    w = torch.randn(64, 96, generator=gen) * row_scales
+    packed = PackedLinear.pack(w, "int8", max_packed_rows=16)
+    restored = packed.packed_weight.float() * packed.packed_scales.float()[:, None]
+    row_max = w.abs().amax(1, keepdim=True)
+    bound = row_max * (1 / 254 + BF16_ROUNDOFF)  # half a step (row max / 127), plus the bf16-rounded scale
+    worst = ((restored - w).abs() / bound).max().item()
+    assert worst <= 1, f"int8 error reaches {worst:.2f}× the per-row bound"
+    x = torch.randn(4, 96, generator=gen).bfloat16()
+    y = packed(x)
+    assert rel_err(y, F.linear(x.float(), restored)) < BF16_REL_TOL  # the kernel multiplies by what it stores
+    err = rel_err(y, F.linear(x.float(), w))
+    assert err < 0.01, f"int8 output is off by {err:.4f} relative"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_rows_above_max_packed_rows_use_the_dense_bf16_weight(fmt):
+    w = gguf_q4_1_weight(64, 128, seed=3)
+    packed = PackedLinear.pack(w, fmt, max_packed_rows=8)
+    gen = torch.Generator().manual_seed(4)
+    few, many = torch.randn(8, 128, generator=gen).bfloat16(), torch.randn(9, 128, generator=gen).bfloat16()
+    if fmt == "int4":
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(few, packed.packed_weight, INT4_GROUP,
+                                                            packed.packed_scales)
+    else:
+        kernel = torch.ops.aten._weight_int8pack_mm(few, packed.packed_weight, packed.packed_scales)
+    assert torch.equal(packed(few), kernel)
+    assert torch.equal(packed(many), F.linear(many, w.bfloat16()))
+
+
+Q4_1_FILE = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32", "blk.0.attn_norm.weight": "F32",
+             "blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q4_1"}
+Q8_0_FILE = {"token_embd.weight": "F16", "blk.0.attn_norm.weight": "F32", "blk.0.attn_q.weight": "Q8_0"}
+
+
+@pytest.mark.parametrize("requested, types, dtype, expected", [
+    ("auto", Q4_1_FILE, torch.bfloat16, ("int4", "int8")),
+    ("auto", Q8_0_FILE, torch.bfloat16, ("int8", "dense")),
+    ("bf16", Q4_1_FILE, torch.bfloat16, ("dense", "dense")),
+    ("int8", Q4_1_FILE, torch.bfloat16, ("int8", "int8")),
+    ("auto", Q4_1_FILE, torch.float32, ("dense", "dense")),  # packed kernels need bf16 activations
+])
+def test_resolve_formats(requested, types, dtype, expected):
+    assert resolve_formats(requested, types, dtype, CPU) == expected
+
+
+def test_packed_weights_with_float32_are_refused_naming_the_problem():
+    with pytest.raises(ConfigError, match=r"weights='int4' needs dtype bfloat16 on the CPU \(got torch.float32"):
+        resolve_formats("int4", Q4_1_FILE, torch.float32, CPU)
+    with pytest.raises(ConfigError, match="unknown weights format 'int3'"):
+        resolve_formats("int3", Q4_1_FILE, torch.bfloat16, CPU)
+
+
+# --------------------------------------------------------------------- shared instruments
+
+@contextlib.contextmanager
+def packed_calls(model):
+    """Record ``(fmt, rows, packed path taken)`` of every PackedLinear call inside the block."""
+    calls, handles = [], []
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            def hook(m, args):
+                rows = args[0].shape[0]
+                calls.append((m.fmt, rows, m.weight is None or rows <= m.max_packed_rows))
+            handles.append(module.register_forward_pre_hook(hook))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def layer_formats(model) -> tuple[set[str], str]:
+    """(formats of every layer projection, head format); ``dense`` for an unpacked projection."""
+    def fmt(m):
+        return m.fmt if isinstance(m, PackedLinear) else "dense"
+
+    layers = {fmt(p) for layer in model.layers
+              for p in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    return layers, "dense" if model.packed_head is None else fmt(model.packed_head)
+
+
+def teacher_forced_logits(llm: LLM, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    """fp32 logits at ``positions`` (each predicts the next token) from one prefill of ``token_ids``.
+
+    The prefill runs in steps of ``max_num_batched_tokens`` rows and the head in slices of at
+    most its packed row count, so the packed kernels compute what they would compute in decode.
+    """
+    model, hidden = llm.engine.model, {}
+
+    def keep(module, args, out):
+        for pos, row in zip(args[1].tolist(), out):
+            hidden[pos] = row.clone()
+
+    handle = model.register_forward_hook(keep)
+    try:
+        llm.generate([token_ids], SamplingParams(max_tokens=1, ignore_eos=True))
+    finally:
+        handle.remove()
+    rows = torch.stack([hidden[p] for p in positions])
+    head_rows = len(positions) if model.packed_head is None else model.packed_head.max_packed_rows
+    return torch.cat([model.compute_logits(chunk) for chunk in rows.split(head_rows)])
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    logits = teacher_forced_logits(llm, token_ids, list(range(len(token_ids) - 1)))
+    nll = F.cross_entropy(logits, torch.tensor(token_ids[1:]))
+    return math.exp(nll.item())
+
+
+# --------------------------------------------------------------------- the default model keeps its quality
+
+PROMPTS = [
+    "The O-RAN near-real-time RIC hosts xApps that",
+    "Cell 17 reports RRU.PrbUsedDl=92 of 106 PRBs and DRB.UEThpDl=12000 kbps. The load is",
+    "Photosynthesis is the process by which plants",
+    "Here is a short story about a lighthouse keeper who",
+]
+CONTINUATION = 128
+
+TEXT = (
+    "Radio access networks connect phones, sensors and cars to the core network through base "
+    "stations spread across a city. Each base station serves a few cells, and each cell shares a "
+    "limited number of physical resource blocks among the users it serves. When many users are "
+    "active at the same time, the resource blocks run out, throughput drops and calls may fail. "
+    "Operators therefore watch key performance indicators such as resource block usage, the number "
+    "of connected users and the downlink throughput of every cell, often once per second. "
+    "The O-RAN Alliance opened this control loop to third parties: a near-real-time RAN intelligent "
+    "controller runs small applications, called xApps, that read these indicators and adjust the "
+    "network within ten milliseconds to one second. An xApp may hand users over to a neighbouring "
+    "cell, change the transmit power, or switch off a carrier at night to save energy. Because the "
+    "decisions must arrive in time, every xApp has to answer within a strict deadline, and an answer "
+    "that comes too late is worth nothing. Language models can explain what they see in plain words, "
+    "but they are large and slow, so engineers keep them small, quantize their weights and share the "
+    "memory of their attention cache between many requests."
+)
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2):
+    return load_hf_oracle(smollm2)
+
+
+@pytest.fixture(scope="module")
+def oracle_choices(smollm2, oracle):
+    """(prompt + 128 greedy tokens, positions, the HF fp32 oracle's argmax at each position).
+
+    The continuation comes from ricllm with dense fp32 weights, whose greedy tokens are HF's
+    (test_smollm2); the oracle's choices come from one teacher-forced HF forward pass, which
+    is much cheaper on two cores than HF's own token-by-token generation.
+    """
+    reference = LLM(str(smollm2), dtype="float32", kv_cache_budget="64MiB", weight_cache=False)
+    assert reference.engine.weight_formats == ("dense", "dense")  # auto packs only with bf16
+    outputs = reference.generate(PROMPTS, SamplingParams(max_tokens=CONTINUATION, ignore_eos=True))
+    sequences = []
+    for out in outputs:
+        full = out.prompt_token_ids + out.token_ids
+        positions = list(range(len(out.prompt_token_ids) - 1, len(full) - 1))
+        with torch.no_grad():
+            choices = oracle(torch.tensor([full])).logits[0, positions].argmax(-1)
+        sequences.append((full, positions, choices))
+    return sequences
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(smollm2):
+    from ricllm.model.loader import open_checkpoint
+
+    return open_checkpoint(smollm2)
+
+
+@pytest.fixture(scope="module")
+def reference_perplexity(smollm2_checkpoint, oracle):
+    """The text's perplexity under the HF fp32 oracle (= ricllm with dense fp32 weights)."""
+    ids = smollm2_checkpoint.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        logits = oracle(torch.tensor([ids])).logits[0, :-1].float()
+    return math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def smollm2_in_format(request, smollm2):
+    # steps of at most max_packed_rows (16) rows keep the layers on their packed kernels
+    return request.param, LLM(str(smollm2), dtype="bfloat16", weights=request.param, kv_cache_budget="64MiB",
+                              enable_prefix_caching=False, max_num_batched_tokens=16, weight_cache=False)
+
+
+@pytest.mark.slow
+def test_auto_packs_the_default_model_as_int4_layers_and_int8_head(smollm2_checkpoint):
+    types = smollm2_checkpoint.tensor_types()
+    assert resolve_formats("auto", types, torch.bfloat16, CPU) == ("int4", "int8")
+
+
+@pytest.mark.slow
+def test_greedy_choices_agree_with_hf_fp32_in_every_format(smollm2_in_format, oracle_choices):
+    fmt, llm = smollm2_in_format
+    expected_layers = {"bf16": "dense", "int8": "int8", "int4": "int4"}[fmt]
+    assert layer_formats(llm.engine.model) == ({expected_layers}, "dense" if fmt == "bf16" else "int8")
+    agree = total = 0
+    with packed_calls(llm.engine.model) as calls:
+        for full, positions, choices in oracle_choices:
+            agree += (teacher_forced_logits(llm, full, positions).argmax(-1) == choices).sum().item()
+            total += len(positions)
+    assert fmt == "bf16" or (calls and all(packed for _, _, packed in calls)), "the packed kernels did not run"
+    assert agree / total >= 0.95, f"weights={fmt}: greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
+
+
+@pytest.mark.slow
+def test_perplexity_stays_within_two_percent_of_fp32(smollm2_in_format, reference_perplexity):
+    fmt, llm = smollm2_in_format
+    ids = llm.tokenizer.encode(TEXT)
+    assert 200 <= len(ids) <= 300
+    ppl = perplexity(llm, ids)
+    change = ppl / reference_perplexity - 1
+    assert abs(change) <= 0.02, (
+        f"weights={fmt}: perplexity {ppl:.3f} vs fp32 {reference_perplexity:.3f} ({change:+.2%})")
+
+
+# --------------------------------------------------------------------- behaviour on the tiny model
+
+BLOCK = 16
+TINY_FORMATS = ("bf16", "int8", "int4", "auto")
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+# Greedy tokens may part only where two tokens tie within bf16 rounding: the kernels a step uses
+# (packed or dense weights, decode or prefill attention) depend on how many rows share it, and
+# the tiny random model's logits (|logit| < 8, bf16 steps of 1/32) tie often. A real batching or
+# caching fault moves logits by whole units.
+LOGIT_TOL = 0.15
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1_gguf(tmp_path_factory):
+    """GQA 4:2, untied F32 head, layer weights stored as Q4_1 (every input width a multiple of 32)."""
+    from tests.helpers import TINY
+
+    assert TINY["hidden"] % INT4_GROUP == 0 and TINY["ffn"] % INT4_GROUP == 0
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_q4_1") / "tiny_q4_1.gguf", seed=2, quant="Q4_1")
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tiny_q4_1_gguf):
+    from ricllm.model.loader import open_checkpoint
+
+    return open_checkpoint(tiny_q4_1_gguf).spec.vocab_size
+
+
+def tiny_llm(path, weights: str, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_budget", "8MiB")
+    return LLM(str(path), dtype="bfloat16", weights=weights, block_size=BLOCK, weight_cache=False, **kwargs)
+
+
+@pytest.mark.parametrize("weights, layers, head", [
+    ("bf16", "dense", "dense"), ("int8", "int8", "int8"), ("int4", "int4", "int8"),
+    ("auto", "int4", "dense"),  # Q4_1 layers stay 4-bit; the file's F32 head stays dense
+])
+def test_packed_formats_really_pack_and_run_packed(tiny_q4_1_gguf, weights, layers, head):
+    llm = tiny_llm(tiny_q4_1_gguf, weights)
+    assert llm.engine.weight_formats == (layers, head)
+    assert layer_formats(llm.engine.model) == ({layers}, head)
+    with packed_calls(llm.engine.model) as calls:
+        llm.generate([[5, 6, 7]], PARAMS)  # 3-token prefill and 1-row decodes: all under max_packed_rows
+    assert {fmt for fmt, _, packed in calls if packed} == {layers, head} - {"dense"}
+    assert all(packed for _, _, packed in calls)
+
+
+def greedy_divergence(runs, reference_runs) -> tuple[list[int], float]:
+    """(requests whose greedy tokens differ from the reference run's, largest logit gap).
+
+    ``runs`` pair each output with the LogitsRecorder of its engine. The gap is taken over the
+    positions where both runs had the same context, up to and including the first differing
+    token: a bounded gap there means the runs only part where two tokens tie within it.
+    """
+    differing, gap = [], 0.0
+    for i, ((out, rec), (ref, ref_rec)) in enumerate(zip(runs, reference_runs)):
+        same = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
+        differing += [i] if same < len(ref.token_ids) else []
+        ours, theirs = rec.stacked(out.request_id)[1], ref_rec.stacked(ref.request_id)[1]
+        gap = max(gap, (ours[:same + 1] - theirs[:same + 1]).abs().max().item())
+    return differing, gap
+
+
+@pytest.mark.parametrize("weights", TINY_FORMATS)
+def test_batched_requests_get_their_solo_logits_and_tokens(tiny_q4_1_gguf, tiny_vocab, weights):
+    prompts = random_prompts(tiny_vocab, (3, 17, 31, 64, 90, 5, 9, 12), seed=7)
+    batched_llm = tiny_llm(tiny_q4_1_gguf, weights)
+    solo_llm = tiny_llm(tiny_q4_1_gguf, weights, max_num_seqs=1, enable_prefix_caching=False)
+    batched_rec, solo_rec = LogitsRecorder(batched_llm.engine), LogitsRecorder(solo_llm.engine)
+    batched = [(out, batched_rec) for out in batched_llm.generate(prompts, PARAMS)]
+    solo = [(solo_llm.generate([p], PARAMS)[0], solo_rec) for p in prompts]
+    differing, gap = greedy_divergence(batched, solo)
+    assert gap <= LOGIT_TOL, (f"weights={weights}: batched logits differ from solo ones by up to {gap:.3f}; "
+                              f"prompts {differing} of {len(prompts)} get other greedy tokens in a batch than alone")
+
+
+@pytest.mark.parametrize("weights", TINY_FORMATS)
+def test_shared_prefix_is_reused_with_the_uncached_logits_and_tokens(tiny_q4_1_gguf, tiny_vocab, weights):
+    system, q1, q2 = random_prompts(tiny_vocab, (40, 9, 5), seed=3)
+    llm = tiny_llm(tiny_q4_1_gguf, weights)
+    cached_rec = LogitsRecorder(llm.engine)
+    first = llm.generate([system + q1], PARAMS)[0]
+    second = llm.generate([system + q2], PARAMS)[0]  # 13 new prompt rows: a packed prefill
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (len(system) // BLOCK) * BLOCK
+    uncached_llm = tiny_llm(tiny_q4_1_gguf, weights, enable_prefix_caching=False)
+    uncached_rec = LogitsRecorder(uncached_llm.engine)
+    uncached = uncached_llm.generate([system + q2], PARAMS)[0]  # 45 prompt rows: a dense prefill
+    differing, gap = greedy_divergence([(second, cached_rec)], [(uncached, uncached_rec)])
+    assert gap <= LOGIT_TOL, (f"weights={weights}: a prefix-cache hit moves the logits by up to {gap:.3f}"
+                              + (" and changes the greedy tokens" if differing else ""))
+
+
+@pytest.mark.parametrize("weights", TINY_FORMATS)
+def test_many_requests_on_a_small_budget_stay_inside_it(tiny_q4_1_gguf, tiny_vocab, weights):
+    num_blocks = 24
+    bytes_per_token = 2 * 2 * 2 * 16 * 2  # 2·L·n_kv·d_h·2 bytes (bf16) for the tiny model
+    budget = num_blocks * BLOCK * bytes_per_token
+    llm = tiny_llm(tiny_q4_1_gguf, weights, kv_cache_budget=budget, max_num_seqs=64)
+    engine = llm.engine
+    prompts = random_prompts(tiny_vocab, [5 + (7 * i) % 40 for i in range(48)], seed=11)
+    params = [SamplingParams(max_tokens=8 + i % 17, ignore_eos=True) for i in range(48)]
+    original_step = engine.step
+
+    def checked_step():
+        finished = original_step()
+        check_pool_invariants(engine)
+        return finished
+
+    engine.step = checked_step
+    outputs = llm.generate(prompts, params)
+
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    stats = llm.kv_cache_stats()
+    assert stats["num_blocks"] == num_blocks
+    assert stats["preemptions"] + stats["waits"] > 0, "the budget never constrained the scheduler"
+    assert stats["peak_used_blocks"] <= num_blocks and stats["used_blocks"] == 0
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in engine.kv_cache.layers)
+    assert kv_bytes == stats["allocated_bytes"] <= stats["budget_bytes"] == budget
