@@ -23,13 +23,9 @@ def check_pool_invariants(engine) -> None:
     assert all(not seq.block_table for seq in scheduler.waiting)
 
 
-def test_sixty_four_requests_on_a_small_budget(tiny_gguf):
-    budget = NUM_BLOCKS * BLOCK * BYTES_PER_TOKEN_FP32
-    llm = LLM(str(tiny_gguf), dtype="float32", block_size=BLOCK, kv_cache_budget=budget, max_num_seqs=64)
+def generate_checking_pool(llm, prompts, params):
+    """``llm.generate`` with the pool invariants checked after every engine step."""
     engine = llm.engine
-    prompts = random_prompts(engine.spec.vocab_size, [5 + (7 * i) % 40 for i in range(64)], seed=11)
-    params = [SamplingParams(max_tokens=8 + i % 17, ignore_eos=True) for i in range(64)]
-
     original_step = engine.step
 
     def checked_step():
@@ -38,7 +34,17 @@ def test_sixty_four_requests_on_a_small_budget(tiny_gguf):
         return finished
 
     engine.step = checked_step
-    outputs = llm.generate(prompts, params)
+    return llm.generate(prompts, params)
+
+
+def test_sixty_four_requests_on_a_small_budget(tiny_gguf):
+    budget = NUM_BLOCKS * BLOCK * BYTES_PER_TOKEN_FP32
+    llm = LLM(str(tiny_gguf), dtype="float32", block_size=BLOCK, kv_cache_budget=budget, max_num_seqs=64)
+    engine = llm.engine
+    prompts = random_prompts(engine.spec.vocab_size, [5 + (7 * i) % 40 for i in range(64)], seed=11)
+    params = [SamplingParams(max_tokens=8 + i % 17, ignore_eos=True) for i in range(64)]
+
+    outputs = generate_checking_pool(llm, prompts, params)
 
     stats = llm.kv_cache_stats()
     assert stats["num_blocks"] == NUM_BLOCKS

@@ -23,7 +23,7 @@ from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, resolve_formats
 from tests.conftest import load_hf_oracle
 from tests.helpers import write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
-from tests.test_budget import check_pool_invariants
+from tests.test_budget import generate_checking_pool
 from tests.test_oracle_parity import random_prompts
 
 # Every LLM in this file converts its weights from the file (weight_cache=False): a cached entry
@@ -384,15 +384,7 @@ def test_many_requests_on_a_small_budget_stay_inside_it(tiny_q4_1_gguf, tiny_voc
     engine = llm.engine
     prompts = random_prompts(tiny_vocab, [5 + (7 * i) % 40 for i in range(48)], seed=11)
     params = [SamplingParams(max_tokens=8 + i % 17, ignore_eos=True) for i in range(48)]
-    original_step = engine.step
-
-    def checked_step():
-        finished = original_step()
-        check_pool_invariants(engine)
-        return finished
-
-    engine.step = checked_step
-    outputs = llm.generate(prompts, params)
+    outputs = generate_checking_pool(llm, prompts, params)
 
     assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
     stats = llm.kv_cache_stats()
