@@ -2,8 +2,9 @@
 
 ``torch`` is the reference and runs anywhere; ``cpu`` is a C kernel (``ricllm.kernels``,
 built on first use) that reads K/V in place through the block tables in decode steps (prefill
-steps keep SDPA, which is faster where the work is compute-bound); ``triton`` and ``cuda`` use the GPU decode kernels for decode-only steps and the
-reference (SDPA over the gathered cache) for prefill.
+steps keep SDPA, which is faster where the work is compute-bound); ``triton`` and ``cuda`` use
+the GPU decode kernels for decode-only steps and the reference (SDPA over the gathered cache)
+for prefill.
 """
 
 from __future__ import annotations
@@ -45,11 +46,8 @@ class CpuKernelAttention:
             # steps with prefill chunks are compute-bound: SDPA's tiled CPU kernel is about twice
             # as fast there as this kernel's per-query loop (measured, SmolLM2 shapes)
             return reference.paged_attention(q, k_cache, v_cache, meta, scale)
-        tables = meta.scratch.get("cpu_kernel_tables")
-        if tables is None:  # the kernel's int32 views are the same for every layer: convert once per step
-            tables = meta.scratch["cpu_kernel_tables"] = tuple(
-                t.to(dtype=torch.int32).contiguous() for t in (meta.block_tables, meta.query_start_loc, meta.context_lens))
-        return self._attend(q, k_cache, v_cache, *tables, scale)
+        # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale)
 
 
 class KernelAttention:

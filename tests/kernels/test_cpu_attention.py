@@ -73,9 +73,13 @@ def test_head_dims_besides_64(kernel, head_dim):
 
 def test_long_context_split_across_threads_merges_exactly(kernel):
     """One sequence with a long context is split into key ranges whose softmaxes are merged."""
-    torch.set_num_threads(2)
-    check(kernel, *make_case([1], [3000], n_heads=9, n_kv=3))
-    check(kernel, *make_case([3], [2049], n_heads=9, n_kv=3, dtype=torch.bfloat16))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # at least two threads, so one sequence's keys are split
+    try:
+        check(kernel, *make_case([1], [3000], n_heads=9, n_kv=3))
+        check(kernel, *make_case([3], [2049], n_heads=9, n_kv=3, dtype=torch.bfloat16))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_block_size_one(kernel):
