@@ -672,8 +672,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
         assert process.poll() is None
         dealer = Dealer(endpoint)
         ids = [f"drain-{i}" for i in range(4)]
+        # Long enough (4 x 400 decode steps) that the drain outlasts the probe loop by a wide margin
+        # however fast the machine decodes; 40 tokens once finished before the probe saw the 503.
         for rid in ids:
-            dealer.send(generate(rid, prompt=f"{rid} keeps talking", max_tokens=40, ignore_eos=True,
+            dealer.send(generate(rid, prompt=f"{rid} keeps talking", max_tokens=400, ignore_eos=True,
                                  **({"deadline_ms": 60_000.0} if rid.endswith("0") else {})))
         accepted, finals = set(), {}
         while accepted != set(ids):  # all admitted: now they are in flight
@@ -697,7 +699,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
         _, stderr = process.communicate(timeout=30)
     assert finals["late"].type == "rejected" and finals["late"].code == "DRAINING"
     for rid in ids:
-        assert finals[rid].type == "result" and len(finals[rid].token_ids) == 40, stderr[-2000:]
+        assert finals[rid].type == "result" and len(finals[rid].token_ids) == 400, stderr[-2000:]
     events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     done = {e["id"]: e for e in events if e.get("event") == "request_done"}
     assert set(done) == {*ids, "late"}
