@@ -39,8 +39,10 @@ def test_cpu_backend_refuses_a_gpu_device():
         select_backend("cpu", torch.device("cuda"))
 
 
-def test_engine_with_c_kernel_matches_torch_reference(tiny_gguf):
-    """Same greedy tokens through the whole engine (chunked prefill, then decode steps on the kernel)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_c_kernel_matches_torch_reference(tiny_gguf, dtype):
+    """Same greedy tokens through the whole engine (chunked prefill, then decode steps on the
+    kernel; the layers' fused C ops against their torch versions)."""
     require(shutil.which("cc") is not None, "no C compiler (cc)")
     from ricllm import SamplingParams
 
@@ -48,7 +50,8 @@ def test_engine_with_c_kernel_matches_torch_reference(tiny_gguf):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(str(tiny_gguf), attention_backend=backend, kv_cache_budget="4MiB", max_num_batched_tokens=32)
+        llm = LLM(str(tiny_gguf), attention_backend=backend, kv_cache_budget="4MiB", max_num_batched_tokens=32,
+                  dtype=dtype)
         assert llm.engine.attention_backend == backend
         runs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs["cpu"] == runs["torch"]

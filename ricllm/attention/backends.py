@@ -31,17 +31,27 @@ class TorchAttention:
 
 
 class CpuKernelAttention:
-    """The reference's ``store_kv``, then the C kernel for decode steps: no gathered copy of the context."""
+    """The reference's ``store_kv``, then the C kernel for decode steps: no gathered copy of the context.
+
+    It also offers the model ``fused_ops``, the C versions of the layers' elementwise steps
+    (the model then stores K/V itself, fused with RoPE, and calls ``attend``).
+    """
 
     name = "cpu"
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype):
         from ricllm.kernels.cpu_attention import cpu_paged_attention
+        from ricllm.kernels.cpu_fused import CpuFusedOps
 
         self._attend = cpu_paged_attention
+        self.fused_ops = CpuFusedOps(dtype)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
         if not meta.is_decode_only:
             # steps with prefill chunks are compute-bound: SDPA's tiled CPU kernel is about twice
             # as fast there as this kernel's per-query loop (measured, SmolLM2 shapes)
@@ -101,7 +111,7 @@ def _cpu_backend(name: str, cache_dtype: torch.dtype):
     else:
         ok, reason = cpu_kernel_available()
         if ok:
-            return CpuKernelAttention()
+            return CpuKernelAttention(cache_dtype)
     if name == "cpu":
         raise ConfigError(f"attention backend 'cpu' is not available: {reason}")
     log.warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")

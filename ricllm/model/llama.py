@@ -5,6 +5,11 @@ tokens side by side. Each layer writes its new K/V into the paged cache (slots f
 ``meta.slot_mapping``) and attends through the block tables, so the model holds no per-sequence
 state of its own.
 
+The layers are written in torch ops, which are the reference. With the ``cpu`` attention backend
+the elementwise steps (add + norm, RoPE + K/V store, SiLU·up) run as fused C calls instead
+(``fused``: ``ricllm.kernels.cpu_fused.CpuFusedOps``), which compute the same values with a
+fraction of the per-op overhead that dominates small decode steps.
+
     h = x + W_o · Attn(RoPE(W_q · n1(x)), RoPE(W_k · n1(x)), W_v · n1(x))
     y = h + W_down · (silu(W_gate · n2(h)) ⊙ W_up · n2(h)),   n(x) = x / rms(x) ⊙ g
 """
@@ -50,15 +55,23 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """Pre-norm on the residual stream: ``(x + delta, n(x + delta))``, where ``delta`` is the
+    previous sublayer's output, added here so the fused path does both in one pass."""
+
+    def __init__(self, size: int, eps: float, fused=None):
         super().__init__()
         self.weight = _uninitialised(size)
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return x, self.fused.add_rms_norm(x, delta, self.weight, self.eps)  # x += delta in place
+        if delta is not None:
+            x = x + delta
         # Normalise in fp32 and scale after casting back, as HF does: torch's fused bf16 rms_norm
         # loses enough precision to change SmolLM2's greedy answers.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return x, self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(spec: ModelSpec, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +123,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend):
+    def __init__(self, spec: ModelSpec, backend, fused=None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size)
@@ -118,9 +131,14 @@ class Attention(nn.Module):
         self.qk_v_sizes = (spec.q_size + spec.kv_size, spec.kv_size)
         self.scale = spec.head_dim ** -0.5
         self.backend = backend
+        self.fused = fused
 
     def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
         tokens = x.shape[0]
+        if self.fused is not None:
+            q = self.fused.rope_store(self.qkv_proj(x), *rope_cos_sin, meta.slot_mapping, *kv_cache, self.num_heads)
+            out = self.backend.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
+            return self.o_proj(out.view(tokens, -1))
         qk, v = self.qkv_proj(x).split(self.qk_v_sizes, dim=-1)
         # q and k heads sit side by side in the fused projection: rotate them in one pass
         qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope_cos_sin)
@@ -131,36 +149,42 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, fused=None):
         super().__init__()
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend):
+    def __init__(self, spec: ModelSpec, backend, fused=None):
         super().__init__()
-        self.attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, backend)
-        self.ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fused)
+        self.attn = Attention(spec, backend, fused)
+        self.ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fused)
+        self.mlp = MLP(spec, fused)
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta):
-        h = x + self.attn(self.attn_norm(x), rope_cos_sin, kv_cache, meta)
-        return h + self.mlp(self.ffn_norm(h))
+    def forward(self, x, delta, rope_cos_sin, kv_cache, meta):
+        """Residual stream ``x`` plus the last sublayer's output ``delta`` in; the same pair out."""
+        x, h = self.attn_norm(x, delta)
+        x, h = self.ffn_norm(x, self.attn(h, rope_cos_sin, kv_cache, meta))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend):
         super().__init__()
         self.spec = spec
+        fused = getattr(backend, "fused_ops", None)
         self.embed = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, fused) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, fused)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings)
         self.packed_head = None
@@ -179,11 +203,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
-        x = self.embed(input_ids)
+        x, delta = self.embed(input_ids), None
         rope_cos_sin = self.rope(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope_cos_sin, kv_cache, meta)
-        return self.norm(x)
+            x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta)
+        return self.norm(x, delta)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""Fused elementwise layer steps for the CPU (``csrc/cpu_fused_ops.c``), one C call each.
+
+``CpuFusedOps`` is what the model's layers call instead of their torch ops when the engine runs
+the ``cpu`` attention backend: add + RMSNorm, RoPE + K/V store, SiLU·up. Each rounds where
+eager torch rounds, so a model computes the same thing either way up to the order of the fp32
+sums in the norm; the torch layers remain the reference (tests compare the two).
+Activations must be contiguous bf16 or fp32 tensors on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ricllm.kernels.cpu_library import library
+
+ACTIVATION_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+
+
+def _reject(what: str) -> None:
+    raise ValueError(f"CPU fused op: {what}")
+
+
+class CpuFusedOps:
+    """Calls into the C library; threads follow ``torch.get_num_threads()`` at each call."""
+
+    def __init__(self, dtype: torch.dtype):
+        if dtype not in ACTIVATION_DTYPES:
+            _reject(f"activations must be bf16 or fp32, not {dtype}")
+        self.dtype, self._is_bf16 = dtype, ACTIVATION_DTYPES[dtype]
+        self._lib = library()
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``x += delta`` in place (the residual stream), then return ``weight * x / rms(x)``."""
+        # checks are plain comparisons: these calls run ~120 times per decode step
+        rows, dim = x.shape
+        if x.dtype != self.dtype or weight.dtype != self.dtype or not x.is_contiguous():
+            _reject(f"add_rms_norm takes contiguous {self.dtype} tensors")
+        if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or not delta.is_contiguous()):
+            _reject("delta must be contiguous and match x")
+        out = torch.empty_like(x)
+        self._lib.ricllm_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                      weight.data_ptr(), out.data_ptr(), rows, dim, eps, self._is_bf16,
+                                      torch.get_num_threads())
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """Rotate q and k of ``qkv [T, (H + 2·KVH)·D]`` by ``cos``/``sin [T, D]``; write k and v
+        to the cache at ``slot_mapping`` (``-1``: skipped); return q ``[T, H, D]``."""
+        rows, width = qkv.shape
+        _, _, kv_heads, head_dim = k_cache.shape
+        if not qkv.is_contiguous() or qkv.dtype != self.dtype or width != (num_heads + 2 * kv_heads) * head_dim:
+            _reject(f"rope_store takes a contiguous {self.dtype} qkv of width (heads + 2 kv_heads) head_dim")
+        if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == self.dtype
+                and cos.numel() == sin.numel() == rows * head_dim):
+            _reject("cos and sin must be contiguous [T, head_dim] in the activation dtype")
+        if k_cache.dtype not in ACTIVATION_DTYPES or v_cache.dtype != k_cache.dtype:
+            _reject("the cache must be bf16 or fp32")
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape[0] != rows:
+            _reject("slot_mapping must be contiguous int64 [T]")
+        q = qkv.new_empty(rows, num_heads, head_dim)
+        self._lib.ricllm_rope_store(qkv.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows,
+                                    num_heads, kv_heads, head_dim, self._is_bf16, ACTIVATION_DTYPES[k_cache.dtype],
+                                    torch.get_num_threads())
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2·I]`` (gate first) -> ``[T, I]``."""
+        rows, width = gate_up.shape
+        if not gate_up.is_contiguous() or gate_up.dtype != self.dtype:
+            _reject(f"silu_mul takes a contiguous {self.dtype} tensor")
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.ricllm_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self._is_bf16,
+                                  torch.get_num_threads())
+        return out

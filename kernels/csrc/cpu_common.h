@@ -1,0 +1,78 @@
+/* Shared by ricllm's CPU kernels: bf16 <-> fp32, a vectorizable exp, row loads and stores.
+ * Element types are bf16 (uint16 bit patterns) or fp32, chosen per call by an ``is_bf16`` flag. */
+#ifndef RICLLM_CPU_COMMON_H
+#define RICLLM_CPU_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* What storing x in the activation type does to it: bf16 rounding, or nothing for fp32. */
+static inline __attribute__((always_inline)) float round_to(float x, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(f32_to_bf16(x)) : x;
+}
+
+static inline __attribute__((always_inline)) float load_at(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store_at(void *base, int64_t i, int is_bf16, float x) {
+    if (is_bf16) ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else ((float *)base)[i] = x;
+}
+
+/* exp(x) by range reduction and Cephes' degree-6 polynomial (relative error ~2e-7): unlike
+ * libm's expf it has no branches, so the compiler vectorizes the softmax loops. Inputs below
+ * -87 give ~1e-38 instead of 0, which is harmless: they only ever scale zeros or add to a sum
+ * of which the largest term is 1. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline __attribute__((always_inline)) void load_row(const void *base, int64_t index, int d, int is_bf16, float *dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + index;
+        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + index, (size_t)d * sizeof(float));
+    }
+}
+
+static inline __attribute__((always_inline)) void store_row(void *base, int64_t index, int d, int is_bf16, const float *src) {
+    if (is_bf16) {
+        uint16_t *dst = (uint16_t *)base + index;
+        for (int i = 0; i < d; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + index, src, (size_t)d * sizeof(float));
+    }
+}
+
+#endif

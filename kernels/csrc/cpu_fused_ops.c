@@ -1,0 +1,116 @@
+/* The elementwise steps of a Llama layer, fused for the CPU: one call where eager torch runs
+ * four to eight small ops (each a dispatch, an allocation and a pass over memory). At decode
+ * batch sizes these steps cost more than the matrix products between them.
+ *
+ * Each function rounds where eager torch rounds: every intermediate that torch would store in
+ * the activation type (bf16) is rounded to it here too, so the fused layer computes what the
+ * torch layer computes, up to the order of the fp32 sums in the norm.
+ *
+ * Rows are independent: small batches (decode) run on the calling thread, since waking a
+ * thread team costs more than the work; large ones (prefill) are split across threads.
+ */
+#include "cpu_common.h"
+
+#define PARALLEL_ROWS 32  /* below this many rows, one thread */
+
+/* The row functions take ``is_bf16`` as a compile-time constant (always inlined into a dispatch
+ * on it), so their loops vectorize: a run-time flag inside them would keep them scalar. */
+#define INLINE static inline __attribute__((always_inline))
+#define DISPATCH(is_bf16, call) do { if (is_bf16) { const int bf = 1; call; } else { const int bf = 0; call; } } while (0)
+
+INLINE void add_rms_norm_row(void *x, const void *delta, const void *weight, void *out, int64_t base,
+                             int dim, float eps, const int bf, float *row) {
+    load_row(x, base, dim, bf, row);
+    if (delta) {
+        for (int i = 0; i < dim; i++) row[i] = round_to(row[i] + load_at(delta, base + i, bf), bf);
+        store_row(x, base, dim, bf, row);
+    }
+    float sum_sq = 0.0f;
+    for (int i = 0; i < dim; i++) sum_sq += row[i] * row[i];
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+    for (int i = 0; i < dim; i++) store_at(out, base + i, bf, round_to(row[i] * inv_rms, bf) * load_at(weight, i, bf));
+}
+
+/* x += delta (if given), then out = w * round(x / rms(x)): HF's RMSNorm on the residual stream.
+ * x is updated in place. */
+int ricllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out, int rows, int dim,
+                        float eps, int is_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float row[dim];
+        DISPATCH(is_bf16, add_rms_norm_row(x, delta, weight, out, (int64_t)r * dim, dim, eps, bf, row));
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE of one head in place: x*cos + rotate_half(x)*sin, each product rounded. */
+INLINE void rope_head(float *x, const float *cos, const float *sin, int d, const int bf) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = round_to(round_to(a * cos[i], bf) + round_to(-b * sin[i], bf), bf);
+        x[i + half] = round_to(round_to(b * cos[i + half], bf) + round_to(a * sin[i + half], bf), bf);
+    }
+}
+
+INLINE void rope_store_row(const void *qkv, void *q_out, const void *cos, const void *sin, int64_t slot,
+                           void *k_cache, void *v_cache, int t, int heads, int kv_heads, int d,
+                           const int bf, int cache_bf16) {
+    float c[d], s[d], x[d];
+    load_row(cos, (int64_t)t * d, d, bf, c);
+    load_row(sin, (int64_t)t * d, d, bf, s);
+    const int64_t row = (int64_t)t * (heads + 2 * kv_heads) * d;
+    for (int h = 0; h < heads; h++) {
+        load_row(qkv, row + (int64_t)h * d, d, bf, x);
+        rope_head(x, c, s, d, bf);
+        store_row(q_out, ((int64_t)t * heads + h) * d, d, bf, x);
+    }
+    if (slot < 0) return;
+    for (int h = 0; h < kv_heads; h++) {
+        const int64_t dst = (slot * kv_heads + h) * d;
+        load_row(qkv, row + (int64_t)(heads + h) * d, d, bf, x);
+        rope_head(x, c, s, d, bf);
+        store_row(k_cache, dst, d, cache_bf16, x);
+        load_row(qkv, row + (int64_t)(heads + kv_heads + h) * d, d, bf, x);
+        store_row(v_cache, dst, d, cache_bf16, x);
+    }
+}
+
+/* From the fused projection ``qkv [T, (H + 2·KVH)·D]``: q rotated into ``q_out [T, H, D]``;
+ * k rotated and v as is, written to their cache slots (``slots[t] < 0``: padding, skipped).
+ * ``cos``/``sin`` are ``[T, D]`` in the activation type, already gathered per position. */
+int ricllm_rope_store(const void *qkv, void *q_out, const void *cos, const void *sin, const int64_t *slots,
+                      void *k_cache, void *v_cache, int rows, int heads, int kv_heads, int head_dim,
+                      int is_bf16, int cache_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int t = 0; t < rows; t++)
+        DISPATCH(is_bf16, rope_store_row(qkv, q_out, cos, sin, slots[t], k_cache, v_cache, t, heads, kv_heads,
+                                         head_dim, bf, cache_bf16));
+    return 0;
+}
+
+/* In chunks through fp32 buffers: the loops over them vectorize, a mixed bf16/fp32 loop does not. */
+INLINE void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int inter, const int bf) {
+    enum { CHUNK = 64 };
+    float g[CHUNK], u[CHUNK];
+    for (int first = 0; first < inter; first += CHUNK) {
+        const int n = inter - first < CHUNK ? inter - first : CHUNK;
+        load_row(gate_up, in + first, n, bf, g);
+        load_row(gate_up, in + inter + first, n, bf, u);
+        for (int i = 0; i < n; i++) {
+            /* exp(-g) overflows past 88: clamping there still gives silu ~ -1e-36, i.e. 0 (a
+             * ternary, not fminf, whose NaN rules keep the loop scalar) */
+            const float minus_g = -g[i] > 87.0f ? 87.0f : -g[i];
+            g[i] = round_to(g[i] / (1.0f + exp_approx(minus_g)), bf) * u[i];
+        }
+        store_row(out, dst + first, n, bf, g);
+    }
+}
+
+/* out = round(silu(gate)) * up over ``gate_up [T, 2·I]`` (gate first): SwiGLU's activation. */
+int ricllm_silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int t = 0; t < rows; t++)
+        DISPATCH(is_bf16, silu_mul_row(gate_up, out, (int64_t)t * 2 * inter, (int64_t)t * inter, inter, bf));
+    return 0;
+}
