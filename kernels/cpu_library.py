@@ -22,7 +22,7 @@ from pathlib import Path
 from ricllm.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c")
+SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c")
 HEADERS = (CSRC / "cpu_common.h",)
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax
 # relies on -inf behaving as IEEE says.
@@ -37,6 +37,8 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_add_rms_norm": [_P] * 4 + [_I, _I, _F, _I, _I],
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,
+    "ricllm_quant_gemm_supported": [],
+    "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
 }
 
 

@@ -1,7 +1,8 @@
 """Packed weights (``weights="int8"|"int4"|"auto"``, CPU, bf16) compute what dense weights compute.
 
-A GGUF Q4_1 weight packs to int4 exactly (up to the bf16 rounding of its scales) and int8 per-row
-packing errs by at most half a step of its row; the default model keeps its greedy choices and
+Two packed layouts: ricllm's VNNI kernel's reproduces GGUF Q4_1 and Q8_0 weights exactly and
+multiplies within the error of its int8 activations; torch's packs a Q4_1 weight exactly up to
+the bf16 rounding of its scales, and its int8 per-row packing errs by at most half a step of its row; the default model keeps its greedy choices and
 its perplexity in every format; and with packed weights continuous batching and prefix caching
 give a request its solo logits (its greedy tokens, but where two tokens tie within bf16 rounding)
 and the KV budget holds, as with dense weights.
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import ConfigError
-from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, resolve_formats
+from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, resolve_formats, vnni_layout_available
 from tests.conftest import load_hf_oracle
-from tests.helpers import write_tiny_llama_gguf
+from tests.helpers import require, write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_budget import generate_checking_pool
 from tests.test_oracle_parity import random_prompts
@@ -38,22 +39,62 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def gguf_q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """What the loader makes of a Q4_1 tensor: ``w = d·q + m`` per group of 32, ``q`` spanning 0..15."""
+def gguf_weight(rows: int, cols: int, seed: int = 0, kind: str = "Q4_1") -> torch.Tensor:
+    """What the loader makes of a Q4_1 tensor (``w = d·q + m`` per group of 32, ``q`` spanning
+    0..15) or a Q8_0 one (``w = d·q``, ``q`` in -127..127)."""
     import gguf
 
-    kind = gguf.GGMLQuantizationType.Q4_1
+    qtype = gguf.GGMLQuantizationType[kind]
     source = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(source, kind), kind).copy()).float()
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(source, qtype), qtype).copy()).float()
+
+
+def gguf_q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return gguf_weight(rows, cols, seed, "Q4_1")
+
+
+def need_layout(layout: str) -> None:
+    if layout == "vnni":
+        require(vnni_layout_available(), "ricllm's VNNI kernel needs AVX-512 VNNI and a C compiler")
 
 
 # --------------------------------------------------------------------- packed_linear units
+
+ACTIVATION_INT8_TOL = 0.01  # the VNNI kernel rounds activations to int8 per group of 32 (~0.5% each)
+
+
+@pytest.mark.parametrize("kind,fmt", [("Q4_1", "int4"), ("Q8_0", "int8")])
+def test_vnni_packing_reproduces_a_gguf_weight_exactly(kind, fmt):
+    need_layout("vnni")
+    from ricllm.kernels import cpu_quant
+
+    w = gguf_weight(96, 256, kind=kind)
+    packed = PackedLinear.pack(w, fmt, max_packed_rows=16, layout="vnni")
+    bits = 4 if fmt == "int4" else 8
+    buffers = (packed.packed_weight, packed.packed_scales, packed.packed_offsets)
+    assert torch.equal(cpu_quant.unpack(*buffers, bits), w)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    err = rel_err(packed(x), F.linear(x.float(), w))
+    assert err < ACTIVATION_INT8_TOL, f"{fmt} output is off by {err:.4f} relative"
+    # the tolerance catches a scale off by one part in 64 (the kernel must apply what it stores)
+    packed.packed_scales[:, :, 0] *= 1 + 1 / 64
+    packed.packed_scales[:, :, 1] *= 1 + 1 / 64
+    assert rel_err(packed(x), F.linear(x.float(), w)) > ACTIVATION_INT8_TOL / 2
+
+
+def test_vnni_layout_is_used_only_where_the_shape_fits():
+    need_layout("vnni")
+    assert PackedLinear.pack(gguf_q4_1_weight(96, 256), "int8", 16).layout == "vnni"
+    assert PackedLinear.pack(gguf_q4_1_weight(96, 256), "int4", 16).layout == "torch"  # see pack()
+    odd = PackedLinear.pack(gguf_q4_1_weight(40, 256), "int8", 16)  # 40 rows: not whole tiles of 16
+    assert odd.layout == "torch" and odd(torch.ones(1, 256).bfloat16()).shape == (1, 40)
+
 
 def test_int4_packing_of_a_q4_1_weight_is_exact_to_bf16_precision():
     w = gguf_q4_1_weight(96, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = F.linear(x.float(), w)
-    packed = PackedLinear.pack(w, "int4", max_packed_rows=16)
+    packed = PackedLinear.pack(w, "int4", max_packed_rows=16, layout="torch")
     err = rel_err(packed(x), ref)
     assert err < BF16_REL_TOL, f"int4 output is off by {err:.4f} relative (tolerance {BF16_REL_TOL:.4f})"
     # the tolerance catches a zero point off by half a step (e.g. (q - 7.5)·scale + zero)
@@ -66,7 +107,7 @@ def test_int8_packing_error_is_at_most_half_a_step_of_each_row():
     gen = torch.Generator().manual_seed(2)
     row_scales = torch.logspace(-3, 0, 64)[:, None]  # rows of very different sizes: the scale must be per row
     w = torch.randn(64, 96, generator=gen) * row_scales
-    packed = PackedLinear.pack(w, "int8", max_packed_rows=16)
+    packed = PackedLinear.pack(w, "int8", max_packed_rows=16, layout="torch")
     restored = packed.packed_weight.float() * packed.packed_scales.float()[:, None]
     row_max = w.abs().amax(1, keepdim=True)
     bound = row_max * (1 / 254 + BF16_ROUNDOFF)  # half a step (row max / 127), plus the bf16-rounded scale
@@ -79,13 +120,20 @@ def test_int8_packing_error_is_at_most_half_a_step_of_each_row():
     assert err < 0.01, f"int8 output is off by {err:.4f} relative"
 
 
+@pytest.mark.parametrize("layout", ["torch", "vnni"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_rows_above_max_packed_rows_use_the_dense_bf16_weight(fmt):
+def test_rows_above_max_packed_rows_use_the_dense_bf16_weight(fmt, layout):
+    need_layout(layout)
     w = gguf_q4_1_weight(64, 128, seed=3)
-    packed = PackedLinear.pack(w, fmt, max_packed_rows=8)
+    packed = PackedLinear.pack(w, fmt, max_packed_rows=8, layout=layout)
     gen = torch.Generator().manual_seed(4)
     few, many = torch.randn(8, 128, generator=gen).bfloat16(), torch.randn(9, 128, generator=gen).bfloat16()
-    if fmt == "int4":
+    if layout == "vnni":
+        from ricllm.kernels.cpu_quant import quant_gemm
+
+        kernel = quant_gemm(few, packed.packed_weight, packed.packed_scales, packed.packed_offsets,
+                            4 if fmt == "int4" else 8, 64)
+    elif fmt == "int4":
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(few, packed.packed_weight, INT4_GROUP,
                                                             packed.packed_scales)
     else:

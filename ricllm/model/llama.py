@@ -218,7 +218,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, layer_format: str, head_format: str, max_packed_rows: int | None) -> None:
         """Swap the projections for weight-only quantized ones (``"dense"`` leaves them)."""
-        from ricllm.model.packed_linear import PackedLinear
+        from ricllm.model.packed_linear import PackedLinear, head_max_packed_rows
 
         def packed(linear: nn.Module, fmt: str, max_rows: int | None = max_packed_rows, shared=None) -> nn.Module:
             return linear if fmt == "dense" else PackedLinear.pack(linear.weight.float(), fmt, max_rows, shared)
@@ -230,8 +230,7 @@ class LlamaModel(nn.Module):
             layer.mlp.down_proj = packed(layer.mlp.down_proj, layer_format)
         if head_format != "dense":
             head = self.embed if self.lm_head is None else self.lm_head
-            # the vocabulary-wide head is compute-heavier per row: bf16 wins from a few rows on
-            head_rows = None if max_packed_rows is None else max(1, max_packed_rows // 4)
+            head_rows = head_max_packed_rows(max_packed_rows)
             # a tied head's bf16 copy is the embedding itself: no second copy in memory
             shared = self.embed.weight if head is self.embed and self.embed.weight.dtype == torch.bfloat16 else None
             self.packed_head = packed(head, head_format, head_rows, shared)

@@ -25,7 +25,7 @@ from torch import nn
 
 import ricllm
 from ricllm.logging import get_logger
-from ricllm.model.packed_linear import PackedLinear
+from ricllm.model.packed_linear import PackedLinear, head_max_packed_rows, vnni_layout_available
 from ricllm.model.spec import ModelSpec, RopeScaling
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.paths import cache_dir, file_digest
@@ -51,13 +51,17 @@ def _conversion_code_digest() -> str:
     digest = hashlib.sha256()
     for name in ("loader.py", "llama.py", "packed_linear.py", "weight_cache.py"):
         digest.update((model_dir / name).read_bytes())
+    from ricllm.kernels import cpu_quant  # the VNNI layout's packing code
+
+    digest.update(Path(cpu_quant.__file__).read_bytes())
     return digest.hexdigest()[:16]
 
 
 def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: str,
                max_packed_rows: int | None) -> Path:
     key = {"sha256": file_digest(source), "dtype": str(dtype), "device": device.type, "weights": weights,
-           "max_packed_rows": max_packed_rows, "ricllm": ricllm.__version__, "torch": torch.__version__,
+           "max_packed_rows": max_packed_rows,
+           "vnni": vnni_layout_available() if weights != "bf16" else None, "ricllm": ricllm.__version__, "torch": torch.__version__,
            "code": _conversion_code_digest(), "entry": ENTRY_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "weights" / f"{digest}.pt"
@@ -122,8 +126,7 @@ def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int | None) ->
             if f"{prefix}.packed_weight" in state:
                 _swap(layer, name, _packed_from(state, prefix, layer_fmt, max_packed_rows))
     if "packed_head.packed_weight" in state:
-        head_rows = None if max_packed_rows is None else max(1, max_packed_rows // 4)
-        model.packed_head = _packed_from(state, "packed_head", head_fmt, head_rows)
+        model.packed_head = _packed_from(state, "packed_head", head_fmt, head_max_packed_rows(max_packed_rows))
         model.lm_head = None
     model.rope.cos, model.rope.sin = state.pop("rope.cos"), state.pop("rope.sin")
     model.load_state_dict(state, assign=True, strict=True)
@@ -132,7 +135,8 @@ def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int | None) ->
 
 def _packed_from(state: dict, prefix: str, fmt: str, max_rows: int | None) -> PackedLinear:
     return PackedLinear(state[f"{prefix}.packed_weight"], state[f"{prefix}.packed_scales"],
-                        state.get(f"{prefix}.weight"), fmt, 0 if max_rows is None else max_rows)
+                        state.get(f"{prefix}.weight"), fmt, 0 if max_rows is None else max_rows,
+                        state.get(f"{prefix}.packed_offsets"))
 
 
 def _swap(layer: nn.Module, dotted: str, module: nn.Module) -> None:

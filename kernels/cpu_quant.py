@@ -1,0 +1,102 @@
+"""Weight-only int4/int8 products on AVX-512 VNNI (``csrc/cpu_quant_gemm.c``): pack, then multiply.
+
+The layout is the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,
+fp16 scales per (row, group). ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
+group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``pack_int8``
+takes Q8_0's form ``w = d·q`` per group of 32. Activations are quantized to int8 per group of
+32 inside the kernel, as llama.cpp does for the same products.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ricllm.kernels.cpu_library import library
+
+GROUP, TILE = 32, 16
+ACTIVATION_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+
+
+@functools.lru_cache(maxsize=1)
+def quant_gemm_available() -> bool:
+    """Whether this CPU runs the kernel (AVX-512 VNNI) and the library builds here."""
+    try:
+        return bool(library().ricllm_quant_gemm_supported())
+    except (RuntimeError, OSError):
+        return False
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    rows, cols = weight.shape
+    return rows % TILE == 0 and cols % GROUP == 0
+
+
+def _tiled(q: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``[N, K]`` per-weight bytes -> ``[tiles, groups, blocks, 16 rows, 4]``: lane r of a block
+    holds 4 consecutive k of row r."""
+    rows, cols = q.shape
+    return q.view(rows // TILE, TILE, cols // GROUP, blocks, 4).permute(0, 2, 3, 1, 4)
+
+
+def _tile_scales(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Per-(row, group) ``[N, G]`` d and c -> fp16 ``[tiles, groups, 2, 16]``."""
+    rows, groups = d.shape
+    def tiled(t):
+        return t.view(rows // TILE, TILE, groups).permute(0, 2, 1)
+    return torch.stack([tiled(d), tiled(c)], dim=2).to(torch.float16).contiguous()
+
+
+def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, K]`` -> (uint8 nibbles, fp16 scales, empty offsets)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).clamp_min(1e-8).half().float()  # quantize against the stored fp16 values
+    c = low.half().float()
+    q = torch.round((groups - c[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8).view(rows, cols)
+    blocks = _tiled(q, 8)
+    nibbles = (blocks[:, :, :4] | (blocks[:, :, 4:] << 4)).contiguous().view(-1)
+    return nibbles, _tile_scales(d.view(rows, -1), c.view(rows, -1)), torch.empty(0, dtype=torch.int32)
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``[N, K]`` -> (int8 bytes, fp16 scales, int32 ``128·Σq`` per (row, group))."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    d = (groups.abs().amax(-1) / 127).clamp_min(1e-8).half().float()
+    q = torch.round(groups / d[..., None]).clamp(-127, 127).to(torch.int8)
+    offsets = (128 * q.int().sum(-1)).to(torch.int32).view(rows // TILE, TILE, -1).permute(0, 2, 1).contiguous()
+    packed = _tiled(q.view(rows, cols), 8).contiguous().view(-1)
+    return packed, _tile_scales(d, torch.zeros_like(d)), offsets
+
+
+def unpack(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fp32 ``[N, K]`` weight a packed one stands for (tests; the kernel never materializes it)."""
+    tiles, groups = scales.shape[0], scales.shape[1]
+    if bits == 4:
+        nibbles = packed.view(tiles, groups, 4, TILE, 4)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).float()
+    else:
+        q = packed.view(torch.int8).view(tiles, groups, 8, TILE, 4).float()
+    q = q.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, groups, GROUP)  # [N, G, 32]
+    d, c = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * TILE, groups, 1).float() for i in (0, 1))
+    return (d * q + c).view(tiles * TILE, groups * GROUP)
+
+
+def quant_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+               bits: int, out_features: int) -> torch.Tensor:
+    """``x [M, K] (bf16 or fp32) -> [M, N]`` in x's dtype."""
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"quant_gemm takes bf16 or fp32 activations, not {x.dtype}")
+    x = x.contiguous()
+    rows, cols = x.shape
+    out = x.new_empty(rows, out_features)
+    scratch = torch.empty(rows * cols + 8 * rows * (cols // GROUP), dtype=torch.uint8)
+    code = library().ricllm_quant_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                       bits, out.data_ptr(), rows, cols, out_features, ACTIVATION_DTYPES[x.dtype],
+                                       scratch.data_ptr(), torch.get_num_threads())
+    if code != 0:
+        raise ValueError(f"quant_gemm refused [{rows}, {cols}] x [{cols}, {out_features}] at {bits} bits (code {code})")
+    return out
