@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ricllm.kernels.cpu_library import library
+from ricllm.kernels.cpu_library import IS_BF16, library
 
-ACTIVATION_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
 def _reject(what: str) -> None:
@@ -24,9 +23,9 @@ class CpuFusedOps:
     """Calls into the C library; threads follow ``torch.get_num_threads()`` at each call."""
 
     def __init__(self, dtype: torch.dtype):
-        if dtype not in ACTIVATION_DTYPES:
+        if dtype not in IS_BF16:
             _reject(f"activations must be bf16 or fp32, not {dtype}")
-        self.dtype, self._is_bf16 = dtype, ACTIVATION_DTYPES[dtype]
+        self.dtype, self._is_bf16 = dtype, IS_BF16[dtype]
         self._lib = library()
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -55,14 +54,14 @@ class CpuFusedOps:
         if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == self.dtype
                 and cos.numel() == sin.numel() == rows * head_dim):
             _reject("cos and sin must be contiguous [T, head_dim] in the activation dtype")
-        if k_cache.dtype not in ACTIVATION_DTYPES or v_cache.dtype != k_cache.dtype:
+        if k_cache.dtype not in IS_BF16 or v_cache.dtype != k_cache.dtype:
             _reject("the cache must be bf16 or fp32")
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape[0] != rows:
             _reject("slot_mapping must be contiguous int64 [T]")
         q = qkv.new_empty(rows, num_heads, head_dim)
         self._lib.ricllm_rope_store(qkv.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows,
-                                    num_heads, kv_heads, head_dim, self._is_bf16, ACTIVATION_DTYPES[k_cache.dtype],
+                                    num_heads, kv_heads, head_dim, self._is_bf16, IS_BF16[k_cache.dtype],
                                     torch.get_num_threads())
         return q
 

@@ -19,9 +19,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from ricllm.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
+IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c")
 HEADERS = (CSRC / "cpu_common.h",)
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax

@@ -13,10 +13,9 @@ import functools
 
 import torch
 
-from ricllm.kernels.cpu_library import library
+from ricllm.kernels.cpu_library import IS_BF16, library
 
 GROUP, TILE = 32, 16
-ACTIVATION_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,14 +87,14 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bi
 def quant_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                bits: int, out_features: int) -> torch.Tensor:
     """``x [M, K] (bf16 or fp32) -> [M, N]`` in x's dtype."""
-    if x.dtype not in ACTIVATION_DTYPES:
+    if x.dtype not in IS_BF16:
         raise ValueError(f"quant_gemm takes bf16 or fp32 activations, not {x.dtype}")
     x = x.contiguous()
     rows, cols = x.shape
     out = x.new_empty(rows, out_features)
     scratch = torch.empty(rows * cols + 8 * rows * (cols // GROUP), dtype=torch.uint8)
     code = library().ricllm_quant_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                       bits, out.data_ptr(), rows, cols, out_features, ACTIVATION_DTYPES[x.dtype],
+                                       bits, out.data_ptr(), rows, cols, out_features, IS_BF16[x.dtype],
                                        scratch.data_ptr(), torch.get_num_threads())
     if code != 0:
         raise ValueError(f"quant_gemm refused [{rows}, {cols}] x [{cols}, {out_features}] at {bits} bits (code {code})")

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ricllm.kernels import cpu_quant
+
 INT4_GROUP = 32
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")
 FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
@@ -82,9 +84,7 @@ def can_pack(weight: torch.Tensor, fmt: str) -> bool:
 
 def vnni_layout_available() -> bool:
     """Whether packing uses ricllm's VNNI kernel here (part of the weight cache's key)."""
-    from ricllm.kernels.cpu_quant import quant_gemm_available
-
-    return quant_gemm_available()
+    return cpu_quant.quant_gemm_available()
 
 
 def head_max_packed_rows(max_packed_rows: int | None) -> int | None:
@@ -125,8 +125,6 @@ class PackedLinear(nn.Module):
         ``layout`` forces ``"torch"`` or ``"vnni"``. Default: ``vnni`` for int8 where it runs and the
         shape fits; ``torch`` for int4, because int8 activations on top of 4-bit weights cost
         SmolLM2 3.6% of perplexity against fp32 (measured; the quality bar is 2%)."""
-        from ricllm.kernels import cpu_quant
-
         offsets = None
         if layout is None:
             usable = fmt == "int8" and vnni_layout_available() and cpu_quant.can_pack(dense_weight)
@@ -145,9 +143,7 @@ class PackedLinear(nn.Module):
         if self.weight is not None and rows > self.max_packed_rows:
             return F.linear(x, self.weight)
         if self.layout == "vnni":
-            from ricllm.kernels.cpu_quant import quant_gemm
-
-            return quant_gemm(x, self.packed_weight, self.packed_scales, self.packed_offsets,
+            return cpu_quant.quant_gemm(x, self.packed_weight, self.packed_scales, self.packed_offsets,
                               4 if self.fmt == "int4" else 8, self.out_features)
         if self.fmt == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, INT4_GROUP, self.packed_scales)
