@@ -65,10 +65,10 @@ def fit_file(tmp_path_factory) -> Path:
 
 
 def scenario_file(folder: Path, model: Path, fit: Path, speed: float = 4.0, extra_classes: str = "",
-                  duration_s: float = 4) -> Path:
+                  duration_s: float = 4, cells: int = 3) -> Path:
     text = SCENARIO.format(model=model, fit=fit, speed=speed, extra_classes=extra_classes)
     path = folder / "tiny.yaml"
-    path.write_text(text.replace("duration_s: 4,", f"duration_s: {duration_s},"))
+    path.write_text(text.replace("duration_s: 4,", f"duration_s: {duration_s},").replace("cells: 3,", f"cells: {cells},"))
     return path
 
 
@@ -202,8 +202,11 @@ def test_report_errors_are_user_errors(tmp_path, capsys):
 
 
 def test_ctrl_c_still_writes_the_report(tiny_gguf, fit_file, tmp_path):
+    # 100 cells a tick, mostly 300-token answers: ~25,000 tokens of work every 0.5 s keeps a queue on any
+    # CPU, so requests are still outstanding when Ctrl-C comes, however fast the engine decodes.
     long_class = "  long: {deadline_ms: null, max_tokens: 300, weight: 20, ignore_eos: true}\n"
-    scenario = scenario_file(tmp_path, tiny_gguf, fit_file, speed=1.0, extra_classes=long_class, duration_s=30)
+    scenario = scenario_file(tmp_path, tiny_gguf, fit_file, speed=1.0, extra_classes=long_class, duration_s=30,
+                             cells=100)
     out = tmp_path / "report"
     env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path / "cache")}
     process = subprocess.Popen([sys.executable, "-m", "ricllm.cli", "replay", str(scenario), "--out", str(out),
