@@ -25,7 +25,8 @@ from ricllm.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
-SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c")
+SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c",
+           CSRC / "cpu_decoder.c")
 HEADERS = (CSRC / "cpu_common.h",)
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax
 # relies on -inf behaving as IEEE says.
@@ -40,8 +41,11 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_add_rms_norm": [_P] * 4 + [_I, _I, _F, _I, _I],
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,
-    "ricllm_quant_gemm_supported": [],
+    "ricllm_quant_gemm_supported": [_I],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
+    "ricllm_decoder_stack": [_P] * 12 + [_F, _F],
+    "ricllm_decoder_stack_dims": [],
+    "ricllm_decoder_stack_layer_pointers": [],
 }
 
 

@@ -1,10 +1,11 @@
-"""Weight-only int4/int8 products on AVX-512 VNNI (``csrc/cpu_quant_gemm.c``): pack, then multiply.
+"""Weight-only int4/int8 products on AVX-512 (``csrc/cpu_quant_gemm.c``): pack, then multiply.
 
 The layout is the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,
 fp16 scales per (row, group). ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
 group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``pack_int8``
-takes Q8_0's form ``w = d·q`` per group of 32. Activations are quantized to int8 per group of
-32 inside the kernel, as llama.cpp does for the same products.
+takes Q8_0's form ``w = d·q`` per group of 32. 4-bit products keep the activations in bf16
+(AVX-512 BF16 dot products); 8-bit ones quantize them to int8 per group of 32 inside the
+kernel, as llama.cpp does for the same products (AVX-512 VNNI).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from ricllm.kernels.cpu_library import IS_BF16, library
 GROUP, TILE = 32, 16
 
 
-@functools.lru_cache(maxsize=1)
-def quant_gemm_available() -> bool:
-    """Whether this CPU runs the kernel (AVX-512 VNNI) and the library builds here."""
+@functools.lru_cache(maxsize=2)
+def quant_gemm_available(bits: int) -> bool:
+    """Whether this CPU runs the kernel at ``bits`` (8: AVX-512 VNNI; 4: AVX-512 BF16 too) and
+    the library builds here."""
     try:
-        return bool(library().ricllm_quant_gemm_supported())
+        return bool(library().ricllm_quant_gemm_supported(bits))
     except (RuntimeError, OSError):
         return False
 
@@ -92,7 +94,7 @@ def quant_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offs
     x = x.contiguous()
     rows, cols = x.shape
     out = x.new_empty(rows, out_features)
-    scratch = torch.empty(rows * cols + 8 * rows * (cols // GROUP), dtype=torch.uint8)
+    scratch = torch.empty(2 * rows * cols + 8 * rows * (cols // GROUP), dtype=torch.uint8)
     code = library().ricllm_quant_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                                        bits, out.data_ptr(), rows, cols, out_features, IS_BF16[x.dtype],
                                        scratch.data_ptr(), torch.get_num_threads())

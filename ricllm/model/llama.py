@@ -188,6 +188,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings)
         self.packed_head = None
+        self.decoder_stack = None  # set by enable_decoder_stack()
         self.requires_grad_(False)
 
     @classmethod
@@ -205,6 +206,8 @@ class LlamaModel(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm."""
         x, delta = self.embed(input_ids), None
         rope_cos_sin = self.rope(positions, x.dtype)
+        if self.decoder_stack is not None and self.decoder_stack.accepts(x, meta.is_decode_only):
+            return self.decoder_stack(x, *rope_cos_sin, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta)
         return self.norm(x, delta)[1]
@@ -218,10 +221,12 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, layer_format: str, head_format: str, max_packed_rows: int | None) -> None:
         """Swap the projections for weight-only quantized ones (``"dense"`` leaves them)."""
-        from ricllm.model.packed_linear import PackedLinear, head_max_packed_rows
+        from ricllm.model.packed_linear import PackedLinear, can_pack, head_max_packed_rows
 
         def packed(linear: nn.Module, fmt: str, max_rows: int | None = max_packed_rows, shared=None) -> nn.Module:
-            return linear if fmt == "dense" else PackedLinear.pack(linear.weight.float(), fmt, max_rows, shared)
+            if fmt == "dense" or not can_pack(linear.weight, fmt):
+                return linear
+            return PackedLinear.pack(linear.weight.float(), fmt, max_rows, shared)
 
         for layer in self.layers:
             layer.attn.qkv_proj = packed(layer.attn.qkv_proj, layer_format)
@@ -236,6 +241,38 @@ class LlamaModel(nn.Module):
             self.packed_head = packed(head, head_format, head_rows, shared)
             if self.lm_head is not None:
                 self.lm_head = None  # the packed head keeps its own dense copy
+
+    def enable_decoder_stack(self) -> bool:
+        """Run decode steps through one C call for all layers (``ricllm.kernels.cpu_decoder``),
+        the same kernels as the per-op path without its Python work. It applies when the layers
+        use the fused C ops and every projection is packed in ricllm's own layout; decode steps
+        above the projections' ``max_packed_rows`` (dense bf16 there) and prefill steps keep the
+        per-op path. Returns whether it is on."""
+        from ricllm.kernels.cpu_decoder import CpuDecoderStack, PackedProjection, StackLayer
+        from ricllm.model.packed_linear import PackedLinear
+
+        def own(m) -> bool:
+            return isinstance(m, PackedLinear) and m.layout == "vnni"
+
+        projections = [p for layer in self.layers for p in (layer.attn.qkv_proj, layer.attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if self.layers[0].attn.fused is None or not all(map(own, projections)):
+            self.decoder_stack = None
+            return False
+
+        def packed(m: PackedLinear) -> PackedProjection:
+            return PackedProjection(m.packed_weight, m.packed_scales, m.packed_offsets, 4 if m.fmt == "int4" else 8)
+
+        layers = [StackLayer(layer.attn_norm.weight, packed(layer.attn.qkv_proj), packed(layer.attn.o_proj),
+                             layer.ffn_norm.weight, packed(layer.mlp.gate_up_proj), packed(layer.mlp.down_proj))
+                  for layer in self.layers]
+        max_rows = min(p.max_packed_rows if p.weight is not None else 1 << 30 for p in projections)
+        spec = self.spec
+        self.decoder_stack = CpuDecoderStack(
+            layers, self.norm.weight, heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            inter=spec.intermediate_size, eps=spec.rms_norm_eps, scale=self.layers[0].attn.scale,
+            dtype=self.norm.weight.dtype, max_rows=max_rows)
+        return True
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ricllm-named tensors in, fusing q/k/v and gate/up as they arrive."""

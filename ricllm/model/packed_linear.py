@@ -6,12 +6,12 @@ bf16. torch's weight-only kernels pay for that at larger batches (they dequantiz
 so ``PackedLinear`` keeps the dense bf16 weight too and picks per call by the number of rows.
 
 Two layouts:
-- ``vnni`` (where the CPU has AVX-512 VNNI and the C kernels build; int8 weights by default):
-  ricllm's own kernel (``ricllm.kernels.cpu_quant``), which quantizes activations to int8 per
-  group of 32 and runs the dot products on the integer unit, 1.3-2x faster than torch's at
-  decode batch sizes.
-  4-bit keeps Q4_1's ``w = d·q + m`` per group of 32, 8-bit Q8_0's ``w = d·q`` per group of 32,
-  both with fp16 scales: a Q4_1 or Q8_0 file is reproduced exactly.
+- ``vnni`` (ricllm's own kernels, ``ricllm.kernels.cpu_quant``, where the C kernels build and
+  the CPU has the instructions): 4-bit keeps Q4_1's ``w = d·q + m`` per group of 32 and
+  multiplies bf16 activations on the bf16 dot-product unit (AVX-512 BF16); 8-bit keeps Q8_0's
+  ``w = d·q`` per group of 32 and quantizes activations to int8 per group of 32 for the
+  integer unit (AVX-512 VNNI), as llama.cpp does. Both keep fp16 scales, so a Q4_1 or Q8_0
+  file is reproduced exactly, and both are 1.3-2x faster than torch's at decode batch sizes.
 - ``torch`` (elsewhere): torch's weight-only kernels. 4-bit: groups of 32,
   ``w ≈ (q − 8)·scale + zero``; Q4_1's ``d·q + m`` maps to ``scale = d``, ``zero = m + 8d``
   exactly up to the bf16 rounding of the scales. 8-bit: one symmetric scale per output row
@@ -79,18 +79,21 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def can_pack(weight: torch.Tensor, fmt: str) -> bool:
-    return fmt == "int8" or (fmt == "int4" and weight.shape[1] % INT4_GROUP == 0)
+    """Whether some layout takes this shape: 4-bit needs whole groups of 32 inputs and tiles of
+    16 outputs (both layouts); 8-bit packs any shape (torch's layout)."""
+    rows, cols = weight.shape
+    return fmt == "int8" or (fmt == "int4" and cols % INT4_GROUP == 0 and rows % 16 == 0)
 
 
-def vnni_layout_available() -> bool:
-    """Whether packing uses ricllm's VNNI kernel here (part of the weight cache's key)."""
-    return cpu_quant.quant_gemm_available()
+def vnni_layout_available(fmt: str) -> bool:
+    """Whether packing ``fmt`` uses ricllm's own kernel here (part of the weight cache's key)."""
+    return cpu_quant.quant_gemm_available(4 if fmt == "int4" else 8)
 
 
 def head_max_packed_rows(max_packed_rows: int | None) -> int | None:
     """Rows up to which the LM head stays packed. torch's kernels are compute-heavy per row on
     the vocabulary-wide head, so bf16 wins there from a few rows on; the VNNI kernel keeps up."""
-    if max_packed_rows is None or vnni_layout_available():
+    if max_packed_rows is None or vnni_layout_available("int8"):
         return max_packed_rows
     return max(1, max_packed_rows // 4)
 
@@ -122,12 +125,11 @@ class PackedLinear(nn.Module):
              shared_dense: torch.Tensor | None = None, layout: str | None = None) -> "PackedLinear":
         """``max_packed_rows=None`` keeps no bf16 copy (least memory, packed at every batch size);
         ``shared_dense`` is a bf16 tensor holding the same weight already (a tied embedding);
-        ``layout`` forces ``"torch"`` or ``"vnni"``. Default: ``vnni`` for int8 where it runs and the
-        shape fits; ``torch`` for int4, because int8 activations on top of 4-bit weights cost
-        SmolLM2 3.6% of perplexity against fp32 (measured; the quality bar is 2%)."""
+        ``layout`` forces ``"torch"`` or ``"vnni"``; by default ``vnni`` where it runs and the shape
+        fits (16 output rows a tile)."""
         offsets = None
         if layout is None:
-            usable = fmt == "int8" and vnni_layout_available() and cpu_quant.can_pack(dense_weight)
+            usable = vnni_layout_available(fmt) and cpu_quant.can_pack(dense_weight)
             layout = "vnni" if usable else "torch"
         if layout == "vnni":
             *packed, offsets = (cpu_quant.pack_int4 if fmt == "int4" else cpu_quant.pack_int8)(dense_weight)

@@ -61,7 +61,7 @@ def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: 
                max_packed_rows: int | None) -> Path:
     key = {"sha256": file_digest(source), "dtype": str(dtype), "device": device.type, "weights": weights,
            "max_packed_rows": max_packed_rows,
-           "vnni": vnni_layout_available() if weights != "bf16" else None, "ricllm": ricllm.__version__, "torch": torch.__version__,
+           "vnni": [vnni_layout_available(f) for f in ("int4", "int8")] if weights != "bf16" else None, "ricllm": ricllm.__version__, "torch": torch.__version__,
            "code": _conversion_code_digest(), "entry": ENTRY_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "weights" / f"{digest}.pt"
