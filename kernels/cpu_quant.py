@@ -1,7 +1,8 @@
 """Weight-only int4/int8 products on AVX-512 (``csrc/cpu_quant_gemm.c``): pack, then multiply.
 
-The layout is the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,
-fp16 scales per (row, group). ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
+The layouts are the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,
+fp16 scales per (row, group); 4-bit weights as 16 pairs of k per (tile, group), 8-bit ones as
+8 blocks of 4 k. ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
 group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``pack_int8``
 takes Q8_0's form ``w = d·q`` per group of 32. 4-bit products keep the activations in bf16
 (AVX-512 BF16 dot products); 8-bit ones quantize them to int8 per group of 32 inside the
@@ -56,9 +57,10 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     low, high = groups.amin(-1), groups.amax(-1)
     d = ((high - low) / 15).clamp_min(1e-8).half().float()  # quantize against the stored fp16 values
     c = low.half().float()
-    q = torch.round((groups - c[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8).view(rows, cols)
-    blocks = _tiled(q, 8)
-    nibbles = (blocks[:, :, :4] | (blocks[:, :, 4:] << 4)).contiguous().view(-1)
+    q = torch.round((groups - c[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
+    # [tiles, 16 rows, groups, 16 pairs, 2] -> [tiles, groups, pair i, row]: byte = q[2i] | q[2i+1] << 4
+    pairs = q.view(rows // TILE, TILE, cols // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(-1)
     return nibbles, _tile_scales(d.view(rows, -1), c.view(rows, -1)), torch.empty(0, dtype=torch.int32)
 
 
@@ -77,11 +79,12 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bi
     """The fp32 ``[N, K]`` weight a packed one stands for (tests; the kernel never materializes it)."""
     tiles, groups = scales.shape[0], scales.shape[1]
     if bits == 4:
-        nibbles = packed.view(tiles, groups, 4, TILE, 4)
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).float()
+        nibbles = packed.view(tiles, groups, GROUP // 2, TILE)  # [tiles, groups, pair, row]
+        q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).float()  # [..., pair, row, 2]
+        q = q.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, groups, GROUP)
     else:
         q = packed.view(torch.int8).view(tiles, groups, 8, TILE, 4).float()
-    q = q.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, groups, GROUP)  # [N, G, 32]
+        q = q.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, groups, GROUP)  # [N, G, 32]
     d, c = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * TILE, groups, 1).float() for i in (0, 1))
     return (d * q + c).view(tiles * TILE, groups * GROUP)
 

@@ -28,8 +28,8 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     weights: str = "auto"  # auto, bf16, int8, int4: weight-only quantized projections on the CPU
-    max_packed_rows: int | None = 16  # batches up to this many tokens use packed weights, larger ones a bf16
-    # copy; None: packed at every size and no bf16 copy (least memory, slower prefill and large batches)
+    max_packed_rows: int | None = None  # None: packed weights at every batch size, no bf16 copy (least
+    # memory; ricllm's AMX/AVX-512 kernels lead bf16 up to ~64 rows); N: a bf16 copy serves steps above N rows
     enable_prefix_caching: bool = True
     weight_cache: bool = True  # keep converted weights on disk ($RICLLM_CACHE_DIR/weights): later starts in seconds
     admission: str = "off"  # off: refuse only what can never fit (raise); deadline: promise deadlines; fcfs: queue all

@@ -72,12 +72,14 @@ def test_vnni_packing_reproduces_a_gguf_weight_exactly(kind, fmt):
     from ricllm.kernels import cpu_quant
 
     w = gguf_weight(96, 256, kind=kind)
-    packed = PackedLinear.pack(w, fmt, max_packed_rows=16, layout="vnni")
+    packed = PackedLinear.pack(w, fmt, max_packed_rows=None, layout="vnni")  # packed at every row count
     bits = 4 if fmt == "int4" else 8
     buffers = (packed.packed_weight, packed.packed_scales, packed.packed_offsets)
     assert torch.equal(cpu_quant.unpack(*buffers, bits), w)
     tolerance = VNNI_TOL[fmt]
-    for rows in (1, 5, 8, 13):  # one row, a partial block, a full block of 8, more than one block
+    # one row, per-row blocks (full and partial), AMX's blocks of 16 rows (full and partial) with
+    # exact scales, and from 64 rows on AMX on weights dequantized to bf16 (panels of 128 rows)
+    for rows in (1, 2, 5, 8, 13, 16, 40, 64, 150):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         err = rel_err(packed(x), F.linear(x.float(), w))
         assert err < tolerance, f"{fmt} output for {rows} rows is off by {err:.4f} relative"
@@ -85,6 +87,15 @@ def test_vnni_packing_reproduces_a_gguf_weight_exactly(kind, fmt):
     packed.packed_scales[:, :, 0] *= 1 + 1 / 64
     packed.packed_scales[:, :, 1] *= 1 + 1 / 64
     assert rel_err(packed(x), F.linear(x.float(), w)) > tolerance / 2
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17, 70])
+def test_vnni_int4_takes_an_odd_number_of_groups(rows):
+    need_layout("vnni", "int4")
+    w = gguf_weight(48, 96, seed=7)  # 3 groups of 32: the AMX path pairs groups and has one left over
+    packed = PackedLinear.pack(w, "int4", max_packed_rows=None, layout="vnni")
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert rel_err(packed(x), F.linear(x.float(), w)) < BF16_REL_TOL
 
 
 def test_vnni_int4_with_fp32_activations_rounds_them_to_bf16():
@@ -231,7 +242,7 @@ def teacher_forced_logits(llm: LLM, token_ids: list[int], positions: list[int]) 
     finally:
         handle.remove()
     rows = torch.stack([hidden[p] for p in positions])
-    head_rows = len(positions) if model.packed_head is None else model.packed_head.max_packed_rows
+    head_rows = len(positions) if model.packed_head is None else model.packed_head.max_packed_rows or len(positions)
     return torch.cat([model.compute_logits(chunk) for chunk in rows.split(head_rows)])
 
 

@@ -15,11 +15,13 @@
  * 64 byte pairs per instruction). That unit wants one unsigned operand, so activations enter
  * as xq + 128 and 128·Σq (precomputed, ``offsets``) is subtracted.
  *
- * Weight layout: N in tiles of 16 rows (one AVX-512 lane per row), K in groups of 32, and in a
- * group 8 blocks of 4 k. Lane r of a block holds q[row r][4 k] as 4 bytes. 4-bit: 4 chunks of
- * 64 bytes per (tile, group), chunk c holding block c in the low nibbles and block c+4 in the
- * high ones; 8-bit: 8 chunks. Scales: fp16 ``[tiles, groups, 2, 16]`` (d, then c).
+ * Weight layout: N in tiles of 16 rows (one AVX-512 lane per row), K in groups of 32.
+ * 4-bit: per (tile, group) 16 pairs of k, each 16 bytes, byte r = q[row r][2i] | q[row r][2i+1] << 4
+ * (a pair widens to one vector of bf16 pairs, which is also the layout AMX wants for B tiles).
+ * 8-bit: per (tile, group) 8 blocks of 4 k, 64 bytes each, lane r = q[row r][4 k] as 4 bytes.
+ * Scales: fp16 ``[tiles, groups, 2, 16]`` (d, then c).
  */
+#define _GNU_SOURCE  /* syscall(), to ask Linux for AMX state */
 #include "cpu_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -122,55 +124,290 @@ static inline __attribute__((always_inline)) void int8_tile(int rows, const uint
 #endif
 
 #if HAVE_BF16_DOT
-/* 4-bit: one (tile, half of 8 weight rows, block of up to ROWS_AT_ONCE activation rows).
- * A chunk's 32 bytes for rows 8h..8h+7, widened to 16-bit words, give two vectors of bf16
- * weight pairs (low nibbles: k = 4c..4c+3, high: k = 16+4c..): dword lane 2r+p holds
- * row r's pair p, so its activation pair comes from one 64-bit broadcast. Each row's sum
- * is spread over two lanes until the end, and its scales are duplicated to match. */
-static inline __attribute__((always_inline)) void int4_half_tile(int rows, const uint8_t *w, const uint16_t *scales,
-                           const uint16_t *xb, const float *sx, int k, int n, int tile, int half, void *out,
-                           int is_bf16) {
-    const int groups = k / GROUP, chunk_bytes = 4 * 64;
-    const __m512i low_nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
-    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    __m512 total[ROWS_AT_ONCE];
-    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
-    const uint8_t *wt = w + (int64_t)tile * groups * chunk_bytes + half * 32;
-    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE + half * 8;
+/* The 16 rows' weight pairs (k = 2i, 2i+1) of pair i as bf16 128 + q: 16 nibble bytes widened
+ * to dwords, the high nibble moved to the upper word, both ORed with bf16(128)'s pattern. */
+static inline __attribute__((always_inline)) __m512i int4_pairs(const uint8_t *bytes) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    const __m512i split = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F),
+                                                    0xA8);  /* (a | b) & c */
+    return _mm512_or_si512(split, _mm512_set1_epi32(0x43004300));
+}
+
+/* 4-bit without AMX: one (tile, 1 or 2 activation rows). Per group the 256 weight bytes come
+ * in as four 64-byte loads of 4 pairs each; nibbles are split, interleaved and paired with the
+ * bf16(128) high byte by byte unpacks, which scramble the order: vector q holds rows 4q..4q+3
+ * of pair 4j + L in its 128-bit lane L. The activations follow (lane L gets pair 4j + L), each
+ * row keeps 4 partial sums per output row, one per lane, and they are added at the end. */
+#define DOT_ROWS 2
+static inline __attribute__((always_inline)) void int4_tile(int rows, const uint8_t *w, const uint16_t *scales,
+                                                          const uint16_t *xb, const float *sx, int k, int n,
+                                                          int tile, void *out, int is_bf16) {
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bf16_128_high = _mm512_set1_epi8(0x43);
+    const __m512i lane_pair = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i quad_rows[4];  /* lane (L, i) of vector q holds output row 4q + i */
+    for (int q = 0; q < 4; q++)
+        quad_rows[q] = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
+                                        _mm512_set_epi32(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0));
+    __m512 total[DOT_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < 4; q++) total[r][q] = _mm512_setzero_ps();
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
     for (int g = 0; g < groups; g++) {
-        __m512i weights[8];
-        for (int c = 0; c < 4; c++) {
-            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wt + (int64_t)g * chunk_bytes + c * 64)));
-            weights[c] = _mm512_ternarylogic_epi32(bytes, low_nibble, bf16_128, 0xEA);  /* (a & b) | c */
-            weights[c + 4] = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
-        }
-        const __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE))));
-        const __m512 c8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE + TILE))));
-        const __m512 d = _mm512_permutexvar_ps(pairs, d8);
-        /* c − 128·d, halved: each row's two lanes add it once between them (both exact scalings) */
-        const __m512 offset = _mm512_mul_ps(_mm512_permutexvar_ps(pairs, _mm512_fmadd_ps(d8, _mm512_set1_ps(-128.0f), c8)),
-                                            _mm512_set1_ps(0.5f));
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            const uint16_t *xg = xb + (int64_t)r * k + g * GROUP;
-            __m512 dot[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  /* two chains: half the latency */
-#pragma GCC unroll 8
-            for (int b = 0; b < 8; b++) {
-                int64_t four;
-                memcpy(&four, xg + 4 * b, sizeof four);  /* weights[b] holds k = 4b..4b+3 */
-                dot[b & 1] = _mm512_dpbf16_ps(dot[b & 1], (__m512bh)weights[b], (__m512bh)_mm512_set1_epi64(four));
+        __m512 dot[DOT_ROWS][4];
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < 4; q++) dot[r][q] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512i bytes = _mm512_loadu_si512(wt + (int64_t)g * group_bytes + j * 64);
+            const __m512i low = _mm512_and_si512(bytes, nibble);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+            const __m512i rows0to7 = _mm512_unpacklo_epi8(low, high), rows8to15 = _mm512_unpackhi_epi8(low, high);
+            const __m512i pairs[4] = {_mm512_unpacklo_epi8(rows0to7, bf16_128_high),
+                                      _mm512_unpackhi_epi8(rows0to7, bf16_128_high),
+                                      _mm512_unpacklo_epi8(rows8to15, bf16_128_high),
+                                      _mm512_unpackhi_epi8(rows8to15, bf16_128_high)};
+#pragma GCC unroll 2
+            for (int r = 0; r < rows; r++) {
+                const __m128i four_pairs = _mm_loadu_si128((const __m128i *)(xb + (int64_t)r * k + g * GROUP + 8 * j));
+                const __m512bh x = (__m512bh)_mm512_permutexvar_epi32(lane_pair, _mm512_castsi128_si512(four_pairs));
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) dot[r][q] = _mm512_dpbf16_ps(dot[r][q], (__m512bh)pairs[q], x);
             }
-            total[r] = _mm512_fmadd_ps(_mm512_add_ps(dot[0], dot[1]), d, total[r]);
-            total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[(int64_t)r * groups + g]), total[r]);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE)));
+        const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE + TILE)));
+        /* c − 128·d, quartered: a row's four lanes add it once between them (exact scalings) */
+        const __m512 offset = _mm512_mul_ps(_mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f), c), _mm512_set1_ps(0.25f));
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            const __m512 dq = _mm512_permutexvar_ps(quad_rows[q], d), oq = _mm512_permutexvar_ps(quad_rows[q], offset);
+#pragma GCC unroll 2
+            for (int r = 0; r < rows; r++) {
+                total[r][q] = _mm512_fmadd_ps(dot[r][q], dq, total[r][q]);
+                total[r][q] = _mm512_fmadd_ps(oq, _mm512_set1_ps(sx[(int64_t)r * groups + g]), total[r][q]);
+            }
         }
     }
-    const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     for (int r = 0; r < rows; r++) {
         float lane[TILE];
-        const __m512 summed = _mm512_add_ps(total[r], _mm512_permute_ps(total[r], 0xB1));  /* swap lane pairs */
-        _mm512_storeu_ps(lane, _mm512_permutexvar_ps(evens, summed));
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE + half * 8, 8, is_bf16, lane);
+        for (int q = 0; q < 4; q++) {
+            const __m512 t = total[r][q];
+            const __m128 sum = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(t, 0), _mm512_extractf32x4_ps(t, 1)),
+                                          _mm_add_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(t, 3)));
+            _mm_storeu_ps(lane + 4 * q, sum);
+        }
+        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
     }
+}
+#endif
+
+#if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HAVE_AMX 0
+#endif
+
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 3   /* from here on a tile product beats the per-row dot products (measured) */
+#endif
+#define AMX_PANEL 128    /* activation rows kept in cache while every weight tile passes */
+#ifndef AMX_DEQUANTIZED_ROWS
+/* From here on (prefill chunks) the weights are dequantized to bf16 before the tile products, as
+ * a dense copy would hold them: several times faster than applying the exact per-group scales. */
+#define AMX_DEQUANTIZED_ROWS 64
+#endif
+
+#if HAVE_AMX
+/* Linux gives a process AMX's tile registers only once it asks (arch_prctl, once per process). */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles (the intrinsics want literal numbers): two groups in flight, so one group's tile
+ * product overlaps the other's store and scaling. tmm0/tmm3 = A, activations [rows, 32 k] bf16;
+ * tmm1/tmm4 = B, a group's weights as 16 k pairs × 16 output rows; tmm2/tmm5 = C, [rows, 16] fp32. */
+static void amx_configure(int rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        config.rows[t] = t % 3 == 1 ? 16 : rows;
+        config.bytes_per_row[t] = 64;
+    }
+    /* gcc's ldtilecfg names only 8 bytes of the config as read: keep all 64 stores */
+    __asm__ __volatile__("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+}
+
+/* Adds group g's scaled products (``products``: [16 rows, 16] fp32) to the rows' totals. */
+static inline __attribute__((always_inline)) void amx_accumulate(__m512 *total, const float *products,
+                                                               const uint16_t *group_scales, const float *sx,
+                                                               int groups, int rows) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group_scales));
+    const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group_scales + TILE)));
+    const __m512 offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f), c);  /* c − 128·d */
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {  /* rows past ``rows`` compute garbage that is never stored */
+        const float row_sum = r < rows ? sx[(int64_t)r * groups] : 0.0f;
+        total[r] = _mm512_fmadd_ps(_mm512_load_ps(products + r * 16), d, total[r]);
+        total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(row_sum), total[r]);
+    }
+}
+
+/* 4-bit on AMX: one tile of 16 weight rows against all M activation rows. Its weights are
+ * widened once into ``expanded`` (bf16 128 + q, a 1 KB B tile per group); then per block of up
+ * to 16 activation rows and per group, one tile product gives the group's dot products, which
+ * are scaled and offset per output row in fp32 exactly as the per-row path does. */
+static void int4_tile_amx(const uint8_t *w, const uint16_t *scales, const uint16_t *xb, const float *sx, int m,
+                          int k, int n, int tile, void *out, int is_bf16, uint8_t *expanded, float *products) {
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    for (int g = 0; g < groups; g++)
+        for (int i = 0; i < GROUP / 2; i++)
+            _mm512_store_si512(expanded + ((int64_t)g * 16 + i) * 64, int4_pairs(wt + (int64_t)g * group_bytes + i * TILE));
+    int configured = 0;  /* other AMX code (oneDNN's) may have run on this thread since the last call */
+    for (int first = 0; first < m; first += 16) {
+        const int rows = m - first < 16 ? m - first : 16;
+        const uint16_t *xr = xb + (int64_t)first * k;
+        const float *sr = sx + (int64_t)first * groups;
+        if (rows != configured) amx_configure(configured = rows);
+        __m512 total[16];
+        for (int r = 0; r < 16; r++) total[r] = _mm512_setzero_ps();
+        int g = 0;
+        for (; g + 1 < groups; g += 2) {
+            if (first == 0)  /* the next tile's weights (a prefetch never faults, even past the end) */
+                for (int line = 0; line < 2 * group_bytes; line += 64)
+                    _mm_prefetch((const char *)(wt + (int64_t)(groups + g) * group_bytes + line), _MM_HINT_T0);
+            _tile_loadd(0, xr + g * GROUP, k * 2);
+            _tile_loadd(1, expanded + (int64_t)g * 1024, 64);
+            _tile_zero(2);
+            _tile_dpbf16ps(2, 0, 1);
+            _tile_loadd(3, xr + (g + 1) * GROUP, k * 2);
+            _tile_loadd(4, expanded + (int64_t)(g + 1) * 1024, 64);
+            _tile_zero(5);
+            _tile_dpbf16ps(5, 3, 4);
+            _tile_stored(2, products, 64);
+            _tile_stored(5, products + 256, 64);
+            amx_accumulate(total, products, st + (int64_t)g * 2 * TILE, sr + g, groups, rows);
+            amx_accumulate(total, products + 256, st + (int64_t)(g + 1) * 2 * TILE, sr + g + 1, groups, rows);
+        }
+        if (g < groups) {
+            _tile_loadd(0, xr + g * GROUP, k * 2);
+            _tile_loadd(1, expanded + (int64_t)g * 1024, 64);
+            _tile_zero(2);
+            _tile_dpbf16ps(2, 0, 1);
+            _tile_stored(2, products, 64);
+            amx_accumulate(total, products, st + (int64_t)g * 2 * TILE, sr + g, groups, rows);
+        }
+        for (int r = 0; r < rows; r++) {
+            float lane[TILE];
+            _mm512_storeu_ps(lane, total[r]);
+            store_row(out, (int64_t)(first + r) * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        }
+    }
+}
+
+/* The 16 rows' weights of pair i, group g, dequantized: bf16(d·q + c) for k = 2i (low word) and
+ * 2i + 1 (high word), the weights a dense bf16 copy of the layer would hold. */
+static inline __attribute__((always_inline)) __m512i int4_dequantized_pairs(const uint8_t *bytes, __m512 d, __m512 c) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), d, c);
+    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, c);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+}
+
+/* 4-bit on AMX for many rows (prefill): the tile's weights are dequantized to bf16 once, as a
+ * dense copy would hold them, so the tile products accumulate over the whole K in AMX's own
+ * registers (two accumulators, even and odd groups) with no per-group work on the vector unit. */
+static void int4_tile_amx_dequantized(const uint8_t *w, const uint16_t *scales, const uint16_t *xb, int m, int k,
+                                      int n, int tile, void *out, int is_bf16, uint8_t *expanded, float *products) {
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    for (int g = 0; g < groups; g++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE)));
+        const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE + TILE)));
+        for (int i = 0; i < GROUP / 2; i++)
+            _mm512_store_si512(expanded + ((int64_t)g * 16 + i) * 64,
+                               int4_dequantized_pairs(wt + (int64_t)g * group_bytes + i * TILE, d, c));
+    }
+    int configured = 0;
+    for (int first = 0; first < m; first += 16) {
+        const int rows = m - first < 16 ? m - first : 16;
+        const uint16_t *xr = xb + (int64_t)first * k;
+        if (rows != configured) amx_configure(configured = rows);
+        _tile_zero(2);
+        _tile_zero(5);
+        int g = 0;
+        for (; g + 1 < groups; g += 2) {
+            _tile_loadd(0, xr + g * GROUP, k * 2);
+            _tile_loadd(1, expanded + (int64_t)g * 1024, 64);
+            _tile_dpbf16ps(2, 0, 1);
+            _tile_loadd(3, xr + (g + 1) * GROUP, k * 2);
+            _tile_loadd(4, expanded + (int64_t)(g + 1) * 1024, 64);
+            _tile_dpbf16ps(5, 3, 4);
+        }
+        if (g < groups) {
+            _tile_loadd(0, xr + g * GROUP, k * 2);
+            _tile_loadd(1, expanded + (int64_t)g * 1024, 64);
+            _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, products, 64);
+        _tile_stored(5, products + 256, 64);
+        for (int r = 0; r < rows; r++) {
+            float lane[TILE];
+            _mm512_storeu_ps(lane, _mm512_add_ps(_mm512_load_ps(products + r * 16), _mm512_load_ps(products + 256 + r * 16)));
+            store_row(out, (int64_t)(first + r) * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        }
+    }
+}
+
+static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
+                         int m, int k, int n, int is_bf16, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint8_t *expanded = aligned_alloc(64, (size_t)(k / GROUP) * 1024 + 2048);
+        if (!expanded) {
+            failed = 1;
+        } else {
+            /* Panels of AMX_PANEL rows, each against every tile: a panel's activations stay in
+             * cache across the tiles (a prefill of 2048 rows would otherwise stream from memory
+             * once per tile); each (panel, tile) widens its weights again, which costs little. */
+            const int panels = (m + AMX_PANEL - 1) / AMX_PANEL, groups = k / GROUP;
+            const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
+#pragma omp for schedule(static) collapse(2)
+            for (int p = 0; p < panels; p++)
+                for (int t = 0; t < n / TILE; t++) {
+                    const int first = p * AMX_PANEL, rows = m - first < AMX_PANEL ? m - first : AMX_PANEL;
+                    float *products = (float *)(expanded + (size_t)groups * 1024);
+                    if (m >= AMX_DEQUANTIZED_ROWS)
+                        int4_tile_amx_dequantized(w, scales, xb + (int64_t)first * k, rows, k, n, t,
+                                                  (char *)out + first * out_row, is_bf16, expanded, products);
+                    else
+                        int4_tile_amx(w, scales, xb + (int64_t)first * k, sx + (int64_t)first * groups, rows, k, n,
+                                      t, (char *)out + first * out_row, is_bf16, expanded, products);
+                }
+            _tile_release();
+            free(expanded);
+        }
+    }
+    return failed ? -2 : 0;
 }
 #endif
 
@@ -188,15 +425,20 @@ int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, c
         uint16_t *xb_scratch = scratch;
         float *sx = (float *)(xb_scratch + (int64_t)m * k);
         const uint16_t *xb = bf16_activations(x, m, k, is_bf16, xb_scratch, sx);
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(3)
-        for (int rb = 0; rb < row_blocks; rb++)
-            for (int t = 0; t < tiles; t++)
-                for (int half = 0; half < 2; half++) {
-                    const int first = rb * ROWS_AT_ONCE, rows = m - first < ROWS_AT_ONCE ? m - first : ROWS_AT_ONCE;
-                    ROW_COUNT_DISPATCH(rows, int4_half_tile, w, scales, xb + (int64_t)first * k,
-                                       sx + (int64_t)first * groups, k, n, t, half, (char *)out + first * out_row,
-                                       is_bf16);
-                }
+#if HAVE_AMX
+        if (m >= AMX_MIN_ROWS && amx_usable()) return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+#endif
+        const int dot_blocks = (m + DOT_ROWS - 1) / DOT_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+        for (int t = 0; t < tiles; t++)
+            for (int rb = 0; rb < dot_blocks; rb++) {
+                const int first = rb * DOT_ROWS;
+                const uint16_t *xr = xb + (int64_t)first * k;
+                const float *sr = sx + (int64_t)first * groups;
+                void *o = (char *)out + first * out_row;
+                if (m - first >= 2) int4_tile(2, w, scales, xr, sr, k, n, t, o, is_bf16);
+                else int4_tile(1, w, scales, xr, sr, k, n, t, o, is_bf16);
+            }
         return 0;
     }
 #endif
@@ -204,9 +446,11 @@ int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, c
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
+    /* tile-major: a tile's weights stay in L1 while every block of rows passes (the LM head's
+     * 28 MB would otherwise stream from memory once per block) */
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int rb = 0; rb < row_blocks; rb++)
-        for (int t = 0; t < tiles; t++) {
+    for (int t = 0; t < tiles; t++)
+        for (int rb = 0; rb < row_blocks; rb++) {
             const int first = rb * ROWS_AT_ONCE, rows = m - first < ROWS_AT_ONCE ? m - first : ROWS_AT_ONCE;
             ROW_COUNT_DISPATCH(rows, int8_tile, w, scales, offsets, xq + (int64_t)first * k,
                                dx + (int64_t)first * groups, k, n, t, (char *)out + first * out_row, is_bf16);

@@ -27,7 +27,7 @@ class LLM:
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, dtype: str = "auto", device: str = "auto",
                  attention_backend: str = "auto", weights: str = "auto", enable_prefix_caching: bool = True,
-                 weight_cache: bool = True, max_packed_rows: int | None = 16,
+                 weight_cache: bool = True, max_packed_rows: int | None = None,
                  admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
                  abort_late: bool = False, latency_fit: str | None = None,
                  seed: int = 0, threads: int | None = None):

@@ -392,9 +392,11 @@ def test_health_and_metrics(server):
     assert delta("ricxapp_deadlines_met_total") == (1 if met.deadline_met else 0)
 
     def settled() -> dict | None:
+        """The snapshot once the engine is idle again (it publishes one when it goes idle)."""
         values = metric_values(server.http_url)
         queries = values[("ricxapp_prefix_cache_queries_tokens_total", ())]
-        return values if queries >= before[("ricxapp_prefix_cache_queries_tokens_total", ())] + sum(
+        idle = values[("ricxapp_requests_running", ())] == 0 and values[("ricxapp_requests_waiting", ())] == 0
+        return values if idle and queries >= before[("ricxapp_prefix_cache_queries_tokens_total", ())] + sum(
             r.num_prompt_tokens for r in [*results, met]) else None
 
     now = wait_for(settled, 5, "the engine snapshot")
@@ -519,7 +521,8 @@ def test_fuzzed_frames_get_errors_and_the_server_lives(server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+    wire_ints = st.integers(-2**63, 2**64 - 1)  # what msgpack can carry
+    scalars = st.one_of(st.none(), st.booleans(), wire_ints, st.floats(),
                         st.text(max_size=20), st.binary(max_size=20))
     values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                           | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
@@ -529,9 +532,9 @@ def test_fuzzed_frames_get_errors_and_the_server_lives(server):
     typed = st.fixed_dictionaries({"v": st.sampled_from([1, 1, 2, "1"]),
                                    "type": st.sampled_from(["ping", "stats", "cancel", "unregister_template",
                                                             "bogus", "generate"]),
-                                   "id": st.one_of(st.text(min_size=1, max_size=12), st.integers(), st.none())},
+                                   "id": st.one_of(st.text(min_size=1, max_size=12), wire_ints, st.none())},
                                   optional={"max_tokens": values, "target_id": values, "template_id": values,
-                                            "prompt": st.integers()})
+                                            "prompt": wire_ints})
     frames = st.one_of(st.binary(max_size=64),
                        st.one_of(messages, typed).map(lambda d: msgpack.packb(d, use_bin_type=True)))
     dealer = Dealer(server.endpoint)
