@@ -44,6 +44,7 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_quant_gemm_supported": [_I],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
     "ricllm_decoder_stack": [_P] * 12 + [_F, _F],
+    "ricllm_quant_rows": [_P, _P, _I, _P, _I, _I, _I, _P, _I],
     "ricllm_decoder_stack_dims": [],
     "ricllm_decoder_stack_layer_pointers": [],
 }

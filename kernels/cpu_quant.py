@@ -104,3 +104,16 @@ def quant_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offs
     if code != 0:
         raise ValueError(f"quant_gemm refused [{rows}, {cols}] x [{cols}, {out_features}] at {bits} bits (code {code})")
     return out
+
+
+def quant_rows(ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, cols: int,
+               out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of the weight, dequantized: ``[len(ids), cols]`` in ``dtype`` (an embedding
+    lookup served from a packed head)."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], cols, dtype=dtype)
+    code = library().ricllm_quant_rows(packed.data_ptr(), scales.data_ptr(), bits, ids.data_ptr(), ids.shape[0],
+                                       cols, out_features, out.data_ptr(), IS_BF16[dtype])
+    if code != 0:
+        raise IndexError(f"token id out of range [0, {out_features})")
+    return out

@@ -120,6 +120,22 @@ def test_vnni_layout_is_used_only_where_the_shape_fits(fmt):
         assert not can_pack(odd, fmt)
 
 
+def test_a_q8_0_embedding_is_served_exactly_from_its_packed_head_and_others_are_not():
+    need_layout("vnni", "int8")
+    from ricllm.model.packed_linear import PackedEmbedding
+
+    exact = gguf_weight(96, 256, seed=9, kind="Q8_0")  # a Q8_0 tensor, dequantized
+    head = PackedLinear.pack(exact, "int8", max_packed_rows=None)
+    q8_0 = exact.bfloat16()  # what the model's embedding holds
+    assert PackedEmbedding.serves(head, q8_0)
+    ids = torch.tensor([0, 95, 7, 7, 50])
+    assert torch.equal(PackedEmbedding(head, torch.bfloat16)(ids), q8_0[ids])
+    with pytest.raises(IndexError, match=r"token id out of range \[0, 96\)"):
+        PackedEmbedding(head, torch.bfloat16)(torch.tensor([96]))
+    float_weights = (torch.randn(96, 256, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
+    assert not PackedEmbedding.serves(PackedLinear.pack(float_weights.float(), "int8", None), float_weights)
+
+
 def test_int4_packing_of_a_q4_1_weight_is_exact_to_bf16_precision():
     w = gguf_q4_1_weight(96, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -333,6 +349,23 @@ def smollm2_in_format(request, smollm2):
 def test_auto_packs_the_default_model_as_int4_layers_and_int8_head(smollm2_checkpoint):
     types = smollm2_checkpoint.tensor_types()
     assert resolve_formats("auto", types, torch.bfloat16, CPU) == ("int4", "int8")
+
+
+@pytest.mark.slow
+def test_the_default_model_keeps_its_vocabulary_once(smollm2, tmp_path, monkeypatch):
+    """Tied Q8_0 embedding, packed head at every size: lookups come from the head, exactly."""
+    from ricllm.model.packed_linear import PackedEmbedding
+
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    need_layout("vnni", "int8")
+    with_copy = LLM(str(smollm2), dtype="bfloat16", kv_cache_budget="8MiB", max_packed_rows=16, weight_cache=False)
+    ids = torch.arange(with_copy.engine.spec.vocab_size)
+    for start in ("file", "cache"):
+        lean = LLM(str(smollm2), dtype="bfloat16", kv_cache_budget="8MiB")
+        assert lean.engine.weights_source.startswith(start)
+        assert isinstance(lean.engine.model.embed, PackedEmbedding)
+        assert "embed.weight" not in lean.engine.model.state_dict()
+        assert torch.equal(lean.engine.model.embed(ids), with_copy.engine.model.embed(ids))
 
 
 @pytest.mark.slow

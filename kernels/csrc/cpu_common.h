@@ -22,6 +22,26 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* IEEE half to float, exactly (the packed weights' scales are fp16). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);  /* inf, nan */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {  /* subnormal: shift the mantissa up to its leading 1 */
+        uint32_t m = mantissa, shifts = 0;
+        while (!(m & 0x400)) { m <<= 1; shifts++; }
+        bits = sign | ((113 - shifts) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* What storing x in the activation type does to it: bf16 rounding, or nothing for fp32. */
 static inline __attribute__((always_inline)) float round_to(float x, int is_bf16) {
     return is_bf16 ? bf16_to_f32(f32_to_bf16(x)) : x;

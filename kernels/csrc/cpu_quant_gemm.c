@@ -462,3 +462,35 @@ int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, c
     return -3;
 #endif
 }
+
+/* Rows ``ids`` of a packed weight, dequantized (d·q + c in fp32, then the output type): what a
+ * dense copy of the weight would hold, for a tied embedding served from its packed LM head.
+ * Returns -1 for an id outside [0, n). */
+int ricllm_quant_rows(const uint8_t *w, const uint16_t *scales, int bits, const int64_t *ids, int count, int k,
+                      int n, void *out, int is_bf16) {
+    const int groups = k / GROUP;
+    for (int i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+    for (int i = 0; i < count; i++) {
+        const int64_t tile = ids[i] / TILE, lane = ids[i] % TILE;
+        for (int g = 0; g < groups; g++) {
+            const uint16_t *st = scales + (tile * groups + g) * 2 * TILE;
+            const float d = f16_to_f32(st[lane]), c = f16_to_f32(st[TILE + lane]);
+            float values[GROUP];
+            if (bits == 4) {
+                const uint8_t *pairs = w + (tile * groups + g) * (GROUP / 2 * TILE);
+                for (int p = 0; p < GROUP / 2; p++) {
+                    const uint8_t byte = pairs[p * TILE + lane];
+                    values[2 * p] = d * (float)(byte & 0x0F) + c;
+                    values[2 * p + 1] = d * (float)(byte >> 4) + c;
+                }
+            } else {
+                const int8_t *blocks = (const int8_t *)w + (tile * groups + g) * (8 * 64);
+                for (int b = 0; b < 8; b++)
+                    for (int j = 0; j < 4; j++) values[4 * b + j] = d * (float)blocks[b * 64 + lane * 4 + j];
+            }
+            store_row(out, (int64_t)i * k + g * GROUP, GROUP, is_bf16, values);
+        }
+    }
+    return 0;
+}

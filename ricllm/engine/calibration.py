@@ -81,8 +81,9 @@ def roofline_of(engine) -> Roofline:
 
     model = engine.model
     shadowed = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None}
-    if not (model.lm_head is None and model.packed_head is None):
-        shadowed.add(id(model.embed.weight))  # only looked up, row by row, unless it is the head
+    embedding = getattr(model.embed, "weight", None)  # none when served from the packed head
+    if embedding is not None and not (model.lm_head is None and model.packed_head is None):
+        shadowed.add(id(embedding))  # only looked up, row by row, unless it is the head
     tensors = [t for name, t in model.named_buffers() if not name.startswith("rope.")] + [
         t for t in model.parameters() if id(t) not in shadowed]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)

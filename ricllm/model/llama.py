@@ -241,6 +241,21 @@ class LlamaModel(nn.Module):
             self.packed_head = packed(head, head_format, head_rows, shared)
             if self.lm_head is not None:
                 self.lm_head = None  # the packed head keeps its own dense copy
+            elif head_rows is None:
+                self.serve_embedding_from_head()
+
+    def serve_embedding_from_head(self) -> bool:
+        """Drop a tied embedding's dense copy when the packed head (kept packed at every size)
+        gives exactly its rows: lookups dequantize them (``PackedEmbedding``)."""
+        from ricllm.model.packed_linear import PackedEmbedding, PackedLinear
+
+        head, dense = self.packed_head, getattr(self.embed, "weight", None)
+        if not isinstance(head, PackedLinear) or head.weight is not None or dense is None:
+            return False
+        if not PackedEmbedding.serves(head, dense):
+            return False
+        self.embed = PackedEmbedding(head, dense.dtype)
+        return True
 
     def enable_decoder_stack(self) -> bool:
         """Run decode steps through one C call for all layers (``ricllm.kernels.cpu_decoder``),

@@ -150,3 +150,30 @@ class PackedLinear(nn.Module):
         if self.fmt == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, INT4_GROUP, self.packed_scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed_weight, self.packed_scales)
+
+
+class PackedEmbedding(nn.Module):
+    """A tied embedding looked up in its packed LM head (ricllm's layout): each row dequantized
+    as ``d·q`` (+ ``c``) in fp32, then rounded to the activation type, which is what the dense
+    embedding holds when the packing reproduced the file's weights exactly (a Q8_0 embedding:
+    checked by :meth:`serves`). The vocabulary then stays in memory once, 4-bit or 8-bit."""
+
+    def __init__(self, head: PackedLinear, dtype: torch.dtype):
+        super().__init__()
+        # plain tensor attributes, not buffers: they are the head's, saved once under its name
+        self.packed_weight, self.packed_scales = head.packed_weight, head.packed_scales
+        self.bits, self.num_embeddings, self.dtype = 4 if head.fmt == "int4" else 8, head.out_features, dtype
+        self.embedding_dim = head.packed_scales.shape[1] * cpu_quant.GROUP
+
+    @staticmethod
+    def serves(head: PackedLinear, dense: torch.Tensor) -> bool:
+        """Whether lookups in ``head`` give exactly the rows of ``dense``."""
+        if head.layout != "vnni" or dense.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        bits = 4 if head.fmt == "int4" else 8
+        restored = cpu_quant.unpack(head.packed_weight, head.packed_scales, head.packed_offsets, bits)
+        return torch.equal(restored.to(dense.dtype), dense)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_quant.quant_rows(ids, self.packed_weight, self.packed_scales, self.bits, self.embedding_dim,
+                                    self.num_embeddings, self.dtype)

@@ -25,7 +25,7 @@ from torch import nn
 
 import ricllm
 from ricllm.logging import get_logger
-from ricllm.model.packed_linear import PackedLinear, head_max_packed_rows, vnni_layout_available
+from ricllm.model.packed_linear import PackedEmbedding, PackedLinear, head_max_packed_rows, vnni_layout_available
 from ricllm.model.spec import ModelSpec, RopeScaling
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.paths import cache_dir, file_digest
@@ -128,6 +128,8 @@ def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int | None) ->
     if "packed_head.packed_weight" in state:
         model.packed_head = _packed_from(state, "packed_head", head_fmt, head_max_packed_rows(max_packed_rows))
         model.lm_head = None
+        if "embed.weight" not in state:  # a tied embedding served from the packed head
+            model.embed = PackedEmbedding(model.packed_head, state["norm.weight"].dtype)
     model.rope.cos, model.rope.sin = state.pop("rope.cos"), state.pop("rope.sin")
     model.load_state_dict(state, assign=True, strict=True)
     return model
