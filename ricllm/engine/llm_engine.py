@@ -7,9 +7,7 @@ this same loop.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,24 +46,9 @@ class StepRecord:
     duration_s: float
 
 
-def return_freed_buffers_to_the_os() -> None:
-    """Large allocations (from 1 MiB: prefill activations) get their own pages, returned to the OS
-    when freed. By default glibc raises that threshold after the first such free, and later
-    large buffers come from the heap, which does not shrink: after one long prefill the
-    process would keep its peak forever, ~70 MB above what it uses (measured, SmolLM2)."""
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl): its allocator returns large blocks anyway
-        return
-    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, fixed (which also stops its dynamic growth)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.perf_counter, latency_model=None):
         started = time.perf_counter()
-        return_freed_buffers_to_the_os()
         self.config = config
         self.clock = clock
         self.threads = config.apply_threads()
