@@ -1,4 +1,4 @@
-/* Weight-only 4-bit and 8-bit matrix products for small batches, on AVX-512.
+/* Weight-only 4-bit and 8-bit matrix products on AVX-512 (and AMX where the CPU has it).
  *
  * Why: at decode batch sizes a layer's product is ``[M, K] × [K, N]`` with M of 1 to 16, and
  * torch's weight-only kernels spend more time unpacking weights into floats than reading them.
@@ -9,7 +9,11 @@
  * run on the bf16 unit (``vdpbf16ps``, 32 products per instruction, accumulated in fp32), so
  * the only rounding is the fp32 accumulation's. A nibble becomes a bf16 number with one OR:
  * ``0x4300 | q`` is the bf16 pattern of 128 + q, exactly, so the kernel computes
- * Σ x·(128 + q) and folds the 128·Σx into the group's offset (c − 128·d).
+ * Σ x·(128 + q) and folds the 128·Σx into the group's offset (c − 128·d). Three paths:
+ * 1-2 activation rows: dot products on AVX-512 BF16, four partial sums per output row;
+ * 3-63 rows, where the CPU has AMX: one tile product per (16 rows, 16 outputs, group), with
+ * the same exact per-group scaling; 64 rows and more (prefill chunks): AMX on weights
+ * dequantized to bf16 (what a dense bf16 copy holds), accumulated over all of K in the tiles.
  * 8-bit (Q8_0's form, w = d·q, q in -127..127): activations are quantized to int8 per group of
  * 32 (as llama.cpp does) and each group's dot product runs on the integer unit (``vpdpbusd``,
  * 64 byte pairs per instruction). That unit wants one unsigned operand, so activations enter
