@@ -218,7 +218,9 @@ static inline __attribute__((always_inline)) void int4_tile(int rows, const uint
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 3   /* from here on a tile product beats the per-row dot products (measured) */
 #endif
-#define AMX_PANEL 128    /* activation rows kept in cache while every weight tile passes */
+#ifndef AMX_PANEL
+#define AMX_PANEL 256    /* activation rows kept in cache while every weight tile passes */
+#endif
 #ifndef AMX_DEQUANTIZED_ROWS
 /* From here on (prefill chunks) the weights are dequantized to bf16 before the tile products, as
  * a dense copy would hold them: several times faster than applying the exact per-group scales. */
@@ -335,12 +337,24 @@ static inline __attribute__((always_inline)) __m512i int4_dequantized_pairs(cons
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(high, low));
 }
 
-/* 4-bit on AMX for many rows (prefill): the tile's weights are dequantized to bf16 once, as a
- * dense copy would hold them, so the tile products accumulate over the whole K in AMX's own
- * registers (two accumulators, even and odd groups) with no per-group work on the vector unit. */
-static void int4_tile_amx_dequantized(const uint8_t *w, const uint16_t *scales, const uint16_t *xb, int m, int k,
-                                      int n, int tile, void *out, int is_bf16, uint8_t *expanded, float *products) {
-    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+/* Tiles for the dequantized path: a 2×2 block, so each tile load feeds two products.
+ * tmm0/tmm1 = A for rows 0-15 / 16-31 of a block; tmm2/tmm3 = B for the two weight tiles;
+ * tmm4..7 = C for (A0, B0), (A0, B1), (A1, B0), (A1, B1). */
+static void amx_configure_blocked(int rows0, int rows1) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int rows[8] = {rows0, rows1, 16, 16, rows0, rows0, rows1, rows1};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = rows[t];
+        config.bytes_per_row[t] = rows[t] ? 64 : 0;
+    }
+    __asm__ __volatile__("" : : "r"(&config) : "memory");  /* see amx_configure */
+    _tile_loadconfig(&config);
+}
+
+static void int4_dequantize_tile(const uint8_t *w, const uint16_t *scales, int groups, int tile, uint8_t *expanded) {
+    const int group_bytes = GROUP / 2 * TILE;
     const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
     for (int g = 0; g < groups; g++) {
@@ -350,33 +364,63 @@ static void int4_tile_amx_dequantized(const uint8_t *w, const uint16_t *scales, 
             _mm512_store_si512(expanded + ((int64_t)g * 16 + i) * 64,
                                int4_dequantized_pairs(wt + (int64_t)g * group_bytes + i * TILE, d, c));
     }
-    int configured = 0;
-    for (int first = 0; first < m; first += 16) {
-        const int rows = m - first < 16 ? m - first : 16;
-        const uint16_t *xr = xb + (int64_t)first * k;
-        if (rows != configured) amx_configure(configured = rows);
-        _tile_zero(2);
-        _tile_zero(5);
-        int g = 0;
-        for (; g + 1 < groups; g += 2) {
-            _tile_loadd(0, xr + g * GROUP, k * 2);
-            _tile_loadd(1, expanded + (int64_t)g * 1024, 64);
-            _tile_dpbf16ps(2, 0, 1);
-            _tile_loadd(3, xr + (g + 1) * GROUP, k * 2);
-            _tile_loadd(4, expanded + (int64_t)(g + 1) * 1024, 64);
-            _tile_dpbf16ps(5, 3, 4);
+}
+
+static void store_products(const float *products, int rows, int first_row, int n, int tile, void *out, int is_bf16) {
+    for (int r = 0; r < rows; r++)
+        store_row(out, (int64_t)(first_row + r) * n + (int64_t)tile * TILE, TILE, is_bf16, products + r * 16);
+}
+
+/* 4-bit on AMX for many rows (prefill): weights dequantized to bf16 once per (panel, pair of
+ * tiles), as a dense copy would hold them, so the products accumulate over the whole K in
+ * AMX's own registers, with no per-group work on the vector unit. ``tiles`` is 1 or 2. */
+static void int4_tiles_amx_dequantized(const uint8_t *w, const uint16_t *scales, const uint16_t *xb, int m, int k,
+                                       int n, int tile, int tiles, void *out, int is_bf16, uint8_t *expanded,
+                                       float *products) {
+    const int groups = k / GROUP;
+    uint8_t *expanded1 = expanded + (size_t)groups * 1024;
+    int4_dequantize_tile(w, scales, groups, tile, expanded);
+    if (tiles == 2) int4_dequantize_tile(w, scales, groups, tile + 1, expanded1);
+    int configured = -1;
+    for (int first = 0; first < m; first += 32) {
+        const int rows0 = m - first < 16 ? m - first : 16, rest = m - first - 16;
+        const int rows1 = rest <= 0 ? 0 : rest < 16 ? rest : 16;
+        if (rows0 * 32 + rows1 != configured) {
+            amx_configure_blocked(rows0, rows1);
+            configured = rows0 * 32 + rows1;
         }
-        if (g < groups) {
-            _tile_loadd(0, xr + g * GROUP, k * 2);
-            _tile_loadd(1, expanded + (int64_t)g * 1024, 64);
-            _tile_dpbf16ps(2, 0, 1);
+        const uint16_t *x0 = xb + (int64_t)first * k, *x1 = x0 + (int64_t)16 * k;
+        _tile_zero(4);
+        if (tiles == 2) _tile_zero(5);
+        if (rows1) _tile_zero(6);
+        if (rows1 && tiles == 2) _tile_zero(7);
+        for (int g = 0; g < groups; g++) {
+            _tile_loadd(0, x0 + g * GROUP, k * 2);
+            _tile_loadd(2, expanded + (int64_t)g * 1024, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            if (tiles == 2) {
+                _tile_loadd(3, expanded1 + (int64_t)g * 1024, 64);
+                _tile_dpbf16ps(5, 0, 3);
+            }
+            if (rows1) {
+                _tile_loadd(1, x1 + g * GROUP, k * 2);
+                _tile_dpbf16ps(6, 1, 2);
+                if (tiles == 2) _tile_dpbf16ps(7, 1, 3);
+            }
         }
-        _tile_stored(2, products, 64);
-        _tile_stored(5, products + 256, 64);
-        for (int r = 0; r < rows; r++) {
-            float lane[TILE];
-            _mm512_storeu_ps(lane, _mm512_add_ps(_mm512_load_ps(products + r * 16), _mm512_load_ps(products + 256 + r * 16)));
-            store_row(out, (int64_t)(first + r) * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        _tile_stored(4, products, 64);
+        store_products(products, rows0, first, n, tile, out, is_bf16);
+        if (tiles == 2) {
+            _tile_stored(5, products, 64);
+            store_products(products, rows0, first, n, tile + 1, out, is_bf16);
+        }
+        if (rows1) {
+            _tile_stored(6, products, 64);
+            store_products(products, rows1, first + 16, n, tile, out, is_bf16);
+            if (tiles == 2) {
+                _tile_stored(7, products, 64);
+                store_products(products, rows1, first + 16, n, tile + 1, out, is_bf16);
+            }
         }
     }
 }
@@ -386,27 +430,34 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        uint8_t *expanded = aligned_alloc(64, (size_t)(k / GROUP) * 1024 + 2048);
+        uint8_t *expanded = aligned_alloc(64, (size_t)(k / GROUP) * 2048 + 2048);
         if (!expanded) {
             failed = 1;
         } else {
             /* Panels of AMX_PANEL rows, each against every tile: a panel's activations stay in
              * cache across the tiles (a prefill of 2048 rows would otherwise stream from memory
              * once per tile); each (panel, tile) widens its weights again, which costs little. */
-            const int panels = (m + AMX_PANEL - 1) / AMX_PANEL, groups = k / GROUP;
+            const int panels = (m + AMX_PANEL - 1) / AMX_PANEL, groups = k / GROUP, tiles = n / TILE;
             const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
+            float *products = (float *)(expanded + (size_t)groups * 2048);
+            if (m >= AMX_DEQUANTIZED_ROWS) {
 #pragma omp for schedule(static) collapse(2)
-            for (int p = 0; p < panels; p++)
-                for (int t = 0; t < n / TILE; t++) {
-                    const int first = p * AMX_PANEL, rows = m - first < AMX_PANEL ? m - first : AMX_PANEL;
-                    float *products = (float *)(expanded + (size_t)groups * 1024);
-                    if (m >= AMX_DEQUANTIZED_ROWS)
-                        int4_tile_amx_dequantized(w, scales, xb + (int64_t)first * k, rows, k, n, t,
-                                                  (char *)out + first * out_row, is_bf16, expanded, products);
-                    else
-                        int4_tile_amx(w, scales, xb + (int64_t)first * k, sx + (int64_t)first * groups, rows, k, n,
-                                      t, (char *)out + first * out_row, is_bf16, expanded, products);
-                }
+                for (int p = 0; p < panels; p++)
+                    for (int t = 0; t < tiles; t += 2) {
+                        const int first = p * AMX_PANEL, rows = m - first < AMX_PANEL ? m - first : AMX_PANEL;
+                        int4_tiles_amx_dequantized(w, scales, xb + (int64_t)first * k, rows, k, n, t,
+                                                   t + 1 < tiles ? 2 : 1, (char *)out + first * out_row, is_bf16,
+                                                   expanded, products);
+                    }
+            } else {
+#pragma omp for schedule(static) collapse(2)
+                for (int p = 0; p < panels; p++)
+                    for (int t = 0; t < tiles; t++) {
+                        const int first = p * AMX_PANEL, rows = m - first < AMX_PANEL ? m - first : AMX_PANEL;
+                        int4_tile_amx(w, scales, xb + (int64_t)first * k, sx + (int64_t)first * groups, rows, k,
+                                      n, t, (char *)out + first * out_row, is_bf16, expanded, products);
+                    }
+            }
             _tile_release();
             free(expanded);
         }
