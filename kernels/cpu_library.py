@@ -60,10 +60,20 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _library_path(compiler: str) -> Path:
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_identity(compiler: str | None = None) -> str:
+    """A digest of what the library is built from (sources, compiler, flags, CPU): whatever is
+    measured with these kernels (a latency fit) is stale once it changes."""
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler, *CFLAGS, _cpu_identity()]).encode())
-    return cache_dir() / "kernels" / f"ricllm_cpu-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([*texts, compiler or _compiler() or "", *CFLAGS, _cpu_identity()]).encode())
+    return key.hexdigest()[:16]
+
+
+def _library_path(compiler: str) -> Path:
+    return cache_dir() / "kernels" / f"ricllm_cpu-{library_identity(compiler)}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -81,7 +91,7 @@ def _build(compiler: str, target: Path) -> None:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The loaded library with its entry points typed; builds it first if needed (RuntimeError)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     path = _library_path(compiler)

@@ -247,6 +247,21 @@ def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, m
     assert given.admission.latency.coefficients == stored.coefficients
 
 
+def test_a_fit_is_not_reused_after_the_kernels_or_the_packing_change(tiny_gguf, monkeypatch):
+    from ricllm.engine import calibration
+    from ricllm.kernels import cpu_library
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32"))
+    assert engine.attention_backend == "cpu"
+    key = calibration.fit_key(engine)
+    assert key["kernels"] == cpu_library.library_identity()
+    monkeypatch.setattr(cpu_library, "library_identity", lambda compiler=None: "edited kernels")
+    assert calibration.fit_key(engine) != key
+    monkeypatch.undo()
+    engine.config.max_packed_rows = 16
+    assert calibration.fit_key(engine) != key
+
+
 def test_unreadable_latency_fit_is_a_clear_error(tiny_gguf, tmp_path):
     from ricllm.errors import ConfigError
 

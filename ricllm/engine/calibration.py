@@ -31,11 +31,18 @@ DECODE_CONTEXTS = (64, 256)
 
 
 def fit_key(engine) -> dict:
+    """What a step's time depends on: a cached fit is reused only when all of it is the same."""
+    kernels = None
+    if engine.attention_backend == "cpu":  # the C kernels' sources, compiler and CPU
+        from ricllm.kernels.cpu_library import library_identity
+
+        kernels = library_identity()
     return {
         "model_sha256": file_digest(engine.model_path), "dtype": str(engine.dtype),
         "weights": list(engine.weight_formats), "attention_backend": engine.attention_backend,
         "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__,
-        "calibration": CALIBRATION_VERSION,
+        "calibration": CALIBRATION_VERSION, "kernels": kernels,
+        "max_packed_rows": engine.config.max_packed_rows, "decoder_stack": engine.model.decoder_stack is not None,
         "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
     }
 
