@@ -14,6 +14,7 @@ from ricllm import LLM, SamplingParams
 from ricllm.config import EngineConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.llm_engine import LLMEngine
+from ricllm.engine.scheduler import StepFeatures
 from ricllm.errors import InvalidRequestError
 
 COEFFICIENTS = [0.010, 0.0002, 0.002, 1e-6, 0.0]  # a, per prefill token, per decode seq, per context token, Q
@@ -260,6 +261,20 @@ def test_a_fit_is_not_reused_after_the_kernels_or_the_packing_change(tiny_gguf, 
     monkeypatch.undo()
     engine.config.max_packed_rows = 16
     assert calibration.fit_key(engine) != key
+
+
+def test_the_fit_separates_the_fixed_cost_of_steps_that_carry_prefill():
+    from ricllm.engine.latency_model import FEATURES, feature_vector, fit
+
+    truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006]  # a step with prefill pays 6 ms more
+    samples = [StepFeatures(p, d, c, p * c // 2) for p in (0, 16, 64, 256) for d in (0, 1, 4, 16)
+               for c in (64, 512, 2048) if p or d]
+    model = fit([(f, float(feature_vector(f) @ truth)) for f in samples])
+    assert dict(zip(FEATURES, model.coefficients))["prefill_step"] == pytest.approx(0.006, rel=0.02)
+    older = LatencyModel.from_json({"coefficients": truth[:5]})  # a fit saved before the term existed
+    assert older.coefficients == truth[:5] + [0.0]
+    with pytest.raises(ValueError, match="7 coefficients, but the model has 6 terms"):
+        LatencyModel(truth + [1.0])
 
 
 def test_unreadable_latency_fit_is_a_clear_error(tiny_gguf, tmp_path):

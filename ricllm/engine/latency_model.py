@@ -1,10 +1,12 @@
 """Predict one engine step's time from what it carries, so admission can promise deadlines.
 
-    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q )
+    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + f·S )
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
-term in P misses for long prompts). The roofline ``(weight bytes + KV bytes read) / bandwidth``
+term in P misses for long prompts), S = 1 for a step that carries prefill tokens: on the CPU a
+decode-only step runs its layers as one C call, a step with prefill runs them op by op from
+Python, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
 is the floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep; online, a multiplicative
@@ -26,11 +28,12 @@ import numpy as np
 
 from ricllm.engine.scheduler import StepFeatures
 
-FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention")
+FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "prefill_step")
 
 
 def feature_vector(f: StepFeatures) -> np.ndarray:
-    return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention])
+    return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention,
+                     1.0 if f.num_prefill_tokens else 0.0])
 
 
 @dataclass
@@ -52,6 +55,12 @@ class LatencyModel:
     quantile: float = 0.9  # of those ratios: promises hold for all but the slowest tenth of steps
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     ratios: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) > len(FEATURES):
+            raise ValueError(f"{len(self.coefficients)} coefficients, but the model has {len(FEATURES)} terms")
+        # a fit written before a term was added: that term is 0
+        self.coefficients = list(self.coefficients) + [0.0] * (len(FEATURES) - len(self.coefficients))
 
     def base(self, f: StepFeatures) -> float:
         linear = float(feature_vector(f) @ np.asarray(self.coefficients))
