@@ -1,9 +1,12 @@
 """Protocol overhead: the ZeroMQ path (client -> ROUTER -> engine thread -> reply) against the
-same engine driven in-process, with a trivial generation (max_tokens 1) and many concurrent clients.
+same engine driven in-process, with a trivial generation (max_tokens 1).
 
 Both paths share one engine configuration; the difference of their per-request latencies is what
-the socket, msgpack, validation and the thread hand-offs add. Requests per second are reported for
-both, side by side. Target: at most 1 ms added at p50.
+the socket, msgpack, validation and the thread hand-offs add. The ZeroMQ clients run in a
+separate process (as a RIC's would), so they do not compete with the server for its
+interpreter; the in-process clients are threads calling the engine thread directly. Two loads:
+one client at a time (the protocol's own cost per request) and many concurrent clients.
+Requests per second are reported for both paths, side by side. Target: at most 1 ms added at p50.
 
     python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--model PATH]
 """
@@ -18,20 +21,13 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+import json
+import subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import publish  # noqa: E402
-from ricllm.client import RicClient  # noqa: E402
-from ricllm.config import EngineConfig  # noqa: E402
-from ricllm.engine.async_engine import EngineThread  # noqa: E402
-from ricllm.engine.latency_model import LatencyModel  # noqa: E402
-from ricllm.engine.llm_engine import LLMEngine  # noqa: E402
-from ricllm.sampling_params import SamplingParams  # noqa: E402
-from ricllm.serve.server import Server  # noqa: E402
-from ricllm.serve.settings import ServerOptions  # noqa: E402
+from ricllm.client import RicClient  # noqa: E402  (no torch: the client child stays light)
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]  # 8 tokens: the model step stays small
 
@@ -64,30 +60,64 @@ def run_clients(clients: int, requests: int, one_request) -> tuple[list[float], 
     return latencies, time.perf_counter() - started
 
 
-def in_process(config: EngineConfig, clients: int, requests: int) -> tuple[list[float], float]:
+def in_process(config, loads: list[tuple[int, int]]) -> list[tuple[list[float], float]]:
+    from ricllm.engine.async_engine import EngineThread
+    from ricllm.engine.llm_engine import LLMEngine
+    from ricllm.sampling_params import SamplingParams
+
     worker = EngineThread(LLMEngine(config))
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     worker.submit(PROMPT, params).result()  # warm-up
-    result = run_clients(clients, requests, lambda c, i: worker.submit(PROMPT, params).result())
+    results = [run_clients(clients, requests, lambda c, i: worker.submit(PROMPT, params).result())
+               for clients, requests in loads]
     worker.stop()
-    return result
+    return results
 
 
-def over_zeromq(config: EngineConfig, clients: int, requests: int) -> tuple[list[float], float]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = Server(config, ServerOptions(zmq_endpoint=f"tcp://127.0.0.1:{port}", http_port=None),
-                    latency_model=LatencyModel([0.01, 0.0, 0.0, 0.0, 0.0])).start()
-    server.wait_ready(timeout=120)
-    connections = [RicClient(f"tcp://127.0.0.1:{port}", timeout_s=60) for _ in range(clients)]
+def zeromq_clients(endpoint: str, clients: int, requests: int) -> tuple[list[float], float]:
+    """The client side, run in a child process: one connection per client thread."""
+    connections = [RicClient(endpoint, timeout_s=60) for _ in range(clients)]
     connections[0].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)  # warm-up
     result = run_clients(clients, requests, lambda c, i: connections[c].generate(
         token_ids=PROMPT, max_tokens=1, ignore_eos=True))
     for connection in connections:
         connection.close()
-    server.stop()
     return result
+
+
+def over_zeromq(config, loads: list[tuple[int, int]]) -> list[tuple[list[float], float]]:
+    from ricllm.engine.latency_model import LatencyModel
+    from ricllm.serve.server import Server
+    from ricllm.serve.settings import ServerOptions
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    server = Server(config, ServerOptions(zmq_endpoint=endpoint, http_port=None),
+                    latency_model=LatencyModel([0.01])).start()
+    server.wait_ready(timeout=120)
+    results = []
+    for clients, requests in loads:
+        child = subprocess.run([sys.executable, __file__, "--client-child", endpoint, "--clients", str(clients),
+                                "--requests", str(requests)], capture_output=True, text=True, check=True)
+        measured = json.loads(child.stdout.strip().splitlines()[-1])
+        results.append((measured["latencies"], measured["wall_s"]))
+    server.stop()
+    return results
+
+
+def table(name: str, rows: dict[str, tuple[list[float], float]], clients: int) -> list[str]:
+    lines = [f"{name}:", "", "| path | requests | req/s | p50 (ms) | p99 (ms) |", "|---|---:|---:|---:|---:|"]
+    for path, (latencies, wall) in rows.items():
+        lines.append(f"| {path} | {len(latencies)} | {len(latencies) / wall:.1f} | "
+                     f"{percentile(latencies, 0.5) * 1000:.2f} | {percentile(latencies, 0.99) * 1000:.2f} |")
+    (base, _), (zmq_lat, _) = rows["in-process"], rows["ZeroMQ (clients in another process)"]
+    added50 = (statistics.median(zmq_lat) - statistics.median(base)) * 1000
+    added99 = (percentile(zmq_lat, 0.99) - percentile(base, 0.99)) * 1000
+    lines.append(f"\nadded by the ZeroMQ path: p50 {added50:+.2f} ms, p99 {added99:+.2f} ms "
+                 f"({clients} client{'s' if clients > 1 else ''}, max_tokens 1)\n")
+    return lines
 
 
 def main() -> None:
@@ -96,22 +126,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="per client")
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2)")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--client-child", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client_child:
+        latencies, wall = zeromq_clients(args.client_child, args.clients, args.requests)
+        print(json.dumps({"latencies": latencies, "wall_s": wall}))
+        return
+    import torch
+
+    from benchmarks.results import publish
+    from ricllm.config import EngineConfig
+
     torch.set_num_threads(2)
     config = EngineConfig(model=args.model, admission="off", max_num_seqs=64)
-    rows = {"in-process": in_process(config, args.clients, args.requests),
-            "ZeroMQ": over_zeromq(config, args.clients, args.requests)}
-    lines = ["| path | requests | req/s | p50 (ms) | p99 (ms) |", "|---|---:|---:|---:|---:|"]
-    for name, (latencies, wall) in rows.items():
-        lines.append(f"| {name} | {len(latencies)} | {len(latencies) / wall:.1f} | "
-                     f"{percentile(latencies, 0.5) * 1000:.2f} | {percentile(latencies, 0.99) * 1000:.2f} |")
-    (base, _), (zmq_lat, _) = rows["in-process"], rows["ZeroMQ"]
-    added50 = (statistics.median(zmq_lat) - statistics.median(base)) * 1000
-    added99 = (percentile(zmq_lat, 0.99) - percentile(base, 0.99)) * 1000
-    lines.append(f"\nadded by the ZeroMQ path: p50 {added50:+.2f} ms, p99 {added99:+.2f} ms "
-                 f"({args.clients} concurrent clients, max_tokens 1)")
-    publish("Protocol overhead", f"{args.clients} client threads x {args.requests} requests, max_tokens 1.",
+    loads = [(1, args.requests * 4), (args.clients, args.requests)]
+    local, remote = in_process(config, loads), over_zeromq(config, loads)
+    lines = []
+    for (clients, _), ours, theirs in zip(loads, local, remote):
+        name = "one client at a time" if clients == 1 else f"{clients} concurrent clients"
+        lines += table(name, {"in-process": ours, "ZeroMQ (clients in another process)": theirs}, clients)
+    publish("Protocol overhead", f"max_tokens 1; one client x {loads[0][1]} requests, then {args.clients} "
+            f"clients x {args.requests} requests; ZeroMQ clients in a separate process.",
             "\n".join(lines), append=not args.no_append)
+
 
 if __name__ == "__main__":
     main()

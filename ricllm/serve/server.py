@@ -431,9 +431,9 @@ class _Worker:
             elif self.server._draining.is_set() and self.server._inbound.empty():
                 self._publish(force=True)
                 return
+            self.outbox.wake()  # replies first: the snapshot below must not delay them
             # going idle: publish now, or the metrics would show the last busy state until a command comes
             self._publish(force=not engine.has_unfinished())
-            self.outbox.wake()
 
     def _take(self, block: bool) -> list[Command]:
         commands = []
