@@ -769,6 +769,7 @@ class _Worker:
         if admission is not None:
             latency = {**admission.latency.error_summary(), "correction": admission.latency.correction}
         return {
+            "model": self._model_identity(),
             "kv_cache": engine.kv_cache_stats(),
             "queues": {"inbound": self.server._inbound.qsize(),
                        "inbound_capacity": self.server.options.inbound_queue_size,
@@ -783,6 +784,14 @@ class _Worker:
                           for t in self._templates.values()},
             "draining": self.server._draining.is_set(),
         }
+
+    def _model_identity(self) -> dict[str, Any]:
+        """Which model and build answer: a RIC-side caller can check it serves what it expects."""
+        engine = self.engine
+        layers, head = engine.weight_formats
+        return {"name": engine.spec.name, "path": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),
+                "weights": {"layers": layers, "head": head}, "attention_backend": engine.attention_backend,
+                "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__}
 
     def _publish(self, force: bool = False) -> None:
         """Hand the metrics collector a fresh snapshot, at most every PUBLISH_EVERY_S."""

@@ -359,6 +359,9 @@ def test_stats_reply(server):
     assert stats["latency_model"]["steps"] >= 1 and stats["latency_model"]["median_abs_error"] is not None
     assert {"inbound", "running", "waiting", "in_flight"} <= set(stats["queues"])
     assert stats["draining"] is False
+    model = stats["model"]
+    assert model["name"] == "tiny-random-llama" and model["path"].endswith(".gguf") and model["dtype"] == "float32"
+    assert model["weights"] == {"layers": "dense", "head": "dense"} and model["attention_backend"] == "cpu"
 
 
 # ------------------------------------------------------------------------------ HTTP
