@@ -440,6 +440,9 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
             const int panels = (m + AMX_PANEL - 1) / AMX_PANEL, groups = k / GROUP, tiles = n / TILE;
             const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
             float *products = (float *)(expanded + (size_t)groups * 2048);
+            /* the exact path also reads the rows past a partial block: zeros there, never stale
+             * bytes (a denormal or NaN pattern would cost a microcode assist per instruction) */
+            memset(products, 0, 2048);
             if (m >= AMX_DEQUANTIZED_ROWS) {
 #pragma omp for schedule(static) collapse(2)
                 for (int p = 0; p < panels; p++)
