@@ -44,7 +44,8 @@ class StackLayer:
 
 
 class CpuDecoderStack:
-    """Decode steps (one query row per sequence) of up to ``max_rows`` rows, in one call.
+    """Steps of up to ``max_rows`` rows that the C attention kernel serves (decode steps, small
+    prefill steps), in one call.
 
     The tensors passed in must outlive the stack (they are the model's buffers); the KV cache's
     pointers are taken at the first call and again whenever a different cache list comes in.
@@ -68,8 +69,10 @@ class CpuDecoderStack:
         self._pointers = None
         self._caches = None
 
-    def accepts(self, x: torch.Tensor, decode_only: bool) -> bool:
-        return decode_only and x.shape[0] <= self.max_rows and x.dtype == self.dtype
+    def accepts(self, x: torch.Tensor, kernel_attention: bool) -> bool:
+        """Steps the C attention kernel serves (the stack attends only with it) within the
+        packed row range."""
+        return kernel_attention and x.shape[0] <= self.max_rows and x.dtype == self.dtype
 
     def _layer_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         if self._caches is kv_caches:

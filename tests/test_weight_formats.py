@@ -434,6 +434,9 @@ def test_packed_formats_really_pack_and_run_packed(tiny_q4_1_gguf, weights, laye
     llm = tiny_llm(tiny_q4_1_gguf, weights)
     assert llm.engine.weight_formats == (layers, head)
     assert layer_formats(llm.engine.model) == ({layers}, head)
+    # the per-op path, whose module calls the hooks see (the one-call stack runs the same
+    # packed kernels: tests/kernels/test_cpu_decoder.py)
+    llm.engine.model.decoder_stack = None
     with packed_calls(llm.engine.model) as calls:
         llm.generate([[5, 6, 7]], PARAMS)  # 3-token prefill and 1-row decodes: all under max_packed_rows
     assert {fmt for fmt, _, packed in calls if packed} == {layers, head} - {"dense"}

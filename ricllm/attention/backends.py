@@ -1,8 +1,8 @@
 """Attention backends behind one interface: write this step's K/V, then attend over the cache.
 
 ``torch`` is the reference and runs anywhere; ``cpu`` is a C kernel (``ricllm.kernels``,
-built on first use) that reads K/V in place through the block tables in decode steps (prefill
-steps keep SDPA, which is faster where the work is compute-bound); ``triton`` and ``cuda`` use
+built on first use) that reads K/V in place through the block tables in decode steps and small
+prefill steps (large ones keep SDPA, which is faster where the work is compute-bound); ``triton`` and ``cuda`` use
 the GPU decode kernels for decode-only steps and the reference (SDPA over the gathered cache)
 for prefill.
 """
@@ -17,6 +17,16 @@ from ricllm.errors import ConfigError
 from ricllm.logging import get_logger
 
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+# A step with prefill this small (rows, and Σ query × context) attends in the CPU kernel too:
+# SDPA's setup outweighs its speed there, and the step can then run as one C call
+# (``ricllm.kernels.cpu_decoder``). Above it SDPA's tiled kernel is about twice as fast.
+C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK = 64, 64 * 512
+
+
+def c_kernel_attends(meta: AttentionMetadata, rows: int) -> bool:
+    """Whether the ``cpu`` backend attends in its C kernel for this step (else SDPA)."""
+    return meta.is_decode_only or (rows <= C_KERNEL_PREFILL_ROWS
+                                   and meta.query_context_products <= C_KERNEL_PREFILL_WORK)
 log = get_logger("ricllm.attention")
 
 
@@ -52,9 +62,7 @@ class CpuKernelAttention:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
-        if not meta.is_decode_only:
-            # steps with prefill chunks are compute-bound: SDPA's tiled CPU kernel is about twice
-            # as fast there as this kernel's per-query loop (measured, SmolLM2 shapes)
+        if not c_kernel_attends(meta, q.shape[0]):
             return reference.paged_attention(q, k_cache, v_cache, meta, scale)
         # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
         return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale)

@@ -32,6 +32,7 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     has_padding: bool = False  # some slot_mapping entries are -1 (CUDA-graph style padded batches)
+    query_context_products: int = 0  # Σ query length × context length: the step's attention work
     # Derived tensors memoized by backends for reuse across layers (gather indices, masks).
     scratch: dict = field(default_factory=dict, repr=False)
 

@@ -4,9 +4,9 @@
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
-term in P misses for long prompts), S = 1 for a step that carries prefill tokens: on the CPU a
-decode-only step runs its layers as one C call, a step with prefill runs them op by op from
-Python, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
+term in P misses for long prompts), S = 1 for a step that runs its layers op by op from
+Python: on the CPU, decode steps and small prefill steps run as one C call, larger prefill
+steps (SDPA attention) op by op, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
 is the floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep; online, a multiplicative
@@ -26,14 +26,21 @@ from pathlib import Path
 
 import numpy as np
 
+from ricllm.attention.backends import C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK
 from ricllm.engine.scheduler import StepFeatures
 
-FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "prefill_step")
+FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step")
+
+
+def runs_op_by_op(f: StepFeatures) -> bool:
+    """A step with prefill beyond what the CPU attention kernel takes (``c_kernel_attends``)."""
+    rows = f.num_prefill_tokens + f.num_decode_seqs
+    return f.num_prefill_tokens > 0 and (rows > C_KERNEL_PREFILL_ROWS or f.prefill_attention > C_KERNEL_PREFILL_WORK)
 
 
 def feature_vector(f: StepFeatures) -> np.ndarray:
     return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention,
-                     1.0 if f.num_prefill_tokens else 0.0])
+                     1.0 if runs_op_by_op(f) else 0.0])
 
 
 @dataclass

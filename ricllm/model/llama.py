@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ricllm.attention.backends import c_kernel_attends
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.errors import ModelLoadError
 from ricllm.model.spec import ModelSpec, RopeScaling
@@ -206,7 +207,7 @@ class LlamaModel(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm."""
         x, delta = self.embed(input_ids), None
         rope_cos_sin = self.rope(positions, x.dtype)
-        if self.decoder_stack is not None and self.decoder_stack.accepts(x, meta.is_decode_only):
+        if self.decoder_stack is not None and self.decoder_stack.accepts(x, c_kernel_attends(meta, x.shape[0])):
             return self.decoder_stack(x, *rope_cos_sin, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta)
@@ -260,9 +261,9 @@ class LlamaModel(nn.Module):
     def enable_decoder_stack(self) -> bool:
         """Run decode steps through one C call for all layers (``ricllm.kernels.cpu_decoder``),
         the same kernels as the per-op path without its Python work. It applies when the layers
-        use the fused C ops and every projection is packed in ricllm's own layout; decode steps
-        above the projections' ``max_packed_rows`` (dense bf16 there) and prefill steps keep the
-        per-op path. Returns whether it is on."""
+        use the fused C ops and every projection is packed in ricllm's own layout. Steps above
+        the projections' ``max_packed_rows`` (dense bf16 there) and steps the C attention kernel
+        does not serve (large prefills: SDPA) keep the per-op path. Returns whether it is on."""
         from ricllm.kernels.cpu_decoder import CpuDecoderStack, PackedProjection, StackLayer
         from ricllm.model.packed_linear import PackedLinear
 

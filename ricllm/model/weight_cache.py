@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def load(path: Path) -> CachedModel | None:
     if not path.is_file():
         return None
     try:
-        os.utime(path)  # recently used: kept by the eviction in ``save``
+        _touch(path)  # recently used: kept by the eviction in ``save``
         entry = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         spec_fields = dict(entry["spec"])
         if spec_fields.get("rope_scaling") is not None:
@@ -93,12 +94,20 @@ def save(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model: nn.Module, we
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as handle:
             torch.save(entry, handle)
         os.replace(handle.name, path)
+        _touch(path)
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
         log.warning("weight_cache_not_written", path=str(path), error=str(exc))
         Path(handle.name).unlink(missing_ok=True)
         return
     log.info("weight_cache_written", path=str(path), bytes=path.stat().st_size)
     _evict(path.parent)
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` as just used. The time is given explicitly: the file system's own clock
+    ticks coarsely (milliseconds), so two uses in one tick would tie and evict the wrong entry."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def _evict(folder: Path) -> None:

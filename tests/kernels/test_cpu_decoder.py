@@ -1,6 +1,7 @@
 """The one-call decoder stack (``ricllm.kernels.cpu_decoder``) computes exactly what the per-op
-path computes: same logits, bit for bit, on decode steps of one and many sequences, and it
-hands steps it does not take (prefill, more rows than the packed kernels serve) to that path."""
+path computes: same logits, bit for bit, on decode steps of one and many sequences and on small
+prefill steps, and it hands steps it does not take (large prefills, more rows than the packed
+kernels serve) to that path."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def count_stack_calls(llm: LLM) -> list[int]:
     stack, rows = llm.engine.model.decoder_stack, []
 
     class Counting:
-        def accepts(self, x, decode_only):
-            return stack.accepts(x, decode_only)
+        def accepts(self, x, kernel_attention):
+            return stack.accepts(x, kernel_attention)
 
         def __call__(self, x, *args):
             rows.append(x.shape[0])
@@ -64,7 +65,7 @@ def test_stack_gives_the_per_op_logits_bit_for_bit(tiny_q4_1, weights):
     stack_rows = count_stack_calls(fast)
     fast_out, fast_rec = run(fast, prompts, params)
     slow_out, slow_rec = run(engine(tiny_q4_1, weights, stack=False), prompts, params)
-    assert stack_rows and max(stack_rows) == len(prompts), "decode steps of the whole batch ran on the stack"
+    assert len(prompts) in stack_rows, "decode steps of the whole batch ran on the stack"
     assert [o.token_ids for o in fast_out] == [o.token_ids for o in slow_out]
     for fo, so in zip(fast_out, slow_out):
         (positions, ours), (theirs_positions, theirs) = fast_rec.stacked(fo.request_id), slow_rec.stacked(so.request_id)
@@ -90,3 +91,18 @@ def test_dense_weights_or_the_torch_backend_keep_the_per_op_path(tiny_q4_1):
     assert LLM(str(tiny_q4_1), dtype="bfloat16", weights="bf16", weight_cache=False).engine.model.decoder_stack is None
     assert LLM(str(tiny_q4_1), dtype="bfloat16", weights="int4", attention_backend="torch",
                weight_cache=False).engine.model.decoder_stack is None
+
+
+def test_small_prefills_run_on_the_stack_and_large_ones_per_op(tiny_q4_1):
+    need_kernels("int4")
+    from ricllm.attention.backends import C_KERNEL_PREFILL_ROWS
+
+    llm = engine(tiny_q4_1, "int4", stack=True, enable_prefix_caching=False)
+    stack_rows = count_stack_calls(llm)
+    vocab = llm.engine.spec.vocab_size
+    [short, long] = random_prompts(vocab, (8, C_KERNEL_PREFILL_ROWS + 10), seed=2)
+    llm.generate([short], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert stack_rows == [8, 1]  # the 8-token prefill, then a decode step
+    stack_rows.clear()
+    llm.generate([long], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert stack_rows == [1]  # the 74-token prefill ran op by op (SDPA attention)
