@@ -8,7 +8,9 @@ state of its own.
 The layers are written in torch ops, which are the reference. With the ``cpu`` attention backend
 the elementwise steps (add + norm, RoPE + K/V store, SiLU·up) run as fused C calls instead
 (``fused``: ``ricllm.kernels.cpu_fused.CpuFusedOps``), which compute the same values with a
-fraction of the per-op overhead that dominates small decode steps.
+fraction of the per-op overhead that dominates small decode steps; and where every projection
+is packed in ricllm's layout, decode and small prefill steps run all layers in one C call
+(``decoder_stack``: ``ricllm.kernels.cpu_decoder``), the same kernels in the same order.
 
     h = x + W_o · Attn(RoPE(W_q · n1(x)), RoPE(W_k · n1(x)), W_v · n1(x))
     y = h + W_down · (silu(W_gate · n2(h)) ⊙ W_up · n2(h)),   n(x) = x / rms(x) ⊙ g
