@@ -37,6 +37,17 @@ def generate_checking_pool(llm, prompts, params):
     return llm.generate(prompts, params)
 
 
+def assert_budget_held(llm, num_blocks: int, budget: int) -> None:
+    """After a run on a tight budget: the scheduler had to wait or preempt, every block came
+    back, and the KV pool tensors (the only KV storage) fit the budget."""
+    stats = llm.kv_cache_stats()
+    assert stats["num_blocks"] == num_blocks
+    assert stats["preemptions"] + stats["waits"] > 0, "the budget never constrained the scheduler"
+    assert stats["peak_used_blocks"] <= num_blocks and stats["used_blocks"] == 0
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in llm.engine.kv_cache.layers)
+    assert kv_bytes == stats["allocated_bytes"] <= stats["budget_bytes"] == budget
+
+
 def test_sixty_four_requests_on_a_small_budget(tiny_gguf):
     budget = NUM_BLOCKS * BLOCK * BYTES_PER_TOKEN_FP32
     llm = LLM(str(tiny_gguf), dtype="float32", block_size=BLOCK, kv_cache_budget=budget, max_num_seqs=64)
@@ -46,12 +57,7 @@ def test_sixty_four_requests_on_a_small_budget(tiny_gguf):
 
     outputs = generate_checking_pool(llm, prompts, params)
 
-    stats = llm.kv_cache_stats()
-    assert stats["num_blocks"] == NUM_BLOCKS
-    assert stats["preemptions"] + stats["waits"] > 0, "the budget never constrained the scheduler"
-    assert stats["peak_used_blocks"] <= NUM_BLOCKS and stats["used_blocks"] == 0
-    kv_bytes = sum(k.nbytes + v.nbytes for k, v in engine.kv_cache.layers)
-    assert kv_bytes == stats["allocated_bytes"] <= stats["budget_bytes"] == budget
+    assert_budget_held(llm, NUM_BLOCKS, budget)
     assert {name for name, _ in engine.model.named_buffers()} == {"rope.cos", "rope.sin"}
 
     solo = LLM(str(tiny_gguf), dtype="float32", block_size=BLOCK, kv_cache_budget="8MiB", max_num_seqs=1)

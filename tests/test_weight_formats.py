@@ -25,7 +25,7 @@ from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, can_pack, resol
 from tests.conftest import load_hf_oracle
 from tests.helpers import require, write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
-from tests.test_budget import generate_checking_pool
+from tests.test_budget import assert_budget_held, generate_checking_pool
 from tests.test_oracle_parity import random_prompts
 
 # Every LLM in this file converts its weights from the file (weight_cache=False): a cached entry
@@ -495,15 +495,9 @@ def test_many_requests_on_a_small_budget_stay_inside_it(tiny_q4_1_gguf, tiny_voc
     bytes_per_token = 2 * 2 * 2 * 16 * 2  # 2·L·n_kv·d_h·2 bytes (bf16) for the tiny model
     budget = num_blocks * BLOCK * bytes_per_token
     llm = tiny_llm(tiny_q4_1_gguf, weights, kv_cache_budget=budget, max_num_seqs=64)
-    engine = llm.engine
     prompts = random_prompts(tiny_vocab, [5 + (7 * i) % 40 for i in range(48)], seed=11)
     params = [SamplingParams(max_tokens=8 + i % 17, ignore_eos=True) for i in range(48)]
     outputs = generate_checking_pool(llm, prompts, params)
 
     assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
-    stats = llm.kv_cache_stats()
-    assert stats["num_blocks"] == num_blocks
-    assert stats["preemptions"] + stats["waits"] > 0, "the budget never constrained the scheduler"
-    assert stats["peak_used_blocks"] <= num_blocks and stats["used_blocks"] == 0
-    kv_bytes = sum(k.nbytes + v.nbytes for k, v in engine.kv_cache.layers)
-    assert kv_bytes == stats["allocated_bytes"] <= stats["budget_bytes"] == budget
+    assert_budget_held(llm, num_blocks, budget)
