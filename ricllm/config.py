@@ -36,6 +36,8 @@ class EngineConfig:
     safety_margin: float = 0.1  # admission inflates predicted times by this fraction
     max_queue: int = 256  # best-effort requests that may wait
     abort_late: bool = False  # abort a request once its deadline passed (finish_reason "deadline")
+    pace_prefill: bool = True  # cap a step's prefill so running deadline decodes keep their per-token pace
+    degrade: bool = False  # admit a request that does not fit with max_tokens shrunk to what fits, and say so
     latency_fit: str | None = None  # JSON file of a latency-model fit; None: calibrate (cached on disk)
     tightest_deadline_ms: float = 500.0  # the tightest deadline class: caps are computed for it at start
     tightest_deadline_tokens: int = 16

@@ -15,6 +15,7 @@ from ricllm.config import EngineConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.engine.scheduler import StepFeatures
+from ricllm.engine.sequence import Sequence
 from ricllm.errors import InvalidRequestError
 
 COEFFICIENTS = [0.010, 0.0002, 0.002, 1e-6, 0.0]  # a, per prefill token, per decode seq, per context token, Q
@@ -319,3 +320,59 @@ def _decode_features():
     from ricllm.engine.scheduler import StepFeatures
 
     return StepFeatures(0, 1, 20, 0)
+
+
+def _long_prompt_among_running_decodes(tiny_gguf, long_deadline_ms: float, **overrides):
+    """Four deadline requests decoding, then a 400-token prompt arrives: ``(pace, step)`` for each
+    step while all four decode, where pace is the tightest ``(deadline − now) / tokens left`` at its start."""
+    engine, clock = make_engine(tiny_gguf, max_num_batched_tokens=512, kv_cache_budget=256 * 16 * 512,
+                                **overrides)
+    streams = [engine.add_request(prompt(8, 70 + i), SamplingParams(max_tokens=40, deadline_ms=2000,
+                                                                     ignore_eos=True)) for i in range(4)]
+    for _ in range(3):
+        engine.step()
+    long = engine.add_request(prompt(400, 80), SamplingParams(max_tokens=4, deadline_ms=long_deadline_ms,
+                                                              ignore_eos=True))
+    assert long.promised and all(s.promised for s in streams)
+    paced_steps = []
+    while engine.has_unfinished():
+        decoding = [s for s in streams if not s.is_finished]
+        pace = min((s.deadline - clock.now) / (40 - s.num_output_tokens) for s in decoding) if decoding else None
+        outputs = engine.step()
+        assert all(o.deadline_met for o in outputs)
+        if len(decoding) == 4:
+            paced_steps.append((pace, engine.step_history[-1]))
+    return paced_steps
+
+
+def test_prefill_is_paced_so_running_decodes_keep_their_deadline_pace(tiny_gguf):
+    paced = _long_prompt_among_running_decodes(tiny_gguf, 10_000)
+    unpaced = _long_prompt_among_running_decodes(tiny_gguf, 10_000, pace_prefill=False)
+    # unpaced, the 400-token prompt is one step of 10 + 0.2·400 + 2·4 ms and more: all four streams stall
+    assert [r.features.num_prefill_tokens for _, r in unpaced if r.features.num_prefill_tokens] == [400]
+    [(pace, step)] = [(pace, r) for pace, r in unpaced if r.features.num_prefill_tokens]
+    assert step.duration_s > 0.098 > pace
+    # paced: the prompt is spread over several steps, each within the tightest pace (~52 ms)
+    chunks = [r.features.num_prefill_tokens for _, r in paced if r.features.num_prefill_tokens]
+    assert len(chunks) >= 3 and sum(chunks) == 400
+    assert all(r.duration_s <= pace for pace, r in paced)
+
+
+def test_pacing_never_breaks_a_promise(tiny_gguf):
+    """The long prompt's own deadline leaves no room for small chunks: it gets the full budget."""
+    steps = _long_prompt_among_running_decodes(tiny_gguf, 200)
+    assert max(r.features.num_prefill_tokens for _, r in steps) == 400
+
+
+def test_pace_cap_is_the_largest_prefill_within_the_tightest_pace(tiny_gguf):
+    engine, clock = make_engine(tiny_gguf, max_num_batched_tokens=512)
+    seq = engine.add_request(prompt(8, 90), SamplingParams(max_tokens=11, deadline_ms=500, ignore_eos=True))
+    engine.step()  # prefill; now it decodes with 10 tokens left and 500 − 11.6 ms to go
+    gate = engine.admission
+    first = Sequence(request_id="x", token_ids=prompt(300, 91), num_prompt_tokens=300, params=SamplingParams())
+    cap = gate.prefill_token_cap(clock.now, [seq], first, 512)
+    pace = (seq.deadline - clock.now) / 10
+    step = lambda p: true_step_time(StepFeatures(p, 1, seq.num_computed_tokens + 1 + p, p * p))  # noqa: E731
+    assert step(cap) <= pace < step(cap + 1)
+    gate.config.pace_prefill = False
+    assert gate.prefill_token_cap(clock.now, [seq], first, 512) == 512

@@ -40,6 +40,8 @@ class AdmissionConfig:
     safety_margin: float = 0.1  # predicted time is inflated by this fraction before comparing
     max_queue: int = 256  # waiting best-effort requests
     abort_late: bool = False  # abort a request once its deadline has passed (finish_reason "deadline")
+    pace_prefill: bool = True  # cap a step's prefill tokens so running deadline decodes keep their pace
+    degrade: bool = False  # shrink max_tokens to what fits instead of refusing (when the prompt alone fits)
 
 
 @dataclass
@@ -210,6 +212,59 @@ class AdmissionController:
         bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, running_best_effort + 1)
         margin = 1 + self.config.safety_margin
         return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
+
+    def prefill_token_cap(self, now: float, decodes: list[Sequence], first_prefill: Sequence, budget: int,
+                          best_effort_running: int = 0) -> int:
+        """Prefill tokens this step may carry so that running decodes keep their per-token pace.
+
+        A decode with a deadline needs, from now on, one step per ``(deadline - now) / tokens
+        left`` (less the safety margin): its pace. The cap is the largest prefill whose step the
+        latency model predicts within the tightest pace of the step's decodes, so a long prompt
+        is spread over several steps instead of stalling every stream for one long step. The cap
+        never breaks a promise: admission's bound assumed chunks of the full budget, so the cap
+        is raised to the smallest chunk with which ``finish_bounds`` still keeps every admitted
+        deadline (the full budget if the bound has drifted past it).
+        """
+        if not self.config.pace_prefill or self.config.policy == "fcfs":
+            return budget
+        paces = [(s.deadline - now) / max(s.params.max_tokens - s.num_output_tokens, 1)
+                 for s in decodes if s.deadline is not None]
+        if not paces:
+            return budget
+        target_s = min(paces) / (1 + self.config.safety_margin)
+        cap = self._largest_prefill_within(target_s, decodes, first_prefill, budget)
+        if cap >= budget:
+            return budget
+        return max(cap, self._smallest_chunk_keeping_promises(now, best_effort_running, cap, budget))
+
+    def _largest_prefill_within(self, target_s: float, decodes: list[Sequence], first: Sequence, budget: int) -> int:
+        """Binary search: predicted step time grows with the prefill tokens it carries."""
+        context = sum(s.num_computed_tokens + 1 for s in decodes)
+
+        def step_s(tokens: int) -> float:
+            attended = first.num_computed_tokens + tokens
+            return self.latency.predict(StepFeatures(tokens, len(decodes), context + attended, tokens * attended))
+
+        low, high = 0, budget
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if step_s(middle) <= target_s else (low, middle - 1)
+        return low
+
+    def _smallest_chunk_keeping_promises(self, now: float, extra: int, low: int, high: int) -> int:
+        """Smallest chunk in [max(low, 1), high] with which every admitted request stays on time."""
+        works = [work_of(s) for s in sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))]
+        margin = 1 + self.config.safety_margin
+
+        def keeps(chunk: int) -> bool:
+            bounds = finish_bounds(works, self.latency, chunk, now, 0.0, extra)
+            return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
+
+        low = max(low, 1)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if keeps(middle) else (middle + 1, high)
+        return low
 
     def outstanding_reservation(self) -> int:
         """Blocks reserved by admitted requests but not yet allocated to them."""

@@ -29,7 +29,8 @@ class LLM:
                  attention_backend: str = "auto", weights: str = "auto", enable_prefix_caching: bool = True,
                  weight_cache: bool = True, max_packed_rows: int | None = None,
                  admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
-                 abort_late: bool = False, latency_fit: str | None = None,
+                 abort_late: bool = False, pace_prefill: bool = True, degrade: bool = False,
+                 latency_fit: str | None = None,
                  seed: int = 0, threads: int | None = None):
         self.config = EngineConfig(
             model=model, kv_cache_budget=kv_cache_budget, block_size=block_size,
@@ -38,6 +39,7 @@ class LLM:
             attention_backend=attention_backend, weights=weights, enable_prefix_caching=enable_prefix_caching,
             weight_cache=weight_cache, max_packed_rows=max_packed_rows,
             admission=admission, safety_margin=safety_margin, max_queue=max_queue, abort_late=abort_late,
+            pace_prefill=pace_prefill, degrade=degrade,
             latency_fit=latency_fit, seed=seed, threads=threads)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer

@@ -84,7 +84,8 @@ class LLMEngine:
 
         latency = latency_model or load_or_calibrate(self)
         settings = AdmissionConfig(policy=self.config.admission, safety_margin=self.config.safety_margin,
-                                   max_queue=self.config.max_queue, abort_late=self.config.abort_late)
+                                   max_queue=self.config.max_queue, abort_late=self.config.abort_late,
+                                   pace_prefill=self.config.pace_prefill, degrade=self.config.degrade)
         return AdmissionController(settings, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)
 

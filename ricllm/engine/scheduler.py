@@ -78,12 +78,28 @@ class Scheduler:
 
     def schedule(self, now: float = 0.0) -> ScheduledBatch:
         """Decodes first (one token each, so no running sequence misses a step), then prefill
-        chunks in priority order, then waiting sequences while budget, blocks and seats last."""
-        budget = self.max_num_batched_tokens
+        chunks in priority order, then waiting sequences while budget, blocks and seats last.
+
+        With a gate, the prefill tokens of a step are capped so that the running decodes keep
+        the pace their deadlines need (``gate.prefill_token_cap``).
+        """
         order = sorted(self.running, key=Sequence.priority_key)
         items: list[tuple[Sequence, int]] = []
+        budget, preempted = self._continue([s for s in order if s.in_decode], self.max_num_batched_tokens, items)
+        prefilling = [s for s in order if not s.in_decode]
+        if self.gate is not None and budget > 0 and (prefilling or self.waiting):
+            first = (prefilling or self.waiting)[0]
+            budget = min(budget, self.gate.prefill_token_cap(now, [s for s, _ in items], first, budget,
+                                                             self._running_best_effort()))
+        budget, more_preempted = self._continue(prefilling, budget, items)
+        if not (preempted or more_preempted):
+            items += self._schedule_waiting(budget, now)
+        return ScheduledBatch(items)
+
+    def _continue(self, seqs: list[Sequence], budget: int, items: list) -> tuple[int, bool]:
+        """Schedule running sequences in order while the budget lasts; appends to ``items``."""
         preempted = False
-        for seq in [s for s in order if s.in_decode] + [s for s in order if not s.in_decode]:
+        for seq in seqs:
             if budget <= 0:
                 break
             if seq not in self.running:
@@ -94,9 +110,10 @@ class Scheduler:
                 budget -= num_new
             else:
                 preempted = True
-        if not preempted:
-            items += self._schedule_waiting(budget, now)
-        return ScheduledBatch(items)
+        return budget, preempted
+
+    def _running_best_effort(self) -> int:
+        return sum(1 for s in self.running if not s.promised)
 
     def _schedule_waiting(self, budget: int, now: float) -> list[tuple[Sequence, int]]:
         items: list[tuple[Sequence, int]] = []
@@ -121,8 +138,7 @@ class Scheduler:
     def _best_effort_may_join(self, now: float) -> bool:
         if self.gate is None:
             return True
-        running_best_effort = sum(1 for s in self.running if not s.promised)
-        return self.gate.best_effort_may_join(now, running_best_effort)
+        return self.gate.best_effort_may_join(now, self._running_best_effort())
 
     def _within_unreserved(self, seq: Sequence, num_new: int, hits=()) -> bool:
         """Best effort may only take blocks that no admitted request has reserved."""

@@ -236,6 +236,8 @@ class EngineSettings(_Strict):
     safety_margin: float | None = Field(None, ge=0, lt=10)
     max_queue: int | None = Field(None, ge=0)
     abort_late: bool | None = None
+    pace_prefill: bool | None = None
+    degrade: bool | None = None
     latency_fit: str | None = None
     tightest_deadline_ms: float | None = Field(None, gt=0)
     tightest_deadline_tokens: int | None = Field(None, ge=1)

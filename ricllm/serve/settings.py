@@ -64,6 +64,8 @@ class AdmissionControls(_Strict):
     safety_margin: float = Field(0.1, ge=0, lt=10)
     max_queue: int = Field(256, ge=0)
     abort_late: bool = False
+    pace_prefill: bool = True
+    degrade: bool = False
 
 
 class CurveControls(_Strict):
@@ -167,7 +169,8 @@ class ServeSettings:
                     enable_prefix_caching=c.enable_prefix_caching, weight_cache=c.weight_cache,
                     admission=c.admission.policy,
                     safety_margin=c.admission.safety_margin, max_queue=c.admission.max_queue,
-                    abort_late=c.admission.abort_late, latency_fit=c.latency_fit, seed=c.seed, threads=c.threads)
+                    abort_late=c.admission.abort_late, pace_prefill=c.admission.pace_prefill,
+                    degrade=c.admission.degrade, latency_fit=c.latency_fit, seed=c.seed, threads=c.threads)
 
     def engine_config(self):
         """An ``EngineConfig`` (imports torch)."""
@@ -235,6 +238,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "seed": ("seed",), "threads": ("threads",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
     "admission": ("admission", "policy"), "safety_margin": ("admission", "safety_margin"),
     "max_queue": ("admission", "max_queue"), "abort_late": ("admission", "abort_late"),
+    "pace_prefill": ("admission", "pace_prefill"), "degrade": ("admission", "degrade"),
     "latency_fit": ("latency_fit",), "curve": ("curve", "enabled"),
     "curve_secret_key": ("curve", "server_secret_key_file"), "curve_authorized_dir": ("curve", "authorized_keys_dir"),
     "log_json": ("log_json",),
@@ -318,6 +322,12 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     admission.add_argument("--max-queue", type=int, default=S, help="best-effort requests that may wait (256)")
     admission.add_argument("--abort-late", action=argparse.BooleanOptionalAction, default=S,
                            help="abort a request once its deadline has passed (default: off)")
+    admission.add_argument("--pace-prefill", action=argparse.BooleanOptionalAction, default=S,
+                           help="cap each step's prefill tokens so running deadline requests keep the per-token "
+                                "pace their deadlines need; never at the cost of a promise (default: on)")
+    admission.add_argument("--degrade", action=argparse.BooleanOptionalAction, default=S,
+                           help="admit a request that cannot be served in full with max_tokens shrunk to what "
+                                "fits (the reply says so) instead of rejecting it (default: off)")
     admission.add_argument("--latency-fit", default=S, metavar="FILE",
                            help="latency-model fit JSON (LatencyModel.save); default: calibrate at start, cached")
     engine = parser.add_argument_group("engine")
