@@ -19,13 +19,31 @@ class Rejection:
         return f"{self.code}: {self.message}"
 
 
+@dataclass(frozen=True)
+class Degradation:
+    """Admission's opt-in ``degrade`` policy admitted the request with fewer tokens than asked.
+
+    ``code`` is the refusal it avoided, ``numbers`` the refusal's numbers at the requested length.
+    """
+
+    code: str
+    requested_max_tokens: int
+    granted_max_tokens: int
+    message: str
+    numbers: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"degraded ({self.code}): {self.message}"
+
+
 @dataclass
 class RequestOutput:
     """Flat result of one request; timings in seconds on the engine's monotonic clock.
 
     ``finish_reason``: ``stop``, ``length``, ``rejected`` (refused at arrival, see
     ``rejection``) or ``deadline`` (aborted once its deadline passed, when so configured).
-    ``deadline_met`` is None when the request had no deadline or was rejected.
+    ``deadline_met`` is None when the request had no deadline or was rejected. ``degradation``
+    is set when the ``degrade`` policy admitted it with a smaller ``max_tokens`` than asked.
     """
 
     request_id: str
@@ -42,6 +60,7 @@ class RequestOutput:
     rejection: Rejection | None = None
     deadline_met: bool | None = None
     deadline_ms: float | None = None
+    degradation: Degradation | None = None  # set when admission shrank max_tokens (degrade policy)
 
     @property
     def tpot_s(self) -> float | None:

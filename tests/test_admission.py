@@ -376,3 +376,56 @@ def test_pace_cap_is_the_largest_prefill_within_the_tightest_pace(tiny_gguf):
     assert step(cap) <= pace < step(cap + 1)
     gate.config.pace_prefill = False
     assert gate.prefill_token_cap(clock.now, [seq], first, 512) == 512
+
+
+def _largest_admitted_max_tokens(tiny_gguf, token_ids, deadline_ms, **overrides) -> int:
+    """What a plain (non-degrading) engine admits, found one max_tokens at a time."""
+    for tokens in range(60, 0, -1):
+        engine, _ = make_engine(tiny_gguf, **overrides)
+        seq = engine.add_request(token_ids, SamplingParams(max_tokens=tokens, deadline_ms=deadline_ms))
+        if seq.rejection is None:
+            return tokens
+    return 0
+
+
+def test_degrade_admits_with_the_largest_max_tokens_that_meets_the_deadline(tiny_gguf):
+    token_ids = prompt(20, 95)
+    fits = _largest_admitted_max_tokens(tiny_gguf, token_ids, 150)
+    assert 1 <= fits < 60
+    engine, _ = make_engine(tiny_gguf, degrade=True)
+    asked = SamplingParams(max_tokens=60, deadline_ms=150, ignore_eos=True)
+    seq = engine.add_request(token_ids, asked)
+    assert seq.rejection is None and seq.promised
+    d = seq.degradation
+    assert (d.code, d.requested_max_tokens, d.granted_max_tokens) == ("DEADLINE_INFEASIBLE", 60, fits)
+    assert d.message.startswith(f"max_tokens 60 -> {fits}: predicted finish of it is")
+    assert asked.max_tokens == 60  # the caller's params are not changed (they may be shared)
+    [out] = drain(engine)
+    assert out.admitted and out.deadline_met and out.finish_reason == "length"
+    assert len(out.token_ids) == fits and out.degradation == d
+    assert engine.admission_stats()["degraded"] == 1 and engine.admission_stats()["rejected"] == {}
+
+
+def test_degrade_shrinks_to_the_context_and_the_kv_budget(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, max_model_len=256, degrade=True)
+    long = engine.add_request(prompt(250, 96), SamplingParams(max_tokens=10, deadline_ms=100_000))
+    assert (long.degradation.code, long.degradation.granted_max_tokens) == ("CONTEXT_TOO_LONG", 6)
+    drain(engine)
+    engine, _ = make_engine(tiny_gguf, degrade=True)  # 64 blocks of 16
+    for i in range(3):  # 256 tokens = 16 blocks each
+        held = engine.add_request(prompt(200, 97 + i), SamplingParams(max_tokens=56, deadline_ms=100_000))
+        assert held.promised and held.degradation is None
+    last = engine.add_request(prompt(100, 98), SamplingParams(max_tokens=200, deadline_ms=100_000))
+    assert last.degradation.code == "KV_BUDGET"
+    assert last.degradation.granted_max_tokens == 16 * 16 - 100  # the 16 blocks left, less the prompt
+    assert last.degradation.numbers == {"blocks_needed": 19, "blocks_free": 16, "blocks_reserved": 48}
+    assert engine.admission.reserved_blocks == 64
+
+
+def test_degrade_still_rejects_what_no_length_can_save(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, degrade=True)
+    seq = engine.add_request(prompt(20, 99), SamplingParams(max_tokens=8, deadline_ms=5))
+    assert seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
+    assert seq.params.max_tokens == 8 and "8 tokens to generate" in seq.rejection.message
+    best_effort = [engine.add_request(prompt(10, 100 + i), SamplingParams(max_tokens=3)) for i in range(300)]
+    assert best_effort[-1].rejection.code == "QUEUE_FULL"  # not a matter of length: never degraded

@@ -19,19 +19,24 @@ all pending prefill tokens are charged to everyone (later-deadline prefill chunk
     finish_k <= now + busy + corr · (N_k · max(a + c·B + d·C_max, roofline(C_max)) + b·P_all + e·Q_all)
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
+
+Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for running decodes
+(never below the chunk the bound needs), and the opt-in ``degrade`` admits with the largest
+``max_tokens`` that passes instead of refusing.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.sequence import Sequence
-from ricllm.outputs import Rejection
+from ricllm.outputs import Degradation, Rejection
 
 POLICIES = ("deadline", "fcfs")
+DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
 
 
 @dataclass
@@ -105,38 +110,78 @@ class AdmissionController:
 
     def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int,
                waiting_best_effort: int, busy_s: float = 0.0, best_effort_running: int = 0) -> Rejection | None:
-        """None to admit (and reserve), or the reason to refuse, with the numbers."""
+        """None to admit (and reserve), or the reason to refuse, with the numbers.
+
+        With ``degrade`` on, a request refused for its length, its memory or its time is admitted
+        instead with the largest ``max_tokens`` that passes (``seq.degradation`` says so), when its
+        prompt and one token pass.
+        """
+        def judge():
+            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting_best_effort, busy_s, best_effort_running)
+
+        verdict = judge()
+        if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
+            verdict = self._degrade(seq, verdict, judge)
+        if isinstance(verdict, Rejection):
+            self.counts[verdict.code] = self.counts.get(verdict.code, 0) + 1
+            if verdict.code == "DEADLINE_INFEASIBLE" and not self.admitted and best_effort_running == 0:
+                self.latency.relax()  # idle and refusing: no step will ever correct an inflated correction
+            return verdict
+        need, promise = verdict
+        return self._admit(seq, need, promise)
+
+    def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting_best_effort: int,
+               busy_s: float, best_effort_running: int) -> Rejection | tuple[int, bool]:
+        """The refusal, or ``(blocks to reserve, promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
-            return self._reject("CONTEXT_TOO_LONG",
-                                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = "
-                                f"{total} tokens exceeds the context of {self.max_model_len} tokens",
-                                prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
-                                max_model_len=self.max_model_len)
+            return Rejection("CONTEXT_TOO_LONG",
+                             f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = "
+                             f"{total} tokens exceeds the context of {self.max_model_len} tokens",
+                             dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
+                                  max_model_len=self.max_model_len))
         need = -(-total // self.block_size) - pinned_hits
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
         if need > capacity:
-            return self._reject("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but the budget holds "
-                                f"{capacity} blocks besides {pinned_blocks} pinned",
-                                blocks_needed=need, blocks_capacity=capacity, pinned_blocks=pinned_blocks)
+            return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but the budget holds "
+                             f"{capacity} blocks besides {pinned_blocks} pinned",
+                             dict(blocks_needed=need, blocks_capacity=capacity, pinned_blocks=pinned_blocks))
         if seq.deadline is None or self.config.policy == "fcfs":
             if seq.deadline is None and waiting_best_effort >= self.config.max_queue:
-                return self._reject("QUEUE_FULL", f"{waiting_best_effort} best-effort requests already wait "
-                                    f"(max_queue {self.config.max_queue})", waiting=waiting_best_effort,
-                                    max_queue=self.config.max_queue)
-            return self._admit(seq, 0, promise=False)
+                return Rejection("QUEUE_FULL", f"{waiting_best_effort} best-effort requests already wait "
+                                 f"(max_queue {self.config.max_queue})",
+                                 dict(waiting=waiting_best_effort, max_queue=self.config.max_queue))
+            return 0, False
         free = capacity - self.reserved_blocks
         if need > free:
-            return self._reject("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
-                                f"{capacity} are not reserved by admitted requests",
-                                blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks)
+            return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
+                             f"{capacity} are not reserved by admitted requests",
+                             dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
         late = self._first_late(seq, now, busy_s, best_effort_running)
-        if late is not None:
-            if not self.admitted and best_effort_running == 0:
-                self.latency.relax()  # idle and refusing: no step will ever correct an inflated correction
-            return late
-        return self._admit(seq, need, promise=True)
+        return late if late is not None else (need, True)
+
+    def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool]:
+        """Binary search for the largest ``max_tokens`` that passes (every check is monotone in it)."""
+        requested = seq.params
+
+        def with_tokens(tokens: int):
+            seq.params = replace(requested, max_tokens=tokens)
+            return judge()
+
+        low, high = 0, requested.max_tokens - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if not isinstance(with_tokens(middle), Rejection) else (low, middle - 1)
+        verdict = with_tokens(low) if low >= 1 else refusal
+        if isinstance(verdict, Rejection):
+            seq.params = requested
+            return refusal
+        seq.degradation = Degradation(refusal.code, requested.max_tokens, low,
+                                      f"max_tokens {requested.max_tokens} -> {low}: {refusal.message}",
+                                      refusal.numbers)
+        self.counts["degraded"] = self.counts.get("degraded", 0) + 1
+        return verdict
 
     def _first_late(self, seq: Sequence, now: float, busy_s: float, extra: int) -> Rejection | None:
         candidates = sorted([*self.admitted.values(), seq], key=lambda s: (s.deadline, s.arrival_time))
@@ -148,16 +193,17 @@ class AdmissionController:
             slack_ms = (w.deadline - now) * 1000
             if predicted_ms > slack_ms:
                 whose = "it" if w.request_id == seq.request_id else f"admitted request {w.request_id!r}"
-                return self._reject(
+                return Rejection(
                     "DEADLINE_INFEASIBLE",
                     f"predicted finish of {whose} is {predicted_ms:.1f} ms (with {self.config.safety_margin:.0%} "
                     f"margin) > {slack_ms:.1f} ms left to its deadline; batch would be {len(works) + extra}, "
                     f"{w.decode_left} tokens to generate",
-                    predicted_ms=round(predicted_ms, 3), deadline_ms=round(slack_ms, 3),
-                    batch=len(works) + extra, request=w.request_id)
+                    dict(predicted_ms=round(predicted_ms, 3), deadline_ms=round(slack_ms, 3),
+                         batch=len(works) + extra, request=w.request_id))
         return None
 
-    def _reject(self, code: str, message: str, **numbers) -> Rejection:
+    def reject(self, code: str, message: str, **numbers) -> Rejection:
+        """A refusal decided outside ``decide`` (the engine's seat limit), counted with the others."""
         self.counts[code] = self.counts.get(code, 0) + 1
         return Rejection(code, message, numbers)
 
@@ -196,8 +242,9 @@ class AdmissionController:
         return low
 
     def stats(self) -> dict:
-        rejected = {k: v for k, v in self.counts.items() if k != "admitted"}
+        rejected = {k: v for k, v in self.counts.items() if k not in ("admitted", "degraded")}
         return {"policy": self.config.policy, "admitted": self.counts["admitted"], "rejected": rejected,
+                "degraded": self.counts.get("degraded", 0),
                 "reserved_blocks": self.reserved_blocks, "promised_in_flight": len(self.admitted),
                 "latency_model": {"coefficients": self.latency.coefficients, "correction": self.latency.correction,
                                   **self.latency.error_summary()}}

@@ -221,7 +221,7 @@ class LLMEngine:
                                           best_effort_running=running_best_effort)
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
-            rejection = self.admission._reject(
+            rejection = self.admission.reject(
                 "QUEUE_FULL", f"{self.config.max_num_seqs} deadline requests already hold every seat of the "
                 f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
         if rejection is not None:
@@ -231,6 +231,10 @@ class LLMEngine:
             seq.finish_time = now
             self._rejected.append(self._output(seq))
             log.info("request_rejected", request_id=seq.request_id, code=rejection.code, **rejection.numbers)
+        elif seq.degradation is not None:
+            d = seq.degradation
+            log.info("request_degraded", request_id=seq.request_id, code=d.code,
+                     requested_max_tokens=d.requested_max_tokens, granted_max_tokens=d.granted_max_tokens)
         return rejection
 
     def _check_well_formed(self, prompt_token_ids: list[int]) -> None:
@@ -352,7 +356,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason, ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
             admitted=not rejected, rejection=seq.rejection, deadline_met=met,
-            deadline_ms=seq.params.deadline_ms)
+            deadline_ms=seq.params.deadline_ms, degradation=seq.degradation)
 
     # ------------------------------------------------------------ stats
 

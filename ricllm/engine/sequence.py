@@ -47,6 +47,7 @@ class Sequence:
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
     pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
     rejection: object = None  # ricllm.outputs.Rejection when admission refused it
+    degradation: object = None  # ricllm.outputs.Degradation when admission shrank max_tokens
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

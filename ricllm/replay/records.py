@@ -57,6 +57,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    granted_max_tokens: int | None = None  # set when admission's degrade policy shrank max_tokens
     met: bool | None = None
     client_met: bool | None = None
     text: str | None = None

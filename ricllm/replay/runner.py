@@ -299,7 +299,9 @@ def _fill_from_output(record, output, sent: float, first: float | None, done: fl
                   server_ttft_s=output.ttft_s, server_e2e_s=output.e2e_s,
                   client_ttft_s=None if first is None else first - sent,
                   prompt_tokens=len(output.prompt_token_ids), output_tokens=len(output.token_ids),
-                  cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text, **common)
+                  cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text,
+                  granted_max_tokens=output.degradation.granted_max_tokens if output.degradation else None,
+                  **common)
 
 
 def _fill_from_result(record, result, sent: float, first: float | None, done: float, t0: float) -> None:
@@ -310,7 +312,8 @@ def _fill_from_result(record, result, sent: float, first: float | None, done: fl
                   server_ttft_s=timings.ttft_s, server_e2e_s=timings.e2e_s, done_s=done - t0,
                   client_ttft_s=None if first is None else first - sent, client_e2e_s=done - sent,
                   prompt_tokens=result.num_prompt_tokens, output_tokens=len(result.token_ids),
-                  cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text)
+                  cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
+                  granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None)
 
 
 def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:

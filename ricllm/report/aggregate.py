@@ -2,7 +2,8 @@
 
 Definitions (``docs/replay.md`` says the same):
 
-- ``sent``: requests sent; ``admitted``: accepted by admission; ``rejected``: refused, by code.
+- ``sent``: requests sent; ``admitted``: accepted by admission; ``rejected``: refused, by code;
+  ``degraded``: admitted with a smaller ``max_tokens`` than asked (the opt-in degrade policy).
 - ``met``: completed and the engine says the deadline held (a request without a deadline counts
   as met when it completes); anything not completed is not met.
 - ``met_of_admitted = met / admitted``, ``met_of_sent = met / sent``; ``client_met_of_sent`` judges
@@ -48,6 +49,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
     prompt = sum(r.prompt_tokens or 0 for r in completed)
     summary: dict[str, Any] = {
         "sent": sent, "admitted": admitted, "rejected": statuses["rejected"],
+        "degraded": sum(1 for r in records if r.granted_max_tokens is not None),
         "rejected_by_reason": dict(sorted(Counter(r.rejection_code for r in records
                                                   if r.status == "rejected").items())),
         "completed": len(completed), "errors": statuses["error"], "interrupted": statuses["interrupted"],
@@ -126,8 +128,8 @@ def fmt_value(metric: str, value: Any) -> str:
 
 #: The rows of the per-class tables: (metric, label).
 TABLE_METRICS = (
-    ("sent", "sent"), ("admitted", "admitted"), ("rejected", "rejected"),
-    ("rejected_by_reason", "rejected by reason"), ("completed", "completed"),
+    ("sent", "sent"), ("admitted", "admitted"), ("degraded", "admitted with fewer tokens"),
+    ("rejected", "rejected"), ("rejected_by_reason", "rejected by reason"), ("completed", "completed"),
     ("interrupted", "interrupted"), ("met", "met"), ("met_of_admitted", "met % of admitted"),
     ("met_of_sent", "met % of sent"), ("client_met_of_sent", "met % of sent (client clock)"),
     ("goodput_rps", "goodput (met per s)"), ("p50_ttft_s", "TTFT p50"), ("p95_ttft_s", "TTFT p95"),

@@ -181,9 +181,12 @@ def _ms(seconds: float | None) -> str:
 def _timing_line(result: Any) -> str:
     t = result.timings
     deadline = "" if result.deadline_met is None else f"; deadline {'met' if result.deadline_met else 'MISSED'}"
+    d = result.degraded
+    degraded = "" if d is None else (f"; degraded: max_tokens {d.requested_max_tokens} -> {d.granted_max_tokens} "
+                                     f"({d.code})")
     return (f"[{result.num_prompt_tokens} prompt tokens ({result.num_cached_tokens} cached), "
             f"{len(result.token_ids)} generated, finish: {result.finish_reason}; queue {_ms(t.queue_s)}, "
-            f"TTFT {_ms(t.ttft_s)}, TPOT {_ms(t.tpot_s)}, total {_ms(t.e2e_s)}{deadline}]")
+            f"TTFT {_ms(t.ttft_s)}, TPOT {_ms(t.tpot_s)}, total {_ms(t.e2e_s)}{deadline}{degraded}]")
 
 
 def _register(client: Any, args: argparse.Namespace) -> int:

@@ -136,13 +136,26 @@ class PingRequest(_Message):
 
 # ------------------------------------------------------------------------------------ replies
 
+class Degraded(_Strict):
+    """Admission's ``degrade`` policy admitted the request with fewer tokens than it asked for:
+    ``code`` is the refusal this avoided, ``numbers`` that refusal's numbers at the asked length."""
+
+    code: RejectCode
+    requested_max_tokens: Annotated[int, Field(ge=1)]
+    granted_max_tokens: Annotated[int, Field(ge=1)]
+    message: str
+    numbers: dict[str, int | float] = Field(default_factory=dict)
+
+
 class Accepted(_Message):
-    """Non-final: the request passed admission. ``predicted_ms`` is the latency model's estimate."""
+    """Non-final: the request passed admission. ``predicted_ms`` is the latency model's estimate;
+    ``degraded`` is set when it was admitted with a smaller ``max_tokens`` (degrade policy)."""
 
     type: Literal["accepted"] = "accepted"
     id: RequestId
     predicted_ms: Seconds | None = None
     queue_position: Count | None = None
+    degraded: Degraded | None = None
 
 
 class Rejected(_Message):
@@ -186,6 +199,7 @@ class Result(_Message):
     finish_reason: FinishReason
     timings: Timings
     deadline_met: bool | None = None
+    degraded: Degraded | None = None  # as in ``accepted``: admitted with a smaller max_tokens
 
 
 class ErrorReply(_Message):

@@ -85,11 +85,16 @@ class _Refused(Exception):
     def __init__(self, code: str, message: str, numbers: dict[str, Any] | None = None, **more: Any) -> None:
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
-        self.numbers = {k: v for k, v in {**(numbers or {}), **more}.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        self.numbers = _wire_numbers({**(numbers or {}), **more})
 
     def reply(self, request_id: str) -> p.Rejected:
         return p.Rejected(id=request_id, code=self.code, message=self.message, numbers=self.numbers)
+
+
+def _wire_numbers(numbers: dict[str, Any]) -> dict[str, int | float]:
+    """The finite numbers of a refusal (the wire carries numbers only; the message names the rest)."""
+    return {k: v for k, v in numbers.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def _client(identity: bytes) -> str:
@@ -480,13 +485,14 @@ class _Worker:
         seq = self._add(request, token_ids, params, internal_id)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
             raise _Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
-        self.metrics.admission("admitted")
+        self.metrics.admission("degraded" if seq.degradation is not None else "admitted")
         holdback = max((len(s) for s in request.stop), default=1) - 1
         pending = _Pending(command, seq, internal_id, max(seq.arrival_time - command.received, 0.0), holdback)
         self._generates[command.key] = pending
         self._internal[internal_id] = pending
         self.outbox.put(command.identity, p.Accepted(id=request.id, predicted_ms=self._predicted_ms(pending),
-                                                     queue_position=self._queue_position(seq)))
+                                                     queue_position=self._queue_position(seq),
+                                                     degraded=_degraded(seq.degradation)))
 
     def _template(self, template_id: str | None, request_id: str) -> _Template | None:
         if template_id is None:
@@ -624,7 +630,8 @@ class _Worker:
         self.outbox.put(pending.command.identity, p.Result(
             id=pending.request.id, text=out.text, token_ids=out.token_ids,
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
-            finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met))
+            finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
+            degraded=_degraded(out.degradation)))
         if out.finish_reason == "cancelled":
             self.metrics.outcome("cancelled")
         else:
@@ -998,3 +1005,11 @@ def serve_forever(settings: ServeSettings) -> int:
         log.error("server_failed", error=f"{type(server.failure).__name__}: {server.failure}")
         return 1
     return 0
+
+
+def _degraded(degradation) -> p.Degraded | None:
+    if degradation is None:
+        return None
+    return p.Degraded(code=degradation.code, requested_max_tokens=degradation.requested_max_tokens,
+                      granted_max_tokens=degradation.granted_max_tokens, message=degradation.message,
+                      numbers=_wire_numbers(degradation.numbers))

@@ -257,6 +257,27 @@ def test_context_too_long_is_rejected(server):
     assert rejected.value.numbers["max_model_len"] == 512 and rejected.value.numbers["max_tokens"] == 600
 
 
+def test_degrade_admits_a_shorter_answer_and_says_so(start_server):
+    from ricllm.serve.keys import _timing_line
+
+    running = start_server(engine={"degrade": True})
+    dealer = Dealer(running.endpoint)
+    try:
+        dealer.send(generate("short", prompt="cell 17 overloaded", max_tokens=64, ignore_eos=True,
+                             deadline_ms=30.0, priority="near_rt"))
+        accepted, result = dealer.until_final("short", 30)
+    finally:
+        dealer.close()
+    degraded = accepted.degraded
+    assert degraded.code == "DEADLINE_INFEASIBLE" and degraded.requested_max_tokens == 64
+    assert 1 <= degraded.granted_max_tokens < 64 and degraded.message.startswith("max_tokens 64 -> ")
+    assert result.type == "result" and result.degraded == degraded
+    assert result.finish_reason == "length" and len(result.token_ids) == degraded.granted_max_tokens
+    assert f"degraded: max_tokens 64 -> {degraded.granted_max_tokens} (DEADLINE_INFEASIBLE)" in _timing_line(result)
+    samples = metric_values(running.http_url)
+    assert samples[("ricxapp_admissions_total", (("reason", "degraded"),))] == 1
+
+
 def test_bad_fields_are_validation_errors(server):
     dealer = Dealer(server.endpoint)
     try:
