@@ -2,12 +2,14 @@
 
 Two classes, half each: near-RT (500 ms deadline, 8-16 new tokens) and non-RT (4 s, 32-64).
 Loads of 0.5x, 1x, 2x and 4x the measured capacity; for each, the same arrivals go to the engine
-with admission ("deadline") and without ("fcfs": every request queues). Reports the share of
-admitted requests that meet their deadline, goodput (requests meeting their deadline per second,
-as `vllm bench serve --goodput` counts it), rejections by reason, the latency model's error and
-the admission decision time.
+with admission ("deadline", prefill paced for running decodes), with admission but unpaced
+prefill ("unpaced"), optionally with the degrade policy ("degrade"), and without admission
+("fcfs": every request queues). Reports the share of admitted requests that meet their deadline,
+goodput (requests meeting their deadline per second, as `vllm bench serve --goodput` counts it),
+rejections by reason, the p99 time per output token of admitted requests, the latency model's
+error and the admission decision time.
 
-    python benchmarks/bench_admission.py [--seconds 20] [--loads 0.5 1 2 4]
+    python benchmarks/bench_admission.py [--seconds 20] [--loads 0.5 1 2 4] [--policies deadline unpaced fcfs]
 """
 
 from __future__ import annotations
@@ -105,8 +107,11 @@ def summarize(outputs, duration: float, engine: LLMEngine, decision_times: list[
             reasons[o.rejection.code] = reasons.get(o.rejection.code, 0) + 1
     errors = engine.admission.latency.error_summary() if engine.admission else {}
     decisions = sorted(decision_times)
+    tpots = sorted(o.tpot_s for o in admitted if o.tpot_s is not None)
     return {
         "sent": len(outputs), "admitted": len(admitted), "met": len(met),
+        "degraded": sum(1 for o in admitted if o.degradation is not None),
+        "tpot_p99_ms": tpots[int(0.99 * (len(tpots) - 1))] * 1000 if tpots else None,
         "met_of_admitted": len(met) / len(admitted) if admitted else float("nan"),
         "goodput": len(met) / duration, "rejected": reasons,
         "model_median_err": errors.get("median_abs_error"), "model_p95_err": errors.get("p95_abs_error"),
@@ -136,38 +141,46 @@ def decision_p99_at_full_batch(engine: LLMEngine, trials: int = 400, seed: int =
     return admitted, times[int(0.99 * (len(times) - 1))] * 1000
 
 
+POLICIES = {  # name -> EngineConfig settings
+    "deadline": dict(admission="deadline"),
+    "unpaced": dict(admission="deadline", pace_prefill=False),
+    "degrade": dict(admission="deadline", degrade=True),
+    "fcfs": dict(admission="fcfs", max_queue=10**9),  # unbounded queue: a plain serving loop
+}
+
+
 def engine_for(policy: str, fit: str | None) -> LLMEngine:
-    """FCFS gets an unbounded queue: it is the engine as a plain serving loop, without admission."""
-    return LLMEngine(EngineConfig(admission=policy, kv_cache_budget="256MiB", max_num_seqs=64, latency_fit=fit,
-                                  max_queue=10**9 if policy == "fcfs" else 256))
+    settings = dict(kv_cache_budget="256MiB", max_num_seqs=64, latency_fit=fit, max_queue=256)
+    return LLMEngine(EngineConfig(**{**settings, **POLICIES[policy]}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=20.0, help="arrival window per load (s)")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["deadline", "unpaced", "fcfs"],
+                        help="engines run on the same arrivals (default: deadline unpaced fcfs)")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    deadline_engine = engine_for("deadline", None)  # calibrates once (cached on disk)
-    capacity = measure_capacity(deadline_engine)
+    capacity = measure_capacity(engine_for("deadline", None))  # calibrates once (cached on disk)
     rows = []
     for load in args.loads:
-        for policy in ("deadline", "fcfs"):
-            engine = deadline_engine if policy == "deadline" else engine_for("fcfs", None)
-            result = run_load(engine, capacity * load, args.seconds, seed=int(load * 100))
+        for policy in args.policies:  # a fresh engine each run: fresh counters, same cached fit
+            result = run_load(engine_for(policy, None), capacity * load, args.seconds, seed=int(load * 100))
             rows.append({"load": load, "policy": policy, **result})
-            if policy == "deadline":
-                deadline_engine = engine_for("deadline", None)  # fresh counters, same cached fit
     lines = [f"capacity (saturated, mixed classes): {capacity:.2f} requests/s", "",
-             "| load | policy | sent | admitted | met / admitted | goodput (req/s) | rejected | "
-             "model err p50 / p95 | decision p99 (ms) |", "|---:|---|---:|---:|---:|---:|---|---|---:|"]
+             "| load | policy | sent | admitted | degraded | met / admitted | goodput (req/s) | rejected | "
+             "TPOT p99 (ms) | model err p50 / p95 | decision p99 (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|"]
     for r in rows:
         err = (f"{r['model_median_err']:.1%} / {r['model_p95_err']:.1%}"
                if r["model_median_err"] is not None else "-")
         decision = f"{r['decision_p99_ms']:.3f}" if r["decision_p99_ms"] is not None else "-"
-        lines.append(f"| {r['load']}x | {r['policy']} | {r['sent']} | {r['admitted']} | {r['met_of_admitted']:.1%} | "
-                     f"{r['goodput']:.2f} | {r['rejected'] or '-'} | {err} | {decision} |")
+        tpot = f"{r['tpot_p99_ms']:.1f}" if r["tpot_p99_ms"] is not None else "-"
+        lines.append(f"| {r['load']}x | {r['policy']} | {r['sent']} | {r['admitted']} | {r['degraded']} | "
+                     f"{r['met_of_admitted']:.1%} | {r['goodput']:.2f} | {r['rejected'] or '-'} | {tpot} | {err} | "
+                     f"{decision} |")
     admitted, p99 = decision_p99_at_full_batch(engine_for("deadline", None))
     lines.append(f"\ndecision p99 with {admitted} requests admitted (and a 64-seat batch): {p99:.3f} ms")
     by = {(r["load"], r["policy"]): r for r in rows}
