@@ -63,9 +63,10 @@ def measure_capacity(engine: LLMEngine, min_done: int = 96, max_seconds: float =
     return rate
 
 
-def run_load(engine: LLMEngine, rate: float, seconds: float, seed: int) -> dict:
+def run_load(policy: str, rate: float, seconds: float, seed: int) -> dict:
     rng = random.Random(seed)
-    worker = EngineThread(engine)
+    worker = engine_thread(policy)
+    engine = worker.engine
     arrivals, t = [], 0.0
     while t < seconds:
         t += rng.expovariate(rate)
@@ -149,9 +150,19 @@ POLICIES = {  # name -> EngineConfig settings
 }
 
 
-def engine_for(policy: str, fit: str | None) -> LLMEngine:
-    settings = dict(kv_cache_budget="256MiB", max_num_seqs=64, latency_fit=fit, max_queue=256)
-    return LLMEngine(EngineConfig(**{**settings, **POLICIES[policy]}))
+def engine_thread(policy: str) -> EngineThread:
+    """The engine is built and run on one thread (two OpenMP pools would slow every step)."""
+    settings = dict(kv_cache_budget="256MiB", max_num_seqs=64, max_queue=256)
+    return EngineThread(EngineConfig(**{**settings, **POLICIES[policy]}))
+
+
+def on_engine_thread(policy: str, task):
+    """``task(engine)`` on a fresh engine's own thread."""
+    worker = engine_thread(policy)
+    try:
+        return worker.call(task).result()
+    finally:
+        worker.stop()
 
 
 def main() -> None:
@@ -163,11 +174,11 @@ def main() -> None:
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    capacity = measure_capacity(engine_for("deadline", None))  # calibrates once (cached on disk)
+    capacity = on_engine_thread("deadline", measure_capacity)  # calibrates once (cached on disk)
     rows = []
     for load in args.loads:
         for policy in args.policies:  # a fresh engine each run: fresh counters, same cached fit
-            result = run_load(engine_for(policy, None), capacity * load, args.seconds, seed=int(load * 100))
+            result = run_load(policy, capacity * load, args.seconds, seed=int(load * 100))
             rows.append({"load": load, "policy": policy, **result})
     lines = [f"capacity (saturated, mixed classes): {capacity:.2f} requests/s", "",
              "| load | policy | sent | admitted | degraded | met / admitted | goodput (req/s) | rejected | "
@@ -181,7 +192,7 @@ def main() -> None:
         lines.append(f"| {r['load']}x | {r['policy']} | {r['sent']} | {r['admitted']} | {r['degraded']} | "
                      f"{r['met_of_admitted']:.1%} | {r['goodput']:.2f} | {r['rejected'] or '-'} | {tpot} | {err} | "
                      f"{decision} |")
-    admitted, p99 = decision_p99_at_full_batch(engine_for("deadline", None))
+    admitted, p99 = on_engine_thread("deadline", decision_p99_at_full_batch)
     lines.append(f"\ndecision p99 with {admitted} requests admitted (and a 64-seat batch): {p99:.3f} ms")
     by = {(r["load"], r["policy"]): r for r in rows}
     if (2, "deadline") in by and (2, "fcfs") in by and by[(2, "fcfs")]["goodput"] > 0:

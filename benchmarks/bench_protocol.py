@@ -65,7 +65,7 @@ def in_process(config, loads: list[tuple[int, int]]) -> list[tuple[list[float], 
     from ricllm.engine.llm_engine import LLMEngine
     from ricllm.sampling_params import SamplingParams
 
-    worker = EngineThread(LLMEngine(config))
+    worker = EngineThread(lambda: LLMEngine(config))  # built on its own thread, as the server's
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     worker.submit(PROMPT, params).result()  # warm-up
     results = [run_clients(clients, requests, lambda c, i: worker.submit(PROMPT, params).result())

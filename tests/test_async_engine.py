@@ -27,7 +27,7 @@ def offline(tiny_gguf, prompts):
 
 
 def test_concurrent_asyncio_requests_match_offline_generate(tiny_gguf, prompts, offline):
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32")))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32"))
 
     async def main():
         outs = await asyncio.gather(*(engine.generate(p, PARAMS) for p in prompts))
@@ -52,7 +52,7 @@ def test_stream_yields_deltas_then_the_output(tiny_gguf, prompts, offline):
 
 
 def test_thread_calls_and_malformed_requests(tiny_gguf):
-    worker = EngineThread(LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32")))
+    worker = EngineThread(EngineConfig(model=str(tiny_gguf), dtype="float32"))
     assert worker.call(lambda engine: engine.kv_cache_stats()["used_blocks"]).result(timeout=30) == 0
     bad = worker.submit([], PARAMS)
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
@@ -60,3 +60,25 @@ def test_thread_calls_and_malformed_requests(tiny_gguf):
     good = [worker.submit([5, 6, 7], PARAMS) for _ in range(3)]
     worker.stop(timeout=60)  # drains: every queued request finishes
     assert all(f.done() and len(f.result().token_ids) == 12 for f in good)
+
+
+def test_the_engine_is_built_on_its_thread_and_build_errors_reach_the_caller(tiny_gguf, tmp_path):
+    from ricllm.errors import RicllmError
+
+    worker = EngineThread(lambda: LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32")))
+    assert worker.engine._built_on == worker._thread.ident
+    worker.stop(timeout=60)
+    with pytest.raises(RicllmError, match="missing.gguf"):
+        EngineThread(EngineConfig(model=str(tmp_path / "missing.gguf")))
+
+
+def test_stepping_off_the_build_thread_while_it_lives_is_logged_once(tiny_gguf):
+    from structlog.testing import capture_logs
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32"))  # built here, on the test's thread
+    with capture_logs() as logs:
+        worker = EngineThread(engine)
+        [worker.submit([5, 6, 7], PARAMS) for _ in range(2)]
+        worker.stop(timeout=60)
+    warnings = [e for e in logs if e["event"] == "engine_stepped_off_its_build_thread"]
+    assert len(warnings) == 1 and "EngineThread(EngineConfig" in warnings[0]["fix"]

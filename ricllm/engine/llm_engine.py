@@ -8,6 +8,7 @@ this same loop.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class LLMEngine:
         started = time.perf_counter()
         self.config = config
         self.clock = clock
+        self._built_on = self._stepping_on = threading.get_ident()
         self.threads = config.apply_threads()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
@@ -252,6 +254,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the requests that finished (rejected ones included)."""
+        if threading.get_ident() != self._stepping_on:
+            self._check_stepping_thread()
         finished, self._rejected = self._rejected, []
         now = self.clock()
         if self.admission is not None and self.admission.config.abort_late:
@@ -279,6 +283,16 @@ class LLMEngine:
             if reason is not None:
                 finished.append(self._finish(seq, reason, now))
         return finished
+
+    def _check_stepping_thread(self) -> None:
+        """Warn (once per thread) when steps run on a thread other than the engine's building one
+        while that one lives: two OpenMP pools on few cores make every step slow (``async_engine``)."""
+        self._stepping_on = threading.get_ident()
+        if any(t.ident == self._built_on for t in threading.enumerate()):
+            log.warning("engine_stepped_off_its_build_thread", built_on=self._built_on, stepping_on=self._stepping_on,
+                        why="two OpenMP worker pools: each parallel region sleeps and wakes its workers, "
+                            "steps run up to 3x slower on few cores",
+                        fix="build the engine on the thread that steps it: EngineThread(EngineConfig(...))")
 
     def _record_step(self, features: StepFeatures, duration_s: float) -> None:
         self.step_history.append(StepRecord(features, duration_s))

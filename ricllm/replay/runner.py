@@ -45,12 +45,13 @@ class InProcessBackend:
         self.sampler = _EngineSampler()
 
     async def start(self, plan: list, templates: dict[str, str]) -> dict[str, dict]:
-        """Load the engine (off the event loop), pin each template, and tokenize every prompt now."""
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, self._load)
+        """Load the engine on its own thread (off the event loop), pin each template, and tokenize
+        every prompt now."""
         from ricllm.engine.async_engine import EngineThread
 
-        self.thread = EngineThread(engine)
+        loop = asyncio.get_running_loop()
+        self.thread = await loop.run_in_executor(None, EngineThread, self._load)
+        engine = self.thread.engine
         pinned = {}
         for name, text in templates.items():
             pinned[name] = await _await(self.thread.call(lambda e, t=text: _pin_template(e, t)))
