@@ -2,7 +2,8 @@
 
 ``torch`` is the reference and runs anywhere; ``cpu`` is a C kernel (``ricllm.kernels``,
 built on first use) that reads K/V in place through the block tables in decode steps and small
-prefill steps (large ones keep SDPA, which is faster where the work is compute-bound); ``triton`` and ``cuda`` use
+prefill steps (large prefills keep SDPA, which is faster where the work is compute-bound, while
+the decodes beside them stay in the C kernel); ``triton`` and ``cuda`` use
 the GPU decode kernels for decode-only steps and the reference (SDPA over the gathered cache)
 for prefill.
 """
@@ -17,16 +18,18 @@ from ricllm.errors import ConfigError
 from ricllm.logging import get_logger
 
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
-# A step with prefill this small (rows, and Σ query × context) attends in the CPU kernel too:
-# SDPA's setup outweighs its speed there, and the step can then run as one C call
-# (``ricllm.kernels.cpu_decoder``). Above it SDPA's tiled kernel is about twice as fast.
+# A step whose prefill part is this small (its rows, and Σ query × context over its sequences)
+# attends wholly in the CPU kernel: SDPA's setup outweighs its speed there, and the step can then
+# run as one C call (``ricllm.kernels.cpu_decoder``), however many decodes ride along. Above it
+# SDPA's tiled kernel is about twice as fast on the prefill sequences.
 C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK = 64, 64 * 512
 
 
-def c_kernel_attends(meta: AttentionMetadata, rows: int) -> bool:
-    """Whether the ``cpu`` backend attends in its C kernel for this step (else SDPA)."""
-    return meta.is_decode_only or (rows <= C_KERNEL_PREFILL_ROWS
-                                   and meta.query_context_products <= C_KERNEL_PREFILL_WORK)
+def c_kernel_attends(meta: AttentionMetadata) -> bool:
+    """Whether the ``cpu`` backend attends in its C kernel for all of this step (else it splits:
+    SDPA for the prefill sequences, the C kernel for the decodes)."""
+    return meta.is_decode_only or (meta.prefill_rows <= C_KERNEL_PREFILL_ROWS
+                                   and meta.prefill_products <= C_KERNEL_PREFILL_WORK)
 log = get_logger("ricllm.attention")
 
 
@@ -62,10 +65,21 @@ class CpuKernelAttention:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
-        if not c_kernel_attends(meta, q.shape[0]):
+        if c_kernel_attends(meta):
+            # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
+            return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                                scale)
+        split = meta.scratch.get("decode_prefill_split")
+        if split is None:
+            split = meta.scratch["decode_prefill_split"] = meta.split_decodes()
+        if split is None:  # no decodes beside the prefill: SDPA for all
             return reference.paged_attention(q, k_cache, v_cache, meta, scale)
-        # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
-        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale)
+        (decode_rows, decode_meta), (prefill_rows, prefill_meta) = split
+        out = torch.empty_like(q)
+        out[decode_rows] = self._attend(q[decode_rows], k_cache, v_cache, decode_meta.block_tables,
+                                        decode_meta.query_start_loc, decode_meta.context_lens, scale)
+        out[prefill_rows] = reference.paged_attention(q[prefill_rows], k_cache, v_cache, prefill_meta, scale)
+        return out
 
 
 class KernelAttention:

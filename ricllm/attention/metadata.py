@@ -32,7 +32,9 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     has_padding: bool = False  # some slot_mapping entries are -1 (CUDA-graph style padded batches)
-    query_context_products: int = 0  # Σ query length × context length: the step's attention work
+    # the prefill part of the step: sequences with more than one query row (decodes have one)
+    prefill_rows: int = 0  # Σ their query lengths
+    prefill_products: int = 0  # Σ their query length × context length: the attention work of prefill
     # Derived tensors memoized by backends for reuse across layers (gather indices, masks).
     scratch: dict = field(default_factory=dict, repr=False)
 
@@ -43,3 +45,30 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def split_decodes(self) -> tuple[tuple[torch.Tensor, "AttentionMetadata"], tuple[torch.Tensor, "AttentionMetadata"]] | None:
+        """``((decode rows, their metadata), (prefill rows, theirs))``, or None when the step is not
+        a mix: a backend can then attend the two parts with different kernels. Rows index the flat
+        batch; each part's metadata describes its sequences alone (no slot mapping: K/V is stored)."""
+        starts = self.query_start_loc.tolist()
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
+        single = [i for i, n in enumerate(lengths) if n == 1]
+        if not single or len(single) == len(lengths):
+            return None
+        multi = [i for i, n in enumerate(lengths) if n > 1]
+        return self._part(single, starts, lengths), self._part(multi, starts, lengths)
+
+    def _part(self, seqs: list[int], starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, "AttentionMetadata"]:
+        device = self.query_start_loc.device
+        rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i] + lengths[i])], device=device)
+        index = torch.tensor(seqs, device=device)
+        part_starts = [0]
+        for i in seqs:
+            part_starts.append(part_starts[-1] + lengths[i])
+        context_lens = self.context_lens.index_select(0, index).contiguous()
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.new_empty(0),
+            query_start_loc=torch.tensor(part_starts, dtype=self.query_start_loc.dtype, device=device),
+            context_lens=context_lens, block_tables=self.block_tables.index_select(0, index).contiguous(),
+            max_query_len=max(lengths[i] for i in seqs), max_context_len=int(context_lens.max()))
+        return rows, meta

@@ -1,7 +1,8 @@
 """Calibrate the step-latency model by a short profiling sweep, and cache the fit on disk.
 
-The sweep runs real steps of the loaded engine: prefill-only steps of several sizes and decode
-steps at several batch sizes and contexts, then fits ``LatencyModel``. The fit depends on the
+The sweep runs real steps of the loaded engine: prefill-only steps of several sizes, decode
+steps at several batch sizes and contexts, and prompts joining a running decode batch (mixed
+steps), then fits ``LatencyModel``. The fit depends on the
 model file, dtype, weight format, attention backend, device, thread count and ricllm version,
 which together key the cache file, so a second start pays nothing.
 """
@@ -24,10 +25,11 @@ from ricllm.sampling_params import SamplingParams
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 5  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 6  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
+MIXED = ((16, 48), (16, 96), (16, 400))  # (decoding sequences of 64 tokens, length of the prompt that joins)
 
 
 def fit_key(engine) -> dict:
@@ -105,18 +107,27 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(1234)
     vocab = engine.spec.vocab_size
-    shapes = [s for s in [(1, n, 1) for n in PREFILL_LENGTHS if n <= engine.config.max_num_batched_tokens]
-              + [(b, ctx, 8) for ctx in DECODE_CONTEXTS for b in DECODE_BATCHES if b <= engine.config.max_num_seqs]
+    budget = engine.config.max_num_batched_tokens
+    shapes = [s for s in [(1, n, 1, 0) for n in PREFILL_LENGTHS if n <= budget]
+              + [(b, ctx, 8, 0) for ctx in DECODE_CONTEXTS for b in DECODE_BATCHES if b <= engine.config.max_num_seqs]
+              + [(b, 64, 12, n) for b, n in MIXED if b < engine.config.max_num_seqs and n <= budget]
               if _fits(engine, *s)]
     samples = []
     _warm_up(engine, generator, vocab)
-    for batch, length, new_tokens in tqdm(shapes, desc="calibrating latency model", unit="shape", disable=None):
+
+    def prompt(length: int) -> list[int]:
+        return torch.randint(10, vocab - 10, (length,), generator=generator).tolist()
+
+    for batch, length, new_tokens, joining in tqdm(shapes, desc="calibrating latency model", unit="shape",
+                                                   disable=None):
         if time.perf_counter() - started > budget_s * 0.75:
             break
         engine.step_history.clear()
         for _ in range(batch):
-            prompt = torch.randint(10, vocab - 10, (length,), generator=generator).tolist()
-            engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+            engine.add_request(prompt(length), SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        if joining:  # once the batch decodes, a prompt joins it: steps that mix prefill and decodes
+            engine.step()
+            engine.add_request(prompt(joining), SamplingParams(max_tokens=1, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
@@ -136,10 +147,11 @@ def _warm_up(engine, generator: torch.Generator, vocab: int) -> None:
         engine.step()
 
 
-def _fits(engine, batch: int, length: int, new_tokens: int) -> bool:
+def _fits(engine, batch: int, length: int, new_tokens: int, joining: int = 0) -> bool:
     """The shape runs without preemption: inside the context and, all at once, inside the pool."""
-    blocks = engine.cache.blocks_for_tokens(length + new_tokens) * batch
-    return length + new_tokens <= engine.max_model_len and blocks <= engine.kv_cache.geometry.num_blocks
+    blocks = engine.cache.blocks_for_tokens(length + new_tokens) * batch + engine.cache.blocks_for_tokens(joining + 1)
+    longest = max(length + new_tokens, joining + 1)
+    return longest <= engine.max_model_len and blocks <= engine.kv_cache.geometry.num_blocks
 
 
 def _reset_counters(engine) -> None:

@@ -33,9 +33,10 @@ FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "pre
 
 
 def runs_op_by_op(f: StepFeatures) -> bool:
-    """A step with prefill beyond what the CPU attention kernel takes (``c_kernel_attends``)."""
-    rows = f.num_prefill_tokens + f.num_decode_seqs
-    return f.num_prefill_tokens > 0 and (rows > C_KERNEL_PREFILL_ROWS or f.prefill_attention > C_KERNEL_PREFILL_WORK)
+    """A step with prefill beyond what the CPU attention kernel takes (``c_kernel_attends``; a
+    one-token prefill chunk counts as prefill here and as a decode row there)."""
+    return f.num_prefill_tokens > 0 and (f.num_prefill_tokens > C_KERNEL_PREFILL_ROWS
+                                         or f.prefill_attention > C_KERNEL_PREFILL_WORK)
 
 
 def feature_vector(f: StepFeatures) -> np.ndarray:

@@ -42,7 +42,8 @@ class ModelRunner:
             block_tables=self._block_tables([seq for seq, _ in batch.items]),
             max_query_len=max(n for _, n in batch.items),
             max_context_len=max(context_lens),
-            query_context_products=sum(n * length for (_, n), length in zip(batch.items, context_lens)),
+            prefill_rows=sum(n for _, n in batch.items if n > 1),
+            prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1),
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, logits_rows
 

@@ -96,3 +96,22 @@ def test_fp16_cache_is_refused(kernel):
     query, k_cache, v_cache, meta = make_case([1], [10], dtype=torch.float16)
     with pytest.raises(ValueError, match="bf16 or fp32 caches"):
         kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_prefill_beside_decodes_splits_sdpa_and_the_kernel(kernel, dtype):
+    """Decodes stay in the C kernel while a prefill too large for it goes to SDPA: same result."""
+    from ricllm.attention.backends import C_KERNEL_PREFILL_ROWS, CpuKernelAttention, c_kernel_attends
+
+    q_lens, ctx = [1, 1, 90, 1, 70, 1], [40, 301, 150, 7, 70, 512]
+    query, k_cache, v_cache, meta = make_case(q_lens, ctx, dtype=dtype, n_heads=9, n_kv=3)
+    meta.prefill_rows, meta.prefill_products = 160, 90 * 150 + 70 * 70
+    assert meta.prefill_rows > C_KERNEL_PREFILL_ROWS and not c_kernel_attends(meta)
+    (decode_rows, decode_meta), (prefill_rows, prefill_meta) = meta.split_decodes()
+    assert decode_rows.tolist() == [0, 1, 92, 163] and prefill_meta.max_query_len == 90
+    expected = paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    got = CpuKernelAttention(dtype).attend(query, k_cache, v_cache, meta, 0.125)
+    err = (got.float() - expected).abs().max().item()
+    assert err < TOLERANCE[dtype], f"max abs error {err:.2e}"
+    meta.prefill_rows = meta.prefill_products = 10  # small prefill: all in the kernel
+    assert c_kernel_attends(meta)

@@ -106,3 +106,31 @@ def test_small_prefills_run_on_the_stack_and_large_ones_per_op(tiny_q4_1):
     stack_rows.clear()
     llm.generate([long], SamplingParams(max_tokens=2, ignore_eos=True))
     assert stack_rows == [1]  # the 74-token prefill ran op by op (SDPA attention)
+
+
+def test_a_prompt_joining_running_decodes_stays_on_the_stack_bit_for_bit(tiny_q4_1):
+    """Decode rows do not count against the stack's prefill limit: 3 decodes + a 62-token prompt
+    (65 rows) run as one C call, with the per-op path's logits."""
+    need_kernels("int4")
+    from ricllm.attention.backends import C_KERNEL_PREFILL_ROWS
+
+    def mixed_run(stack: bool):
+        llm = engine(tiny_q4_1, "int4", stack=stack, enable_prefix_caching=False)
+        rows = count_stack_calls(llm) if stack else []
+        vocab = llm.engine.spec.vocab_size
+        first, late = random_prompts(vocab, (5, 7, 9), seed=8), random_prompts(vocab, (62,), seed=9)[0]
+        recorder = LogitsRecorder(llm.engine)
+        for p in first:
+            llm.engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+        llm.engine.step()  # the three prefills
+        llm.engine.add_request(late, SamplingParams(max_tokens=3, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return rows, recorder
+
+    rows, fast = mixed_run(stack=True)
+    _, slow = mixed_run(stack=False)
+    assert 3 + 62 in rows and 3 + 62 > C_KERNEL_PREFILL_ROWS
+    for request_id in ("0", "1", "2", "3"):
+        (positions, ours), (theirs_positions, theirs) = fast.stacked(request_id), slow.stacked(request_id)
+        assert positions == theirs_positions and torch.equal(ours, theirs)
