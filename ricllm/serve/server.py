@@ -428,7 +428,9 @@ class _Worker:
         """Commands, then one step, until drained: no work, nothing queued, and draining."""
         engine = self.engine
         while True:
-            for command in self._take(block=not engine.has_unfinished()):
+            was_idle = not engine.has_unfinished()
+            commands = self._take(block=was_idle)
+            for command in commands:
                 self._dispatch(command)
             self._enforce_drain_deadline()
             if engine.has_unfinished():
@@ -436,9 +438,10 @@ class _Worker:
             elif self.server._draining.is_set() and self.server._inbound.empty():
                 self._publish(force=True)
                 return
-            self.outbox.wake()  # replies first: the snapshot below must not delay them
-            # going idle: publish now, or the metrics would show the last busy state until a command comes
-            self._publish(force=not engine.has_unfinished())
+            self.outbox.wake()
+            # idle through a whole wait: publish, or the metrics would show the last busy state until
+            # a command comes (not at once on going idle: the replies of the last step go out first)
+            self._publish(force=was_idle and not commands)
 
     def _take(self, block: bool) -> list[Command]:
         commands = []
@@ -593,15 +596,20 @@ class _Worker:
     # -- after a step
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
+        """Replies first, woken at once; then each finished request's metrics and log event."""
+        completed = []
         for out in outputs:
             item = self._internal.pop(out.request_id, None)
             if isinstance(item, _Pending):
-                self._complete(item, out)
+                completed.append((item, out, self._send_result(item, out)))
             elif isinstance(item, _Template):
                 self._pinned(item)
         for pending in self._generates.values():
             if pending.request.stream:
                 self._stream(pending, final=False)
+        self.outbox.wake()
+        for pending, out, timings in completed:
+            self._account(pending, out, timings)
 
     def _stream(self, pending: _Pending, final: bool) -> None:
         """A ``token`` per new output token; the text since the last one rides on the newest.
@@ -622,6 +630,9 @@ class _Worker:
 
     def _complete(self, pending: _Pending, out: RequestOutput) -> None:
         """The final ``result`` (after any last tokens), its metrics and its one log event."""
+        self._account(pending, out, self._send_result(pending, out))
+
+    def _send_result(self, pending: _Pending, out: RequestOutput) -> p.Timings:
         self._generates.pop(pending.command.key, None)
         self._internal.pop(pending.internal_id, None)
         if pending.request.stream:
@@ -632,6 +643,9 @@ class _Worker:
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
             finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
             degraded=_degraded(out.degradation)))
+        return timings
+
+    def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
         if out.finish_reason == "cancelled":
             self.metrics.outcome("cancelled")
         else:
