@@ -690,7 +690,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
     process = subprocess.Popen(
         [sys.executable, "-m", "ricllm.cli", "serve", "--zmq", endpoint, "--http-port", str(port), "--model",
          str(tiny_gguf), "--latency-fit", str(latency_fit), "--kv-cache-budget", "4MiB", "--threads", "2",
-         "--log-json"],
+         "--max-num-seqs", "1", "--log-json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "CONFIG_FILE"})
     ready_url = f"http://127.0.0.1:{port}/ric/v1/health/ready"
@@ -699,8 +699,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
         assert process.poll() is None
         dealer = Dealer(endpoint)
         ids = [f"drain-{i}" for i in range(4)]
-        # Long enough (4 x 400 decode steps) that the drain outlasts the probe loop by a wide margin
-        # however fast the machine decodes; 40 tokens once finished before the probe saw the 503.
+        # Long enough (4 x 400 decode steps, one request at a time) that the drain outlasts the probe
+        # loop and the late request by a wide margin however fast the machine decodes: 40 tokens once
+        # finished before the probe saw the 503, and 4 x 400 batched once drained before "late" came.
         for rid in ids:
             dealer.send(generate(rid, prompt=f"{rid} keeps talking", max_tokens=400, ignore_eos=True,
                                  **({"deadline_ms": 60_000.0} if rid.endswith("0") else {})))
