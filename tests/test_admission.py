@@ -374,6 +374,7 @@ def test_pace_cap_is_the_largest_prefill_within_the_tightest_pace(tiny_gguf):
     pace = (seq.deadline - clock.now) / 10
     step = lambda p: true_step_time(StepFeatures(p, 1, seq.num_computed_tokens + 1 + p, p * p))  # noqa: E731
     assert step(cap) <= pace < step(cap + 1)
+    assert gate.stats()["paced_steps"] == 1
     gate.config.pace_prefill = False
     assert gate.prefill_token_cap(clock.now, [seq], first, 512) == 512
 

@@ -105,6 +105,7 @@ class AdmissionController:
         self.admitted: dict[str, Sequence] = {}  # deadline requests not yet finished
         self.reserved_blocks = 0
         self.counts: dict[str, int] = {"admitted": 0}
+        self.paced_steps = 0  # steps whose prefill the pace cap shortened
 
     # ------------------------------------------------------------ decision
 
@@ -244,7 +245,7 @@ class AdmissionController:
     def stats(self) -> dict:
         rejected = {k: v for k, v in self.counts.items() if k not in ("admitted", "degraded")}
         return {"policy": self.config.policy, "admitted": self.counts["admitted"], "rejected": rejected,
-                "degraded": self.counts.get("degraded", 0),
+                "degraded": self.counts.get("degraded", 0), "paced_steps": self.paced_steps,
                 "reserved_blocks": self.reserved_blocks, "promised_in_flight": len(self.admitted),
                 "latency_model": {"coefficients": self.latency.coefficients, "correction": self.latency.correction,
                                   **self.latency.error_summary()}}
@@ -282,7 +283,9 @@ class AdmissionController:
         cap = self._largest_prefill_within(target_s, decodes, first_prefill, budget)
         if cap >= budget:
             return budget
-        return max(cap, self._smallest_chunk_keeping_promises(now, best_effort_running, cap, budget))
+        cap = max(cap, self._smallest_chunk_keeping_promises(now, best_effort_running, cap, budget))
+        self.paced_steps += cap < budget
+        return cap
 
     def _largest_prefill_within(self, target_s: float, decodes: list[Sequence], first: Sequence, budget: int) -> int:
         """Binary search: predicted step time grows with the prefill tokens it carries."""
