@@ -431,6 +431,15 @@ def test_health_and_metrics(server):
     assert now[("ricxapp_latency_model_median_abs_error", ())] >= 0
 
 
+def test_the_engine_is_built_and_stepped_on_the_engine_thread(server):
+    """One thread builds and steps the engine: a second OpenMP pool would slow every step (async_engine)."""
+    with RicClient(server.endpoint, timeout_s=30) as client:
+        client.generate("hello", max_tokens=2, ignore_eos=True)
+    engine_thread = next(t for t in server.server._threads if t.name == "ricllm-engine")
+    engine = server.server._worker.engine
+    assert engine._built_on == engine._stepping_on == engine_thread.ident
+
+
 def test_ready_only_after_the_model_is_loaded(start_server, monkeypatch):
     from ricllm.serve import server as server_module
 
