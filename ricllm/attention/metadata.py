@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+Part = tuple[torch.Tensor, "AttentionMetadata"]  # rows of the flat batch, and metadata of their sequences
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step tensors shared by every layer (built once by the model runner).
@@ -46,7 +49,7 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
-    def split_decodes(self) -> tuple[tuple[torch.Tensor, "AttentionMetadata"], tuple[torch.Tensor, "AttentionMetadata"]] | None:
+    def split_decodes(self) -> tuple[Part, Part] | None:
         """``((decode rows, their metadata), (prefill rows, theirs))``, or None when the step is not
         a mix: a backend can then attend the two parts with different kernels. Rows index the flat
         batch; each part's metadata describes its sequences alone (no slot mapping: K/V is stored)."""
@@ -58,7 +61,7 @@ class AttentionMetadata:
         multi = [i for i, n in enumerate(lengths) if n > 1]
         return self._part(single, starts, lengths), self._part(multi, starts, lengths)
 
-    def _part(self, seqs: list[int], starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, "AttentionMetadata"]:
+    def _part(self, seqs: list[int], starts: list[int], lengths: list[int]) -> Part:
         device = self.query_start_loc.device
         rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i] + lengths[i])], device=device)
         index = torch.tensor(seqs, device=device)

@@ -38,14 +38,14 @@ class EngineThread:
     thread (returns once it is built; a build error is raised here), or an engine built elsewhere."""
 
     def __init__(self, source: EngineSource):
-        self.engine: LLMEngine | None = source if isinstance(source, LLMEngine) else None
+        self.engine: LLMEngine | None = None  # set on the engine thread, before its loop starts
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, tuple[Future, TokenCallback | None]] = {}
         self._stopping = threading.Event()
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(source, built), name="ricllm-engine", daemon=True)
         self._thread.start()
-        self.engine = built.result()
+        built.result()  # waits for the build; re-raises its error here
 
     def _run(self, source: EngineSource, built: Future) -> None:
         try:
@@ -55,7 +55,7 @@ class EngineThread:
             built.set_exception(exc)
             return
         self.engine = engine
-        built.set_result(engine)
+        built.set_result(None)
         self._loop()
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

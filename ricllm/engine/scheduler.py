@@ -4,12 +4,12 @@ Each step has a token budget (``max_num_batched_tokens``) shared by decode token
 running sequence, served first so no running sequence skips a step) and prefill chunks (a long
 prompt is split over several steps), in priority order: earliest deadline first, then
 best-effort requests first come first served. With admission, the prefill part is further
-capped so running deadline decodes keep their pace (``AdmissionController.prefill_token_cap``). When the pool cannot give a sequence its next
-block, best-effort sequences are preempted newest first (their blocks freed, to be recomputed
-later, mostly from the prefix cache); with admission on, a promised (deadline) sequence is never
-preempted, because admission reserved its worst case. Nothing is ever allocated beyond the pool,
-and since every request was checked to fit the pool alone, the oldest running sequence can
-always progress: no deadlock.
+capped so running deadline decodes keep their pace (``AdmissionController.prefill_token_cap``).
+When the pool cannot give a sequence its next block, best-effort sequences are preempted newest
+first (their blocks freed, to be recomputed later, mostly from the prefix cache); with admission
+on, a promised (deadline) sequence is never preempted, because admission reserved its worst
+case. Nothing is ever allocated beyond the pool, and since every request was checked to fit the
+pool alone, the oldest running sequence can always progress: no deadlock.
 """
 
 from __future__ import annotations
