@@ -124,7 +124,7 @@ class AdmissionController:
         if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
             verdict = self._degrade(seq, verdict, judge)
         if isinstance(verdict, Rejection):
-            self.counts[verdict.code] = self.counts.get(verdict.code, 0) + 1
+            self._count(verdict.code)
             if verdict.code == "DEADLINE_INFEASIBLE" and not self.admitted and best_effort_running == 0:
                 self.latency.relax()  # idle and refusing: no step will ever correct an inflated correction
             return verdict
@@ -181,7 +181,7 @@ class AdmissionController:
         seq.degradation = Degradation(refusal.code, requested.max_tokens, low,
                                       f"max_tokens {requested.max_tokens} -> {low}: {refusal.message}",
                                       refusal.numbers)
-        self.counts["degraded"] = self.counts.get("degraded", 0) + 1
+        self._count("degraded")
         return verdict
 
     def _first_late(self, seq: Sequence, now: float, busy_s: float, extra: int) -> Rejection | None:
@@ -205,8 +205,11 @@ class AdmissionController:
 
     def reject(self, code: str, message: str, **numbers) -> Rejection:
         """A refusal decided outside ``decide`` (the engine's seat limit), counted with the others."""
-        self.counts[code] = self.counts.get(code, 0) + 1
+        self._count(code)
         return Rejection(code, message, numbers)
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
 
     def _admit(self, seq: Sequence, reserve: int, promise: bool) -> None:
         seq.reserved_blocks = reserve
