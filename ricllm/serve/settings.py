@@ -41,6 +41,7 @@ __all__ = ["Controls", "SettingsError", "ServerOptions", "CurveOptions", "ServeS
 
 CONFIG_ENV = "CONFIG_FILE"
 DEFAULT_BIND = f"tcp://0.0.0.0:{DEFAULT_ZMQ_PORT}"
+DEFAULT_DRAIN_TIMEOUT_S = 25.0  # under Kubernetes' default 30 s termination grace period
 # the same pattern as schema.json's kv_cache_budget (the descriptor tests check it against parse_bytes)
 BYTE_SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]*)?\s*([bB]|[kKmMgGtT][bB]|[kKmMgGtT][iI][bB]|[kKmMgG])?\s*$"
 
@@ -106,6 +107,7 @@ class Controls(_Strict):
     threads: Annotated[int, Field(ge=1)] | None = None
     zmq_endpoint: Annotated[str, StringConstraints(pattern=r"^(tcp|ipc)://.+$")] = DEFAULT_BIND
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535)
+    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
     admission: AdmissionControls = Field(default_factory=AdmissionControls)
     latency_fit: NonEmpty | None = None
     curve: CurveControls = Field(default_factory=CurveControls)
@@ -145,7 +147,7 @@ class ServerOptions:
     curve: CurveOptions | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
     inbound_queue_size: int = 1024
-    drain_timeout_s: float = 25.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     drain_linger_ms: int = 1000
 
 
@@ -236,6 +238,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "attention_backend": ("attention_backend",), "prefix_caching": ("enable_prefix_caching",),
     "weight_cache": ("weight_cache",),
     "seed": ("seed",), "threads": ("threads",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
+    "drain_timeout": ("drain_timeout_s",),
     "admission": ("admission", "policy"), "safety_margin": ("admission", "safety_margin"),
     "max_queue": ("admission", "max_queue"), "abort_late": ("admission", "abort_late"),
     "pace_prefill": ("admission", "pace_prefill"), "degrade": ("admission", "degrade"),
@@ -290,7 +293,8 @@ def server_options(controls: Controls) -> ServerOptions:
     curve = None
     if controls.curve.enabled:
         curve = CurveOptions(controls.curve.server_secret_key_file, controls.curve.authorized_keys_dir)
-    return ServerOptions(zmq_endpoint=controls.zmq_endpoint, http_port=controls.http_port, curve=curve)
+    return ServerOptions(zmq_endpoint=controls.zmq_endpoint, http_port=controls.http_port, curve=curve,
+                         drain_timeout_s=controls.drain_timeout_s)
 
 
 # ------------------------------------------------------------------------------ the command line
@@ -306,6 +310,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
                          help=f"where the ROUTER socket binds: tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_BIND})")
     service.add_argument("--http-port", type=int, default=S, metavar="PORT",
                          help=f"health, readiness and metrics (default: {DEFAULT_HTTP_PORT})")
+    service.add_argument("--drain-timeout", type=float, default=S, metavar="SECONDS",
+                         help=f"on SIGTERM, admitted requests get this long to finish before they are cancelled "
+                              f"(default: {DEFAULT_DRAIN_TIMEOUT_S:g} s; keep it below the pod's termination grace period)")
     service.add_argument("--curve", action=argparse.BooleanOptionalAction, default=S,
                          help="CurveZMQ encryption and client authentication (default: off)")
     service.add_argument("--curve-secret-key", default=S, metavar="FILE",

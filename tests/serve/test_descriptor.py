@@ -154,8 +154,11 @@ def test_controls_defaults_are_the_engines():
     for name in ("model", "kv_cache_budget", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
                  "device", "weights", "attention_backend", "enable_prefix_caching", "threads", "latency_fit"):
         assert controls[name] == defaults[name], name
-    for name in ("safety_margin", "max_queue", "abort_late"):
+    for name in ("safety_margin", "max_queue", "abort_late", "pace_prefill", "degrade"):
         assert controls["admission"][name] == defaults[name], name
+    from ricllm.serve.settings import ServerOptions
+
+    assert controls["drain_timeout_s"] == ServerOptions().drain_timeout_s
 
 
 def test_schema_enums_are_what_the_engine_accepts():

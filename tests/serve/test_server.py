@@ -699,7 +699,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
     process = subprocess.Popen(
         [sys.executable, "-m", "ricllm.cli", "serve", "--zmq", endpoint, "--http-port", str(port), "--model",
          str(tiny_gguf), "--latency-fit", str(latency_fit), "--kv-cache-budget", "4MiB", "--threads", "2",
-         "--max-num-seqs", "1", "--log-json"],
+         "--max-num-seqs", "1", "--drain-timeout", "120", "--log-json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "CONFIG_FILE"})
     ready_url = f"http://127.0.0.1:{port}/ric/v1/health/ready"
@@ -711,6 +711,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
         # Long enough (4 x 400 decode steps, one request at a time) that the drain outlasts the probe
         # loop and the late request by a wide margin however fast the machine decodes: 40 tokens once
         # finished before the probe saw the 503, and 4 x 400 batched once drained before "late" came.
+        # The 120 s drain timeout keeps a slow, busy machine from cancelling them instead.
         for rid in ids:
             dealer.send(generate(rid, prompt=f"{rid} keeps talking", max_tokens=400, ignore_eos=True,
                                  **({"deadline_ms": 60_000.0} if rid.endswith("0") else {})))

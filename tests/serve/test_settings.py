@@ -112,8 +112,9 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
     env_file = descriptor_file(tmp_path, "env.json", block_size=8, max_num_seqs=4,
                                admission={"policy": "deadline", "max_queue": 5}, http_port=9000)
     config_file = descriptor_file(tmp_path, "config.json", block_size=32, admission={"policy": "fcfs"},
-                                  kv_cache_budget="64MiB", log_json=False)
-    args = parse("--config", str(config_file), "--block-size", "64", "--zmq", "ipc:///tmp/x.sock")
+                                  kv_cache_budget="64MiB", log_json=False, drain_timeout_s=10.0)
+    args = parse("--config", str(config_file), "--block-size", "64", "--zmq", "ipc:///tmp/x.sock",
+                 "--drain-timeout", "5")
     settings = resolve_settings(args, environ={"CONFIG_FILE": str(env_file)})
     c = settings.controls
     assert c.block_size == 64  # flag
@@ -121,6 +122,7 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
     assert c.admission.max_queue == 5 and c.max_num_seqs == 4 and c.http_port == 9000  # CONFIG_FILE, nested merge
     assert c.admission.safety_margin == 0.1 and c.dtype == "auto"  # defaults
     assert settings.server.zmq_endpoint == "ipc:///tmp/x.sock" and settings.server.http_port == 9000
+    assert c.drain_timeout_s == settings.server.drain_timeout_s == 5.0  # flag over --config
     assert settings.log_json is False
 
 
@@ -138,6 +140,7 @@ def test_defaults_without_any_file():
     settings = resolve_settings(parse(), environ={})
     assert settings.controls == Controls()
     assert settings.server.zmq_endpoint == "tcp://0.0.0.0:5555" and settings.server.http_port == 8080
+    assert settings.server.drain_timeout_s == 25.0
     assert settings.server.curve is None and settings.engine_kwargs()["admission"] == "deadline"
 
 
