@@ -2,9 +2,9 @@
 
 The sweep runs real steps of the loaded engine: prefill-only steps of several sizes, decode
 steps at several batch sizes and contexts, and prompts joining a running decode batch (mixed
-steps), then fits ``LatencyModel``. The fit depends on the
-model file, dtype, weight format, attention backend, device, thread count and ricllm version,
-which together key the cache file, so a second start pays nothing.
+steps), then fits ``LatencyModel``. The fit depends on the model file, dtype, weight format,
+attention backend, device, thread count and ricllm version, which together key the cache file,
+so a second start pays nothing.
 """
 
 from __future__ import annotations
@@ -149,7 +149,9 @@ def _warm_up(engine, generator: torch.Generator, vocab: int) -> None:
 
 def _fits(engine, batch: int, length: int, new_tokens: int, joining: int = 0) -> bool:
     """The shape runs without preemption: inside the context and, all at once, inside the pool."""
-    blocks = engine.cache.blocks_for_tokens(length + new_tokens) * batch + engine.cache.blocks_for_tokens(joining + 1)
+    blocks = engine.cache.blocks_for_tokens(length + new_tokens) * batch
+    if joining:
+        blocks += engine.cache.blocks_for_tokens(joining + 1)
     longest = max(length + new_tokens, joining + 1)
     return longest <= engine.max_model_len and blocks <= engine.kv_cache.geometry.num_blocks
 
