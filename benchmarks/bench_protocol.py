@@ -4,24 +4,28 @@ same engine driven in-process, with a trivial generation (max_tokens 1).
 Both paths share one engine configuration; the difference of their per-request latencies is what
 the socket, msgpack, validation and the thread hand-offs add. The ZeroMQ clients run in a
 separate process (as a RIC's would), so they do not compete with the server for its
-interpreter; the in-process clients are threads calling the engine thread directly. Two loads:
-one client at a time (the protocol's own cost per request) and many concurrent clients.
-Requests per second are reported for both paths, side by side. The two paths alternate for
-``--rounds`` rounds (two busy cores make one round's difference noisy): the tables pool every
-round, and the added p50 is given per round and as the median of the rounds. Target: at most
-1 ms added at p50.
+interpreter; the in-process clients are threads calling the engine thread directly. Three loads:
+one client at a time (the protocol's own cost per request); many concurrent clients, closed loop
+(each sends again when answered: the engine saturated, so requests per second compare); and the
+same clients open loop (seeded Poisson sends at ``--rate``, identical on both paths, so each
+request is compared with itself). The paths alternate for ``--rounds`` rounds (two busy cores
+make one round's difference noisy). For the ZeroMQ path the time spent outside the server (the
+client's latency less the result's ``timings.e2e_s``) is given too. Target: at most 1 ms added
+at p50.
 
-    python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--rounds 5] [--model PATH]
+    python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--rate 100] [--rounds 5] [--model PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import socket
 import statistics
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import json
@@ -40,22 +44,40 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_clients(clients: int, requests: int, one_request) -> tuple[list[float], float]:
-    """Each client thread sends ``requests`` back to back; returns latencies and wall time."""
-    latencies: list[float] = []
-    lock = threading.Lock()
+@dataclass(frozen=True)
+class Load:
+    """``clients`` threads, ``requests`` each. Closed loop (``rate`` None): each sends its next
+    request when the last is answered. Open loop: each client's sends follow a seeded Poisson
+    schedule of ``rate`` requests/s in all, the same on both paths, so requests pair up."""
 
-    def client(index: int) -> None:
-        mine = []
-        for i in range(requests):
-            started = time.perf_counter()
+    clients: int
+    requests: int
+    rate: float | None = None
+
+    def schedule(self, client: int) -> list[float]:
+        """Seconds from the start at which this client means to send each of its requests."""
+        if self.rate is None:
+            return [0.0] * self.requests
+        draw, at, times = random.Random(client), 0.0, []
+        for _ in range(self.requests):
+            at += draw.expovariate(self.rate / self.clients)
+            times.append(at)
+        return times
+
+
+def run_clients(load: Load, one_request) -> tuple[list[float], float]:
+    """Latencies in (client, request) order, each from its actual send; and the wall time."""
+    latencies = [0.0] * (load.clients * load.requests)
+
+    def client(index: int, start: float) -> None:
+        for i, at in enumerate(load.schedule(index)):
+            time.sleep(max(0.0, start + at - time.perf_counter()))  # late: send at once
+            sent = time.perf_counter()
             one_request(index, i)
-            mine.append(time.perf_counter() - started)
-        with lock:
-            latencies.extend(mine)
+            latencies[index * load.requests + i] = time.perf_counter() - sent
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c, started)) for c in range(load.clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -63,7 +85,7 @@ def run_clients(clients: int, requests: int, one_request) -> tuple[list[float], 
     return latencies, time.perf_counter() - started
 
 
-def in_process(config, loads: list[tuple[int, int]]) -> list[tuple[list[float], float]]:
+def in_process(config, loads: list[Load]) -> list[tuple[list[float], float]]:
     from ricllm.engine.async_engine import EngineThread
     from ricllm.engine.llm_engine import LLMEngine
     from ricllm.sampling_params import SamplingParams
@@ -71,24 +93,29 @@ def in_process(config, loads: list[tuple[int, int]]) -> list[tuple[list[float], 
     worker = EngineThread(lambda: LLMEngine(config))  # built on its own thread, as the server's
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     worker.submit(PROMPT, params).result()  # warm-up
-    results = [run_clients(clients, requests, lambda c, i: worker.submit(PROMPT, params).result())
-               for clients, requests in loads]
+    results = [run_clients(load, lambda c, i: worker.submit(PROMPT, params).result()) for load in loads]
     worker.stop()
     return results
 
 
-def zeromq_clients(endpoint: str, clients: int, requests: int) -> tuple[list[float], float]:
-    """The client side, run in a child process: one connection per client thread."""
-    connections = [RicClient(endpoint, timeout_s=60) for _ in range(clients)]
+def zeromq_clients(endpoint: str, load: Load) -> tuple[list[float], float, list[float]]:
+    """The client side, run in a child process: one connection per client thread. Also returns
+    each result's ``timings.e2e_s`` (the server's own time, receipt to result)."""
+    connections = [RicClient(endpoint, timeout_s=60) for _ in range(load.clients)]
     connections[0].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)  # warm-up
-    result = run_clients(clients, requests, lambda c, i: connections[c].generate(
-        token_ids=PROMPT, max_tokens=1, ignore_eos=True))
+    inside = [0.0] * (load.clients * load.requests)
+
+    def one_request(c: int, i: int) -> None:
+        result = connections[c].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)
+        inside[c * load.requests + i] = result.timings.e2e_s
+
+    latencies, wall = run_clients(load, one_request)
     for connection in connections:
         connection.close()
-    return result
+    return latencies, wall, inside
 
 
-def over_zeromq(config, loads: list[tuple[int, int]]) -> list[tuple[list[float], float]]:
+def over_zeromq(config, loads: list[Load]) -> list[tuple[list[float], float]]:
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.serve.server import Server
     from ricllm.serve.settings import ServerOptions
@@ -101,11 +128,11 @@ def over_zeromq(config, loads: list[tuple[int, int]]) -> list[tuple[list[float],
                     latency_model=LatencyModel([0.01])).start()
     server.wait_ready(timeout=120)
     results = []
-    for clients, requests in loads:
-        child = subprocess.run([sys.executable, __file__, "--client-child", endpoint, "--clients", str(clients),
-                                "--requests", str(requests)], capture_output=True, text=True, check=True)
+    for load in loads:
+        child = subprocess.run([sys.executable, __file__, "--client-child", endpoint, "--load",
+                                json.dumps(asdict(load))], capture_output=True, text=True, check=True)
         measured = json.loads(child.stdout.strip().splitlines()[-1])
-        results.append((measured["latencies"], measured["wall_s"]))
+        results.append((measured["latencies"], measured["wall_s"], measured["inside_s"]))
     server.stop()
     return results
 
@@ -113,8 +140,10 @@ def over_zeromq(config, loads: list[tuple[int, int]]) -> list[tuple[list[float],
 LOCAL, REMOTE = "in-process", "ZeroMQ (clients in another process)"
 
 
-def table(name: str, rounds: list[dict[str, tuple[list[float], float]]], clients: int) -> list[str]:
-    """Pooled over the rounds, then the added p50 of each round and their median."""
+def table(name: str, rounds: list[dict[str, tuple[list[float], float]]], load: Load) -> list[str]:
+    """Pooled over the rounds, then the added p50: closed loop, the median of the rounds' p50
+    differences; open loop, the median of the per-request differences (the same request, sent at
+    the same moment on both paths)."""
     lines = [f"{name}:", "", "| path | requests | req/s | p50 (ms) | p99 (ms) |", "|---|---:|---:|---:|---:|"]
     pooled = {}
     for path in (LOCAL, REMOTE):
@@ -123,26 +152,44 @@ def table(name: str, rounds: list[dict[str, tuple[list[float], float]]], clients
         pooled[path] = latencies
         lines.append(f"| {path} | {len(latencies)} | {len(latencies) / wall:.1f} | "
                      f"{percentile(latencies, 0.5) * 1000:.2f} | {percentile(latencies, 0.99) * 1000:.2f} |")
-    per_round = [(statistics.median(r[REMOTE][0]) - statistics.median(r[LOCAL][0])) * 1000 for r in rounds]
     added99 = (percentile(pooled[REMOTE], 0.99) - percentile(pooled[LOCAL], 0.99)) * 1000
+    outside = [(total - inside) * 1000 for r in rounds for total, inside in zip(r[REMOTE][0], r[REMOTE][2])]
+    lines.append(f"\nZeroMQ path outside the server (client, libzmq and loopback, both ways: the client's latency "
+                 f"less the result's `timings.e2e_s`): p50 {percentile(outside, 0.5):.2f} ms, "
+                 f"p99 {percentile(outside, 0.99):.2f} ms")
+    who = f"{load.clients} client{'s' if load.clients > 1 else ''}, max_tokens 1"
+    if load.rate is not None:
+        paired = [(b - a) * 1000 for a, b in zip(pooled[LOCAL], pooled[REMOTE])]
+        lines.append(f"\nadded by the ZeroMQ path, request by request: p50 {percentile(paired, 0.5):+.2f} ms, "
+                     f"p90 {percentile(paired, 0.9):+.2f} ms; p99 {added99:+.2f} ms pooled ({who})\n")
+        return lines
+    per_round = [(statistics.median(r[REMOTE][0]) - statistics.median(r[LOCAL][0])) * 1000 for r in rounds]
     lines.append(f"\nadded by the ZeroMQ path: p50 {statistics.median(per_round):+.2f} ms (median of {len(rounds)} "
-                 f"rounds: {', '.join(f'{x:+.2f}' for x in per_round)}), p99 {added99:+.2f} ms pooled "
-                 f"({clients} client{'s' if clients > 1 else ''}, max_tokens 1)\n")
+                 f"rounds: {', '.join(f'{x:+.2f}' for x in per_round)}), p99 {added99:+.2f} ms pooled ({who})\n")
     return lines
+
+
+def title(load: Load) -> str:
+    if load.rate is not None:
+        return f"{load.clients} concurrent clients, open loop at {load.rate:g} requests/s in all"
+    return "one client at a time" if load.clients == 1 else f"{load.clients} concurrent clients, closed loop"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=40, help="per client")
+    parser.add_argument("--rate", type=float, default=100.0,
+                        help="open-loop load: requests/s from all clients together (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating in-process / ZeroMQ rounds")
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2)")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--client-child", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client_child:
-        latencies, wall = zeromq_clients(args.client_child, args.clients, args.requests)
-        print(json.dumps({"latencies": latencies, "wall_s": wall}))
+        latencies, wall, inside = zeromq_clients(args.client_child, Load(**json.loads(args.load)))
+        print(json.dumps({"latencies": latencies, "wall_s": wall, "inside_s": inside}))
         return
     import torch
 
@@ -151,18 +198,19 @@ def main() -> None:
 
     torch.set_num_threads(2)
     config = EngineConfig(model=args.model, admission="off", max_num_seqs=64)
-    loads = [(1, args.requests * 4), (args.clients, args.requests)]
+    loads = [Load(1, args.requests * 4), Load(args.clients, args.requests),
+             Load(args.clients, args.requests, args.rate)]
     rounds = []  # per round: per load, {path: (latencies, wall)}
     for _ in range(args.rounds):
         local, remote = in_process(config, loads), over_zeromq(config, loads)
         rounds.append([{LOCAL: ours, REMOTE: theirs} for ours, theirs in zip(local, remote)])
     lines = []
-    for index, (clients, _) in enumerate(loads):
-        name = "one client at a time" if clients == 1 else f"{clients} concurrent clients"
-        lines += table(name, [r[index] for r in rounds], clients)
-    publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0][1]} requests, then "
-            f"{args.clients} clients x {args.requests} requests; {args.rounds} rounds alternating the paths; "
-            f"ZeroMQ clients in a separate process.",
+    for index, load in enumerate(loads):
+        lines += table(title(load), [r[index] for r in rounds], load)
+    publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0].requests} requests, then "
+            f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
+            f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
+            f"alternating the paths; ZeroMQ clients in a separate process.",
             "\n".join(lines), append=not args.no_append)
 
 

@@ -432,6 +432,7 @@ class _Worker:
             commands = self._take(block=was_idle)
             for command in commands:
                 self._dispatch(command)
+            self.outbox.wake()  # accepted / rejected go out now, not after the coming step
             self._enforce_drain_deadline()
             if engine.has_unfinished():
                 self._after_step(engine.step())
