@@ -50,8 +50,23 @@ def _tile_scales(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.stack([tiled(d), tiled(c)], dim=2).to(torch.float16).contiguous()
 
 
+PACK_ROWS = 2048  # rows packed at a time: the fp32 temporaries stay a few MB (a vocabulary-wide head
+# whole would need several copies of 113 MB at once on a first start)
+
+
+def _by_rows(pack_rows):
+    """Pack ``[N, K]`` in slices of ``PACK_ROWS`` rows (whole tiles), each converted to fp32 on
+    its own; every output is tile-major, so the slices' outputs concatenate."""
+    @functools.wraps(pack_rows)
+    def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        parts = [pack_rows(weight[start:start + PACK_ROWS].float()) for start in range(0, weight.shape[0], PACK_ROWS)]
+        return tuple(torch.cat(column) for column in zip(*parts))
+    return pack
+
+
+@_by_rows
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[N, K]`` -> (uint8 nibbles, fp16 scales, empty offsets)."""
+    """float ``[N, K]`` -> (uint8 nibbles, fp16 scales, empty offsets)."""
     rows, cols = weight.shape
     groups = weight.float().view(rows, cols // GROUP, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)
@@ -64,8 +79,9 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return nibbles, _tile_scales(d.view(rows, -1), c.view(rows, -1)), torch.empty(0, dtype=torch.int32)
 
 
+@_by_rows
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``[N, K]`` -> (int8 bytes, fp16 scales, int32 ``128·Σq`` per (row, group))."""
+    """float ``[N, K]`` -> (int8 bytes, fp16 scales, int32 ``128·Σq`` per (row, group))."""
     rows, cols = weight.shape
     groups = weight.float().view(rows, cols // GROUP, GROUP)
     d = (groups.abs().amax(-1) / 127).clamp_min(1e-8).half().float()

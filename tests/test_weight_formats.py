@@ -136,6 +136,26 @@ def test_a_q8_0_embedding_is_served_exactly_from_its_packed_head_and_others_are_
     assert not PackedEmbedding.serves(PackedLinear.pack(float_weights.float(), "int8", None), float_weights)
 
 
+@pytest.mark.parametrize("kind,fmt", [("Q4_1", "int4"), ("Q8_0", "int8")])
+def test_vnni_packing_a_slice_at_a_time_gives_the_whole_weights_packing(kind, fmt, monkeypatch):
+    """A first start packs a vocabulary-wide head in slices (a few MB of fp32 at a time)."""
+    need_layout("vnni", fmt)
+    from ricllm.kernels import cpu_quant
+    from ricllm.model.packed_linear import PackedEmbedding
+
+    w = gguf_weight(96, 256, seed=11, kind=kind)
+    whole = PackedLinear.pack(w, fmt, max_packed_rows=None, layout="vnni")
+    monkeypatch.setattr(cpu_quant, "PACK_ROWS", 32)  # 3 slices of 2 tiles
+    sliced = PackedLinear.pack(w, fmt, max_packed_rows=None, layout="vnni")
+    for name in ("packed_weight", "packed_scales", "packed_offsets"):
+        assert torch.equal(getattr(sliced, name), getattr(whole, name)), name
+    if fmt == "int8":  # the exactness check runs a slice at a time too, and sees the last slice
+        assert PackedEmbedding.serves(sliced, w.bfloat16())
+        off = w.bfloat16()
+        off[-1, -1] += 0.25
+        assert not PackedEmbedding.serves(sliced, off)
+
+
 def test_int4_packing_of_a_q4_1_weight_is_exact_to_bf16_precision():
     w = gguf_q4_1_weight(96, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -441,6 +461,26 @@ def test_packed_formats_really_pack_and_run_packed(tiny_q4_1_gguf, weights, laye
         llm.generate([[5, 6, 7]], PARAMS)  # 3-token prefill and 1-row decodes: all under max_packed_rows
     assert {fmt for fmt, _, packed in calls if packed} == {layers, head} - {"dense"}
     assert all(packed for _, _, packed in calls)
+
+
+def test_a_converting_start_never_holds_the_whole_dense_model(tiny_q4_1_gguf, monkeypatch):
+    """Each weight gets memory as it is read and each layer is packed once complete, so at most
+    one layer's dense projections exist at any moment of a conversion (a first start's peak)."""
+    from ricllm.model.llama import LlamaModel
+
+    dense_when_packing = []
+    pack_layer = LlamaModel.pack_layer
+
+    def recording(model, index, fmt, max_rows):
+        dense_when_packing.append([i for i, layer in enumerate(model.layers) for m in (
+            layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not isinstance(m, PackedLinear) and not m.weight.is_meta])
+        pack_layer(model, index, fmt, max_rows)
+
+    monkeypatch.setattr(LlamaModel, "pack_layer", recording)
+    model = tiny_llm(tiny_q4_1_gguf, "int4").engine.model
+    assert dense_when_packing == [[i] * 4 for i in range(len(model.layers))]
+    assert not any(t.is_meta for t in model.state_dict().values())
 
 
 def greedy_divergence(runs, reference_runs) -> tuple[list[int], float]:

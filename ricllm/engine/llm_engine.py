@@ -117,12 +117,16 @@ class LLMEngine:
     def _convert(self, checkpoint, backend) -> LlamaModel:
         from tqdm import tqdm
 
-        model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device)
-        tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
-        model.load_weights(tensors)
         self.weight_formats = resolve_formats(self.config.weights, checkpoint.tensor_types(), self.dtype, self.device)
-        if self.weight_formats != ("dense", "dense"):
-            model.pack_weights(*self.weight_formats, max_packed_rows=self.config.max_packed_rows)
+        layer_format, head_format = self.weight_formats
+        max_rows = self.config.max_packed_rows
+        # each weight gets memory as it is read and each layer is packed once complete: the whole
+        # dense model never exists at once (a first start's peak RSS)
+        model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
+        tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
+        model.load_weights(tensors, None if layer_format == "dense" else
+                           lambda index: model.pack_layer(index, layer_format, max_rows))
+        model.pack_head(head_format, max_rows)
         return model.eval()
 
     def _log_start(self) -> None:

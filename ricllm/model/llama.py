@@ -19,7 +19,7 @@ is packed in ricllm's layout, decode and small prefill steps run all layers in o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -195,11 +195,16 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
 
     @classmethod
-    def build(cls, spec: ModelSpec, backend, dtype: torch.dtype, device: torch.device) -> "LlamaModel":
-        """Allocate uninitialised weights directly in ``dtype`` on ``device`` (no random init)."""
+    def build(cls, spec: ModelSpec, backend, dtype: torch.dtype, device: torch.device,
+              allocate: bool = True) -> "LlamaModel":
+        """Uninitialised weights in ``dtype`` on ``device`` (no random init). ``allocate=False``
+        leaves them on the meta device: :meth:`load_weights` then gives each its memory as it
+        arrives, so that a converting start never holds the whole dense model at once."""
         with torch.device("meta"):
             model = cls(spec, backend).to(dtype)
-        model = model.to_empty(device=device)
+        if allocate:
+            model = model.to_empty(device=device)
+        model.weight_device = device
         model.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings).to(device)
         return model
 
@@ -224,28 +229,32 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, layer_format: str, head_format: str, max_packed_rows: int | None) -> None:
         """Swap the projections for weight-only quantized ones (``"dense"`` leaves them)."""
-        from ricllm.model.packed_linear import PackedLinear, can_pack, head_max_packed_rows
+        for index in range(len(self.layers)):
+            self.pack_layer(index, layer_format, max_packed_rows)
+        self.pack_head(head_format, max_packed_rows)
 
-        def packed(linear: nn.Module, fmt: str, max_rows: int | None = max_packed_rows, shared=None) -> nn.Module:
-            if fmt == "dense" or not can_pack(linear.weight, fmt):
-                return linear
-            return PackedLinear.pack(linear.weight.float(), fmt, max_rows, shared)
+    def pack_layer(self, index: int, fmt: str, max_packed_rows: int | None) -> None:
+        """Pack one layer's four projections; their dense weights go unless kept for large batches."""
+        layer = self.layers[index]
+        layer.attn.qkv_proj = _packed(layer.attn.qkv_proj, fmt, max_packed_rows)
+        layer.attn.o_proj = _packed(layer.attn.o_proj, fmt, max_packed_rows)
+        layer.mlp.gate_up_proj = _packed(layer.mlp.gate_up_proj, fmt, max_packed_rows)
+        layer.mlp.down_proj = _packed(layer.mlp.down_proj, fmt, max_packed_rows)
 
-        for layer in self.layers:
-            layer.attn.qkv_proj = packed(layer.attn.qkv_proj, layer_format)
-            layer.attn.o_proj = packed(layer.attn.o_proj, layer_format)
-            layer.mlp.gate_up_proj = packed(layer.mlp.gate_up_proj, layer_format)
-            layer.mlp.down_proj = packed(layer.mlp.down_proj, layer_format)
-        if head_format != "dense":
-            head = self.embed if self.lm_head is None else self.lm_head
-            head_rows = head_max_packed_rows(max_packed_rows)
-            # a tied head's bf16 copy is the embedding itself: no second copy in memory
-            shared = self.embed.weight if head is self.embed and self.embed.weight.dtype == torch.bfloat16 else None
-            self.packed_head = packed(head, head_format, head_rows, shared)
-            if self.lm_head is not None:
-                self.lm_head = None  # the packed head keeps its own dense copy
-            elif head_rows is None:
-                self.serve_embedding_from_head()
+    def pack_head(self, fmt: str, max_packed_rows: int | None) -> None:
+        from ricllm.model.packed_linear import head_max_packed_rows
+
+        if fmt == "dense":
+            return
+        head = self.embed if self.lm_head is None else self.lm_head
+        head_rows = head_max_packed_rows(max_packed_rows)
+        # a tied head's bf16 copy is the embedding itself: no second copy in memory
+        shared = self.embed.weight if head is self.embed and self.embed.weight.dtype == torch.bfloat16 else None
+        self.packed_head = _packed(head, fmt, head_rows, shared)
+        if self.lm_head is not None:
+            self.lm_head = None  # the packed head keeps its own dense copy
+        elif head_rows is None:
+            self.serve_embedding_from_head()
 
     def serve_embedding_from_head(self) -> bool:
         """Drop a tied embedding's dense copy when the packed head (kept packed at every size)
@@ -292,16 +301,24 @@ class LlamaModel(nn.Module):
             dtype=self.norm.weight.dtype, max_rows=max_rows)
         return True
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy ricllm-named tensors in, fusing q/k/v and gate/up as they arrive."""
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]],
+                     on_layer_loaded: Callable[[int], None] | None = None) -> None:
+        """Copy ricllm-named tensors in, fusing q/k/v and gate/up as they arrive.
+        ``on_layer_loaded(i)`` runs as soon as layer ``i`` has all its weights (to pack it then)."""
         pending: dict[str, torch.Tensor] = {}
         loaded: set[str] = set()
+        parts_left = [len(LAYER_PARTS)] * len(self.layers)
         for name, tensor in tensors:
             if name == "rope_freqs":
                 self._set_rope(rope_inverse_frequencies(self.spec, tensor))
                 continue
             for target in self._assign(name, tensor, pending):
                 loaded.add(target)
+                if target.startswith("layers."):
+                    index = int(target.split(".")[1])
+                    parts_left[index] -= 1
+                    if parts_left[index] == 0 and on_layer_loaded is not None:
+                        on_layer_loaded(index)
         self._check_complete(loaded)
 
     def _set_rope(self, inv_freq: torch.Tensor) -> None:
@@ -321,34 +338,50 @@ class LlamaModel(nn.Module):
             if not all(f"{index}.{m}" in pending for m in members):
                 return []
             tensor = torch.cat([pending.pop(f"{index}.{m}") for m in members], dim=0)
-            target = layer.attn.qkv_proj.weight if group == "qkv" else layer.mlp.gate_up_proj.weight
-            _copy(target, tensor, name)
+            self._place(layer.attn.qkv_proj if group == "qkv" else layer.mlp.gate_up_proj, tensor, name)
             return [f"layers.{index}.{group}"]
-        targets = {"attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight,
-                   "o": layer.attn.o_proj.weight, "down": layer.mlp.down_proj.weight}
-        _copy(targets[part], tensor, name)
+        owners = {"attn_norm": layer.attn_norm, "ffn_norm": layer.ffn_norm, "o": layer.attn.o_proj,
+                  "down": layer.mlp.down_proj}
+        self._place(owners[part], tensor, name)
         return [f"layers.{index}.{part}"]
 
     def _assign_global(self, name: str, tensor: torch.Tensor) -> list[str]:
         if name == "lm_head" and self.lm_head is None:
             return []  # a checkpoint may ship an explicit copy of a tied head
-        target = {"embed": self.embed.weight, "norm": self.norm.weight,
-                  "lm_head": None if self.lm_head is None else self.lm_head.weight}[name]
-        _copy(target, tensor, name)
+        self._place({"embed": self.embed, "norm": self.norm, "lm_head": self.lm_head}[name], tensor, name)
         return [name]
+
+    def _place(self, owner: nn.Module, tensor: torch.Tensor, name: str) -> None:
+        """``owner.weight = tensor`` in the weight's dtype: copied into allocated memory, or given
+        new memory when the model was built without (``build(allocate=False)``)."""
+        target = owner.weight
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} from the metadata")
+        with torch.no_grad():
+            if target.is_meta:  # copy=True: a float32 file tensor may be a read-only view of the file
+                owner.weight = nn.Parameter(tensor.to(self.weight_device, target.dtype, copy=True),
+                                            requires_grad=False)
+            else:
+                target.copy_(tensor)
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = {"embed", "norm"} | ({"lm_head"} if self.lm_head is not None else set())
         for i in range(self.spec.num_layers):
-            expected |= {f"layers.{i}.{p}" for p in ("qkv", "gate_up", "attn_norm", "ffn_norm", "o", "down")}
+            expected |= {f"layers.{i}.{p}" for p in LAYER_PARTS}
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"model file lacks weight(s): {', '.join(missing[:5])}")
 
 
-def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ModelLoadError(
-            f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} from the metadata")
-    with torch.no_grad():
-        target.copy_(tensor)
+LAYER_PARTS = ("qkv", "gate_up", "attn_norm", "ffn_norm", "o", "down")
+
+
+def _packed(linear: nn.Module, fmt: str, max_rows: int | None, shared: torch.Tensor | None = None) -> nn.Module:
+    """``linear`` as a ``PackedLinear`` in ``fmt``, or itself where ``fmt`` is dense or the shape
+    does not pack. The packers read the weight a slice at a time in fp32."""
+    from ricllm.model.packed_linear import PackedLinear, can_pack
+
+    if fmt == "dense" or not can_pack(linear.weight, fmt):
+        return linear
+    return PackedLinear.pack(linear.weight, fmt, max_rows, shared)

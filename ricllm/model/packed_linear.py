@@ -170,9 +170,17 @@ class PackedEmbedding(nn.Module):
         """Whether lookups in ``head`` give exactly the rows of ``dense``."""
         if head.layout != "vnni" or dense.dtype not in (torch.bfloat16, torch.float32):
             return False
-        bits = 4 if head.fmt == "int4" else 8
-        restored = cpu_quant.unpack(head.packed_weight, head.packed_scales, head.packed_offsets, bits)
-        return torch.equal(restored.to(dense.dtype), dense)
+        bits, tiles = 4 if head.fmt == "int4" else 8, head.packed_scales.shape[0]
+        weight_per_tile = head.packed_weight.numel() // tiles
+        step = cpu_quant.PACK_ROWS // cpu_quant.TILE  # a slice at a time: the whole head in fp32 is 113 MB
+        for first in range(0, tiles, step):
+            last = min(tiles, first + step)
+            offsets = head.packed_offsets[first:last] if head.packed_offsets.numel() else head.packed_offsets
+            restored = cpu_quant.unpack(head.packed_weight[first * weight_per_tile:last * weight_per_tile],
+                                        head.packed_scales[first:last], offsets, bits)
+            if not torch.equal(restored.to(dense.dtype), dense[first * cpu_quant.TILE:last * cpu_quant.TILE]):
+                return False
+        return True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.quant_rows(ids, self.packed_weight, self.packed_scales, self.bits, self.embedding_dim,
