@@ -98,6 +98,33 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+PREPARE_KV_BUDGET = "32MiB"  # the engine built to convert needs some KV cache; a few blocks do
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from ricllm.config import EngineConfig
+    from ricllm.engine.llm_engine import LLMEngine
+    from ricllm.kernels.cpu_library import cpu_kernels_available
+    from ricllm.units import format_bytes
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
+                          threads=args.threads, admission="off", kv_cache_budget=PREPARE_KV_BUDGET)
+    engine = LLMEngine(config)
+    entry = engine.weight_cache_entry
+    layers, head = engine.weight_formats
+    what = f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.dtype).removeprefix('torch.')}"
+    if entry is None or not entry.is_file():
+        print(f"ricllm: error: could not write the weight cache entry {entry} (see the log above); "
+              f"set RICLLM_CACHE_DIR to a writable folder", file=sys.stderr)
+        return 1
+    done = "already in the weight cache" if engine.weights_source.startswith("cache") else \
+        f"converted from {engine.model_path} in {engine.startup_s:.1f} s"
+    print(f"weights   {what}: {done}\n          {entry} ({format_bytes(entry.stat().st_size)})")
+    ok, reason = cpu_kernels_available() if engine.device.type == "cpu" else (False, "not used on " + engine.device.type)
+    print(f"kernels   {'CPU kernels ' + reason if ok else 'CPU kernels unavailable: ' + reason}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ricllm", description="Deadline-aware LLM inference for the O-RAN near-RT RIC.")
@@ -124,6 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Read a model file's metadata (no weights are loaded).")
     info.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     info.set_defaults(func=cmd_info)
+    prepare = sub.add_parser(
+        "prepare", help="convert a model's weights into the weight cache and build the CPU kernels now",
+        description="Do a model's one-time start-up work ahead of time: convert its weights (dequantize, "
+                    "pack) into the weight cache and build the CPU kernels. Later starts with the same "
+                    "settings (serve, generate, replay) then map the converted weights in about a second "
+                    "instead of converting. Entries are keyed by the file's hash, dtype, device, weight "
+                    "format and this CPU, so run it with the flags you serve with, on the machine (or "
+                    "image) that serves. The cache is $RICLLM_CACHE_DIR (default ~/.cache/ricllm).")
+    prepare.add_argument("--model", default=None,
+                         help="GGUF file or HF checkpoint folder (default: the installed SmolLM2-135M-Instruct GGUF)")
+    prepare.add_argument("--weights", default="auto", help="auto, bf16, int8 or int4 (default: %(default)s)")
+    prepare.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
+    prepare.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    prepare.add_argument("--threads", type=int, default=None, help="CPU threads for the conversion")
+    prepare.set_defaults(func=cmd_prepare)
     add_plan_subparser(sub)
     add_replay_subparser(sub)
     add_report_subparser(sub)

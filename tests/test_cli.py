@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
-def ricllm(*args, timeout=300):
+def ricllm(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "ricllm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def test_help_lists_commands():
@@ -44,3 +45,17 @@ def test_bad_flag_value_is_a_clear_error(tiny_gguf):
     result = ricllm("generate", "x", "--model", str(tiny_gguf), "--kv-cache-budget", "lots")
     assert result.returncode == 2 and "cannot parse byte size 'lots'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_prepare_fills_the_weight_cache_that_the_next_start_maps(tiny_gguf, tmp_path, monkeypatch):
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path)}
+    first = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16", env=env)
+    assert first.returncode == 0, first.stderr
+    assert f"converted from {tiny_gguf}" in first.stdout and str(tmp_path / "weights") in first.stdout
+    again = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16", env=env)
+    assert again.returncode == 0 and "already in the weight cache" in again.stdout, again.stdout + again.stderr
+    from ricllm import LLM
+
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    llm = LLM(str(tiny_gguf), dtype="bfloat16", kv_cache_budget="4MiB")
+    assert llm.engine.weights_source.startswith(f"cache {tmp_path / 'weights'}")

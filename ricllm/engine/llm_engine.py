@@ -95,10 +95,11 @@ class LLMEngine:
         """From the weight cache when it holds this model and configuration, else from the file."""
         backend = select_backend(self.config.attention_backend, self.device, self.dtype)
         self.attention_backend = backend.name
-        entry = None
+        entry = self.weight_cache_entry = None
         if self.config.weight_cache:
             entry = weight_cache.entry_path(self.model_path, self.dtype, self.device, self.config.weights,
                                             self.config.max_packed_rows)
+            self.weight_cache_entry = entry
             cached = weight_cache.load(entry)
             if cached is not None:
                 self.weight_formats = cached.weight_formats

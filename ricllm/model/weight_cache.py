@@ -105,9 +105,13 @@ def save(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model: nn.Module, we
 
 def _touch(path: Path) -> None:
     """Mark ``path`` as just used. The time is given explicitly: the file system's own clock
-    ticks coarsely (milliseconds), so two uses in one tick would tie and evict the wrong entry."""
+    ticks coarsely (milliseconds), so two uses in one tick would tie and evict the wrong entry.
+    A read-only cache (an image's, under a read-only root file system) is used all the same."""
     now = time.time_ns()
-    os.utime(path, ns=(now, now))
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass
 
 
 def _evict(folder: Path) -> None:

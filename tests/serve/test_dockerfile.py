@@ -80,6 +80,23 @@ def test_runs_as_non_root():
     assert re.search(rf"useradd .*--uid {user}\b", " ".join(_runs()))
 
 
+def test_the_image_converts_the_weights_it_serves_with_at_build_time():
+    """`ricllm prepare` runs as the serving user (the cache is that user's) with the settings
+    the descriptor's controls give `ricllm serve`, so the weight cache key matches."""
+    instructions = _instructions()
+    prepare_at = next(i for i, (kind, arg) in enumerate(instructions) if kind == "RUN" and "ricllm prepare" in arg)
+    user_at = max(i for i, (kind, _) in enumerate(instructions) if kind == "USER")
+    assert user_at < prepare_at
+    assert instructions[prepare_at][1] == "ricllm prepare"  # the defaults, no flags
+    from ricllm.cli import build_parser
+
+    defaults = vars(build_parser().parse_args(["prepare"]))
+    controls = DESCRIPTOR["controls"]
+    for name in ("model", "weights", "dtype", "device", "threads"):
+        assert controls[name] == defaults[name], name
+    assert "ricllm prepare" in README
+
+
 def test_healthcheck_probes_liveness_with_python():
     healthcheck = next(arg for kind, arg in _instructions() if kind == "HEALTHCHECK")
     alive = DESCRIPTOR["livenessProbe"]["httpGet"]
