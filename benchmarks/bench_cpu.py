@@ -307,7 +307,8 @@ def time_to_ready(python: str, spec: dict, env: dict, which: str) -> tuple[float
 def bench_config(python: str, spec: dict, cache_dir: str | None = None) -> dict | None:
     """Time to ready (twice for ricllm: converting, then from the weight cache), then the measurements."""
     env = child_env(cache_dir)
-    ready = dict(zip(("ready_s", "rss_at_ready_mb"), time_to_ready(python, spec, env, "first start")))
+    ready = dict(zip(("ready_s", "rss_first_start_mb"), time_to_ready(python, spec, env, "first start")))
+    ready["rss_at_ready_mb"] = ready["rss_first_start_mb"]
     if spec["engine"] == "ricllm":
         ready.update(zip(("ready_cached_s", "rss_at_ready_mb"), time_to_ready(python, spec, env, "weight cache")))
     _, result = run_child(python, "measure", spec, env)
@@ -382,6 +383,8 @@ def side_by_side(results: list[dict], sizes: dict) -> str:
     add(f"prompt, {sizes['prefill_len']}-token prefill (tok/s)", [fmt(r["prompt_tps"], ".0f") for r in results])
     add("time to ready, first start (s)", [fmt(r["ready_s"], ".2f") for r in results])
     add("time to ready, from weight cache (s)", [fmt(r.get("ready_cached_s"), ".2f") for r in results])
+    add("peak RSS to ready, first start (MB; ricllm: converting)", [fmt(r.get("rss_first_start_mb"), ".0f")
+                                                                    for r in results])
     add("RSS when ready (MB; ricllm: from weight cache)", [fmt(r["rss_at_ready_mb"], ".0f") for r in results])
     add("peak RSS, whole run (MB)", [fmt(r["peak_rss_mb"], ".0f") for r in results])
     return "\n".join(lines)
