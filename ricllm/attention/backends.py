@@ -15,7 +15,6 @@ import torch
 from ricllm.attention import reference
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.errors import ConfigError
-from ricllm.logging import get_logger
 
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 # A step whose prefill part is this small (its rows, and Σ query × context over its sequences)
@@ -30,7 +29,6 @@ def c_kernel_attends(meta: AttentionMetadata) -> bool:
     SDPA for the prefill sequences, the C kernel for the decodes)."""
     return meta.is_decode_only or (meta.prefill_rows <= C_KERNEL_PREFILL_ROWS
                                    and meta.prefill_products <= C_KERNEL_PREFILL_WORK)
-log = get_logger("ricllm.attention")
 
 
 class TorchAttention:
@@ -136,5 +134,7 @@ def _cpu_backend(name: str, cache_dtype: torch.dtype):
             return CpuKernelAttention(cache_dtype)
     if name == "cpu":
         raise ConfigError(f"attention backend 'cpu' is not available: {reason}")
-    log.warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")
+    from ricllm.logging import get_logger  # here: the GPU check imports this module without structlog
+
+    get_logger("ricllm.attention").warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")
     return TorchAttention()
