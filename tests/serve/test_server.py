@@ -441,11 +441,11 @@ def test_the_engine_is_built_and_stepped_on_the_engine_thread(server):
 
 
 def test_ready_only_after_the_model_is_loaded(start_server, monkeypatch):
-    from ricllm.serve import server as server_module
+    from ricllm.serve.worker import Worker
 
     release = threading.Event()
-    real_load = server_module._Worker._load
-    monkeypatch.setattr(server_module._Worker, "_load", lambda self: release.wait(30) and real_load(self))
+    real_load = Worker._load
+    monkeypatch.setattr(Worker, "_load", lambda self: release.wait(30) and real_load(self))
     running = start_server(ready=False)
     assert http_get(running.http_url + "/ric/v1/health/alive")[0] == 200
     assert http_get(running.http_url + "/ric/v1/health/ready")[0] == 503
@@ -467,11 +467,11 @@ def test_ready_only_after_the_model_is_loaded(start_server, monkeypatch):
 
 def test_a_model_that_fails_to_load_answers_what_waited(start_server, tmp_path, monkeypatch):
     from ricllm.errors import ModelLoadError
-    from ricllm.serve import server as server_module
+    from ricllm.serve.worker import Worker
 
     release = threading.Event()
-    real_load = server_module._Worker._load
-    monkeypatch.setattr(server_module._Worker, "_load", lambda self: release.wait(30) and real_load(self))
+    real_load = Worker._load
+    monkeypatch.setattr(Worker, "_load", lambda self: release.wait(30) and real_load(self))
     running = start_server(ready=False, engine={"model": str(tmp_path / "absent.gguf")})
     dealer = Dealer(running.endpoint)
     try:

@@ -1,0 +1,103 @@
+"""What passes between the socket thread and the engine thread of ``ricllm serve``: checked
+commands in (``Command``, on the bounded inbound queue), encoded replies out (``Outbox``), and
+the refusal both threads answer with (``Refused``)."""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from pydantic import BaseModel
+
+from ricllm.logging import get_logger
+from ricllm.serve import protocol as p
+
+
+log = get_logger("ricllm.serve")
+clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare
+Key = tuple[bytes, str]  # (ZeroMQ identity of the client, its request id)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A checked request on its way to the engine thread; ``received`` is on :data:`clock`."""
+
+    identity: bytes
+    request: Any
+    received: float
+
+    @property
+    def key(self) -> Key:
+        return (self.identity, self.request.id)
+
+
+class Refused(Exception):
+    """Raised before a generate reaches the engine's queues: answer ``rejected`` with the numbers."""
+
+    def __init__(self, code: str, message: str, numbers: dict[str, Any] | None = None, **more: Any) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+        self.numbers = wire_numbers({**(numbers or {}), **more})
+
+    def reply(self, request_id: str) -> p.Rejected:
+        return p.Rejected(id=request_id, code=self.code, message=self.message, numbers=self.numbers)
+
+
+def wire_numbers(numbers: dict[str, Any]) -> dict[str, int | float]:
+    """The finite numbers of a refusal (the wire carries numbers only; the message names the rest)."""
+    return {k: v for k, v in numbers.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def client_name(identity: bytes) -> str:
+    return identity.hex()
+
+
+def log_refusal(command: Command, code: str, message: str, rejected: bool) -> None:
+    """The one end-of-request event of a generate that never ran."""
+    request = command.request
+    if isinstance(request, p.GenerateRequest):
+        log.info("request_done", id=request.id, client=client_name(command.identity), template=request.template_id,
+                 admitted=False, reason=code, outcome="rejected" if rejected else "error", detail=message,
+                 deadline_ms=request.deadline_ms)
+
+
+# ------------------------------------------------------------------------------ the outbox
+
+class Outbox:
+    """Replies from the engine thread to the socket thread: a queue, and a wake-up message on an
+    inproc PAIR socket that only the engine thread uses (it is made there, on first use)."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.items: queue.SimpleQueue[tuple[bytes, str | None, bytes, bool]] = queue.SimpleQueue()
+        self._context, self._address = context, address
+        self._socket: zmq.Socket | None = None
+        self._pending = False
+
+    def put(self, identity: bytes, reply: BaseModel) -> None:
+        self.items.put((identity, getattr(reply, "id", None), p.encode(reply), p.is_final(reply)))
+        self._pending = True
+
+    def wake(self, force: bool = False) -> None:
+        """One wake-up per batch of replies; a full PAIR pipe already holds one, so EAGAIN is fine."""
+        if not (self._pending or force):
+            return
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.PAIR)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.connect(self._address)
+        try:
+            self._socket.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        self._pending = False
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+
+

@@ -1,0 +1,545 @@
+"""The engine thread of ``ricllm serve``: the only user of the engine, the templates and the
+table of pending requests (docs/serve.md)."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ricllm
+from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.serve import protocol as p
+from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
+from ricllm.serve.metrics import EngineSnapshot
+
+if TYPE_CHECKING:
+    from ricllm.cache.kv_cache_manager import PinHandle
+    from ricllm.config import EngineConfig
+    from ricllm.engine.latency_model import LatencyModel
+    from ricllm.engine.llm_engine import LLMEngine
+    from ricllm.engine.sequence import Sequence
+    from ricllm.outputs import RequestOutput
+    from ricllm.sampling_params import SamplingParams
+    from ricllm.serve.server import Server
+
+
+PUBLISH_EVERY_S = 0.1
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A generate inside the engine, until its one final reply."""
+
+    command: Command
+    seq: Sequence
+    internal_id: str
+    offset_s: float  # engine arrival − receipt: added to the engine's timings
+    holdback: int  # characters kept back while streaming, so a stop string is never sent
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+    @property
+    def request(self) -> p.GenerateRequest:
+        return self.command.request
+
+
+@dataclass(eq=False)
+class _Template:
+    """A registered system prompt and its pin; ``waiters`` are register requests awaiting the pin."""
+
+    template_id: str
+    system_prompt: str
+    token_ids: list[int]
+    text: str | None  # the rendered system message, for splicing chat prompts
+    handle: PinHandle
+    waiters: list[Command] = field(default_factory=list)
+    pinned: bool = False
+
+    def registered(self, request_id: str, block_size: int) -> p.TemplateRegistered:
+        return p.TemplateRegistered(id=request_id, template_id=self.template_id, num_tokens=len(self.token_ids),
+                                    num_pinned_tokens=len(self.handle.block_ids) * block_size)
+
+
+class Worker:
+    """The engine thread. Only it touches the engine, the templates and the pending table.
+
+    Handlers raise (``ProtocolError``, ``Refused``) only before a request reaches the engine's
+    queues, so a request that is answered with an error never also gets a result.
+    """
+
+    def __init__(self, server: Server, config: EngineConfig, latency_model: LatencyModel | None) -> None:
+        self.server = server
+        self.config = config
+        self.latency_model = latency_model
+        self.metrics = server.metrics
+        self.outbox = server._outbox
+        self.engine: LLMEngine | None = None
+        self._generates: dict[Key, _Pending] = {}
+        self._internal: dict[str, _Pending | _Template] = {}
+        self._templates: dict[str, _Template] = {}
+        self._ids = itertools.count(1)
+        self._template_ids = itertools.count(1)
+        self._published = 0.0
+
+    def run(self) -> None:
+        try:
+            self.engine = self._load()
+        except Exception as exc:
+            log.error("engine_load_failed", error=f"{type(exc).__name__}: {exc}")
+            self.server._record_failure(exc)
+            self._exit()
+            return
+        self._publish(force=True)
+        self.server._ready.set()
+        log.info("server_ready", endpoint=self.server.endpoint, http_port=self.server.http_port,
+                 admission=self.config.admission, startup_s=round(self.engine.startup_s, 2))
+        try:
+            self._loop()
+        except Exception as exc:
+            log.exception("engine_fault")
+            self.server._record_failure(exc)
+            self._fail_everything(f"engine fault: {type(exc).__name__}: {exc}")
+        finally:
+            self._exit()
+
+    def _load(self) -> LLMEngine:
+        from ricllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine(self.config, clock=clock, latency_model=self.latency_model)
+
+    def _exit(self) -> None:
+        self.outbox.wake(force=True)
+        self.server._worker_done.set()
+        self.outbox.wake(force=True)
+        self.outbox.close()
+
+    def _loop(self) -> None:
+        """Commands, then one step, until drained: no work, nothing queued, and draining."""
+        engine = self.engine
+        while True:
+            was_idle = not engine.has_unfinished()
+            commands = self._take(block=was_idle)
+            for command in commands:
+                self._dispatch(command)
+            self.outbox.wake()  # accepted / rejected go out now, not after the coming step
+            self._enforce_drain_deadline()
+            if engine.has_unfinished():
+                self._after_step(engine.step())
+            elif self.server._draining.is_set() and self.server._inbound.empty():
+                self._publish(force=True)
+                return
+            self.outbox.wake()
+            # idle through a whole wait: publish, or the metrics would show the last busy state until
+            # a command comes (not at once on going idle: the replies of the last step go out first)
+            self._publish(force=was_idle and not commands)
+
+    def _take(self, block: bool) -> list[Command]:
+        commands = []
+        inbound = self.server._inbound
+        try:
+            commands.append(inbound.get(timeout=0.05) if block else inbound.get_nowait())
+            while True:
+                commands.append(inbound.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _dispatch(self, command: Command) -> None:
+        handlers = {p.GenerateRequest: self._generate, p.RegisterTemplateRequest: self._register,
+                    p.UnregisterTemplateRequest: self._unregister, p.CancelRequest: self._cancel,
+                    p.StatsRequest: self._stats}
+        request = command.request
+        try:
+            handlers[type(request)](command)
+        except Refused as refused:
+            self.outbox.put(command.identity, refused.reply(request.id))
+            self.metrics.admission(refused.code)
+            self.metrics.outcome("rejected")
+            log_refusal(command, refused.code, refused.message, rejected=True)
+        except p.ProtocolError as exc:
+            self._fail(command, exc.code, exc.message)
+        except Exception as exc:  # a bug: answer it, keep serving
+            log.exception("request_fault", id=request.id, type=request.type)
+            self._fail(command, "INTERNAL", f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, command: Command, code: str, message: str) -> None:
+        self.outbox.put(command.identity, p.ErrorReply(id=command.request.id, code=code, message=message))
+        if isinstance(command.request, p.GenerateRequest):
+            self.metrics.outcome("error")
+            log_refusal(command, code, message, rejected=False)
+
+    # -- generate
+
+    def _generate(self, command: Command) -> None:
+        request: p.GenerateRequest = command.request
+        template = self._template(request.template_id, request.id)
+        token_ids = self._prompt_tokens(request, template)
+        params = self._sampling(request, command.received)
+        internal_id = str(next(self._ids))
+        seq = self._add(request, token_ids, params, internal_id)
+        if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
+            raise Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
+        self.metrics.admission("degraded" if seq.degradation is not None else "admitted")
+        holdback = max((len(s) for s in request.stop), default=1) - 1
+        pending = _Pending(command, seq, internal_id, max(seq.arrival_time - command.received, 0.0), holdback)
+        self._generates[command.key] = pending
+        self._internal[internal_id] = pending
+        self.outbox.put(command.identity, p.Accepted(id=request.id, predicted_ms=self._predicted_ms(pending),
+                                                     queue_position=self._queue_position(seq),
+                                                     degraded=_degraded(seq.degradation)))
+
+    def _template(self, template_id: str | None, request_id: str) -> _Template | None:
+        if template_id is None:
+            return None
+        template = self._templates.get(template_id)
+        if template is None:
+            raise p.ProtocolError("UNKNOWN_TEMPLATE", f"field 'template_id': no template {template_id!r} is "
+                                  "registered", request_id)
+        return template
+
+    def _prompt_tokens(self, request: p.GenerateRequest, template: _Template | None) -> list[int]:
+        """The prompt; with a template its pinned tokens come first, token for token."""
+        tokenizer = self.engine.tokenizer
+        if request.messages is not None:
+            return self._chat_tokens(request, template)
+        prefix = template.token_ids if template is not None else []
+        if request.prompt is not None:
+            return prefix + tokenizer.encode(request.prompt, add_special_tokens=not prefix)
+        return prefix + list(request.token_ids)
+
+    def _chat_tokens(self, request: p.GenerateRequest, template: _Template | None) -> list[int]:
+        messages = [m.model_dump() for m in request.messages]
+        if template is not None:
+            if messages[0]["role"] == "system":
+                raise p.ProtocolError("VALIDATION", "field 'messages': starts with a system message, but "
+                                      "template_id already supplies it", request.id)
+            messages.insert(0, {"role": "system", "content": template.system_prompt})
+        text = self._render(messages, True, request.id)
+        tokenizer = self.engine.tokenizer
+        if template is not None and template.text is not None and text.startswith(template.text):
+            return template.token_ids + tokenizer.encode(text[len(template.text):], add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, request_id: str) -> str:
+        try:
+            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # no template, or the template's raise_exception
+            raise p.ProtocolError("VALIDATION", f"field 'messages': cannot apply the model's chat template: "
+                                  f"{exc}", request_id) from None
+
+    def _sampling(self, request: p.GenerateRequest, received: float) -> SamplingParams:
+        """The deadline is counted from receipt: the time spent queued here is taken off it."""
+        from ricllm.sampling_params import SamplingParams
+
+        deadline_ms = request.deadline_ms
+        if deadline_ms is not None:
+            waited_ms = (clock() - received) * 1000
+            if waited_ms >= deadline_ms:
+                raise Refused("DEADLINE_INFEASIBLE", f"the deadline of {deadline_ms:.1f} ms passed while the "
+                               f"request was queued ({waited_ms:.1f} ms)", deadline_ms=deadline_ms,
+                               waited_ms=round(waited_ms, 3))
+            deadline_ms -= waited_ms
+        try:
+            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=request.priority)
+        except InvalidRequestError as exc:
+            raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
+
+    def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
+             internal_id: str) -> Sequence:
+        engine = self.engine
+        total = len(token_ids) + params.max_tokens
+        if engine.admission is None and total > engine.max_model_len:
+            raise Refused("CONTEXT_TOO_LONG", f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                           f"= {total} tokens exceeds the context of {engine.max_model_len} tokens",
+                           prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
+                           max_model_len=engine.max_model_len)
+        try:
+            return engine.add_request(token_ids, params, request_id=internal_id)
+        except CapacityError as exc:  # admission off: can never fit the KV budget
+            raise Refused("KV_BUDGET", str(exc), prompt_tokens=len(token_ids), max_tokens=params.max_tokens) from None
+        except InvalidRequestError as exc:
+            source = "token_ids" if request.token_ids is not None else "prompt"
+            raise p.ProtocolError("VALIDATION", f"field {source!r}: {exc}", request.id) from None
+
+    def _predicted_ms(self, pending: _Pending) -> float | None:
+        """Admission's bound on this request's finish, from receipt, margin included (promised only)."""
+        from ricllm.engine.admission import finish_bounds, work_of
+
+        admission, seq = self.engine.admission, pending.seq
+        if admission is None or not seq.promised:
+            return None
+        try:
+            ordered = sorted(admission.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
+            extra = sum(1 for s in self.engine.scheduler.running if not s.promised)
+            now = clock()
+            bounds = finish_bounds([work_of(s) for s in ordered], admission.latency, admission.token_budget, now,
+                                   0.0, extra)
+            bound_s = (bounds[ordered.index(seq)] - now) * (1 + admission.config.safety_margin)
+            return round((bound_s + now - pending.command.received) * 1000, 3)
+        except Exception:  # an estimate only: never let it fail an admitted request
+            log.exception("predicted_ms_failed")
+            return None
+
+    def _queue_position(self, seq: Sequence) -> int | None:
+        waiting = self.engine.scheduler.waiting
+        return next((i for i, s in enumerate(waiting) if s is seq), None)
+
+    # -- after a step
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        """Replies first, woken at once; then each finished request's metrics and log event."""
+        completed = []
+        for out in outputs:
+            item = self._internal.pop(out.request_id, None)
+            if isinstance(item, _Pending):
+                completed.append((item, out, self._send_result(item, out)))
+            elif isinstance(item, _Template):
+                self._pinned(item)
+        for pending in self._generates.values():
+            if pending.request.stream:
+                self._stream(pending, final=False)
+        self.outbox.wake()
+        for pending, out, timings in completed:
+            self._account(pending, out, timings)
+
+    def _stream(self, pending: _Pending, final: bool) -> None:
+        """A ``token`` per new output token; the text since the last one rides on the newest.
+
+        While running, the last ``holdback`` characters wait (a stop string may be forming), so
+        the token texts concatenate to the result's text.
+        """
+        seq = pending.seq
+        token_ids, text = seq.output_token_ids, seq.output_text
+        visible = len(text) if final else max(pending.sent_chars, len(text) - pending.holdback)
+        for index in range(pending.sent_tokens, len(token_ids)):
+            piece = ""
+            if index == len(token_ids) - 1:
+                piece, pending.sent_chars = text[pending.sent_chars:visible], max(visible, pending.sent_chars)
+            self.outbox.put(pending.command.identity, p.Token(id=pending.request.id, index=index,
+                                                             token_id=token_ids[index], text=piece))
+        pending.sent_tokens = len(token_ids)
+
+    def _complete(self, pending: _Pending, out: RequestOutput) -> None:
+        """The final ``result`` (after any last tokens), its metrics and its one log event."""
+        self._account(pending, out, self._send_result(pending, out))
+
+    def _send_result(self, pending: _Pending, out: RequestOutput) -> p.Timings:
+        self._generates.pop(pending.command.key, None)
+        self._internal.pop(pending.internal_id, None)
+        if pending.request.stream:
+            self._stream(pending, final=True)
+        timings = _timings(out, pending.offset_s)
+        self.outbox.put(pending.command.identity, p.Result(
+            id=pending.request.id, text=out.text, token_ids=out.token_ids,
+            num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
+            finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
+            degraded=_degraded(out.degradation)))
+        return timings
+
+    def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
+        if out.finish_reason == "cancelled":
+            self.metrics.outcome("cancelled")
+        else:
+            self.metrics.result(timings.ttft_s, timings.tpot_s, timings.e2e_s, out.deadline_met)
+        log.info("request_done", id=pending.request.id, client=client_name(pending.command.identity),
+                 template=pending.request.template_id, admitted=True, reason=out.finish_reason, outcome="result",
+                 prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
+                 output_tokens=len(out.token_ids), **{f"{k[:-2]}_ms": None if v is None else round(v * 1000, 3)
+                                                       for k, v in timings.model_dump().items()},
+                 deadline_ms=pending.request.deadline_ms, deadline_met=out.deadline_met)
+
+    # -- cancel and drain
+
+    def _cancel(self, command: Command) -> None:
+        request: p.CancelRequest = command.request
+        pending = self._generates.get((command.identity, request.target_id))
+        if pending is None:
+            raise p.ProtocolError("UNKNOWN_REQUEST", f"field 'target_id': no generate request {request.target_id!r} "
+                                  "of this client is in flight", request.id)
+        self._abort(pending, "cancelled")
+        self.outbox.put(command.identity, p.Cancelled(id=request.id, target_id=request.target_id))
+
+    def _abort(self, pending: _Pending, reason: str) -> None:
+        """Finish a running or waiting sequence now."""
+        self._complete(pending, self.engine.abort(pending.seq, reason))
+
+    def _enforce_drain_deadline(self) -> None:
+        deadline = self.server._drain_deadline
+        if deadline is None or clock() < deadline or not self._generates:
+            return
+        log.warning("drain_timeout", cancelled=len(self._generates))
+        for pending in list(self._generates.values()):
+            self._abort(pending, "cancelled")
+
+    def _fail_everything(self, message: str) -> None:
+        """After an engine fault: an error for each request still waiting for the engine."""
+        for pending in list(self._generates.values()):
+            self._fail(pending.command, "INTERNAL", message)
+        for template in self._templates.values():
+            for waiter in template.waiters:
+                self._fail(waiter, "INTERNAL", message)
+        self._generates.clear()
+
+    # -- templates
+
+    def _register(self, command: Command) -> None:
+        from ricllm.cache.kv_cache_manager import PinHandle
+        from ricllm.sampling_params import SamplingParams
+
+        request: p.RegisterTemplateRequest = command.request
+        template_id = request.template_id or self._new_template_id()
+        existing = self._templates.get(template_id)
+        if existing is not None:
+            self._register_again(command, existing)
+            return
+        token_ids, text = self._render_system(request.system_prompt, request.id)
+        self._check_pin_fits(token_ids, request.id)
+        # ids far from the engine's own (LLM.pin_prefix counts from 1), in case both are ever used
+        handle = PinHandle(handle_id=(1 << 30) + next(self._template_ids), token_ids=list(token_ids))
+        internal_id = f"template:{next(self._ids)}"
+        try:
+            seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                                          request_id=internal_id, pin_on_finish=handle)
+        except (CapacityError, InvalidRequestError) as exc:
+            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': {exc}", request.id) from None
+        if seq.rejection is not None:
+            raise p.ProtocolError("INTERNAL", f"cannot pin template {template_id!r} now: {seq.rejection}", request.id)
+        template = _Template(template_id, request.system_prompt, list(token_ids), text, handle, [command])
+        self._templates[template_id] = template
+        self._internal[internal_id] = template
+
+    def _register_again(self, command: Command, template: _Template) -> None:
+        """The same id and text again is a no-op (answered once pinned); another text is an error."""
+        request: p.RegisterTemplateRequest = command.request
+        if template.system_prompt != request.system_prompt:
+            raise p.ProtocolError("VALIDATION", f"field 'template_id': {template.template_id!r} is registered with "
+                                  "another system prompt; unregister it first", request.id)
+        if template.pinned:
+            self.outbox.put(command.identity, template.registered(request.id, self.engine.config.block_size))
+        else:
+            template.waiters.append(command)
+
+    def _new_template_id(self) -> str:
+        while True:
+            template_id = f"t-{next(self._template_ids)}"
+            if template_id not in self._templates:
+                return template_id
+
+    def _render_system(self, system_prompt: str, request_id: str) -> tuple[list[int], str | None]:
+        """The system message as chat requests start with it (raw text without a chat template)."""
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.has_chat_template:
+            return tokenizer.encode(system_prompt), None
+        text = self._render([{"role": "system", "content": system_prompt}], False, request_id)
+        return tokenizer.encode(text, add_special_tokens=False), text
+
+    def _check_pin_fits(self, token_ids: list[int], request_id: str) -> None:
+        """Pins may not take blocks that admitted requests reserved, nor the last free one."""
+        engine = self.engine
+        needed = len(token_ids) // engine.cache.block_size
+        reserved = engine.admission.reserved_blocks if engine.admission is not None else 0
+        room = engine.kv_cache.geometry.num_blocks - engine.cache.num_pinned_blocks - reserved - 1
+        if needed > room:
+            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': pinning {len(token_ids)} tokens needs "
+                                  f"{needed} full KV blocks, but only {room} can be pinned now", request_id)
+
+    def _pinned(self, template: _Template) -> None:
+        template.pinned = True
+        block_size = self.engine.config.block_size
+        if self._templates.get(template.template_id) is not template:  # unregistered while it was pinning
+            self._unpin(template)
+        for waiter in template.waiters:
+            self.outbox.put(waiter.identity, template.registered(waiter.request.id, block_size))
+        template.waiters.clear()
+        log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
+                 pinned_tokens=len(template.handle.block_ids) * block_size)
+
+    def _unpin(self, template: _Template) -> None:
+        if template.handle.handle_id in self.engine.cache.pins:
+            self.engine.cache.unpin(template.handle)
+
+    def _unregister(self, command: Command) -> None:
+        request: p.UnregisterTemplateRequest = command.request
+        template = self._templates.pop(request.template_id, None)
+        if template is None:
+            raise p.ProtocolError("UNKNOWN_TEMPLATE", f"field 'template_id': no template {request.template_id!r} "
+                                  "is registered", request.id)
+        if template.pinned:
+            self._unpin(template)
+        self.outbox.put(command.identity, p.TemplateUnregistered(id=request.id, template_id=request.template_id))
+        log.info("template_unregistered", template=request.template_id)
+
+    # -- stats and metrics
+
+    def _stats(self, command: Command) -> None:
+        self.outbox.put(command.identity, p.StatsReply(id=command.request.id, stats=self._stats_dict()))
+
+    def _stats_dict(self) -> dict[str, Any]:
+        engine, admission = self.engine, self.engine.admission
+        counts = self.metrics.counts()
+        latency = None
+        if admission is not None:
+            latency = {**admission.latency.error_summary(), "correction": admission.latency.correction}
+        return {
+            "model": self._model_identity(),
+            "kv_cache": engine.kv_cache_stats(),
+            "queues": {"inbound": self.server._inbound.qsize(),
+                       "inbound_capacity": self.server.options.inbound_queue_size,
+                       "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                       "in_flight": len(self._generates)},
+            "admission": {"policy": self.config.admission, "counts": counts["admission"],
+                          "reserved_blocks": admission.reserved_blocks if admission is not None else 0},
+            "deadlines": counts["deadlines"],
+            "latency_model": latency,
+            "templates": {t.template_id: {"num_tokens": len(t.token_ids), "pinned": t.pinned,
+                                          "num_pinned_tokens": len(t.handle.block_ids) * engine.config.block_size}
+                          for t in self._templates.values()},
+            "draining": self.server._draining.is_set(),
+        }
+
+    def _model_identity(self) -> dict[str, Any]:
+        """Which model and build answer: a RIC-side caller can check it serves what it expects."""
+        engine = self.engine
+        layers, head = engine.weight_formats
+        return {"name": engine.spec.name, "path": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),
+                "weights": {"layers": layers, "head": head}, "attention_backend": engine.attention_backend,
+                "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__}
+
+    def _publish(self, force: bool = False) -> None:
+        """Hand the metrics collector a fresh snapshot, at most every PUBLISH_EVERY_S."""
+        now = clock()
+        if not force and now - self._published < PUBLISH_EVERY_S:
+            return
+        self._published = now
+        engine, admission = self.engine, self.engine.admission
+        kv = engine.kv_cache_stats()
+        errors = admission.latency.error_summary() if admission is not None else {}
+        self.metrics.publish(EngineSnapshot(
+            running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+            inbound=self.server._inbound.qsize(), num_blocks=kv["num_blocks"], used_blocks=kv["used_blocks"],
+            free_blocks=kv["free_blocks"], cached_free_blocks=kv["cached_free_blocks"],
+            pinned_blocks=kv["pinned_blocks"], prefix_queries_tokens=kv["prefix_cache_queries_tokens"],
+            prefix_hits_tokens=kv["prefix_cache_hits_tokens"], preemptions=kv["preemptions"],
+            latency_median_abs_error=errors.get("median_abs_error"), latency_p95_abs_error=errors.get("p95_abs_error"),
+            latency_correction=admission.latency.correction if admission is not None else None))
+
+
+def _timings(out: RequestOutput, offset_s: float) -> p.Timings:
+    """The engine's times count from its arrival; the protocol's from the server's receipt."""
+    def shifted(value: float | None) -> float | None:
+        return None if value is None else max(value + offset_s, 0.0)
+
+    e2e = shifted(out.e2e_s) or 0.0
+    queue_s = shifted(out.queue_s)
+    return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=shifted(out.ttft_s), e2e_s=e2e,
+                     tpot_s=out.tpot_s)
+
+
+
+def _degraded(degradation) -> p.Degraded | None:
+    if degradation is None:
+        return None
+    return p.Degraded(code=degradation.code, requested_max_tokens=degradation.requested_max_tokens,
+                      granted_max_tokens=degradation.granted_max_tokens, message=degradation.message,
+                      numbers=wire_numbers(degradation.numbers))
