@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ricllm.errors import RicllmError
+from ricllm.errors import ConfigError, RicllmError
 from ricllm.plan import add_subparser as add_plan_subparser
 from ricllm.replay.runner import add_replay_subparser
 from ricllm.report import add_report_subparser
@@ -98,31 +98,40 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-PREPARE_KV_BUDGET = "32MiB"  # the engine built to convert needs some KV cache; a few blocks do
-
-
 def cmd_prepare(args: argparse.Namespace) -> int:
     from ricllm.config import EngineConfig
     from ricllm.engine.llm_engine import LLMEngine
-    from ricllm.kernels.cpu_library import cpu_kernels_available
-    from ricllm.units import format_bytes
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
-                          threads=args.threads, admission="off", kv_cache_budget=PREPARE_KV_BUDGET)
-    engine = LLMEngine(config)
+    if args.no_weight_cache:
+        raise ConfigError("prepare fills the weight cache: --no-weight-cache contradicts it")
+    admission = "deadline" if args.calibrate else "off"
+    engine = LLMEngine(EngineConfig(model=args.model, admission=admission, **_engine_kwargs(args)))
     entry = engine.weight_cache_entry
-    layers, head = engine.weight_formats
-    what = f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.dtype).removeprefix('torch.')}"
     if entry is None or not entry.is_file():
         print(f"ricllm: error: could not write the weight cache entry {entry} (see the log above); "
               f"set RICLLM_CACHE_DIR to a writable folder", file=sys.stderr)
         return 1
-    done = "already in the weight cache" if engine.weights_source.startswith("cache") else \
-        f"converted from {engine.model_path} in {engine.startup_s:.1f} s"
-    print(f"weights   {what}: {done}\n          {entry} ({format_bytes(entry.stat().st_size)})")
-    ok, reason = cpu_kernels_available() if engine.device.type == "cpu" else (False, "not used on " + engine.device.type)
-    print(f"kernels   {'CPU kernels ' + reason if ok else 'CPU kernels unavailable: ' + reason}")
+    for line in _prepared(engine, entry, args.calibrate):
+        print(line)
     return 0
+
+
+def _prepared(engine, entry, calibrated: bool) -> list[str]:
+    """What ``prepare`` left on disk, one aligned line each."""
+    from ricllm.engine.calibration import fit_cache_path
+    from ricllm.kernels.cpu_library import cpu_kernels_available
+    from ricllm.units import format_bytes
+
+    layers, head = engine.weight_formats
+    what = f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.dtype).removeprefix('torch.')}"
+    done = ("already in the weight cache" if engine.weights_source.startswith("cache")
+            else f"converted from {engine.model_path} in {engine.load_s:.1f} s")
+    lines = [f"weights   {what}: {done}", f"          {entry} ({format_bytes(entry.stat().st_size)})"]
+    ok, reason = cpu_kernels_available() if engine.device.type == "cpu" else (False, f"not used on {engine.device.type}")
+    lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
+    if calibrated:
+        lines.append(f"latency   step-latency fit for this machine: {fit_cache_path(engine)}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,12 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "instead of converting. Entries are keyed by the file's hash, dtype, device, weight "
                     "format and this CPU, so run it with the flags you serve with, on the machine (or "
                     "image) that serves. The cache is $RICLLM_CACHE_DIR (default ~/.cache/ricllm).")
-    prepare.add_argument("--model", default=None,
-                         help="GGUF file or HF checkpoint folder (default: the installed SmolLM2-135M-Instruct GGUF)")
-    prepare.add_argument("--weights", default="auto", help="auto, bf16, int8 or int4 (default: %(default)s)")
-    prepare.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
-    prepare.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
-    prepare.add_argument("--threads", type=int, default=None, help="CPU threads for the conversion")
+    prepare.add_argument("--calibrate", action="store_true",
+                         help="also measure the step-latency fit that deadline admission uses (about 20 s) and "
+                              "cache it; a fit is valid only on the machine that measured it, so do this on the "
+                              "serving node, not in an image build")
+    _engine_args(prepare)
     prepare.set_defaults(func=cmd_prepare)
     add_plan_subparser(sub)
     add_replay_subparser(sub)

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def ricllm(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "ricllm.cli", *args], capture_output=True, text=True,
@@ -47,15 +49,25 @@ def test_bad_flag_value_is_a_clear_error(tiny_gguf):
     assert "Traceback" not in result.stderr
 
 
-def test_prepare_fills_the_weight_cache_that_the_next_start_maps(tiny_gguf, tmp_path, monkeypatch):
+def test_prepare_fills_the_weight_cache_and_the_fit_that_the_next_start_uses(tiny_gguf, tmp_path, monkeypatch):
     env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path)}
-    first = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16", env=env)
+    first = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16", "--calibrate", env=env)
     assert first.returncode == 0, first.stderr
     assert f"converted from {tiny_gguf}" in first.stdout and str(tmp_path / "weights") in first.stdout
+    fit = first.stdout.split("step-latency fit for this machine: ")[1].split()[0]
+    assert fit.startswith(str(tmp_path / "latency")) and os.path.isfile(fit)
     again = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16", env=env)
     assert again.returncode == 0 and "already in the weight cache" in again.stdout, again.stdout + again.stderr
     from ricllm import LLM
+    from ricllm.engine import calibration
 
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
-    llm = LLM(str(tiny_gguf), dtype="bfloat16", kv_cache_budget="4MiB")
+    monkeypatch.setattr(calibration, "calibrate", lambda engine, **_: pytest.fail("calibrated again"))
+    llm = LLM(str(tiny_gguf), dtype="bfloat16", admission="deadline")
     assert llm.engine.weights_source.startswith(f"cache {tmp_path / 'weights'}")
+
+
+def test_prepare_refuses_to_skip_the_weight_cache(tiny_gguf):
+    result = ricllm("prepare", "--model", str(tiny_gguf), "--no-weight-cache")
+    assert result.returncode == 2 and "--no-weight-cache contradicts it" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -49,12 +49,17 @@ def fit_key(engine) -> dict:
     }
 
 
+def fit_cache_path(engine) -> Path:
+    """Where the fit for this engine's key is cached."""
+    digest = hashlib.sha256(json.dumps(fit_key(engine), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "latency" / f"{digest}.json"
+
+
 def load_or_calibrate(engine) -> LatencyModel:
     """A given fit file, else the cached fit for this key, else a fresh sweep (then cached)."""
     if engine.config.latency_fit:
         return load_fit(Path(engine.config.latency_fit))
-    key = fit_key(engine)
-    path = cache_dir() / "latency" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    key, path = fit_key(engine), fit_cache_path(engine)
     if path.is_file():
         log.info("latency_fit_loaded", path=str(path))
         return load_fit(path)

@@ -58,6 +58,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model_path(config.model)
         self.spec, self.tokenizer, self.model = self._load_model()
+        self.load_s = time.perf_counter() - started  # the weights alone (startup_s adds calibration)
         self.model.enable_decoder_stack()
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         geometry = plan_cache(self.spec, config.kv_cache_budget, config.block_size, self.dtype)
