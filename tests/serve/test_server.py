@@ -108,6 +108,32 @@ def test_generate_ping_and_timings(server):
     assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s and t.tpot_s is not None
 
 
+def test_accepted_leaves_before_the_model_step_runs(start_server, monkeypatch):
+    """Admission runs between steps; its reply must not wait for the step that follows it."""
+    from ricllm.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def slow_step(engine):
+        time.sleep(0.5)
+        return step(engine)
+
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
+    running = start_server()
+    dealer = Dealer(running.endpoint)
+    try:
+        sent = time.monotonic()
+        dealer.send(generate("slow", prompt="hello", max_tokens=1))
+        accepted = dealer.recv()
+        accepted_after = time.monotonic() - sent
+        result = dealer.until_final("slow")[-1]
+        result_after = time.monotonic() - sent
+    finally:
+        dealer.close()
+    assert accepted.type == "accepted" and result.type == "result"
+    assert accepted_after < 0.25 < 0.5 <= result_after, (accepted_after, result_after)
+
+
 def test_deadline_request_meets_it_and_reports_a_prediction(server):
     dealer = Dealer(server.endpoint)
     try:
