@@ -127,7 +127,8 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
     done = ("already in the weight cache" if engine.weights_source.startswith("cache")
             else f"converted from {engine.model_path} in {engine.load_s:.1f} s")
     lines = [f"weights   {what}: {done}", f"          {entry} ({format_bytes(entry.stat().st_size)})"]
-    ok, reason = cpu_kernels_available() if engine.device.type == "cpu" else (False, f"not used on {engine.device.type}")
+    device = engine.device.type
+    ok, reason = cpu_kernels_available() if device == "cpu" else (False, f"not used on {device}")
     lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
     if calibrated:
         lines.append(f"latency   step-latency fit for this machine: {fit_cache_path(engine)}")

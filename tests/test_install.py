@@ -40,8 +40,9 @@ def test_an_installed_ricllm_prepares_and_generates_outside_the_repository(tiny_
         return subprocess.run([sys.executable, "-m", "ricllm.cli", *args], cwd=elsewhere, env=env,
                               capture_output=True, text=True, timeout=300)
 
-    where = subprocess.run([sys.executable, "-c", "import ricllm, ricllm.kernels as k; print(ricllm.__file__, k.__file__)"],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    code = "import ricllm, ricllm.kernels as k; print(ricllm.__file__, k.__file__)"
+    where = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+                           timeout=120)
     assert where.returncode == 0 and where.stdout.count(str(site)) == 2, where.stdout + where.stderr
     prepared = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16")
     assert prepared.returncode == 0, prepared.stderr[-2000:]
