@@ -43,6 +43,9 @@ COPY xapp_descriptor/config-file.json /opt/ric/config/config-file.json
 # numeric, so Kubernetes' runAsNonRoot can verify it
 USER 10001:10001
 WORKDIR /home/ricllm
+# where the converted weights, the built kernels and latency fits live (readable if the runtime
+# user or a read-only root file system differs: then nothing is rewritten, only read)
+ENV RICLLM_CACHE_DIR=/home/ricllm/.cache/ricllm
 
 # Convert the default model's weights into the weight cache (~/.cache/ricllm) and build the CPU
 # kernels now, with the settings the descriptor's controls serve with: every container start then

@@ -88,6 +88,8 @@ def test_the_image_converts_the_weights_it_serves_with_at_build_time():
     user_at = max(i for i, (kind, _) in enumerate(instructions) if kind == "USER")
     assert user_at < prepare_at
     assert instructions[prepare_at][1] == "ricllm prepare"  # the defaults, no flags
+    cache = next(arg for kind, arg in instructions[:prepare_at] if kind == "ENV" and "RICLLM_CACHE_DIR=" in arg)
+    assert cache.split("RICLLM_CACHE_DIR=")[1].split()[0].startswith("/home/ricllm/")
     from ricllm.cli import build_parser
 
     defaults = vars(build_parser().parse_args(["prepare"]))
