@@ -118,7 +118,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def _prepared(engine, entry, calibrated: bool) -> list[str]:
     """What ``prepare`` left on disk, one aligned line each."""
-    from ricllm.engine.calibration import fit_cache_path
+    from ricllm.engine.calibration import fit_cache_path, fit_key
     from ricllm.kernels.cpu_library import cpu_kernels_available
     from ricllm.units import format_bytes
 
@@ -131,7 +131,7 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
     ok, reason = cpu_kernels_available() if device == "cpu" else (False, f"not used on {device}")
     lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
     if calibrated:
-        lines.append(f"latency   step-latency fit for this machine: {fit_cache_path(engine)}")
+        lines.append(f"latency   step-latency fit for this machine: {fit_cache_path(fit_key(engine))}")
     return lines
 
 

@@ -49,9 +49,9 @@ def fit_key(engine) -> dict:
     }
 
 
-def fit_cache_path(engine) -> Path:
-    """Where the fit for this engine's key is cached."""
-    digest = hashlib.sha256(json.dumps(fit_key(engine), sort_keys=True).encode()).hexdigest()[:16]
+def fit_cache_path(key: dict) -> Path:
+    """Where the fit for this key (``fit_key(engine)``) is cached."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "latency" / f"{digest}.json"
 
 
@@ -59,7 +59,8 @@ def load_or_calibrate(engine) -> LatencyModel:
     """A given fit file, else the cached fit for this key, else a fresh sweep (then cached)."""
     if engine.config.latency_fit:
         return load_fit(Path(engine.config.latency_fit))
-    key, path = fit_key(engine), fit_cache_path(engine)
+    key = fit_key(engine)
+    path = fit_cache_path(key)
     if path.is_file():
         log.info("latency_fit_loaded", path=str(path))
         return load_fit(path)
