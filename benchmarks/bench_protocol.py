@@ -115,7 +115,8 @@ def zeromq_clients(endpoint: str, load: Load) -> tuple[list[float], float, list[
     return latencies, wall, inside
 
 
-def over_zeromq(config, loads: list[Load]) -> list[tuple[list[float], float]]:
+def over_zeromq(config, loads: list[Load]) -> list[tuple[list[float], float, list[float]]]:
+    """Per load: latencies, wall time, and each result's ``timings.e2e_s`` (inside the server)."""
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.serve.server import Server
     from ricllm.serve.settings import ServerOptions
@@ -140,7 +141,7 @@ def over_zeromq(config, loads: list[Load]) -> list[tuple[list[float], float]]:
 LOCAL, REMOTE = "in-process", "ZeroMQ (clients in another process)"
 
 
-def table(name: str, rounds: list[dict[str, tuple[list[float], float]]], load: Load) -> list[str]:
+def table(name: str, rounds: list[dict[str, tuple]], load: Load) -> list[str]:
     """Pooled over the rounds, then the added p50: closed loop, the median of the rounds' p50
     differences; open loop, the median of the per-request differences (the same request, sent at
     the same moment on both paths)."""
@@ -200,7 +201,7 @@ def main() -> None:
     config = EngineConfig(model=args.model, admission="off", max_num_seqs=64)
     loads = [Load(1, args.requests * 4), Load(args.clients, args.requests),
              Load(args.clients, args.requests, args.rate)]
-    rounds = []  # per round: per load, {path: (latencies, wall)}
+    rounds = []  # per round: per load, {path: (latencies, wall[, inside the server])}
     for _ in range(args.rounds):
         local, remote = in_process(config, loads), over_zeromq(config, loads)
         rounds.append([{LOCAL: ours, REMOTE: theirs} for ours, theirs in zip(local, remote)])

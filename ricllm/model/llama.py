@@ -192,6 +192,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(rope_inverse_frequencies(spec), spec.max_position_embeddings)
         self.packed_head = None
         self.decoder_stack = None  # set by enable_decoder_stack()
+        self.weight_device: torch.device | None = None  # where load_weights places weights (build sets it)
         self.requires_grad_(False)
 
     @classmethod
