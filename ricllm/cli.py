@@ -22,7 +22,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                        help="bytes for the whole KV cache, e.g. 256MiB or 1GB (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default: %(default)s)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    group.add_argument("--max-num-batched-tokens", type=int, default=512,
                        help="token budget per step, prefill chunks included (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")

@@ -22,7 +22,8 @@ class EngineConfig:
     kv_cache_budget: int | str = "256MiB"
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512  # a step's prefill chunk: bounds the stall of running decodes and
+    # the step's activations; on a CPU, 512-token chunks prefill as fast as 2048 (benchmarks/RESULTS.md)
     max_model_len: int | None = None
     dtype: str = "auto"
     device: str = "auto"

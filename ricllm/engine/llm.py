@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, kv_cache_budget: int | str = "256MiB",
-                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int | None = None, dtype: str = "auto", device: str = "auto",
                  attention_backend: str = "auto", weights: str = "auto", enable_prefix_caching: bool = True,
                  weight_cache: bool = True, max_packed_rows: int | None = None,

@@ -95,7 +95,7 @@ class Controls(_Strict):
     kv_cache_budget: int | str = "256MiB"
     block_size: int = Field(16, ge=1, le=1024)
     max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
     device: Annotated[str, StringConstraints(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
@@ -342,7 +342,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-budget", default=S, help="bytes for the whole KV cache, e.g. 256MiB (default)")
     engine.add_argument("--block-size", type=int, default=S, help="tokens per KV block (16)")
     engine.add_argument("--max-num-seqs", type=int, default=S, help="most sequences per step (64)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=S, help="token budget per step (2048)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=S, help="token budget per step (512)")
     engine.add_argument("--max-model-len", type=int, default=S, help="cap on prompt + output tokens")
     engine.add_argument("--dtype", default=S, help="auto, float32, bfloat16 or float16 (auto)")
     engine.add_argument("--device", default=S, help="auto, cpu or cuda[:N] (auto)")
