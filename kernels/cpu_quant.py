@@ -56,11 +56,22 @@ PACK_ROWS = 2048  # rows packed at a time: the fp32 temporaries stay a few MB (a
 
 def _by_rows(pack_rows):
     """Pack ``[N, K]`` in slices of ``PACK_ROWS`` rows (whole tiles), each converted to fp32 on
-    its own; every output is tile-major, so the slices' outputs concatenate."""
+    its own. Every output is tile-major, its size proportional to the rows: the first slice sizes
+    the whole outputs, and each slice is written into them. (Keeping the slices to concatenate at
+    the end would leave them scattered between the freed temporaries, which the heap then keeps.)"""
     @functools.wraps(pack_rows)
     def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        parts = [pack_rows(weight[start:start + PACK_ROWS].float()) for start in range(0, weight.shape[0], PACK_ROWS)]
-        return tuple(torch.cat(column) for column in zip(*parts))
+        rows, first_rows = weight.shape[0], min(weight.shape[0], PACK_ROWS)
+        outputs, per_slice = None, None
+        for start in range(0, rows, PACK_ROWS):
+            part = pack_rows(weight[start:start + PACK_ROWS].float())
+            if outputs is None:  # leading-dimension entries per slice of ``first_rows`` rows
+                per_slice = [p.shape[0] for p in part]
+                outputs = [p.new_empty(n * rows // first_rows, *p.shape[1:]) for p, n in zip(part, per_slice)]
+            for whole, piece, n in zip(outputs, part, per_slice):
+                at = start // first_rows * n
+                whole[at:at + piece.shape[0]] = piece
+        return tuple(outputs)
     return pack
 
 

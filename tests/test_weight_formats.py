@@ -136,8 +136,9 @@ def test_a_q8_0_embedding_is_served_exactly_from_its_packed_head_and_others_are_
     assert not PackedEmbedding.serves(PackedLinear.pack(float_weights.float(), "int8", None), float_weights)
 
 
+@pytest.mark.parametrize("pack_rows", [32, 64])  # 3 slices of 2 tiles; 2 slices, the last one shorter
 @pytest.mark.parametrize("kind,fmt", [("Q4_1", "int4"), ("Q8_0", "int8")])
-def test_vnni_packing_a_slice_at_a_time_gives_the_whole_weights_packing(kind, fmt, monkeypatch):
+def test_vnni_packing_a_slice_at_a_time_gives_the_whole_weights_packing(kind, fmt, pack_rows, monkeypatch):
     """A first start packs a vocabulary-wide head in slices (a few MB of fp32 at a time)."""
     need_layout("vnni", fmt)
     from ricllm.kernels import cpu_quant
@@ -145,7 +146,7 @@ def test_vnni_packing_a_slice_at_a_time_gives_the_whole_weights_packing(kind, fm
 
     w = gguf_weight(96, 256, seed=11, kind=kind)
     whole = PackedLinear.pack(w, fmt, max_packed_rows=None, layout="vnni")
-    monkeypatch.setattr(cpu_quant, "PACK_ROWS", 32)  # 3 slices of 2 tiles
+    monkeypatch.setattr(cpu_quant, "PACK_ROWS", pack_rows)
     sliced = PackedLinear.pack(w, fmt, max_packed_rows=None, layout="vnni")
     for name in ("packed_weight", "packed_scales", "packed_offsets"):
         assert torch.equal(getattr(sliced, name), getattr(whole, name)), name

@@ -28,6 +28,7 @@ from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model import weight_cache
 from ricllm.model.llama import LlamaModel
+from ricllm.model.heap import release_free_heap
 from ricllm.model.loader import open_checkpoint, resolve_model_path
 from ricllm.model.packed_linear import resolve_formats
 from ricllm.model.spec import ModelSpec
@@ -58,6 +59,8 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model_path(config.model)
         self.spec, self.tokenizer, self.model = self._load_model()
+        if self.weights_source.startswith("file"):
+            release_free_heap()  # what converting freed (and the reader's arrays) before the KV pool comes
         self.load_s = time.perf_counter() - started  # the weights alone (startup_s adds calibration)
         self.model.enable_decoder_stack()
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
@@ -126,8 +129,12 @@ class LLMEngine:
         # dense model never exists at once (a first start's peak RSS)
         model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
-        model.load_weights(tensors, None if layer_format == "dense" else
-                           lambda index: model.pack_layer(index, layer_format, max_rows))
+
+        def pack(index: int) -> None:
+            model.pack_layer(index, layer_format, max_rows)
+            release_free_heap()  # else the heap keeps its freed dense weights, between packed ones
+
+        model.load_weights(tensors, None if layer_format == "dense" else pack)
         model.pack_head(head_format, max_rows)
         return model.eval()
 
