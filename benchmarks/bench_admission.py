@@ -6,8 +6,8 @@ with admission ("deadline", prefill paced for running decodes), with admission b
 prefill ("unpaced"), optionally with the degrade policy ("degrade"), and without admission
 ("fcfs": every request queues). Reports the share of admitted requests that meet their deadline,
 goodput (requests meeting their deadline per second, as `vllm bench serve --goodput` counts it),
-rejections by reason, the p99 time per output token of admitted requests, the latency model's
-error and the admission decision time.
+rejections by reason, how late the latest missed request was, the p99 time per output token of
+admitted requests, the latency model's error and the admission decision time.
 
     python benchmarks/bench_admission.py [--seconds 20] [--loads 0.5 1 2 4] [--policies deadline unpaced fcfs]
 """
@@ -109,9 +109,11 @@ def summarize(outputs, duration: float, engine: LLMEngine, decision_times: list[
     errors = engine.admission.latency.error_summary() if engine.admission else {}
     decisions = sorted(decision_times)
     tpots = sorted(o.tpot_s for o in admitted if o.tpot_s is not None)
+    late_ms = [o.e2e_s * 1000 - o.deadline_ms for o in admitted if o.deadline_met is False]
     return {
         "sent": len(outputs), "admitted": len(admitted), "met": len(met),
         "degraded": sum(1 for o in admitted if o.degradation is not None),
+        "worst_late_ms": max(late_ms) if late_ms else None,
         "tpot_p99_ms": tpots[int(0.99 * (len(tpots) - 1))] * 1000 if tpots else None,
         "met_of_admitted": len(met) / len(admitted) if admitted else float("nan"),
         "goodput": len(met) / duration, "rejected": reasons,
@@ -182,15 +184,16 @@ def main() -> None:
             rows.append({"load": load, "policy": policy, **result})
     lines = [f"capacity (saturated, mixed classes): {capacity:.2f} requests/s", "",
              "| load | policy | sent | admitted | degraded | met / admitted | goodput (req/s) | rejected | "
-             "TPOT p99 (ms) | model err p50 / p95 | decision p99 (ms) |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|"]
+             "worst miss (ms late) | TPOT p99 (ms) | model err p50 / p95 | decision p99 (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|"]
     for r in rows:
         err = (f"{r['model_median_err']:.1%} / {r['model_p95_err']:.1%}"
                if r["model_median_err"] is not None else "-")
         decision = f"{r['decision_p99_ms']:.3f}" if r["decision_p99_ms"] is not None else "-"
         tpot = f"{r['tpot_p99_ms']:.1f}" if r["tpot_p99_ms"] is not None else "-"
+        late = f"{r['worst_late_ms']:.0f}" if r["worst_late_ms"] is not None else "-"
         lines.append(f"| {r['load']}x | {r['policy']} | {r['sent']} | {r['admitted']} | {r['degraded']} | "
-                     f"{r['met_of_admitted']:.1%} | {r['goodput']:.2f} | {r['rejected'] or '-'} | {tpot} | {err} | "
+                     f"{r['met_of_admitted']:.1%} | {r['goodput']:.2f} | {r['rejected'] or '-'} | {late} | {tpot} | {err} | "
                      f"{decision} |")
     admitted, p99 = on_engine_thread("deadline", decision_p99_at_full_batch)
     lines.append(f"\ndecision p99 with {admitted} requests admitted (and a 64-seat batch): {p99:.3f} ms")
