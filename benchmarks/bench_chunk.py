@@ -80,7 +80,7 @@ def child(budget: int) -> dict:
     stall_ms, ttft_ms = decode_stall(llm, 2048)
     return dict(budget=budget, batch_tps=prefill_rate(llm, 8, 256), long_tps=prefill_rate(llm, 1, 2048),
                 stall_ms=stall_ms, ttft_ms=ttft_ms,
-                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6)  # KiB -> MB
 
 
 def run_child(budget: int) -> dict:

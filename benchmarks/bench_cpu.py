@@ -18,7 +18,7 @@ Measured, for every engine:
   4. time to ready: wall time from starting a fresh process to a model ready to generate.
      ricllm twice per format: first start (RICLLM_CACHE_DIR is an empty temporary folder, so it
      converts the GGUF and writes the weight cache) and second start (reads that cache);
-  5. peak RSS: ru_maxrss of the measuring child.
+  5. peak RSS: ru_maxrss of the measuring child, in MB (10^6 bytes).
 
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB"). On a Q4_1 file
 weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives (labelled).
@@ -64,7 +64,7 @@ def progress(message: str) -> None:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux; MB = 10^6 bytes
 
 
 # ================================================================== engines (run in the children)
