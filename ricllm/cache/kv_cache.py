@@ -50,7 +50,12 @@ def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, dtype: torch
 
 
 class KVCache:
-    """``layers[i] = (k, v)``, each ``[num_blocks, block_size, n_kv_heads, head_dim]``."""
+    """``layers[i] = (k, v)``, each ``[num_blocks, block_size, n_kv_heads, head_dim]``.
+
+    The whole budget is allocated and zeroed at start. The pages are resident from then on, so a
+    node short of memory fails at start rather than under load. Zeros, not garbage, sit in the
+    slots no step has written yet.
+    """
 
     def __init__(self, spec: ModelSpec, geometry: CacheGeometry, dtype: torch.dtype, device: torch.device):
         shape = (geometry.num_blocks, geometry.block_size, spec.num_kv_heads, spec.head_dim)
