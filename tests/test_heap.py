@@ -7,7 +7,7 @@ import pytest
 from ricllm.model.heap import release_free_heap
 
 
-def anon_rss_mb() -> float:
+def anon_rss_mib() -> float:
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) / 1024
@@ -23,8 +23,8 @@ def test_release_free_heap_returns_the_holes_that_freed_temporaries_leave():
         freed.append(bytearray(100_000))
         kept.append(bytearray(1_000))
     freed.clear()
-    holding = anon_rss_mb()
+    holding = anon_rss_mib()
     if not release_free_heap():
         pytest.skip("no glibc malloc_trim here")
-    assert holding - anon_rss_mb() > 50, "about 100 MB of freed blocks stayed resident after the trim"
+    assert holding - anon_rss_mib() > 50, "about 100 MB of freed blocks stayed resident after the trim"
     assert len(kept) == 1000

@@ -27,8 +27,8 @@ from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model import weight_cache
-from ricllm.model.llama import LlamaModel
 from ricllm.model.heap import release_free_heap
+from ricllm.model.llama import LlamaModel
 from ricllm.model.loader import open_checkpoint, resolve_model_path
 from ricllm.model.packed_linear import resolve_formats
 from ricllm.model.spec import ModelSpec
@@ -59,8 +59,6 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model_path(config.model)
         self.spec, self.tokenizer, self.model = self._load_model()
-        if self.weights_source.startswith("file"):
-            release_free_heap()  # what converting freed (and the reader's arrays) before the KV pool comes
         self.load_s = time.perf_counter() - started  # the weights alone (startup_s adds calibration)
         self.model.enable_decoder_stack()
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
@@ -117,7 +115,10 @@ class LLMEngine:
         self.weights_source = f"file {self.model_path}"
         if entry is not None:
             weight_cache.save(entry, checkpoint.spec, checkpoint.tokenizer, model, self.weight_formats)
-        return checkpoint.spec, checkpoint.tokenizer, model
+        spec, tokenizer = checkpoint.spec, checkpoint.tokenizer
+        del checkpoint  # the file's reader: its objects join the conversion's freed temporaries
+        release_free_heap()  # and the heap gives them all back before the KV pool is allocated
+        return spec, tokenizer, model
 
     def _convert(self, checkpoint, backend) -> LlamaModel:
         from tqdm import tqdm
