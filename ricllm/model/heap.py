@@ -24,7 +24,8 @@ def release_free_heap() -> bool:
     model frees a burst of temporaries (each layer's dequantized tensors, between the packed
     results that stay), and the heap keeps them: SmolLM2's first start held 200-300 MB more RSS
     than its live tensors when the KV pool was allocated after it. ``malloc_trim(0)`` gives those
-    pages back; it costs a few milliseconds, so it runs once per converted layer, not per step.
+    pages back; it costs a few milliseconds, so the engine calls it after each converted layer
+    and once the model file is closed, never per step.
     """
     trim = _malloc_trim()
     if trim is None:
