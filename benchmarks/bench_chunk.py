@@ -70,12 +70,9 @@ def decode_stall(llm, length: int) -> tuple[float, float]:
 
 
 def child(budget: int) -> dict:
-    import torch
-
-    torch.set_num_threads(THREADS)
     from ricllm import LLM, SamplingParams
 
-    llm = LLM(kv_cache_budget="256MiB", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm = LLM(kv_cache_budget="256MiB", max_num_batched_tokens=budget, enable_prefix_caching=False, threads=THREADS)
     llm.generate(prompts(2, 300, seed=99), SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     stall_ms, ttft_ms = decode_stall(llm, 2048)
     return dict(budget=budget, batch_tps=prefill_rate(llm, 8, 256), long_tps=prefill_rate(llm, 1, 2048),

@@ -1,7 +1,7 @@
-"""The CPU benchmark: ricllm (int4, int8, bf16 weights) vs llama.cpp vs HF transformers.
+"""The CPU benchmark: ricllm (int4, int8, bf16 weights; native and torch runtimes) vs llama.cpp vs HF transformers.
 
 One run, peers side by side, on the same GGUF (default: the installed SmolLM2-135M-Instruct
-Q4_1) and the same prompts, 2 threads everywhere (torch.set_num_threads(2), llama.cpp
+Q4_1) and the same prompts, 2 threads everywhere (ricllm threads=2, llama.cpp
 n_threads=2, OMP_NUM_THREADS=2 in every child). Each engine configuration runs in its own
 subprocess, which prints one JSON line; this process collects them and prints the tables.
 
@@ -20,15 +20,16 @@ Measured, for every engine:
      converts the GGUF and writes the weight cache) and second start (reads that cache);
   5. peak RSS: ru_maxrss of the measuring child, in MB (10^6 bytes).
 
-ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB"). On a Q4_1 file
-weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives (labelled).
+ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
+file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
+native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
 llama.cpp runs in a child of the system python (llama-cpp-python is not in the venv).
 Prompts are fixed-seed random token ids in [100, vocab - 100), identical for every engine.
 The summary and ratios (ricllm / llama.cpp) are appended to benchmarks/RESULTS.md.
 
     python benchmarks/bench_cpu.py                      # full run (tens of minutes on 2 cores)
     python benchmarks/bench_cpu.py --quick              # smoke test: tiny sizes, prints only
-    python benchmarks/bench_cpu.py [--formats int4 int8 bf16] [--skip-hf] [--skip-llamacpp] [--no-publish]
+    python benchmarks/bench_cpu.py [--configs int4:native int4:torch int8:native bf16:torch] [--skip-hf] [--skip-llamacpp] [--no-publish]
 
 This file is also the children's program (``--child measure|ready``, spec as JSON on stdin):
 its module level imports only the standard library, so the system python can run it.
@@ -73,19 +74,18 @@ class RicllmEngine:
     """ricllm's offline API with one weight format."""
 
     def __init__(self, spec: dict):
-        import torch
-
-        torch.set_num_threads(THREADS)
-        from ricllm import LLM, SamplingParams
+        from ricllm import LLM, SamplingParams  # no torch import here: the native runtime runs without it
 
         self.params = SamplingParams
-        self.llm = LLM(spec["model"], dtype="bfloat16", weights=spec["weights"], kv_cache_budget=KV_BUDGET)
+        self.llm = LLM(spec["model"], dtype="bfloat16", weights=spec["weights"], kv_cache_budget=KV_BUDGET,
+                       threads=THREADS, runtime=spec["runtime"])
+        assert self.llm.engine.runtime.name == spec["runtime"], self.llm.engine.runtime.why
         self.preemptions: dict[int, int] = {}
 
     def describe(self) -> dict:
         engine = self.llm.engine
         return dict(formats=list(engine.weight_formats), weights_from=engine.weights_source,
-                    preemptions=self.preemptions)
+                    preemptions=self.preemptions, torch_imported="torch" in sys.modules)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
         before = self.llm.kv_cache_stats()["preemptions"]
@@ -318,14 +318,15 @@ def bench_config(python: str, spec: dict, cache_dir: str | None = None) -> dict 
     return dict(label=spec["label"], engine=spec["engine"], **ready, **result)
 
 
-def bench_ricllm(base: dict, weights: str, auto_formats: tuple[str, str]) -> dict | None:
-    spec = dict(base, engine="ricllm", weights=weights, label=f"ricllm {weights}")
+def bench_ricllm(base: dict, weights: str, runtime: str, auto_formats: tuple[str, str]) -> dict | None:
+    spec = dict(base, engine="ricllm", weights=weights, runtime=runtime, label=f"ricllm {weights} {runtime}")
     with tempfile.TemporaryDirectory(prefix="ricllm-bench-cache-") as cache_dir:
         result = bench_config(sys.executable, spec, cache_dir)
     if result is not None:
         layers, head = result["formats"]
-        result["label"] += f" ({layers} layers, {head} head{'; = auto' if (layers, head) == auto_formats else ''})"
-        result["is_default"] = (layers, head) == auto_formats
+        default = (layers, head) == auto_formats and runtime == "native"  # what LLM() runs on this CPU
+        result["label"] += f" ({layers} layers, {head} head{'; the default' if default else ''})"
+        result["is_default"] = default
     return result
 
 
@@ -343,20 +344,17 @@ def llamacpp_available(python: str) -> bool:
 
 def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
     """(vocabulary size, what weights="auto" resolves to on this file), from its metadata."""
-    import torch
-
+    from ricllm.model.formats import resolve_formats
     from ricllm.model.loader import open_checkpoint
-    from ricllm.model.packed_linear import resolve_formats
 
     checkpoint = open_checkpoint(model)
-    auto = resolve_formats("auto", checkpoint.tensor_types(), torch.bfloat16, torch.device("cpu"))
-    return checkpoint.spec.vocab_size, auto
+    return checkpoint.spec.vocab_size, resolve_formats("auto", checkpoint.tensor_types(), packable=True)
 
 
 def run_all(args, model: Path, sizes: dict) -> list[dict]:
     vocab, auto_formats = model_facts(model)
     base = workload_spec(model, vocab, sizes)
-    results = [bench_ricllm(base, weights, auto_formats) for weights in args.formats]
+    results = [bench_ricllm(base, *config.split(":"), auto_formats) for config in args.configs]
     if not args.skip_llamacpp and llamacpp_available(args.llamacpp_python):
         results.append(bench_config(args.llamacpp_python, dict(base, engine="llamacpp", label="llama.cpp Q4_1")))
     if not args.skip_hf:
@@ -480,8 +478,9 @@ def report(results: list[dict], sizes: dict, model: Path, append: bool) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2 Q4_1)")
-    parser.add_argument("--formats", nargs="+", default=["int4", "int8", "bf16"],
-                        choices=["auto", "int4", "int8", "bf16"], help="ricllm weight formats to run")
+    parser.add_argument("--configs", nargs="+", default=["int4:native", "int4:torch", "int8:native", "bf16:torch"],
+                        choices=[f"{w}:{r}" for w in ("auto", "int4", "int8", "bf16") for r in ("native", "torch")],
+                        help="ricllm configurations, WEIGHTS:RUNTIME (bf16 runs on torch only; default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (32-token prompts, 8 new "
                         "tokens, streams 1 and 4); never publishes")
     parser.add_argument("--skip-hf", action="store_true")

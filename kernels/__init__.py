@@ -14,8 +14,10 @@ import functools
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a kernel runs: the torch-free runtime imports this package
+    import torch
 
 
 def triton_available() -> tuple[bool, str]:
@@ -30,6 +32,8 @@ def triton_available() -> tuple[bool, str]:
     version = getattr(triton, "__version__", "?")
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True, f"triton {version} in interpreter mode (TRITON_INTERPRET=1)"
+    import torch
+
     if torch.cuda.is_available():
         return True, f"triton {version} on {torch.cuda.get_device_name()}"
     return False, f"triton {version} is installed but there is no CUDA device and TRITON_INTERPRET is not 1"

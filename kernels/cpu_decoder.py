@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ricllm.kernels.cpu_library import IS_BF16, library
+from ricllm.kernels.cpu_library import library
+
+IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
 
 # the C side's argument layout (csrc/cpu_decoder.c): pointers per layer, then the dims array
 DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ricllm.kernels.cpu_library import IS_BF16, library
+from ricllm.kernels.cpu_library import library
+
+IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
 
 
 

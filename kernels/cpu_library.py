@@ -19,12 +19,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ricllm.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
+IS_BF16_BY_NAME = {"bfloat16": 1, "float32": 0}  # the element types the kernels take: their is_bf16 flag
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c",
            CSRC / "cpu_decoder.c")
 HEADERS = (CSRC / "cpu_common.h",)
@@ -102,6 +100,16 @@ def library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
+
+
+@functools.lru_cache(maxsize=2)
+def quant_gemm_available(bits: int) -> bool:
+    """Whether this CPU runs the packed-weight products at ``bits`` (8: AVX-512 VNNI; 4: AVX-512
+    BF16 too) and the library builds here."""
+    try:
+        return bool(library().ricllm_quant_gemm_supported(bits))
+    except (RuntimeError, OSError):
+        return False
 
 
 def cpu_kernels_available() -> tuple[bool, str]:

@@ -15,19 +15,11 @@ import functools
 
 import torch
 
-from ricllm.kernels.cpu_library import IS_BF16, library
+from ricllm.kernels.cpu_library import library, quant_gemm_available  # noqa: F401 (re-exported)
+
+IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
 
 GROUP, TILE = 32, 16
-
-
-@functools.lru_cache(maxsize=2)
-def quant_gemm_available(bits: int) -> bool:
-    """Whether this CPU runs the kernel at ``bits`` (8: AVX-512 VNNI; 4: AVX-512 BF16 too) and
-    the library builds here."""
-    try:
-        return bool(library().ricllm_quant_gemm_supported(bits))
-    except (RuntimeError, OSError):
-        return False
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -35,7 +35,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--no-weight-cache", action="store_true",
                        help="always convert the model file at start instead of reusing converted weights on disk")
-    group.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or all cores)")
+    group.add_argument("--threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all cores)")
+    group.add_argument("--runtime", default="auto", choices=("auto", "native", "torch"),
+                       help="native: numpy and ricllm's C kernels, no torch in the process (about 200 MB less); "
+                            "torch: the torch model, every device and format; auto: native where it serves "
+                            "the model (CPU, packed weights), else torch (default: %(default)s)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,7 +47,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, weights=args.weights, enable_prefix_caching=not args.no_prefix_caching,
-                weight_cache=not args.no_weight_cache, threads=args.threads)
+                weight_cache=not args.no_weight_cache, threads=args.threads, runtime=args.runtime)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -127,7 +131,7 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
     done = ("already in the weight cache" if engine.weights_source.startswith("cache")
             else f"converted from {engine.model_path} in {engine.load_s:.1f} s")
     lines = [f"weights   {what}: {done}", f"          {entry} ({format_bytes(entry.stat().st_size)})"]
-    device = engine.device.type
+    device = str(engine.device).split(":")[0]
     ok, reason = cpu_kernels_available() if device == "cpu" else (False, f"not used on {device}")
     lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
     if calibrated:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ricllm.errors import ConfigError
 from ricllm.units import parse_bytes
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:  # torch is imported only by the torch runtime (the native one runs without it)
+    import torch
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}  # accepted names -> torch's name
+RUNTIMES = ("auto", "native", "torch")
 
 
 @dataclass
@@ -44,6 +47,8 @@ class EngineConfig:
     tightest_deadline_tokens: int = 16
     seed: int = 0
     threads: int | None = None
+    runtime: str = "auto"  # native: numpy + ricllm's C kernels, no torch in the process; torch: the torch
+    # model; auto: native where it serves the model as configured (ricllm.engine.runtime says why not)
 
     def __post_init__(self) -> None:
         self.kv_cache_budget = parse_bytes(self.kv_cache_budget)
@@ -61,10 +66,14 @@ class EngineConfig:
             raise ConfigError(f"unknown admission policy {self.admission!r}; choose off, deadline or fcfs")
         if not 0 <= self.safety_margin < 10:
             raise ConfigError(f"safety_margin must be in [0, 10), got {self.safety_margin}")
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
@@ -77,14 +86,18 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """``auto``: bf16 where the hardware has it (CPU with AVX-512 BF16 / AMX, or CUDA), else fp32."""
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, DTYPES[self.dtype])
         if device.type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
     def apply_threads(self) -> int:
         """Torch intra-op threads: ``threads``, else ``OMP_NUM_THREADS``, else torch's default."""
+        import torch
+
         threads = self.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads:
             torch.set_num_threads(threads)

@@ -69,7 +69,8 @@ def tiny_bpe_tokens() -> tuple[list[str], list[str]]:
 
 
 def add_tiny_tokenizer(
-    writer: gguf.GGUFWriter, pre: str = "gpt-2", chat_template: str | None = CHATML_TEMPLATE
+    writer: gguf.GGUFWriter, pre: str = "gpt-2", chat_template: str | None = CHATML_TEMPLATE,
+    pad_vocab_to: int = 1,
 ) -> TinyTokenizerInfo:
     """Write a tiny byte-level BPE tokenizer (model "gpt2") into ``writer``'s metadata.
 
@@ -77,7 +78,9 @@ def add_tiny_tokenizer(
     llama.cpp, transformers and ricllm. BOS = <|im_start|>, EOS = PAD = <|im_end|>, no BOS added.
     """
     tokens, merges = tiny_bpe_tokens()
-    types = [gguf.TokenType.NORMAL] * len(tokens)
+    base = len(tokens)
+    tokens = tokens + [f"<|unused_{i}|>" for i in range(-len(tokens) % pad_vocab_to)]  # as real vocabularies pad
+    types = [gguf.TokenType.NORMAL] * base + [gguf.TokenType.UNUSED] * (len(tokens) - base)
     for token in TINY_SPECIAL_TOKENS:
         types[tokens.index(token)] = gguf.TokenType.CONTROL
     for token in TINY_USER_DEFINED_TOKENS:

@@ -39,10 +39,11 @@ TINY = dict(vocab=None, hidden=64, heads=4, kv_heads=2, layers=2, ffn=128, conte
 
 
 def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_heads: int = 2,
-                          quant: str | None = None, rope_theta: float = 10000.0) -> Path:
+                          quant: str | None = None, rope_theta: float = 10000.0, pad_vocab_to: int = 1) -> Path:
     """A random Llama GGUF that both ricllm and HF transformers load (the oracle needs no download).
 
     ``quant`` ("Q8_0" or "Q4_1") stores the 2-D layer weights quantized, to test dequantization.
+    ``pad_vocab_to`` pads the vocabulary with unused tokens to a multiple (16: a head that tiles).
     """
     import gguf
 
@@ -50,7 +51,7 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
 
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
-    vocab = add_tiny_tokenizer(writer).vocab_size
+    vocab = add_tiny_tokenizer(writer, pad_vocab_to=pad_vocab_to).vocab_size
     h, heads, ffn, layers = TINY["hidden"], TINY["heads"], TINY["ffn"], TINY["layers"]
     head_dim = h // heads
     writer.add_name("tiny-random-llama")

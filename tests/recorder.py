@@ -16,8 +16,8 @@ class LogitsRecorder:
         def run(batch):
             logits, rows = original(batch)
             sampled = [seq for seq, n in batch.items if seq.num_computed_tokens + n == seq.num_tokens]
-            for seq, row in zip(sampled, logits):
-                self.by_request[seq.request_id][seq.num_tokens - 1] = row.clone()
+            for seq, row in zip(sampled, logits):  # numpy rows (the native runtime) become tensors
+                self.by_request[seq.request_id][seq.num_tokens - 1] = torch.as_tensor(row).clone()
             return logits, rows
 
         runner.run = run

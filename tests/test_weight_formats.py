@@ -226,7 +226,7 @@ def test_resolve_formats(requested, types, dtype, expected):
 
 
 def test_packed_weights_with_float32_are_refused_naming_the_problem():
-    with pytest.raises(ConfigError, match=r"weights='int4' needs dtype bfloat16 on the CPU \(got torch.float32"):
+    with pytest.raises(ConfigError, match=r"weights='int4' needs dtype bfloat16 on the CPU \(got float32 on cpu"):
         resolve_formats("int4", Q4_1_FILE, torch.float32, CPU)
     with pytest.raises(ConfigError, match="unknown weights format 'int3'"):
         resolve_formats("int3", Q4_1_FILE, torch.bfloat16, CPU)
@@ -363,7 +363,8 @@ def reference_perplexity(smollm2_checkpoint, oracle):
 def smollm2_in_format(request, smollm2):
     # steps of at most max_packed_rows (16) rows keep the layers on their packed kernels
     return request.param, LLM(str(smollm2), dtype="bfloat16", weights=request.param, kv_cache_budget="64MiB",
-                              enable_prefix_caching=False, max_num_batched_tokens=16, weight_cache=False)
+                              enable_prefix_caching=False, max_num_batched_tokens=16, weight_cache=False,
+                              runtime="torch")
 
 
 @pytest.mark.slow
@@ -382,7 +383,7 @@ def test_the_default_model_keeps_its_vocabulary_once(smollm2, tmp_path, monkeypa
     with_copy = LLM(str(smollm2), dtype="bfloat16", kv_cache_budget="8MiB", max_packed_rows=16, weight_cache=False)
     ids = torch.arange(with_copy.engine.spec.vocab_size)
     for start in ("file", "cache"):
-        lean = LLM(str(smollm2), dtype="bfloat16", kv_cache_budget="8MiB")
+        lean = LLM(str(smollm2), dtype="bfloat16", kv_cache_budget="8MiB", runtime="torch")
         assert lean.engine.weights_source.startswith(start)
         assert isinstance(lean.engine.model.embed, PackedEmbedding)
         assert "embed.weight" not in lean.engine.model.state_dict()
@@ -414,10 +415,61 @@ def test_perplexity_stays_within_two_percent_of_fp32(smollm2_in_format, referenc
         f"weights={fmt}: perplexity {ppl:.3f} vs fp32 {reference_perplexity:.3f} ({change:+.2%})")
 
 
+def native_teacher_forced_logits(llm: LLM, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    """The native runtime's fp32 logits at ``positions``, from prefill steps of
+    ``max_num_batched_tokens`` rows through the C decoder stack (as it serves a prompt). It
+    writes K/V into the pool's first blocks: ``llm`` must hold no cached prefix."""
+    from ricllm.engine.flat_batch import FlatBatch
+
+    engine, hidden = llm.engine, []
+    model, bs, chunk = engine.model, engine.config.block_size, engine.config.max_num_batched_tokens
+    table = list(range(-(-len(token_ids) // bs)))
+    for start in range(0, len(token_ids), chunk):
+        end = min(len(token_ids), start + chunk)
+        rows = end - start
+        flat = FlatBatch(token_ids[start:end], list(range(start, end)),
+                         [table[p // bs] * bs + p % bs for p in range(start, end)], [0, rows], [end], [table], [],
+                         max_query_len=rows, prefill_rows=rows, prefill_products=rows * end)
+        hidden.append(model.forward(flat.input_ids, flat.positions, flat))
+    rows = np.ascontiguousarray(np.concatenate(hidden)[positions])
+    return torch.from_numpy(model.compute_logits(rows))
+
+
+@pytest.fixture(scope="module", params=("int8", "int4"))
+def smollm2_native(request, smollm2):
+    llm = LLM(str(smollm2), weights=request.param, kv_cache_budget="64MiB", enable_prefix_caching=False,
+              weight_cache=False, runtime="native")
+    assert llm.engine.runtime.name == "native"
+    return request.param, llm
+
+
+@pytest.mark.slow
+def test_native_runtime_greedy_choices_agree_with_hf_fp32(smollm2_native, oracle_choices):
+    fmt, llm = smollm2_native
+    agree = total = 0
+    for full, positions, choices in oracle_choices:
+        agree += (native_teacher_forced_logits(llm, full, positions).argmax(-1) == choices).sum().item()
+        total += len(positions)
+    assert agree / total >= 0.95, f"native {fmt}: greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
+
+
+@pytest.mark.slow
+def test_native_runtime_perplexity_stays_within_two_percent_of_fp32(smollm2_native, reference_perplexity):
+    fmt, llm = smollm2_native
+    ids = llm.tokenizer.encode(TEXT)
+    logits = native_teacher_forced_logits(llm, ids, list(range(len(ids) - 1)))
+    ppl = math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
+    change = ppl / reference_perplexity - 1
+    assert abs(change) <= 0.02, f"native {fmt}: perplexity {ppl:.3f} vs fp32 {reference_perplexity:.3f} ({change:+.2%})"
+
+
 # --------------------------------------------------------------------- behaviour on the tiny model
 
 BLOCK = 16
 TINY_FORMATS = ("bf16", "int8", "int4", "auto")
+# every weight format in the torch runtime, and the packed ones in the native runtime (whose model
+# pads its vocabulary to whole tiles of 16 head rows: the stack needs every projection packed)
+TINY_CASES = [*((w, "torch") for w in TINY_FORMATS), ("int8", "native"), ("int4", "native")]
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 # Greedy tokens may part only where two tokens tie within bf16 rounding: the kernels a step uses
 # (packed or dense weights, decode or prefill attention) depend on how many rows share it, and
@@ -436,6 +488,14 @@ def tiny_q4_1_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_models(tiny_q4_1_gguf, tmp_path_factory):
+    """The Q4_1 tiny model per runtime: for the native one with its vocabulary padded to 304."""
+    padded = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_native") / "tiny_q4_1_304.gguf", seed=2,
+                                   quant="Q4_1", pad_vocab_to=16)
+    return {"torch": tiny_q4_1_gguf, "native": padded}
+
+
+@pytest.fixture(scope="module")
 def tiny_vocab(tiny_q4_1_gguf):
     from ricllm.model.loader import open_checkpoint
 
@@ -444,6 +504,7 @@ def tiny_vocab(tiny_q4_1_gguf):
 
 def tiny_llm(path, weights: str, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_budget", "8MiB")
+    kwargs.setdefault("runtime", "torch")
     return LLM(str(path), dtype="bfloat16", weights=weights, block_size=BLOCK, weight_cache=False, **kwargs)
 
 
@@ -500,11 +561,12 @@ def greedy_divergence(runs, reference_runs) -> tuple[list[int], float]:
     return differing, gap
 
 
-@pytest.mark.parametrize("weights", TINY_FORMATS)
-def test_batched_requests_get_their_solo_logits_and_tokens(tiny_q4_1_gguf, tiny_vocab, weights):
+@pytest.mark.parametrize("weights, runtime", TINY_CASES)
+def test_batched_requests_get_their_solo_logits_and_tokens(tiny_models, tiny_vocab, weights, runtime):
+    tiny_q4_1_gguf = tiny_models[runtime]
     prompts = random_prompts(tiny_vocab, (3, 17, 31, 64, 90, 5, 9, 12), seed=7)
-    batched_llm = tiny_llm(tiny_q4_1_gguf, weights)
-    solo_llm = tiny_llm(tiny_q4_1_gguf, weights, max_num_seqs=1, enable_prefix_caching=False)
+    batched_llm = tiny_llm(tiny_q4_1_gguf, weights, runtime=runtime)
+    solo_llm = tiny_llm(tiny_q4_1_gguf, weights, runtime=runtime, max_num_seqs=1, enable_prefix_caching=False)
     batched_rec, solo_rec = LogitsRecorder(batched_llm.engine), LogitsRecorder(solo_llm.engine)
     batched = [(out, batched_rec) for out in batched_llm.generate(prompts, PARAMS)]
     solo = [(solo_llm.generate([p], PARAMS)[0], solo_rec) for p in prompts]
@@ -513,16 +575,17 @@ def test_batched_requests_get_their_solo_logits_and_tokens(tiny_q4_1_gguf, tiny_
                               f"prompts {differing} of {len(prompts)} get other greedy tokens in a batch than alone")
 
 
-@pytest.mark.parametrize("weights", TINY_FORMATS)
-def test_shared_prefix_is_reused_with_the_uncached_logits_and_tokens(tiny_q4_1_gguf, tiny_vocab, weights):
+@pytest.mark.parametrize("weights, runtime", TINY_CASES)
+def test_shared_prefix_is_reused_with_the_uncached_logits_and_tokens(tiny_models, tiny_vocab, weights, runtime):
+    tiny_q4_1_gguf = tiny_models[runtime]
     system, q1, q2 = random_prompts(tiny_vocab, (40, 9, 5), seed=3)
-    llm = tiny_llm(tiny_q4_1_gguf, weights)
+    llm = tiny_llm(tiny_q4_1_gguf, weights, runtime=runtime)
     cached_rec = LogitsRecorder(llm.engine)
     first = llm.generate([system + q1], PARAMS)[0]
     second = llm.generate([system + q2], PARAMS)[0]  # 13 new prompt rows: a packed prefill
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == (len(system) // BLOCK) * BLOCK
-    uncached_llm = tiny_llm(tiny_q4_1_gguf, weights, enable_prefix_caching=False)
+    uncached_llm = tiny_llm(tiny_q4_1_gguf, weights, runtime=runtime, enable_prefix_caching=False)
     uncached_rec = LogitsRecorder(uncached_llm.engine)
     uncached = uncached_llm.generate([system + q2], PARAMS)[0]  # 45 prompt rows: a dense prefill
     differing, gap = greedy_divergence([(second, cached_rec)], [(uncached, uncached_rec)])
@@ -530,12 +593,13 @@ def test_shared_prefix_is_reused_with_the_uncached_logits_and_tokens(tiny_q4_1_g
                               + (" and changes the greedy tokens" if differing else ""))
 
 
-@pytest.mark.parametrize("weights", TINY_FORMATS)
-def test_many_requests_on_a_small_budget_stay_inside_it(tiny_q4_1_gguf, tiny_vocab, weights):
+@pytest.mark.parametrize("weights, runtime", TINY_CASES)
+def test_many_requests_on_a_small_budget_stay_inside_it(tiny_models, tiny_vocab, weights, runtime):
+    tiny_q4_1_gguf = tiny_models[runtime]
     num_blocks = 24
     bytes_per_token = 2 * 2 * 2 * 16 * 2  # 2·L·n_kv·d_h·2 bytes (bf16) for the tiny model
     budget = num_blocks * BLOCK * bytes_per_token
-    llm = tiny_llm(tiny_q4_1_gguf, weights, kv_cache_budget=budget, max_num_seqs=64)
+    llm = tiny_llm(tiny_q4_1_gguf, weights, runtime=runtime, kv_cache_budget=budget, max_num_seqs=64)
     prompts = random_prompts(tiny_vocab, [5 + (7 * i) % 40 for i in range(48)], seed=11)
     params = [SamplingParams(max_tokens=8 + i % 17, ignore_eos=True) for i in range(48)]
     outputs = generate_checking_pool(llm, prompts, params)

@@ -1,5 +1,2 @@
-"""Attention over the paged KV cache: one metadata object per step, backends behind one interface."""
-
-from ricllm.attention.metadata import AttentionMetadata
-
-__all__ = ["AttentionMetadata"]
+"""Attention over the paged KV cache: one metadata object per step (``metadata``), backends behind
+one interface (``backends``). Nothing is imported here: ``cpu_policy`` serves the torch-free runtime."""

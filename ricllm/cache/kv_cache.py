@@ -9,12 +9,16 @@ These tensors are the only KV storage the engine ever holds; nothing grows after
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from ricllm.errors import ConfigError
 from ricllm.model.spec import ModelSpec
 from ricllm.units import format_bytes
+
+if TYPE_CHECKING:  # the torch runtime's store; the native one (``NativeKVCache``) is numpy
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,10 @@ class CacheGeometry:
         return self.num_blocks * self.bytes_per_block
 
 
-def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, dtype: torch.dtype) -> CacheGeometry:
-    """Blocks that fit the budget; an error when not even one does."""
+def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, dtype_bytes: int) -> CacheGeometry:
+    """Blocks that fit the budget (``dtype_bytes`` per element); an error when not even one does."""
     if block_size < 1:
         raise ConfigError(f"block_size must be at least 1, got {block_size}")
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     bytes_per_block = spec.kv_bytes_per_token(dtype_bytes) * block_size
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
@@ -58,6 +61,8 @@ class KVCache:
     """
 
     def __init__(self, spec: ModelSpec, geometry: CacheGeometry, dtype: torch.dtype, device: torch.device):
+        import torch
+
         shape = (geometry.num_blocks, geometry.block_size, spec.num_kv_heads, spec.head_dim)
         self.geometry = geometry
         self.layers = [
@@ -67,3 +72,20 @@ class KVCache:
 
     def total_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+
+class NativeKVCache:
+    """The native runtime's store: the same shapes and invariants as ``KVCache``, one numpy array
+    for the whole pool (bf16 as uint16 bit patterns), ``layers[i] = (k, v)`` views into it.
+    Every page is written at start (``np.zeros`` alone would leave them unmapped until a step
+    touches them), so a node short of memory fails at start here too."""
+
+    def __init__(self, spec: ModelSpec, geometry: CacheGeometry):
+        shape = (geometry.num_blocks, geometry.block_size, spec.num_kv_heads, spec.head_dim)
+        self.geometry = geometry
+        self.pool = np.empty((spec.num_layers, 2, *shape), dtype=np.uint16)
+        self.pool.fill(0)
+        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(spec.num_layers)]
+
+    def total_bytes(self) -> int:
+        return self.pool.nbytes

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
 import ricllm
 from ricllm.engine.latency_model import LatencyModel, Roofline, fit
@@ -25,7 +26,7 @@ from ricllm.sampling_params import SamplingParams
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 6  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 7  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
@@ -44,7 +45,8 @@ def fit_key(engine) -> dict:
         "weights": list(engine.weight_formats), "attention_backend": engine.attention_backend,
         "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__,
         "calibration": CALIBRATION_VERSION, "kernels": kernels,
-        "max_packed_rows": engine.config.max_packed_rows, "decoder_stack": engine.model.decoder_stack is not None,
+        "max_packed_rows": engine.config.max_packed_rows, "runtime": engine.runtime.name,
+        "decoder_stack": engine.runtime.name == "native" or engine.model.decoder_stack is not None,
         "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
     }
 
@@ -77,8 +79,19 @@ def load_fit(path: Path) -> LatencyModel:
         raise ConfigError(f"cannot read latency fit {str(path)!r}: {exc}") from exc
 
 
-def measure_bandwidth(device: torch.device, megabytes: int = 128) -> float:
-    """Bytes per second of a large copy (read + write), the roofline's bandwidth."""
+def measure_bandwidth(device, megabytes: int = 128) -> float:
+    """Bytes per second of a large copy (read + write), the roofline's bandwidth: with torch's
+    (threaded) copy on a torch device, with numpy's (one thread: a lower bound, so a more
+    cautious floor) for the native runtime's ``"cpu"``."""
+    if isinstance(device, str):
+        source = np.ones(megabytes << 18, dtype=np.float32)
+        target = source.copy()
+        start = time.perf_counter()
+        for _ in range(3):
+            np.copyto(target, source)
+        return 3 * 2 * source.nbytes / (time.perf_counter() - start)
+    import torch
+
     source = torch.empty(megabytes << 18, dtype=torch.float32, device=device).fill_(1.0)
     target = torch.empty_like(source)
     target.copy_(source)
@@ -92,6 +105,9 @@ def measure_bandwidth(device: torch.device, megabytes: int = 128) -> float:
 
 def roofline_of(engine) -> Roofline:
     """Bytes a small-batch step must read: packed weights where a layer has them, else dense."""
+    per_token = engine.kv_cache.geometry.bytes_per_block / engine.kv_cache.geometry.block_size
+    if engine.runtime.name == "native":
+        return Roofline(float(engine.model.weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"))
     from ricllm.model.packed_linear import PackedLinear
 
     model = engine.model
@@ -102,7 +118,6 @@ def roofline_of(engine) -> Roofline:
     tensors = [t for name, t in model.named_buffers() if not name.startswith("rope.")] + [
         t for t in model.parameters() if id(t) not in shadowed]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    per_token = engine.kv_cache.geometry.bytes_per_block / engine.kv_cache.geometry.block_size
     return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.device))
 
 
@@ -111,7 +126,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    generator = torch.Generator().manual_seed(1234)
+    generator = random.Random(1234)
     vocab = engine.spec.vocab_size
     budget = engine.config.max_num_batched_tokens
     shapes = [s for s in [(1, n, 1, 0) for n in PREFILL_LENGTHS if n <= budget]
@@ -122,7 +137,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     _warm_up(engine, generator, vocab)
 
     def prompt(length: int) -> list[int]:
-        return torch.randint(10, vocab - 10, (length,), generator=generator).tolist()
+        return [generator.randrange(10, vocab - 10) for _ in range(length)]
 
     for batch, length, new_tokens, joining in tqdm(shapes, desc="calibrating latency model", unit="shape",
                                                    disable=None):
@@ -145,9 +160,9 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     return model
 
 
-def _warm_up(engine, generator: torch.Generator, vocab: int) -> None:
+def _warm_up(engine, generator: random.Random, vocab: int) -> None:
     """One small request first: the first steps of a process pay one-off costs (allocator, JIT)."""
-    engine.add_request(torch.randint(10, vocab - 10, (16,), generator=generator).tolist(),
+    engine.add_request([generator.randrange(10, vocab - 10) for _ in range(16)],
                        SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ricllm.attention.backends import C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK
+from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK
 from ricllm.engine.scheduler import StepFeatures
 
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step")

@@ -8,31 +8,22 @@ this same loop.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
-from ricllm.attention.backends import select_backend
-from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
 from ricllm.engine.admission import AdmissionConfig, AdmissionController
-from ricllm.engine.model_runner import ModelRunner
-from ricllm.engine.sampler import sample
+from ricllm.engine.runtime import build_runtime
 from ricllm.engine.scheduler import Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
-from ricllm.model import weight_cache
-from ricllm.model.heap import release_free_heap
-from ricllm.model.llama import LlamaModel
-from ricllm.model.loader import open_checkpoint, resolve_model_path
-from ricllm.model.packed_linear import resolve_formats
-from ricllm.model.spec import ModelSpec
-from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from ricllm.model.loader import resolve_model_path
+from ricllm.model.tokenizer import IncrementalDetokenizer
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 from ricllm.units import format_bytes
@@ -54,20 +45,20 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self._built_on = self._stepping_on = threading.get_ident()
-        self.threads = config.apply_threads()
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
         self.model_path = resolve_model_path(config.model)
-        self.spec, self.tokenizer, self.model = self._load_model()
-        self.load_s = time.perf_counter() - started  # the weights alone (startup_s adds calibration)
-        self.model.enable_decoder_stack()
+        runtime = self.runtime = build_runtime(config, self.model_path)
+        self.spec, self.tokenizer, self.model = runtime.spec, runtime.tokenizer, runtime.model
+        self.device, self.dtype, self.threads = runtime.device, runtime.dtype, runtime.threads
+        self.attention_backend, self.weight_formats = runtime.attention_backend, runtime.weight_formats
+        self.weights_source, self.weight_cache_entry = runtime.weights_source, runtime.weight_cache_entry
+        self.load_s = runtime.load_s  # the weights alone (startup_s adds calibration)
+        self.kv_cache, self.runner = runtime.kv_cache, runtime.runner
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
-        geometry = plan_cache(self.spec, config.kv_cache_budget, config.block_size, self.dtype)
-        self.kv_cache = KVCache(self.spec, geometry, self.dtype, self.device)
+        geometry = self.kv_cache.geometry
         self.cache = KVCacheManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self._ids = itertools.count()
         self._pin_ids = itertools.count(1)
+        self._seeds = random.Random(config.seed)  # unseeded sampled requests draw their seeds from it
         self.step_history: deque[StepRecord] = deque(maxlen=4096)
         self.deadline_counts = {"met": 0, "missed": 0}
         self.slack_ms: deque[float] = deque(maxlen=4096)  # deadline − finish, of finished deadline requests
@@ -93,52 +84,6 @@ class LLMEngine:
         return AdmissionController(settings, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)
 
-    def _load_model(self) -> tuple[ModelSpec, Tokenizer, LlamaModel]:
-        """From the weight cache when it holds this model and configuration, else from the file."""
-        backend = select_backend(self.config.attention_backend, self.device, self.dtype)
-        self.attention_backend = backend.name
-        entry = self.weight_cache_entry = None
-        if self.config.weight_cache:
-            entry = weight_cache.entry_path(self.model_path, self.dtype, self.device, self.config.weights,
-                                            self.config.max_packed_rows)
-            self.weight_cache_entry = entry
-            cached = weight_cache.load(entry)
-            if cached is not None:
-                self.weight_formats = cached.weight_formats
-                with torch.device("meta"):
-                    model = LlamaModel(cached.spec, backend)
-                model = weight_cache.adopt(model, cached, self.config.max_packed_rows).to(self.device)
-                self.weights_source = f"cache {entry}"
-                return cached.spec, cached.tokenizer, model.eval()
-        checkpoint = open_checkpoint(self.model_path)
-        model = self._convert(checkpoint, backend)
-        self.weights_source = f"file {self.model_path}"
-        if entry is not None:
-            weight_cache.save(entry, checkpoint.spec, checkpoint.tokenizer, model, self.weight_formats)
-        spec, tokenizer = checkpoint.spec, checkpoint.tokenizer
-        del checkpoint  # the file's reader: its objects join the conversion's freed temporaries
-        release_free_heap()  # and the heap gives them all back before the KV pool is allocated
-        return spec, tokenizer, model
-
-    def _convert(self, checkpoint, backend) -> LlamaModel:
-        from tqdm import tqdm
-
-        self.weight_formats = resolve_formats(self.config.weights, checkpoint.tensor_types(), self.dtype, self.device)
-        layer_format, head_format = self.weight_formats
-        max_rows = self.config.max_packed_rows
-        # each weight gets memory as it is read and each layer is packed once complete: the whole
-        # dense model never exists at once (a first start's peak RSS)
-        model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
-        tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
-
-        def pack(index: int) -> None:
-            model.pack_layer(index, layer_format, max_rows)
-            release_free_heap()  # else the heap keeps its freed dense weights, between packed ones
-
-        model.load_weights(tensors, None if layer_format == "dense" else pack)
-        model.pack_head(head_format, max_rows)
-        return model.eval()
-
     def _log_start(self) -> None:
         g, spec = self.kv_cache.geometry, self.spec
         per_token = g.bytes_per_block // g.block_size
@@ -152,7 +97,8 @@ class LLMEngine:
             allocated=format_bytes(self.kv_cache.total_bytes()), max_model_len=self.max_model_len,
             max_concurrency_at_max_len=round(g.num_tokens / self.max_model_len, 2),
         )
-        log.info("engine_ready", model=self.spec.name, device=str(self.device), threads=self.threads,
+        log.info("engine_ready", model=self.spec.name, runtime=self.runtime.name, runtime_why=self.runtime.why,
+                 device=str(self.device), threads=self.threads,
                  weights=f"layers {self.weight_formats[0]}, head {self.weight_formats[1]}",
                  weights_from=self.weights_source, attention_backend=self.attention_backend,
                  startup_s=round(self.startup_s, 2))
@@ -215,9 +161,8 @@ class LLMEngine:
             return seq
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         if not params.greedy:
-            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + int(
-                torch.randint(0, 2**31, (1,)))
-            seq.generator = torch.Generator().manual_seed(seed)
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._seeds.randrange(2**31)
+            seq.generator = self.runtime.new_generator(seed)
         self.scheduler.add(seq)
         return seq
 
@@ -289,7 +234,7 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
             self.cache.cache_full_blocks(seq)
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
-        tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready])
+        tokens = self.runtime.sample(logits, [s.params for s in ready], [s.generator for s in ready])
         now = self.clock()
         self._record_step(features, now - started)
         for seq, token in zip(ready, tokens):

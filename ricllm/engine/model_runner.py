@@ -6,8 +6,8 @@ import torch
 
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.cache.kv_cache import KVCache
+from ricllm.engine.flat_batch import flatten
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.engine.sequence import Sequence
 from ricllm.model.llama import LlamaModel
 
 
@@ -19,42 +19,20 @@ class ModelRunner:
         self.block_size = kv_cache.geometry.block_size
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat ``input_ids``, ``positions``, the attention metadata, and which rows get logits.
-
-        A sequence gets logits only when this step computes its last known token (decode, or
-        the final chunk of a prefill); earlier prefill chunks only fill the cache.
-        """
-        input_ids, positions, slots, starts, context_lens, logits_rows = [], [], [], [0], [], []
-        for seq, num_new in batch.items:
-            start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self._slots(seq, start, end)
-            starts.append(starts[-1] + num_new)
-            context_lens.append(end)
-            if end == seq.num_tokens:
-                logits_rows.append(starts[-1] - 1)
+        """Flat ``input_ids``, ``positions``, the attention metadata, and which rows get logits."""
+        flat = flatten(batch, self.block_size)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            query_start_loc=self._tensor(starts, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._block_tables([seq for seq, _ in batch.items]),
-            max_query_len=max(n for _, n in batch.items),
-            max_context_len=max(context_lens),
-            prefill_rows=sum(n for _, n in batch.items if n > 1),
-            prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1),
+            slot_mapping=self._tensor(flat.slot_mapping, torch.int64),
+            query_start_loc=self._tensor(flat.query_start_loc, torch.int32),
+            context_lens=self._tensor(flat.context_lens, torch.int32),
+            block_tables=self._tensor(flat.block_tables, torch.int32),
+            max_query_len=flat.max_query_len,
+            max_context_len=max(flat.context_lens),
+            prefill_rows=flat.prefill_rows,
+            prefill_products=flat.prefill_products,
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, logits_rows
-
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return self._tensor(rows, torch.int32)
+        return (self._tensor(flat.input_ids, torch.int64), self._tensor(flat.positions, torch.int64), meta,
+                flat.logits_rows)
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ricllm.sampling_params import SamplingParams
 
 
@@ -39,7 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     output_text: str = ""
     detokenizer: object = None
-    generator: torch.Generator | None = None
+    generator: object = None  # a seeded torch.Generator or numpy Generator (the runtime's) for sampled requests
     pin_on_finish: object = None  # a PinHandle to fill with this sequence's full prompt blocks
     arrival_time: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # absolute, on the engine clock

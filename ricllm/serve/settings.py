@@ -105,6 +105,7 @@ class Controls(_Strict):
     weight_cache: bool = True
     seed: int = Field(0, ge=0)
     threads: Annotated[int, Field(ge=1)] | None = None
+    runtime: Literal["auto", "native", "torch"] = "auto"
     zmq_endpoint: Annotated[str, StringConstraints(pattern=r"^(tcp|ipc)://.+$")] = DEFAULT_BIND
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535)
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0)
@@ -172,7 +173,8 @@ class ServeSettings:
                     admission=c.admission.policy,
                     safety_margin=c.admission.safety_margin, max_queue=c.admission.max_queue,
                     abort_late=c.admission.abort_late, pace_prefill=c.admission.pace_prefill,
-                    degrade=c.admission.degrade, latency_fit=c.latency_fit, seed=c.seed, threads=c.threads)
+                    degrade=c.admission.degrade, latency_fit=c.latency_fit, seed=c.seed, threads=c.threads,
+                    runtime=c.runtime)
 
     def engine_config(self):
         """An ``EngineConfig`` (imports torch)."""
@@ -237,7 +239,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("max_model_len",), "dtype": ("dtype",), "device": ("device",), "weights": ("weights",),
     "attention_backend": ("attention_backend",), "prefix_caching": ("enable_prefix_caching",),
     "weight_cache": ("weight_cache",),
-    "seed": ("seed",), "threads": ("threads",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
+    "seed": ("seed",), "threads": ("threads",), "runtime": ("runtime",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
     "drain_timeout": ("drain_timeout_s",),
     "admission": ("admission", "policy"), "safety_margin": ("admission", "safety_margin"),
     "max_queue": ("admission", "max_queue"), "abort_late": ("admission", "abort_late"),
@@ -353,7 +355,9 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=S,
                         help="reuse converted weights from $RICLLM_CACHE_DIR/weights (default: on)")
     engine.add_argument("--seed", type=int, default=S, help="engine sampling seed (0)")
-    engine.add_argument("--threads", type=int, default=S, help="torch CPU threads (OMP_NUM_THREADS or all cores)")
+    engine.add_argument("--threads", type=int, default=S, help="CPU threads (OMP_NUM_THREADS or all cores)")
+    engine.add_argument("--runtime", default=S, help="auto, native (no torch in the process) or torch (auto: native "
+                                                     "where it serves the model)")
 
 
 def add_serve_subparser(sub: argparse._SubParsersAction) -> None:

@@ -504,7 +504,8 @@ class Worker:
         layers, head = engine.weight_formats
         return {"name": engine.spec.name, "path": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),
                 "weights": {"layers": layers, "head": head}, "attention_backend": engine.attention_backend,
-                "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__}
+                "device": str(engine.device), "threads": engine.threads, "runtime": engine.runtime.name,
+                "ricllm": ricllm.__version__}
 
     def _publish(self, force: bool = False) -> None:
         """Hand the metrics collector a fresh snapshot, at most every PUBLISH_EVERY_S."""

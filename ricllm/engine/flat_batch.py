@@ -1,0 +1,53 @@
+"""A scheduled batch laid out flat, as plain lists: what both runtimes' runners turn into arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ricllm.engine.scheduler import ScheduledBatch
+from ricllm.engine.sequence import Sequence
+
+
+@dataclass
+class FlatBatch:
+    """``T`` tokens of ``B`` sequences (names as in ``AttentionMetadata``)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]  # B + 1
+    context_lens: list[int]
+    block_tables: list[list[int]]  # B rows, padded with 0 to the widest
+    logits_rows: list[int]  # the flat rows whose logits are sampled
+    max_query_len: int
+    prefill_rows: int
+    prefill_products: int
+
+
+def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
+    """A sequence gets logits only when this step computes its last known token (decode, or the
+    final chunk of a prefill); earlier prefill chunks only fill the cache."""
+    input_ids, positions, slots, starts, context_lens, logits_rows = [], [], [], [0], [], []
+    for seq, num_new in batch.items:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += _slots(seq, start, end, block_size)
+        starts.append(starts[-1] + num_new)
+        context_lens.append(end)
+        if end == seq.num_tokens:
+            logits_rows.append(starts[-1] - 1)
+    seqs = [seq for seq, _ in batch.items]
+    width = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return FlatBatch(
+        input_ids, positions, slots, starts, context_lens, tables, logits_rows,
+        max_query_len=max(n for _, n in batch.items),
+        prefill_rows=sum(n for _, n in batch.items if n > 1),
+        prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1))
+
+
+def _slots(seq: Sequence, start: int, end: int, block_size: int) -> list[int]:
+    table = seq.block_table
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

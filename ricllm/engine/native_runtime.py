@@ -1,0 +1,250 @@
+"""The native runtime: the model as ricllm's C kernels on numpy arrays, with no torch in the process.
+
+Every step runs as one C call for all layers (``csrc/cpu_decoder.c``: the same kernels, order and
+roundings as the torch runtime's decoder stack), prefill chunks included: the C attention kernel
+attends causally through the block tables. Around it: the embedding lookup (rows dequantized
+from the packed head, or a bf16 table), the packed head, and a numpy sampler. Where the torch
+runtime also uses the stack (decode steps, small prefills) the two give bit-identical logits.
+
+The weights come from a native weights file (``ricllm.model.native_weights``), converted once
+from the model file by the torch runtime's code in a child process (so this one never imports
+torch), then mapped: later starts read it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import ricllm
+from ricllm.cache.kv_cache import NativeKVCache, plan_cache
+from ricllm.config import EngineConfig
+from ricllm.engine import numpy_sampler
+from ricllm.engine.flat_batch import flatten
+from ricllm.engine.runtime import Runtime, default_threads
+from ricllm.engine.scheduler import ScheduledBatch
+from ricllm.errors import ModelLoadError
+from ricllm.logging import get_logger
+from ricllm.model import native_weights
+from ricllm.model.native_weights import NativeWeights, Packed
+from ricllm.paths import cache_dir, file_digest
+
+log = get_logger("ricllm.native")
+BF16_BYTES = 2
+# the C side's argument layout (csrc/cpu_decoder.c), as kernels/cpu_decoder.py has it
+DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",
+             "block_size", "is_bf16", "num_threads")
+POINTERS_PER_LAYER = 16
+
+
+class NativeUnsupported(Exception):
+    """The converted model cannot run natively (the message says why): use the torch runtime."""
+
+
+def _int32(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.int32)
+
+
+def _bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class NativeModel:
+    """One step = embedding lookup, the decoder stack (one C call), then the packed head."""
+
+    def __init__(self, weights: NativeWeights, threads: int):
+        from ricllm.kernels.cpu_library import library
+
+        self.weights, self.spec, self.threads = weights, weights.spec, threads
+        self._lib = library()
+        if (self._lib.ricllm_decoder_stack_dims(), self._lib.ricllm_decoder_stack_layer_pointers()) != (
+                len(DIM_NAMES), POINTERS_PER_LAYER):
+            raise RuntimeError("the decoder stack's C and Python argument layouts disagree")
+        spec = self.spec
+        self._dims = (ctypes.c_int32 * len(DIM_NAMES))()
+        for name, value in dict(hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                                head_dim=spec.head_dim, inter=spec.intermediate_size, layers=spec.num_layers,
+                                is_bf16=1, num_threads=threads).items():
+            self._dims[DIM_NAMES.index(name)] = value
+        self._bits = (ctypes.c_int32 * (4 * spec.num_layers))(
+            *[layer.projections[p].bits for layer in weights.layers for p in native_weights.PROJECTIONS])
+        self._scale = spec.head_dim ** -0.5
+        self._pointers = None
+
+    def bind_cache(self, kv_cache: NativeKVCache) -> None:
+        """Take every layer's weight and K/V pointers once: the arrays live as long as the engine."""
+        flat = []
+        for layer, (k, v) in zip(self.weights.layers, kv_cache.layers, strict=True):
+            qkv, o, gate_up, down = (layer.projections[p] for p in native_weights.PROJECTIONS)
+            flat += [layer.attn_norm.ctypes.data, *_pointers(qkv), *_pointers(o), layer.ffn_norm.ctypes.data,
+                     *_pointers(gate_up), *_pointers(down), k.ctypes.data, v.ctypes.data]
+        self._pointers = (ctypes.c_void_p * len(flat))(*flat)
+        self._dims[DIM_NAMES.index("block_size")] = kv_cache.geometry.block_size
+        self._kv_cache = kv_cache  # the pointers are into it: keep it alive
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """bf16 rows ``[T, hidden]`` of the embedding."""
+        if self.weights.embedding is not None:
+            return np.ascontiguousarray(self.weights.embedding[ids])
+        head, hidden = self.weights.head, self.spec.hidden_size
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty((ids.shape[0], hidden), dtype=np.uint16)
+        code = self._lib.ricllm_quant_rows(head.weight.ctypes.data, head.scales.ctypes.data, head.bits,
+                                           ids.ctypes.data, ids.shape[0], hidden, head.out_features,
+                                           out.ctypes.data, 1)
+        if code != 0:
+            raise IndexError(f"token id out of range [0, {head.out_features})")
+        return out
+
+    def forward(self, input_ids: list[int], positions: list[int], flat) -> np.ndarray:
+        """Hidden states ``[T, hidden]`` (bf16 bits) after the final norm; writes the step's K/V."""
+        x = self.embed(np.asarray(input_ids, dtype=np.int64))
+        where = np.asarray(positions, dtype=np.int64)
+        cos, sin = self.weights.rope_cos[where], self.weights.rope_sin[where]
+        slots = np.asarray(flat.slot_mapping, dtype=np.int64)
+        tables, starts, lens = _int32(flat.block_tables), _int32(flat.query_start_loc), _int32(flat.context_lens)
+        dims = self._dims
+        dims[0], dims[DIM_NAMES.index("batch")] = x.shape[0], lens.shape[0]
+        dims[DIM_NAMES.index("table_width")] = tables.shape[1]
+        out = np.empty_like(x)
+        code = self._lib.ricllm_decoder_stack(
+            x.ctypes.data, out.ctypes.data, self._pointers, self._bits, self.weights.norm.ctypes.data,
+            cos.ctypes.data, sin.ctypes.data, slots.ctypes.data, tables.ctypes.data, starts.ctypes.data,
+            lens.ctypes.data, dims, self.spec.rms_norm_eps, self._scale)
+        if code != 0:
+            raise RuntimeError(f"the CPU decoder stack failed (code {code})")
+        return out
+
+    def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """fp32 ``[N, vocab]``: the packed head's bf16 products, widened (as the torch runtime)."""
+        head = self.weights.head
+        rows, cols = hidden.shape
+        out = np.empty((rows, head.out_features), dtype=np.uint16)
+        scratch = np.empty(2 * rows * cols + 8 * rows * (cols // 32), dtype=np.uint8)
+        code = self._lib.ricllm_quant_gemm(hidden.ctypes.data, head.weight.ctypes.data, head.scales.ctypes.data,
+                                           head.offsets.ctypes.data, head.bits, out.ctypes.data, rows, cols,
+                                           head.out_features, 1, scratch.ctypes.data, self.threads)
+        if code != 0:
+            raise RuntimeError(f"the packed head failed (code {code})")
+        return _bf16_to_float32(out)
+
+
+def _pointers(p: Packed) -> list[int]:
+    return [p.weight.ctypes.data, p.scales.ctypes.data, p.offsets.ctypes.data]
+
+
+class NativeModelRunner:
+    def __init__(self, model: NativeModel, kv_cache: NativeKVCache):
+        self.model, self.kv_cache = model, kv_cache
+        self.block_size = kv_cache.geometry.block_size
+        model.bind_cache(kv_cache)
+
+    def run(self, batch: ScheduledBatch) -> tuple[np.ndarray, list[int]]:
+        """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices."""
+        flat = flatten(batch, self.block_size)
+        hidden = self.model.forward(flat.input_ids, flat.positions, flat)
+        return self.model.compute_logits(np.ascontiguousarray(hidden[flat.logits_rows])), flat.logits_rows
+
+
+# ------------------------------------------------------------------ weights: find, convert, map
+
+
+def entry_path(model_path: Path, weights: str) -> Path:
+    """Where the native weights for this file and weight format live in the cache: keyed like the
+    torch runtime's entries by the file's sha256, the format and the conversion code."""
+    key = {"sha256": file_digest(model_path), "weights": weights, "format": native_weights.FORMAT_VERSION,
+           "ricllm": ricllm.__version__, "code": conversion_code_digest()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "weights" / f"{digest}.native"
+
+
+def conversion_code_digest() -> str:
+    """The sources that turn a file into packed arrays: an edit there invalidates older files."""
+    import ricllm.kernels
+
+    model_dir, kernels_dir = Path(native_weights.__file__).parent, Path(ricllm.kernels.__file__).parent
+    digest = hashlib.sha256()
+    for path in [model_dir / name for name in ("loader.py", "llama.py", "packed_linear.py", "native_weights.py")] + [
+            kernels_dir / "cpu_quant.py", Path(__file__).with_name("native_convert.py")]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _convert(model_path: Path, weights: str, out: Path) -> str | None:
+    """Write the native weights of ``model_path`` to ``out``; the reason when they cannot be.
+
+    Converting needs torch: a process that already imported it converts in place, any other in a
+    child process, so that torch's memory never enters the serving one."""
+    if "torch" in sys.modules:
+        from ricllm.engine.native_convert import convert
+
+        return convert(model_path, weights, out)
+    command = [sys.executable, "-m", "ricllm.engine.native_convert", str(model_path), weights, str(out)]
+    log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True)  # stderr: progress bars
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise ModelLoadError(f"converting {str(model_path)!r} for the native runtime failed "
+                             f"(exit code {result.returncode}); see the messages above")
+    return json.loads(lines[-1]).get("unsupported")
+
+
+def load_weights(config: EngineConfig, model_path: Path) -> tuple[NativeWeights, str, Path | None]:
+    """(weights, where they came from, the cache entry). ``NativeUnsupported`` for a model the
+    stack cannot serve (remembered in the cache beside the entry, so later starts skip converting)."""
+    if not config.weight_cache:  # convert into a private file, map it, and unlink it at once
+        with tempfile.TemporaryDirectory(prefix="ricllm-native-") as folder:
+            out = Path(folder) / "model.native"
+            reason = _convert(model_path, config.weights, out)
+            if reason is not None:
+                raise NativeUnsupported(reason)
+            return native_weights.read(out), f"file {model_path}", None
+    entry = entry_path(model_path, config.weights)
+    refusal = entry.with_suffix(".unsupported")
+    if refusal.is_file():
+        raise NativeUnsupported(refusal.read_text().strip())
+    if entry.is_file():
+        try:
+            _touch(entry)
+            return native_weights.read(entry), f"cache {entry}", entry
+        except ValueError as exc:  # torn or stale: converted again
+            log.warning("native_weights_unreadable", path=str(entry), error=str(exc))
+    reason = _convert(model_path, config.weights, entry)
+    if reason is not None:
+        refusal.parent.mkdir(parents=True, exist_ok=True)
+        refusal.write_text(reason + "\n")
+        raise NativeUnsupported(reason)
+    return native_weights.read(entry), f"file {model_path}", entry
+
+
+def _touch(path: Path) -> None:
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass
+
+
+def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
+    started = time.perf_counter()
+    threads = default_threads(config)
+    weights, source, entry = load_weights(config, model_path)
+    load_s = time.perf_counter() - started
+    model = NativeModel(weights, threads)
+    geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size, BF16_BYTES)
+    kv_cache = NativeKVCache(weights.spec, geometry)
+    return Runtime(
+        name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
+        tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache),
+        sample=numpy_sampler.sample, new_generator=numpy_sampler.new_generator, device="cpu", dtype="bfloat16",
+        threads=threads, attention_backend="cpu", weight_formats=weights.weight_formats, weights_source=source,
+        weight_cache_entry=entry, load_s=load_s)

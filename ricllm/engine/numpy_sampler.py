@@ -1,0 +1,50 @@
+"""The native runtime's sampler: ``sampler.py``'s rules on numpy arrays.
+
+Greedy rows are one argmax (the first maximum, as torch's), so both runtimes choose the same
+greedy tokens from the same logits. Sampled rows draw from ``numpy.random.Generator`` streams:
+a seed reproduces a request within this runtime, not across runtimes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ricllm.sampling_params import SamplingParams
+
+
+def filter_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, then top-k, then top-p (nucleus) on one row of fp32 logits."""
+    logits = logits / np.float32(params.temperature)
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = np.partition(logits, -params.top_k)[-params.top_k]
+        logits = np.where(logits < kth, -np.inf, logits)
+    if params.top_p < 1.0:
+        order = np.argsort(-logits, kind="stable")
+        probs = _softmax(logits[order])
+        drop = np.cumsum(probs) - probs >= params.top_p  # keep the first token over p
+        logits = logits.copy()
+        logits[order[drop]] = -np.inf
+    return logits
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max())
+    return shifted / shifted.sum()
+
+
+def sample(logits: np.ndarray, params: list[SamplingParams], generators: list) -> list[int]:
+    """One token id per row of ``logits [N, vocab]`` (fp32)."""
+    greedy = logits.argmax(axis=-1).tolist()
+    tokens = []
+    for row, (p, rng) in enumerate(zip(params, generators)):
+        if p.greedy:
+            tokens.append(greedy[row])
+            continue
+        cumulative = np.cumsum(_softmax(filter_logits(logits[row], p)).astype(np.float64))
+        draw = rng.random() * cumulative[-1]
+        tokens.append(int(min(np.searchsorted(cumulative, draw, side="right"), len(cumulative) - 1)))
+    return tokens
+
+
+def new_generator(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)

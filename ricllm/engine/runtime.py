@@ -1,0 +1,95 @@
+"""What executes the model: the ``torch`` runtime (the torch model, any device, every format) or
+the ``native`` one (numpy and ricllm's C kernels: no torch in the process).
+
+A process that imports torch holds about 230 MB before any model: its libraries and ~770
+modules. On a RIC node whose memory other xApps share that is most of the serving footprint of
+a 135M model, so where the C decoder stack serves the model whole (CPU, bf16 activations,
+every projection and the head packed in ricllm's layout) ``auto`` runs it without torch. The
+engine above sees one interface: a ``Runtime``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ricllm.config import EngineConfig
+from ricllm.errors import ConfigError
+from ricllm.model.spec import ModelSpec
+from ricllm.model.tokenizer import Tokenizer
+
+
+@dataclass
+class Runtime:
+    name: str  # "torch" or "native"
+    why: str  # why this runtime serves the configuration
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    model: object  # ricllm.model.llama.LlamaModel, or ricllm.engine.native_runtime.NativeModel
+    kv_cache: object  # KVCache or NativeKVCache: ``geometry``, ``layers``, ``total_bytes()``
+    runner: object  # ``run(batch) -> (fp32 logits [N, vocab], rows)``
+    sample: Callable  # (logits, params, generators) -> token ids
+    new_generator: Callable[[int], object]  # a seeded generator for one sampled request
+    device: object  # torch.device, or "cpu"
+    dtype: object  # torch.dtype, or "bfloat16"
+    threads: int
+    attention_backend: str
+    weight_formats: tuple[str, str]
+    weights_source: str
+    weight_cache_entry: Path | None
+    load_s: float  # loading (and converting) the weights
+
+
+def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | None:
+    """Why the native runtime cannot serve this configuration (None: it can), from the
+    configuration and the file's header alone. A converted model can still turn out unsupported
+    (a shape that does not tile): the conversion says so then."""
+    from ricllm.kernels.cpu_library import quant_gemm_available
+    from ricllm.model.formats import resolve_formats
+    from ricllm.model.loader import read_tensor_types
+
+    if config.device not in ("auto", "cpu"):
+        return f"device {config.device!r}: the native runtime runs on the CPU"
+    if config.device == "auto" and glob.glob("/dev/nvidia[0-9]*"):
+        return "device auto on a machine with an NVIDIA GPU: the torch runtime may use it"
+    if config.dtype not in ("auto", "bfloat16", "bf16"):
+        return f"dtype {config.dtype!r}: the native runtime computes in bfloat16"
+    if config.attention_backend not in ("auto", "cpu"):
+        return f"attention backend {config.attention_backend!r}: the native runtime attends in its C kernel"
+    if config.max_packed_rows is not None:
+        return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
+    if not (quant_gemm_available(4) and quant_gemm_available(8)):
+        return "ricllm's packed-weight kernels do not run here (they need a C compiler and AVX-512 BF16 and VNNI)"
+    layers, head = resolve_formats(config.weights, read_tensor_types(model_path), packable=True)
+    if "dense" in (layers, head):
+        return f"weights {config.weights!r} leave the {'layers' if layers == 'dense' else 'LM head'} dense for this file"
+    return None
+
+
+def default_threads(config: EngineConfig) -> int:
+    """``threads``, else ``OMP_NUM_THREADS``, else the cores this process may run on."""
+    return config.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or len(os.sched_getaffinity(0))
+
+
+def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
+    """The runtime ``config.runtime`` asks for; ``auto``: native where it can serve, else torch."""
+    reason = None if config.runtime == "torch" else native_unsupported_reason(config, model_path)
+    if config.runtime == "native" and reason is not None:
+        raise ConfigError(f"runtime 'native' cannot serve this configuration: {reason}")
+    if config.runtime == "torch":
+        reason = "runtime 'torch' was asked for"
+    if reason is None:
+        from ricllm.engine.native_runtime import NativeUnsupported, build_native_runtime
+
+        try:
+            return build_native_runtime(config, model_path)
+        except NativeUnsupported as exc:
+            if config.runtime == "native":
+                raise ConfigError(f"runtime 'native' cannot serve this model: {exc}") from exc
+            reason = str(exc)
+    from ricllm.engine.torch_runtime import build_torch_runtime
+
+    return build_torch_runtime(config, model_path, why=reason)

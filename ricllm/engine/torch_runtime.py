@@ -1,0 +1,99 @@
+"""The torch runtime: the torch model (``ricllm.model.llama``) on any device, in every weight
+format, with the attention backend the configuration picks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ricllm.attention.backends import select_backend
+from ricllm.cache.kv_cache import KVCache, plan_cache
+from ricllm.config import EngineConfig
+from ricllm.engine.model_runner import ModelRunner
+from ricllm.engine.runtime import Runtime
+from ricllm.engine.sampler import sample
+from ricllm.model import weight_cache
+from ricllm.model.heap import release_free_heap
+from ricllm.model.llama import LlamaModel
+from ricllm.model.loader import open_checkpoint
+from ricllm.model.packed_linear import resolve_formats
+
+
+class LoadedModel:
+    """A torch model as loaded: from the weight cache when it holds this configuration, else
+    converted from the file (and then cached)."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype):
+        self.config, self.model_path, self.device, self.dtype = config, model_path, device, dtype
+        backend = select_backend(config.attention_backend, device, dtype)
+        self.attention_backend = backend.name
+        self.weight_cache_entry = None
+        if config.weight_cache:
+            self.weight_cache_entry = weight_cache.entry_path(model_path, dtype, device, config.weights,
+                                                              config.max_packed_rows)
+            if self._from_cache(backend):
+                return
+        self._from_file(backend)
+
+    def _from_cache(self, backend) -> bool:
+        cached = weight_cache.load(self.weight_cache_entry)
+        if cached is None:
+            return False
+        self.weight_formats = cached.weight_formats
+        with torch.device("meta"):
+            model = LlamaModel(cached.spec, backend)
+        self.model = weight_cache.adopt(model, cached, self.config.max_packed_rows).to(self.device).eval()
+        self.spec, self.tokenizer = cached.spec, cached.tokenizer
+        self.weights_source = f"cache {self.weight_cache_entry}"
+        return True
+
+    def _from_file(self, backend) -> None:
+        checkpoint = open_checkpoint(self.model_path)
+        self.model = self._convert(checkpoint, backend)
+        self.weights_source = f"file {self.model_path}"
+        if self.weight_cache_entry is not None:
+            weight_cache.save(self.weight_cache_entry, checkpoint.spec, checkpoint.tokenizer, self.model,
+                              self.weight_formats)
+        self.spec, self.tokenizer = checkpoint.spec, checkpoint.tokenizer
+        del checkpoint  # the file's reader: its objects join the conversion's freed temporaries
+        release_free_heap()  # and the heap gives them all back before the KV pool is allocated
+
+    def _convert(self, checkpoint, backend) -> LlamaModel:
+        from tqdm import tqdm
+
+        self.weight_formats = resolve_formats(self.config.weights, checkpoint.tensor_types(), self.dtype,
+                                              self.device)
+        layer_format, head_format = self.weight_formats
+        max_rows = self.config.max_packed_rows
+        # each weight gets memory as it is read and each layer is packed once complete: the whole
+        # dense model never exists at once (a first start's peak RSS)
+        model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
+        tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
+
+        def pack(index: int) -> None:
+            model.pack_layer(index, layer_format, max_rows)
+            release_free_heap()  # else the heap keeps its freed dense weights, between packed ones
+
+        model.load_weights(tensors, None if layer_format == "dense" else pack)
+        model.pack_head(head_format, max_rows)
+        return model.eval()
+
+
+def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Runtime:
+    started = time.perf_counter()
+    threads = config.apply_threads()
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    loaded = LoadedModel(config, model_path, device, dtype)
+    load_s = time.perf_counter() - started
+    loaded.model.enable_decoder_stack()
+    geometry = plan_cache(loaded.spec, config.kv_cache_budget, config.block_size, dtype.itemsize)
+    kv_cache = KVCache(loaded.spec, geometry, dtype, device)
+    return Runtime(
+        name="torch", why=why, spec=loaded.spec, tokenizer=loaded.tokenizer, model=loaded.model,
+        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample,
+        new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
+        threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
+        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s)

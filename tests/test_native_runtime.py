@@ -1,0 +1,134 @@
+"""The native runtime: no torch in the serving process, the torch runtime's tokens and logits,
+and a clear fallback (or error) where it cannot serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ricllm import LLM, SamplingParams
+from ricllm.engine import native_runtime, numpy_sampler, sampler
+from ricllm.errors import ConfigError
+from tests.helpers import write_tiny_llama_gguf
+from tests.recorder import LogitsRecorder
+from tests.test_oracle_parity import random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_native(tmp_path_factory) -> Path:
+    """Q4_1 layers, vocabulary padded to whole tiles of 16 head rows: servable natively."""
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("native") / "tiny.gguf", seed=5, quant="Q4_1",
+                                 pad_vocab_to=16)
+
+
+def tiny(path: Path, runtime: str, **kwargs) -> LLM:
+    kwargs.setdefault("weight_cache", False)
+    return LLM(str(path), weights="int4", kv_cache_budget="4MiB", runtime=runtime, **kwargs)
+
+
+SERVE_WITHOUT_TORCH = """
+import json, sys
+from ricllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], weights="int4", kv_cache_budget="4MiB")
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=12, ignore_eos=True))
+print(json.dumps({"runtime": llm.engine.runtime.name, "source": llm.engine.weights_source.split()[0],
+                  "torch": "torch" in sys.modules, "tokens": [o.token_ids for o in outs]}))
+"""
+
+
+def test_a_process_serves_the_model_without_importing_torch(tiny_native, tmp_path):
+    """First start: converted in a child process (the only one that imports torch); second start:
+    mapped from the cache. Both give the torch runtime's greedy tokens."""
+    prompts = random_prompts(300, (5, 30, 100), seed=1)  # 100 rows: SDPA in the torch runtime, C here
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path), "RICLLM_LOG_LEVEL": "warning"}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TORCH, str(tiny_native), json.dumps(prompts)],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [r["source"] for r in runs] == ["file", "cache"]
+    assert all(r["runtime"] == "native" and not r["torch"] for r in runs), runs
+    expected = [o.token_ids for o in tiny(tiny_native, "torch").generate(prompts, GREEDY)]
+    assert runs[0]["tokens"] == runs[1]["tokens"] == expected
+
+
+def test_decode_and_small_prefill_logits_are_bit_identical_to_the_torch_runtime(tiny_native):
+    """Where the torch runtime also runs the C decoder stack (decodes, prefills up to 64 rows)
+    the two runtimes compute the same bits: same kernels, same order, same roundings."""
+    prompts = random_prompts(300, (3, 17, 40, 64), seed=2)
+    recorded = []
+    for runtime in ("native", "torch"):
+        llm = tiny(tiny_native, runtime, max_num_batched_tokens=64)  # no step above the stack's 64 prefill rows
+        assert llm.engine.runtime.name == runtime
+        recorder = LogitsRecorder(llm.engine)
+        outs = llm.generate(prompts, GREEDY)
+        recorded.append([recorder.stacked(o.request_id)[1] for o in outs])
+    for ours, theirs in zip(*recorded):
+        assert torch.equal(ours, theirs)
+
+
+def test_auto_falls_back_to_torch_and_says_why(tiny_gguf):
+    llm = LLM(str(tiny_gguf), kv_cache_budget="4MiB", weight_cache=False)  # F32 weights: dense
+    assert llm.engine.runtime.name == "torch"
+    assert "dense" in llm.engine.runtime.why
+
+
+def test_runtime_native_refuses_what_it_cannot_serve_naming_the_reason(tiny_gguf):
+    with pytest.raises(ConfigError, match=r"runtime 'native' cannot serve this configuration: dtype 'float32'"):
+        LLM(str(tiny_gguf), dtype="float32", runtime="native", kv_cache_budget="4MiB", weight_cache=False)
+    with pytest.raises(ConfigError, match=r"runtime 'native' cannot serve this configuration: weights 'auto' "
+                                          r"leave the layers dense"):
+        LLM(str(tiny_gguf), runtime="native", kv_cache_budget="4MiB", weight_cache=False)
+
+
+def test_a_model_whose_head_does_not_tile_is_remembered_as_unsupported(tmp_path, monkeypatch):
+    """Vocabulary 303: the head cannot be packed in whole tiles. The conversion says so once; the
+    next start reads the refusal from the cache instead of converting again."""
+    model = write_tiny_llama_gguf(tmp_path / "odd.gguf", seed=5, quant="Q4_1")
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+    first = LLM(str(model), weights="int4", kv_cache_budget="4MiB")
+    assert first.engine.runtime.name == "torch" and "LM head" in first.engine.runtime.why
+    monkeypatch.setattr(native_runtime, "_convert", lambda *a: pytest.fail("converted again"))
+    with pytest.raises(ConfigError, match="runtime 'native' cannot serve this model: the LM head is not packed"):
+        LLM(str(model), weights="int4", kv_cache_budget="4MiB", runtime="native")
+
+
+def test_a_torn_native_weights_file_is_converted_again(tiny_native, tmp_path, monkeypatch):
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    entry = native_runtime.entry_path(tiny_native, "int4")
+    entry.parent.mkdir(parents=True)
+    entry.write_bytes(b"RICLLMNW" + b"\xff" * 40)
+    llm = tiny(tiny_native, "native", weight_cache=True)
+    assert llm.engine.weights_source.startswith("file") and entry.stat().st_size > 10_000
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == tiny(tiny_native, "torch").generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (20, 0.5)])
+def test_the_numpy_sampler_keeps_the_torch_samplers_candidates(top_k, top_p):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(top_k))
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    kept_torch = torch.isfinite(sampler.filter_logits(logits, params)).numpy()
+    kept_numpy = np.isfinite(numpy_sampler.filter_logits(logits.numpy(), params))
+    assert (kept_torch == kept_numpy).all()
+
+
+def test_the_numpy_sampler_draws_only_candidates_in_proportion_and_reproducibly():
+    logits = np.log(np.array([[0.1, 0.6, 0.3, 1e-9]], dtype=np.float32))
+    params = SamplingParams(temperature=1.0, top_k=2)
+    rng = numpy_sampler.new_generator(7)
+    draws = [numpy_sampler.sample(logits, [params], [rng])[0] for _ in range(4000)]
+    assert set(draws) == {1, 2}  # top-2: tokens 0 and 3 never
+    assert abs(draws.count(1) / len(draws) - 0.6 / 0.9) < 0.03
+    again = numpy_sampler.new_generator(7)
+    assert draws[:50] == [numpy_sampler.sample(logits, [params], [again])[0] for _ in range(50)]
+    assert numpy_sampler.sample(logits, [SamplingParams(temperature=0)], [None]) == [1]
