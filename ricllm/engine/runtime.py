@@ -45,11 +45,10 @@ class Runtime:
 
 def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | None:
     """Why the native runtime cannot serve this configuration (None: it can), from the
-    configuration and the file's header alone. A converted model can still turn out unsupported
-    (a shape that does not tile): the conversion says so then."""
+    configuration and, for ``weights="auto"`` without converted weights yet, the file's header.
+    A converted model can still turn out unsupported (a shape that does not tile): the
+    conversion says so then."""
     from ricllm.kernels.cpu_library import quant_gemm_available
-    from ricllm.model.formats import resolve_formats
-    from ricllm.model.loader import read_tensor_types
 
     if config.device not in ("auto", "cpu"):
         return f"device {config.device!r}: the native runtime runs on the CPU"
@@ -63,15 +62,44 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
         return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
     if not (quant_gemm_available(4) and quant_gemm_available(8)):
         return "ricllm's packed-weight kernels do not run here (they need a C compiler and AVX-512 BF16 and VNNI)"
-    layers, head = resolve_formats(config.weights, read_tensor_types(model_path), packable=True)
+    return _dense_weights_reason(config, model_path)
+
+
+def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
+    """Whether ``weights`` leaves something dense. ``int4``/``int8`` pack everything; ``auto``
+    follows the file, whose header (its tokenizer arrays: about a second for SmolLM2) is read
+    only when no converted weights say it already."""
+    from ricllm.model.formats import resolve_formats
+    from ricllm.model.loader import read_tensor_types
+
+    if config.weights == "auto" and config.weight_cache:
+        from ricllm.engine.native_runtime import entry_path
+
+        entry = entry_path(model_path, config.weights)
+        if entry.is_file() or entry.with_suffix(".unsupported").is_file():
+            return None  # converted before (or refused: loading says why)
+    layers, head = resolve_formats(config.weights, read_tensor_types(model_path) if config.weights == "auto" else {},
+                                   packable=True)
     if "dense" in (layers, head):
         return f"weights {config.weights!r} leave the {'layers' if layers == 'dense' else 'LM head'} dense for this file"
     return None
 
 
 def default_threads(config: EngineConfig) -> int:
-    """``threads``, else ``OMP_NUM_THREADS``, else the cores this process may run on."""
-    return config.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or len(os.sched_getaffinity(0))
+    """``threads``, else ``OMP_NUM_THREADS``, else the physical cores this process may run on
+    (as torch counts: a second hyperthread per core only contends for the same vector units)."""
+    return config.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or physical_cores()
+
+
+def physical_cores() -> int:
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:  # no topology to read: count what may run
+            return len(cpus)
+    return len(cores) or len(cpus)
 
 
 def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
