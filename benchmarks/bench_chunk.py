@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -77,7 +76,14 @@ def child(budget: int) -> dict:
     stall_ms, ttft_ms = decode_stall(llm, 2048)
     return dict(budget=budget, batch_tps=prefill_rate(llm, 8, 256), long_tps=prefill_rate(llm, 1, 2048),
                 stall_ms=stall_ms, ttft_ms=ttft_ms,
-                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6)  # KiB -> MB
+                peak_rss_mb=own_peak_rss_mb())
+
+
+def own_peak_rss_mb() -> float:
+    """VmHWM (KiB) in MB: the child's own peak. Its ru_maxrss would include this script's parent's
+    peak, which Linux carries into a child across exec."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024 / 1e6
 
 
 def run_child(budget: int) -> dict:

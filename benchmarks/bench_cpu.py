@@ -18,7 +18,9 @@ Measured, for every engine:
   4. time to ready: wall time from starting a fresh process to a model ready to generate.
      ricllm twice per format: first start (RICLLM_CACHE_DIR is an empty temporary folder, so it
      converts the GGUF and writes the weight cache) and second start (reads that cache);
-  5. peak RSS: ru_maxrss of the measuring child, in MB (10^6 bytes).
+  5. peak RSS: VmHWM of the measuring child (its own peak), in MB (10^6 bytes). Not ru_maxrss:
+     Linux carries the forking parent's peak into a child's ru_maxrss across exec, so every
+     child would read at least this script's own peak (it imports torch).
 
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
@@ -65,7 +67,12 @@ def progress(message: str) -> None:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux; MB = 10^6 bytes
+    """This process's own peak RSS in MB (10^6 bytes): VmHWM, in KiB."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024 / 1e6
+    except (OSError, StopIteration):  # not Linux: ru_maxrss (which may include the parent's, see above)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
 # ================================================================== engines (run in the children)

@@ -32,7 +32,8 @@ def tiny_native(tmp_path_factory) -> Path:
 
 def tiny(path: Path, runtime: str, **kwargs) -> LLM:
     kwargs.setdefault("weight_cache", False)
-    return LLM(str(path), weights="int4", kv_cache_budget="4MiB", runtime=runtime, **kwargs)
+    kwargs.setdefault("kv_cache_budget", "4MiB")
+    return LLM(str(path), weights="int4", runtime=runtime, **kwargs)
 
 
 SERVE_WITHOUT_TORCH = """
@@ -132,3 +133,25 @@ def test_the_numpy_sampler_draws_only_candidates_in_proportion_and_reproducibly(
     again = numpy_sampler.new_generator(7)
     assert draws[:50] == [numpy_sampler.sample(logits, [params], [again])[0] for _ in range(50)]
     assert numpy_sampler.sample(logits, [SamplingParams(temperature=0)], [None]) == [1]
+
+
+def test_an_unknown_runtime_is_refused_naming_the_choices():
+    from ricllm.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=r"unknown runtime 'numpy'; choose one of auto, native, torch"):
+        EngineConfig(runtime="numpy")
+
+
+def test_the_native_kv_pool_is_the_budget_and_resident_from_the_start(tiny_native):
+    llm = tiny(tiny_native, "native", kv_cache_budget="2MiB")
+    cache = llm.engine.kv_cache
+    assert cache.total_bytes() == cache.geometry.allocated_bytes <= 2 * 1024 * 1024
+    assert all(k.base is cache.pool or k.base is cache.pool.base for k, _ in cache.layers)  # views, no copies
+
+
+def test_the_cli_refuses_native_for_a_dense_model_with_the_reason_and_no_traceback(tiny_gguf):
+    done = subprocess.run([sys.executable, "-m", "ricllm.cli", "generate", "hi", "--model", str(tiny_gguf),
+                           "--runtime", "native", "--no-weight-cache"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "runtime 'native' cannot serve this configuration: weights 'auto' leave the layers dense" in done.stderr
+    assert "Traceback" not in done.stderr
