@@ -460,6 +460,8 @@ def notes(results: list[dict]) -> str:
         preempted = {s: n for s, n in (r.get("preemptions") or {}).items() if n}
         if preempted:
             lines.append(f"{r['label']}: KV preemptions (streams: count) {preempted} under the {KV_BUDGET} budget.")
+        if r["engine"] == "ricllm":
+            lines.append(f"{r['label']}: torch {'was' if r.get('torch_imported') else 'was not'} imported by the serving process.")
         if r["engine"] == "llamacpp":
             lines.append(f"llama.cpp: llama-cpp-python {r['version']}, decode context {r['context']} (llama.cpp "
                          f"rounds each sequence's KV up to a multiple of 256 cells), one KV stream per sequence, "

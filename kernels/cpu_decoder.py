@@ -14,14 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ricllm.kernels.cpu_library import DECODER_DIM_NAMES as DIM_NAMES
+from ricllm.kernels.cpu_library import DECODER_POINTERS_PER_LAYER as POINTERS_PER_LAYER
 from ricllm.kernels.cpu_library import library
 
 IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
 
-# the C side's argument layout (csrc/cpu_decoder.c): pointers per layer, then the dims array
-DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",
-             "block_size", "is_bf16", "num_threads")
-POINTERS_PER_LAYER = 16  # norm, 3 per projection (weight, scales, offsets), norm, 3, 3, K and V caches
 ROWS, BATCH, TABLE_WIDTH, BLOCK_SIZE, NUM_THREADS = (DIM_NAMES.index(n) for n in (
     "rows", "batch", "table_width", "block_size", "num_threads"))
 

@@ -33,6 +33,12 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # gcc's default of 256 leaves AVX-512 half used
 
+# the decoder stack's argument layout (csrc/cpu_decoder.c): pointers per layer (norm, 3 per projection:
+# weight, scales, offsets; norm, 3, 3; K and V caches), then the dims array in this order
+DECODER_DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",
+                     "block_size", "is_bf16", "num_threads")
+DECODER_POINTERS_PER_LAYER = 16
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or a negative code)
     "ricllm_paged_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 
@@ -29,6 +30,28 @@ def file_digest(path: Path) -> str:
                 for chunk in iter(lambda: handle.read(1 << 22), b""):
                     digest.update(chunk)
         known[memo_key] = digest.hexdigest()
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps(known))
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text(json.dumps(known))
+        except OSError:  # a read-only cache: the file is read again at the next start, nothing worse
+            pass
     return known[memo_key]
+
+
+def touch_used(path: Path) -> None:
+    """Mark a cache entry as just used. The time is given explicitly: the file system's own clock
+    ticks coarsely (milliseconds), so two uses in one tick would tie and evict the wrong entry.
+    A read-only cache (an image's, under a read-only root file system) is used all the same."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass
+
+
+def evict_least_recent(folder: Path, pattern: str, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` most recently used files matching ``pattern``; the deleted."""
+    entries = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in entries[keep:]:
+        stale.unlink(missing_ok=True)
+    return entries[keep:]

@@ -155,3 +155,29 @@ def test_the_cli_refuses_native_for_a_dense_model_with_the_reason_and_no_traceba
     assert done.returncode != 0
     assert "runtime 'native' cannot serve this configuration: weights 'auto' leave the layers dense" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_read_only_weight_cache_costs_time_not_the_start(tiny_native, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    (cache / "weights").mkdir(parents=True)
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(cache))
+    monkeypatch.setattr(native_runtime, "_writable", lambda folder: False)
+    llm = tiny(tiny_native, "native", weight_cache=True)
+    assert llm.engine.runtime.name == "native" and llm.engine.weight_cache_entry is None
+    assert not list((cache / "weights").glob("*.native"))
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+def test_only_the_most_recently_used_native_weights_files_are_kept(tiny_native, tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_runtime, "MAX_ENTRIES", 2)
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    for age, name in enumerate(("old", "older")):
+        (folder / f"{name}.native").write_bytes(b"x")
+        os.utime(folder / f"{name}.native", (time.time() - 100 * (age + 1),) * 2)
+    tiny(tiny_native, "native", weight_cache=True)
+    assert sorted(p.stem for p in folder.glob("*.native")) == sorted(
+        ["old", native_runtime.entry_path(tiny_native, "int4").stem])

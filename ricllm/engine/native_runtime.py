@@ -33,17 +33,16 @@ from ricllm.engine.flat_batch import flatten
 from ricllm.engine.runtime import Runtime, default_threads
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.errors import ModelLoadError
+from ricllm.kernels.cpu_library import DECODER_DIM_NAMES as DIM_NAMES
+from ricllm.kernels.cpu_library import DECODER_POINTERS_PER_LAYER as POINTERS_PER_LAYER
 from ricllm.logging import get_logger
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
-from ricllm.paths import cache_dir, file_digest
+from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
 
 log = get_logger("ricllm.native")
 BF16_BYTES = 2
-# the C side's argument layout (csrc/cpu_decoder.c), as kernels/cpu_decoder.py has it
-DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",
-             "block_size", "is_bf16", "num_threads")
-POINTERS_PER_LAYER = 16
+MAX_ENTRIES = 4  # native weights files kept (most recently used), as the torch runtime's entries
 
 
 class NativeUnsupported(Exception):
@@ -201,37 +200,46 @@ def _convert(model_path: Path, weights: str, out: Path) -> str | None:
 def load_weights(config: EngineConfig, model_path: Path) -> tuple[NativeWeights, str, Path | None]:
     """(weights, where they came from, the cache entry). ``NativeUnsupported`` for a model the
     stack cannot serve (remembered in the cache beside the entry, so later starts skip converting)."""
-    if not config.weight_cache:  # convert into a private file, map it, and unlink it at once
-        with tempfile.TemporaryDirectory(prefix="ricllm-native-") as folder:
-            out = Path(folder) / "model.native"
-            reason = _convert(model_path, config.weights, out)
-            if reason is not None:
-                raise NativeUnsupported(reason)
-            return native_weights.read(out), f"file {model_path}", None
+    if not config.weight_cache:
+        return _convert_privately(model_path, config.weights), f"file {model_path}", None
     entry = entry_path(model_path, config.weights)
     refusal = entry.with_suffix(".unsupported")
     if refusal.is_file():
         raise NativeUnsupported(refusal.read_text().strip())
     if entry.is_file():
         try:
-            _touch(entry)
+            touch_used(entry)
             return native_weights.read(entry), f"cache {entry}", entry
-        except ValueError as exc:  # torn or stale: converted again
+        except (ValueError, OSError) as exc:  # torn, stale or unreadable: converted again
             log.warning("native_weights_unreadable", path=str(entry), error=str(exc))
+    if not _writable(entry.parent):  # a read-only cache costs this start time, nothing else
+        log.warning("weight_cache_not_written", path=str(entry), error="the folder is not writable")
+        return _convert_privately(model_path, config.weights), f"file {model_path}", None
     reason = _convert(model_path, config.weights, entry)
     if reason is not None:
-        refusal.parent.mkdir(parents=True, exist_ok=True)
         refusal.write_text(reason + "\n")
         raise NativeUnsupported(reason)
+    for stale in evict_least_recent(entry.parent, "*.native", MAX_ENTRIES):
+        log.info("weight_cache_evicted", path=str(stale))
     return native_weights.read(entry), f"file {model_path}", entry
 
 
-def _touch(path: Path) -> None:
-    now = time.time_ns()
+def _convert_privately(model_path: Path, weights: str) -> NativeWeights:
+    """Convert into a temporary file, map it and unlink it at once: the mapping keeps its pages."""
+    with tempfile.TemporaryDirectory(prefix="ricllm-native-") as folder:
+        out = Path(folder) / "model.native"
+        reason = _convert(model_path, weights, out)
+        if reason is not None:
+            raise NativeUnsupported(reason)
+        return native_weights.read(out)
+
+
+def _writable(folder: Path) -> bool:
     try:
-        os.utime(path, ns=(now, now))
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError:
-        pass
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from ricllm.logging import get_logger
 from ricllm.model.packed_linear import PackedEmbedding, PackedLinear, head_max_packed_rows, vnni_layout_available
 from ricllm.model.spec import ModelSpec, RopeScaling
 from ricllm.model.tokenizer import Tokenizer
-from ricllm.paths import cache_dir, file_digest
+from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
 
 log = get_logger("ricllm.weight_cache")
 ENTRY_VERSION = 1
@@ -73,7 +72,7 @@ def load(path: Path) -> CachedModel | None:
     if not path.is_file():
         return None
     try:
-        _touch(path)  # recently used: kept by the eviction in ``save``
+        touch_used(path)  # recently used: kept by the eviction in ``save``
         entry = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         spec_fields = dict(entry["spec"])
         if spec_fields.get("rope_scaling") is not None:
@@ -94,7 +93,7 @@ def save(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model: nn.Module, we
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as handle:
             torch.save(entry, handle)
         os.replace(handle.name, path)
-        _touch(path)
+        touch_used(path)
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
         log.warning("weight_cache_not_written", path=str(path), error=str(exc))
         Path(handle.name).unlink(missing_ok=True)
@@ -103,22 +102,9 @@ def save(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model: nn.Module, we
     _evict(path.parent)
 
 
-def _touch(path: Path) -> None:
-    """Mark ``path`` as just used. The time is given explicitly: the file system's own clock
-    ticks coarsely (milliseconds), so two uses in one tick would tie and evict the wrong entry.
-    A read-only cache (an image's, under a read-only root file system) is used all the same."""
-    now = time.time_ns()
-    try:
-        os.utime(path, ns=(now, now))
-    except OSError:
-        pass
-
-
 def _evict(folder: Path) -> None:
     """Keep the ``MAX_ENTRIES`` most recently used entries: each is a model's size on disk."""
-    entries = sorted(folder.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in entries[MAX_ENTRIES:]:
-        stale.unlink(missing_ok=True)
+    for stale in evict_least_recent(folder, "*.pt", MAX_ENTRIES):
         log.info("weight_cache_evicted", path=str(stale))
 
 
