@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ricllm import LLM, SamplingParams
-from ricllm.engine import native_runtime, numpy_sampler, sampler
+from ricllm.engine import native_convert, numpy_sampler, sampler
 from ricllm.errors import ConfigError
 from tests.helpers import write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
@@ -99,14 +99,14 @@ def test_a_model_whose_head_does_not_tile_is_remembered_as_unsupported(tmp_path,
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
     first = LLM(str(model), weights="int4", kv_cache_budget="4MiB")
     assert first.engine.runtime.name == "torch" and "LM head" in first.engine.runtime.why
-    monkeypatch.setattr(native_runtime, "_convert", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr(native_convert, "_convert", lambda *a: pytest.fail("converted again"))
     with pytest.raises(ConfigError, match="runtime 'native' cannot serve this model: the LM head is not packed"):
         LLM(str(model), weights="int4", kv_cache_budget="4MiB", runtime="native")
 
 
 def test_a_torn_native_weights_file_is_converted_again(tiny_native, tmp_path, monkeypatch):
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
-    entry = native_runtime.entry_path(tiny_native, "int4")
+    entry = native_convert.entry_path(tiny_native, "int4")
     entry.parent.mkdir(parents=True)
     entry.write_bytes(b"RICLLMNW" + b"\xff" * 40)
     llm = tiny(tiny_native, "native", weight_cache=True)
@@ -161,7 +161,7 @@ def test_a_read_only_weight_cache_costs_time_not_the_start(tiny_native, tmp_path
     cache = tmp_path / "cache"
     (cache / "weights").mkdir(parents=True)
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(cache))
-    monkeypatch.setattr(native_runtime, "_writable", lambda folder: False)
+    monkeypatch.setattr(native_convert, "_writable", lambda folder: False)
     llm = tiny(tiny_native, "native", weight_cache=True)
     assert llm.engine.runtime.name == "native" and llm.engine.weight_cache_entry is None
     assert not list((cache / "weights").glob("*.native"))
@@ -172,7 +172,7 @@ def test_only_the_most_recently_used_native_weights_files_are_kept(tiny_native, 
     import time
 
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native_runtime, "MAX_ENTRIES", 2)
+    monkeypatch.setattr(native_convert, "MAX_ENTRIES", 2)
     folder = tmp_path / "weights"
     folder.mkdir()
     for age, name in enumerate(("old", "older")):
@@ -180,4 +180,4 @@ def test_only_the_most_recently_used_native_weights_files_are_kept(tiny_native, 
         os.utime(folder / f"{name}.native", (time.time() - 100 * (age + 1),) * 2)
     tiny(tiny_native, "native", weight_cache=True)
     assert sorted(p.stem for p in folder.glob("*.native")) == sorted(
-        ["old", native_runtime.entry_path(tiny_native, "int4").stem])
+        ["old", native_convert.entry_path(tiny_native, "int4").stem])

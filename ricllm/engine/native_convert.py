@@ -1,22 +1,123 @@
-"""Converts a model file to native weights with the torch runtime's code (``python -m
-ricllm.engine.native_convert MODEL WEIGHTS OUT``): the native runtime runs this in a child
-process, so torch never enters the serving process. Prints one JSON line: ``{"written": OUT}``,
-or ``{"unsupported": reason}`` for a model the C decoder stack cannot serve."""
+"""The native runtime's weights on disk: found in the cache, else converted from the model file
+with the torch runtime's code, in a child process (``python -m ricllm.engine.native_convert
+MODEL WEIGHTS OUT``) so that torch never enters the serving process. The child prints one JSON
+line: ``{"written": OUT}``, or ``{"unsupported": reason}`` for a model the C decoder stack
+cannot serve (remembered beside the entry, so later starts skip converting)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import ricllm
+from ricllm.config import EngineConfig
+from ricllm.errors import ModelLoadError
+from ricllm.logging import get_logger
+from ricllm.model import native_weights
+from ricllm.model.native_weights import NativeWeights
+from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
+
+log = get_logger("ricllm.native")
+MAX_ENTRIES = 4  # native weights files kept (most recently used), as the torch runtime's entries
+
+
+class NativeUnsupported(Exception):
+    """The converted model cannot run natively (the message says why): use the torch runtime."""
+
+
+def entry_path(model_path: Path, weights: str) -> Path:
+    """Where the native weights for this file and weight format live in the cache: keyed like the
+    torch runtime's entries by the file's sha256, the format and the conversion code."""
+    key = {"sha256": file_digest(model_path), "weights": weights, "format": native_weights.FORMAT_VERSION,
+           "ricllm": ricllm.__version__, "code": conversion_code_digest()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "weights" / f"{digest}.native"
+
+
+def conversion_code_digest() -> str:
+    """The sources that turn a file into packed arrays: an edit there invalidates older files."""
+    import ricllm.kernels
+
+    model_dir, kernels_dir = Path(native_weights.__file__).parent, Path(ricllm.kernels.__file__).parent
+    digest = hashlib.sha256()
+    for path in [model_dir / name for name in ("loader.py", "llama.py", "packed_linear.py", "native_weights.py")] + [
+            kernels_dir / "cpu_quant.py", Path(__file__)]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _convert(model_path: Path, weights: str, out: Path) -> str | None:
+    """Write the native weights of ``model_path`` to ``out``; the reason when they cannot be.
+
+    Converting needs torch: a process that already imported it converts in place, any other in a
+    child process, so that torch's memory never enters the serving one."""
+    if "torch" in sys.modules:
+        return convert(model_path, weights, out)
+    command = [sys.executable, "-m", "ricllm.engine.native_convert", str(model_path), weights, str(out)]
+    log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True)  # stderr: progress bars
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise ModelLoadError(f"converting {str(model_path)!r} for the native runtime failed "
+                             f"(exit code {result.returncode}); see the messages above")
+    return json.loads(lines[-1]).get("unsupported")
+
+
+def load_weights(config: EngineConfig, model_path: Path) -> tuple[NativeWeights, str, Path | None]:
+    """(weights, where they came from, the cache entry). ``NativeUnsupported`` for a model the
+    stack cannot serve (remembered in the cache beside the entry, so later starts skip converting)."""
+    if not config.weight_cache:
+        return _convert_privately(model_path, config.weights), f"file {model_path}", None
+    entry = entry_path(model_path, config.weights)
+    refusal = entry.with_suffix(".unsupported")
+    if refusal.is_file():
+        raise NativeUnsupported(refusal.read_text().strip())
+    if entry.is_file():
+        try:
+            touch_used(entry)
+            return native_weights.read(entry), f"cache {entry}", entry
+        except (ValueError, OSError) as exc:  # torn, stale or unreadable: converted again
+            log.warning("native_weights_unreadable", path=str(entry), error=str(exc))
+    if not _writable(entry.parent):  # a read-only cache costs this start time, nothing else
+        log.warning("weight_cache_not_written", path=str(entry), error="the folder is not writable")
+        return _convert_privately(model_path, config.weights), f"file {model_path}", None
+    reason = _convert(model_path, config.weights, entry)
+    if reason is not None:
+        refusal.write_text(reason + "\n")
+        raise NativeUnsupported(reason)
+    for stale in evict_least_recent(entry.parent, "*.native", MAX_ENTRIES):
+        log.info("weight_cache_evicted", path=str(stale))
+    return native_weights.read(entry), f"file {model_path}", entry
+
+
+def _convert_privately(model_path: Path, weights: str) -> NativeWeights:
+    """Convert into a temporary file, map it and unlink it at once: the mapping keeps its pages."""
+    with tempfile.TemporaryDirectory(prefix="ricllm-native-") as folder:
+        out = Path(folder) / "model.native"
+        reason = _convert(model_path, weights, out)
+        if reason is not None:
+            raise NativeUnsupported(reason)
+        return native_weights.read(out)
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def convert(model_path: Path, weights: str, out: Path) -> str | None:
     """Write ``out``; the reason instead when the converted model is not servable natively."""
     import torch
 
-    from ricllm.config import EngineConfig
     from ricllm.engine.torch_runtime import LoadedModel
-    from ricllm.model import native_weights
 
     config = EngineConfig(model=str(model_path), dtype="bfloat16", device="cpu", attention_backend="cpu",
                           weights=weights, weight_cache=False, runtime="torch")

@@ -7,46 +7,30 @@ from the packed head, or a bf16 table), the packed head, and a numpy sampler. Wh
 runtime also uses the stack (decode steps, small prefills) the two give bit-identical logits.
 
 The weights come from a native weights file (``ricllm.model.native_weights``), converted once
-from the model file by the torch runtime's code in a child process (so this one never imports
-torch), then mapped: later starts read it in milliseconds.
+from the model file by the torch runtime's code in a child process (``native_convert``: this
+process never imports torch), then mapped: later starts read it in milliseconds.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-import ricllm
 from ricllm.cache.kv_cache import NativeKVCache, plan_cache
 from ricllm.config import EngineConfig
 from ricllm.engine import numpy_sampler
 from ricllm.engine.flat_batch import flatten
+from ricllm.engine.native_convert import load_weights
 from ricllm.engine.runtime import Runtime, default_threads
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.errors import ModelLoadError
 from ricllm.kernels.cpu_library import DECODER_DIM_NAMES as DIM_NAMES
 from ricllm.kernels.cpu_library import DECODER_POINTERS_PER_LAYER as POINTERS_PER_LAYER
-from ricllm.logging import get_logger
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
-from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
-
-log = get_logger("ricllm.native")
 BF16_BYTES = 2
-MAX_ENTRIES = 4  # native weights files kept (most recently used), as the torch runtime's entries
-
-
-class NativeUnsupported(Exception):
-    """The converted model cannot run natively (the message says why): use the torch runtime."""
 
 
 def _int32(values) -> np.ndarray:
@@ -152,94 +136,6 @@ class NativeModelRunner:
         flat = flatten(batch, self.block_size)
         hidden = self.model.forward(flat.input_ids, flat.positions, flat)
         return self.model.compute_logits(np.ascontiguousarray(hidden[flat.logits_rows])), flat.logits_rows
-
-
-# ------------------------------------------------------------------ weights: find, convert, map
-
-
-def entry_path(model_path: Path, weights: str) -> Path:
-    """Where the native weights for this file and weight format live in the cache: keyed like the
-    torch runtime's entries by the file's sha256, the format and the conversion code."""
-    key = {"sha256": file_digest(model_path), "weights": weights, "format": native_weights.FORMAT_VERSION,
-           "ricllm": ricllm.__version__, "code": conversion_code_digest()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / "weights" / f"{digest}.native"
-
-
-def conversion_code_digest() -> str:
-    """The sources that turn a file into packed arrays: an edit there invalidates older files."""
-    import ricllm.kernels
-
-    model_dir, kernels_dir = Path(native_weights.__file__).parent, Path(ricllm.kernels.__file__).parent
-    digest = hashlib.sha256()
-    for path in [model_dir / name for name in ("loader.py", "llama.py", "packed_linear.py", "native_weights.py")] + [
-            kernels_dir / "cpu_quant.py", Path(__file__).with_name("native_convert.py")]:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _convert(model_path: Path, weights: str, out: Path) -> str | None:
-    """Write the native weights of ``model_path`` to ``out``; the reason when they cannot be.
-
-    Converting needs torch: a process that already imported it converts in place, any other in a
-    child process, so that torch's memory never enters the serving one."""
-    if "torch" in sys.modules:
-        from ricllm.engine.native_convert import convert
-
-        return convert(model_path, weights, out)
-    command = [sys.executable, "-m", "ricllm.engine.native_convert", str(model_path), weights, str(out)]
-    log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True)  # stderr: progress bars
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        raise ModelLoadError(f"converting {str(model_path)!r} for the native runtime failed "
-                             f"(exit code {result.returncode}); see the messages above")
-    return json.loads(lines[-1]).get("unsupported")
-
-
-def load_weights(config: EngineConfig, model_path: Path) -> tuple[NativeWeights, str, Path | None]:
-    """(weights, where they came from, the cache entry). ``NativeUnsupported`` for a model the
-    stack cannot serve (remembered in the cache beside the entry, so later starts skip converting)."""
-    if not config.weight_cache:
-        return _convert_privately(model_path, config.weights), f"file {model_path}", None
-    entry = entry_path(model_path, config.weights)
-    refusal = entry.with_suffix(".unsupported")
-    if refusal.is_file():
-        raise NativeUnsupported(refusal.read_text().strip())
-    if entry.is_file():
-        try:
-            touch_used(entry)
-            return native_weights.read(entry), f"cache {entry}", entry
-        except (ValueError, OSError) as exc:  # torn, stale or unreadable: converted again
-            log.warning("native_weights_unreadable", path=str(entry), error=str(exc))
-    if not _writable(entry.parent):  # a read-only cache costs this start time, nothing else
-        log.warning("weight_cache_not_written", path=str(entry), error="the folder is not writable")
-        return _convert_privately(model_path, config.weights), f"file {model_path}", None
-    reason = _convert(model_path, config.weights, entry)
-    if reason is not None:
-        refusal.write_text(reason + "\n")
-        raise NativeUnsupported(reason)
-    for stale in evict_least_recent(entry.parent, "*.native", MAX_ENTRIES):
-        log.info("weight_cache_evicted", path=str(stale))
-    return native_weights.read(entry), f"file {model_path}", entry
-
-
-def _convert_privately(model_path: Path, weights: str) -> NativeWeights:
-    """Convert into a temporary file, map it and unlink it at once: the mapping keeps its pages."""
-    with tempfile.TemporaryDirectory(prefix="ricllm-native-") as folder:
-        out = Path(folder) / "model.native"
-        reason = _convert(model_path, weights, out)
-        if reason is not None:
-            raise NativeUnsupported(reason)
-        return native_weights.read(out)
-
-
-def _writable(folder: Path) -> bool:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK)
 
 
 def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:

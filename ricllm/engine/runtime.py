@@ -73,7 +73,7 @@ def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
     from ricllm.model.loader import read_tensor_types
 
     if config.weights == "auto" and config.weight_cache:
-        from ricllm.engine.native_runtime import entry_path
+        from ricllm.engine.native_convert import entry_path
 
         entry = entry_path(model_path, config.weights)
         if entry.is_file() or entry.with_suffix(".unsupported").is_file():
@@ -110,7 +110,8 @@ def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     if config.runtime == "torch":
         reason = "runtime 'torch' was asked for"
     if reason is None:
-        from ricllm.engine.native_runtime import NativeUnsupported, build_native_runtime
+        from ricllm.engine.native_convert import NativeUnsupported
+        from ricllm.engine.native_runtime import build_native_runtime
 
         try:
             return build_native_runtime(config, model_path)
