@@ -24,6 +24,13 @@ def tiny_tied_q8_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_native_gguf(tmp_path_factory):
+    """Q4_1 layers, vocabulary padded to whole tiles of 16 head rows: the native runtime serves it."""
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_native") / "tiny_native.gguf", seed=5,
+                                 quant="Q4_1", pad_vocab_to=16)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     return smollm2_path()
 

@@ -24,10 +24,8 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_native(tmp_path_factory) -> Path:
-    """Q4_1 layers, vocabulary padded to whole tiles of 16 head rows: servable natively."""
-    return write_tiny_llama_gguf(tmp_path_factory.mktemp("native") / "tiny.gguf", seed=5, quant="Q4_1",
-                                 pad_vocab_to=16)
+def tiny_native(tiny_native_gguf) -> Path:
+    return tiny_native_gguf
 
 
 def tiny(path: Path, runtime: str, **kwargs) -> LLM:

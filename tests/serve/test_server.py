@@ -777,3 +777,21 @@ def _probe(url: str) -> int | None:
         return http_get(url)[0]
     except OSError:
         return None
+
+
+def test_the_native_runtime_serves_templates_deadlines_and_streams(start_server, tiny_native_gguf):
+    """The service on the native runtime (no torch in the engine): template reuse, a deadline
+    promise kept, a stream, and stats that name the runtime."""
+    server = start_server(engine=dict(model=str(tiny_native_gguf), dtype="auto", weights="int4", runtime="native",
+                                      weight_cache=False))
+    user = [{"role": "user", "content": "PRB usage 92% on cell 17"}]
+    with RicClient(server.endpoint, timeout_s=30) as client:
+        assert client.stats()["model"]["runtime"] == "native"
+        registered = client.register_template(LONG_SYSTEM, template_id="ran-config")
+        client.generate(messages=user, template_id="ran-config", max_tokens=3, ignore_eos=True)
+        second = client.generate(messages=user, template_id="ran-config", max_tokens=4, ignore_eos=True,
+                                 deadline_ms=5000)
+        assert second.num_cached_tokens >= registered.num_pinned_tokens > 0
+        assert second.deadline_met is True and len(second.token_ids) == 4
+        replies = list(client.stream("hello", max_tokens=5, ignore_eos=True))
+    assert [r.token_id for r in replies[:-1]] == replies[-1].token_ids and len(replies) == 6
