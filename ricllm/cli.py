@@ -127,7 +127,8 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
     from ricllm.units import format_bytes
 
     layers, head = engine.weight_formats
-    what = f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.dtype).removeprefix('torch.')}"
+    what = (f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.dtype).removeprefix('torch.')}, "
+            f"{engine.runtime.name} runtime")
     done = ("already in the weight cache" if engine.weights_source.startswith("cache")
             else f"converted from {engine.model_path} in {engine.load_s:.1f} s")
     lines = [f"weights   {what}: {done}", f"          {entry} ({format_bytes(entry.stat().st_size)})"]
