@@ -179,3 +179,11 @@ def test_only_the_most_recently_used_native_weights_files_are_kept(tiny_native, 
     tiny(tiny_native, "native", weight_cache=True)
     assert sorted(p.stem for p in folder.glob("*.native")) == sorted(
         ["old", native_convert.entry_path(tiny_native, "int4").stem])
+
+
+def test_a_prompt_read_in_chunks_gives_the_unchunked_tokens(tiny_native):
+    """Steps whose only rows are an unfinished prompt chunk sample nothing (an empty logits batch)."""
+    prompt = random_prompts(300, (100,), seed=4)
+    chunked = tiny(tiny_native, "native", max_num_batched_tokens=32).generate(prompt, GREEDY)[0]
+    whole = tiny(tiny_native, "native").generate(prompt, GREEDY)[0]
+    assert chunked.token_ids == whole.token_ids and len(chunked.token_ids) == GREEDY.max_tokens
