@@ -6,6 +6,7 @@ cannot serve (remembered beside the entry, so later starts skip converting)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,8 +40,10 @@ def entry_path(model_path: Path, weights: str) -> Path:
     return cache_dir() / "weights" / f"{digest}.native"
 
 
+@functools.lru_cache(maxsize=1)
 def conversion_code_digest() -> str:
-    """The sources that turn a file into packed arrays: an edit there invalidates older files."""
+    """The sources that turn a file into packed arrays: an edit there invalidates older files
+    (read once per process: a start asks for its entry's path twice)."""
     import ricllm.kernels
 
     model_dir, kernels_dir = Path(native_weights.__file__).parent, Path(ricllm.kernels.__file__).parent
@@ -57,7 +60,11 @@ def _convert(model_path: Path, weights: str, out: Path) -> str | None:
     Converting needs torch: a process that already imported it converts in place, any other in a
     child process, so that torch's memory never enters the serving one."""
     if "torch" in sys.modules:
-        return convert(model_path, weights, out)
+        from ricllm.model.heap import release_free_heap
+
+        reason = convert(model_path, weights, out)
+        release_free_heap()  # the torch model it packed from is garbage now
+        return reason
     command = [sys.executable, "-m", "ricllm.engine.native_convert", str(model_path), weights, str(out)]
     log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True)  # stderr: progress bars
