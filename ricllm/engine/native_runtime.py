@@ -13,7 +13,6 @@ process never imports torch), then mapped: later starts read it in milliseconds.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from pathlib import Path
 
@@ -26,8 +25,7 @@ from ricllm.engine.flat_batch import flatten
 from ricllm.engine.native_convert import load_weights
 from ricllm.engine.runtime import Runtime, default_threads
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.kernels.cpu_library import DECODER_DIM_NAMES as DIM_NAMES
-from ricllm.kernels.cpu_library import DECODER_POINTERS_PER_LAYER as POINTERS_PER_LAYER
+from ricllm.kernels.decoder_stack_call import DecoderStackCall, layer_addresses
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
 BF16_BYTES = 2
@@ -48,30 +46,21 @@ class NativeModel:
         from ricllm.kernels.cpu_library import library
 
         self.weights, self.spec, self.threads = weights, weights.spec, threads
-        self._lib = library()
-        if (self._lib.ricllm_decoder_stack_dims(), self._lib.ricllm_decoder_stack_layer_pointers()) != (
-                len(DIM_NAMES), POINTERS_PER_LAYER):
-            raise RuntimeError("the decoder stack's C and Python argument layouts disagree")
+        self._lib = library()  # the embedding lookup and the head; the stack through its call block
         spec = self.spec
-        self._dims = (ctypes.c_int32 * len(DIM_NAMES))()
-        for name, value in dict(hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
-                                head_dim=spec.head_dim, inter=spec.intermediate_size, layers=spec.num_layers,
-                                is_bf16=1, num_threads=threads).items():
-            self._dims[DIM_NAMES.index(name)] = value
-        self._bits = (ctypes.c_int32 * (4 * spec.num_layers))(
-            *[layer.projections[p].bits for layer in weights.layers for p in native_weights.PROJECTIONS])
-        self._scale = spec.head_dim ** -0.5
-        self._pointers = None
+        self._stack = DecoderStackCall(
+            hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            inter=spec.intermediate_size, is_bf16=1, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
+            bits=[layer.projections[p].bits for layer in weights.layers for p in native_weights.PROJECTIONS])
 
     def bind_cache(self, kv_cache: NativeKVCache) -> None:
         """Take every layer's weight and K/V pointers once: the arrays live as long as the engine."""
-        flat = []
+        addresses = []
         for layer, (k, v) in zip(self.weights.layers, kv_cache.layers, strict=True):
-            qkv, o, gate_up, down = (layer.projections[p] for p in native_weights.PROJECTIONS)
-            flat += [layer.attn_norm.ctypes.data, *_pointers(qkv), *_pointers(o), layer.ffn_norm.ctypes.data,
-                     *_pointers(gate_up), *_pointers(down), k.ctypes.data, v.ctypes.data]
-        self._pointers = (ctypes.c_void_p * len(flat))(*flat)
-        self._dims[DIM_NAMES.index("block_size")] = kv_cache.geometry.block_size
+            qkv, o, gate_up, down = (_addresses(layer.projections[p]) for p in native_weights.PROJECTIONS)
+            addresses += layer_addresses(layer.attn_norm.ctypes.data, qkv, o, layer.ffn_norm.ctypes.data, gate_up,
+                                         down, k.ctypes.data, v.ctypes.data)
+        self._stack.bind(addresses, block_size=kv_cache.geometry.block_size)
         self._kv_cache = kv_cache  # the pointers are into it: keep it alive
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -95,16 +84,10 @@ class NativeModel:
         cos, sin = self.weights.rope_cos[where], self.weights.rope_sin[where]
         slots = np.asarray(flat.slot_mapping, dtype=np.int64)
         tables, starts, lens = _int32(flat.block_tables), _int32(flat.query_start_loc), _int32(flat.context_lens)
-        dims = self._dims
-        dims[0], dims[DIM_NAMES.index("batch")] = x.shape[0], lens.shape[0]
-        dims[DIM_NAMES.index("table_width")] = tables.shape[1]
         out = np.empty_like(x)
-        code = self._lib.ricllm_decoder_stack(
-            x.ctypes.data, out.ctypes.data, self._pointers, self._bits, self.weights.norm.ctypes.data,
-            cos.ctypes.data, sin.ctypes.data, slots.ctypes.data, tables.ctypes.data, starts.ctypes.data,
-            lens.ctypes.data, dims, self.spec.rms_norm_eps, self._scale)
-        if code != 0:
-            raise RuntimeError(f"the CPU decoder stack failed (code {code})")
+        self._stack(x.ctypes.data, out.ctypes.data, self.weights.norm.ctypes.data, cos.ctypes.data, sin.ctypes.data,
+                    slots.ctypes.data, tables.ctypes.data, starts.ctypes.data, lens.ctypes.data,
+                    rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1], threads=self.threads)
         return out
 
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -121,8 +104,8 @@ class NativeModel:
         return _bf16_to_float32(out)
 
 
-def _pointers(p: Packed) -> list[int]:
-    return [p.weight.ctypes.data, p.scales.ctypes.data, p.offsets.ctypes.data]
+def _addresses(p: Packed) -> tuple[int, int, int]:
+    return p.weight.ctypes.data, p.scales.ctypes.data, p.offsets.ctypes.data
 
 
 class NativeModelRunner:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ricllm.model.spec import ModelSpec, RopeScaling
+from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
 
 MAGIC = b"RICLLMNW"
@@ -85,10 +85,7 @@ class NativeWeights:
 def read(path: Path) -> NativeWeights:
     """Map ``path``; ``ValueError`` when it is not a complete file of this format and version."""
     arrays, meta = _map(path)
-    spec_fields = json.loads(meta["spec"])
-    if spec_fields.get("rope_scaling") is not None:
-        spec_fields["rope_scaling"] = RopeScaling(**spec_fields["rope_scaling"])
-    spec, bits = ModelSpec(**spec_fields), meta["bits"]
+    spec, bits = ModelSpec.from_dict(json.loads(meta["spec"])), meta["bits"]
 
     def packed(prefix: str, width: int) -> Packed:
         return Packed(arrays[f"{prefix}.weight"], arrays[f"{prefix}.scales"], arrays[f"{prefix}.offsets"], width)

@@ -41,6 +41,14 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> "ModelSpec":
+        """The inverse of ``dataclasses.asdict``: what the weight caches store."""
+        fields = dict(fields)
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        return cls(**fields)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token across all layers: ``2·L·n_kv·d_h·b``."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -26,7 +26,7 @@ from torch import nn
 import ricllm
 from ricllm.logging import get_logger
 from ricllm.model.packed_linear import PackedEmbedding, PackedLinear, head_max_packed_rows, vnni_layout_available
-from ricllm.model.spec import ModelSpec, RopeScaling
+from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
 
@@ -74,10 +74,7 @@ def load(path: Path) -> CachedModel | None:
     try:
         touch_used(path)  # recently used: kept by the eviction in ``save``
         entry = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        spec_fields = dict(entry["spec"])
-        if spec_fields.get("rope_scaling") is not None:
-            spec_fields["rope_scaling"] = RopeScaling(**spec_fields["rope_scaling"])
-        return CachedModel(ModelSpec(**spec_fields), Tokenizer.from_state(entry["tokenizer"]),
+        return CachedModel(ModelSpec.from_dict(entry["spec"]), Tokenizer.from_state(entry["tokenizer"]),
                            entry["state"], tuple(entry["weight_formats"]))
     except Exception as exc:  # a torn or stale file is a cache miss, never a failed start
         log.warning("weight_cache_unreadable", path=str(path), error=str(exc))
