@@ -25,6 +25,12 @@ SEND_HWM = 100_000  # replies queued per client before the ROUTER drops them
 _wake_ids = itertools.count()
 
 
+def _readable(socket: zmq.Socket) -> bool:
+    """Whether a whole message waits (multipart messages arrive whole): asking is cheaper than a
+    non-blocking receive that ends in ``zmq.Again``, which builds an exception each time."""
+    return bool(socket.get(zmq.EVENTS) & zmq.POLLIN)
+
+
 class Frontend:
     """The socket thread. Only it uses the ROUTER socket and the in-flight set."""
 
@@ -99,11 +105,8 @@ class Frontend:
             self.wake.close(linger=0)
 
     def _drain_wake(self) -> None:
-        try:
-            while True:
-                self.wake.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        while _readable(self.wake):
+            self.wake.recv(zmq.NOBLOCK)
 
     def _finish(self) -> None:
         """The engine thread has ended: send its last replies, answer what it left queued."""
@@ -129,11 +132,12 @@ class Frontend:
     # -- sending
 
     def _send_replies(self) -> None:
-        items = self.server._outbox.items
+        outbox = self.server._outbox
         while True:
             try:
-                identity, request_id, frame, final = items.get_nowait()
+                identity, request_id, frame, final = outbox.items.get_nowait()
             except queue.Empty:
+                outbox.sent.set()  # the engine thread may be waiting to go on (Outbox)
                 return
             if final:
                 self.in_flight.discard((identity, request_id))
@@ -165,11 +169,9 @@ class Frontend:
 
     def _receive(self) -> None:
         for _ in range(self.RECEIVE_BATCH):
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            if not _readable(self.router):
                 return
-            self._on_frames(frames)
+            self._on_frames(self.router.recv_multipart(zmq.NOBLOCK, copy=True))
 
     def _on_frames(self, frames: list[bytes]) -> None:
         identity, parts = frames[0], frames[1:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,17 +71,31 @@ def log_refusal(command: Command, code: str, message: str, rejected: bool) -> No
 
 class Outbox:
     """Replies from the engine thread to the socket thread: a queue, and a wake-up message on an
-    inproc PAIR socket that only the engine thread uses (it is made there, on first use)."""
+    inproc PAIR socket that only the engine thread uses (it is made there, on first use).
+
+    A batch that holds a final reply is handed over: the engine thread waits (at most
+    ``HANDOFF_TIMEOUT_S``) until the socket thread has sent the queue. Why: sending needs the GIL,
+    and without the wait the engine thread keeps it through the coming step's Python, until the
+    step's C call lets go of it; results left 0.3-0.7 ms later than they could (measured with 16
+    clients). Other replies (``accepted``, stream tokens) are not waited for: they go out while
+    the step runs, and the step starts sooner.
+    """
+
+    HANDOFF_TIMEOUT_S = 0.002
 
     def __init__(self, context: zmq.Context, address: str) -> None:
         self.items: queue.SimpleQueue[tuple[bytes, str | None, bytes, bool]] = queue.SimpleQueue()
         self._context, self._address = context, address
         self._socket: zmq.Socket | None = None
         self._pending = False
+        self._finals_pending = False
+        self.sent = threading.Event()  # set by the socket thread whenever it finds the queue empty
 
     def put(self, identity: bytes, reply: BaseModel) -> None:
-        self.items.put((identity, getattr(reply, "id", None), p.encode(reply), p.is_final(reply)))
+        final = p.is_final(reply)
+        self.items.put((identity, getattr(reply, "id", None), p.encode(reply), final))
         self._pending = True
+        self._finals_pending |= final
 
     def wake(self, force: bool = False) -> None:
         """One wake-up per batch of replies; a full PAIR pipe already holds one, so EAGAIN is fine."""
@@ -90,11 +105,16 @@ class Outbox:
             self._socket = self._context.socket(zmq.PAIR)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self._address)
+        hand_over = self._finals_pending
+        if hand_over:
+            self.sent.clear()  # the wake-up below makes the socket thread look at the queue again
         try:
             self._socket.send(b"", zmq.NOBLOCK)
         except zmq.Again:
             pass
-        self._pending = False
+        self._pending = self._finals_pending = False
+        if hand_over:
+            self.sent.wait(self.HANDOFF_TIMEOUT_S)
 
     def close(self) -> None:
         if self._socket is not None:
