@@ -13,7 +13,13 @@ make one round's difference noisy). For the ZeroMQ path the time spent outside t
 client's latency less the result's ``timings.e2e_s``) is given too. Target: at most 1 ms added
 at p50.
 
+With ``--engine-cpus LIST`` the engine of both paths computes on those CPUs only (one thread
+each) and everything else (the in-process clients, the ZeroMQ client process, the server's
+socket, HTTP and libzmq threads) runs on the remaining ones: the protocol's cost without its
+competition with the engine for the same cores (``engine_cpus``, docs/serve.md).
+
     python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--rate 100] [--rounds 5] [--model PATH]
+                                        [--engine-cpus LIST]
 """
 
 from __future__ import annotations
@@ -184,6 +190,8 @@ def main() -> None:
                         help="open-loop load: requests/s from all clients together (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating in-process / ZeroMQ rounds")
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2)")
+    parser.add_argument("--engine-cpus", default=None, metavar="LIST",
+                        help="CPUs for the engine (e.g. 0); clients and the server's other threads get the rest")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--client-child", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
@@ -197,8 +205,19 @@ def main() -> None:
     from benchmarks.results import publish
     from ricllm.config import EngineConfig
 
+    from ricllm.engine.affinity import format_cpu_list, other_cpus, pin_current_thread
+
     torch.set_num_threads(2)
-    config = EngineConfig(model=args.model, admission="off", max_num_seqs=64)
+    config = EngineConfig(model=args.model, admission="off", max_num_seqs=64, engine_cpus=args.engine_cpus)
+    placement = "engine, clients and server threads share every CPU"
+    if config.engine_cpus:
+        rest = other_cpus(config.engine_cpus)
+        if not rest:
+            parser.error(f"--engine-cpus {args.engine_cpus} leaves no CPU for the clients and the server's threads")
+        pin_current_thread(rest)  # the in-process clients, the client process and the server's threads
+        placement = (f"engine on CPU {format_cpu_list(config.engine_cpus)} ({len(config.engine_cpus)} thread"
+                     f"{'s' if len(config.engine_cpus) > 1 else ''}), clients and the server's other threads "
+                     f"on CPU {format_cpu_list(rest)}")
     loads = [Load(1, args.requests * 4), Load(args.clients, args.requests),
              Load(args.clients, args.requests, args.rate)]
     rounds = []  # per round: per load, {path: (latencies, wall[, inside the server])}
@@ -211,7 +230,7 @@ def main() -> None:
     publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0].requests} requests, then "
             f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
             f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
-            f"alternating the paths; ZeroMQ clients in a separate process.",
+            f"alternating the paths; ZeroMQ clients in a separate process; {placement}.",
             "\n".join(lines), append=not args.no_append)
 
 

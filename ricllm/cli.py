@@ -35,7 +35,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--no-weight-cache", action="store_true",
                        help="always convert the model file at start instead of reusing converted weights on disk")
-    group.add_argument("--threads", type=int, default=None, help="CPU threads (default: OMP_NUM_THREADS or all cores)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="CPU threads (default: one per --engine-cpus CPU, else OMP_NUM_THREADS, else all cores)")
+    group.add_argument("--engine-cpus", default=None, metavar="LIST",
+                       help="CPUs the engine computes on, e.g. 0-3 (Linux; default: unset, anywhere)")
     group.add_argument("--runtime", default="auto", choices=("auto", "native", "torch"),
                        help="native: numpy and ricllm's C kernels, no torch in the process (about 200 MB less); "
                             "torch: the torch model, every device and format; auto: native where it serves "
@@ -47,7 +50,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, weights=args.weights, enable_prefix_caching=not args.no_prefix_caching,
-                weight_cache=not args.no_weight_cache, threads=args.threads, runtime=args.runtime)
+                weight_cache=not args.no_weight_cache, threads=args.threads, engine_cpus=args.engine_cpus,
+                runtime=args.runtime)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

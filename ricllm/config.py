@@ -46,7 +46,9 @@ class EngineConfig:
     tightest_deadline_ms: float = 500.0  # the tightest deadline class: caps are computed for it at start
     tightest_deadline_tokens: int = 16
     seed: int = 0
-    threads: int | None = None
+    threads: int | None = None  # None: len(engine_cpus), else OMP_NUM_THREADS, else the physical cores
+    engine_cpus: str | tuple[int, ...] | None = None  # e.g. "0-3": the engine computes only there, and the
+    # server keeps its socket, HTTP and ZeroMQ threads on the other CPUs (ricllm.engine.affinity says why)
     runtime: str = "auto"  # native: numpy + ricllm's C kernels, no torch in the process; torch: the torch
     # model; auto: native where it serves the model as configured (ricllm.engine.runtime says why not)
 
@@ -70,6 +72,10 @@ class EngineConfig:
             raise ConfigError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.engine_cpus is not None:
+            from ricllm.engine.affinity import check_engine_cpus
+
+            self.engine_cpus = check_engine_cpus(self.engine_cpus)
 
     def torch_device(self) -> torch.device:
         import torch
@@ -98,7 +104,7 @@ class EngineConfig:
         """Torch intra-op threads: ``threads``, else ``OMP_NUM_THREADS``, else torch's default."""
         import torch
 
-        threads = self.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        threads = self.threads or len(self.engine_cpus or ()) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads:
             torch.set_num_threads(threads)
         return torch.get_num_threads()

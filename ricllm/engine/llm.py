@@ -31,7 +31,8 @@ class LLM:
                  admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
                  abort_late: bool = False, pace_prefill: bool = True, degrade: bool = False,
                  latency_fit: str | None = None,
-                 seed: int = 0, threads: int | None = None, runtime: str = "auto"):
+                 seed: int = 0, threads: int | None = None, engine_cpus: str | Seq[int] | None = None,
+                 runtime: str = "auto"):
         self.config = EngineConfig(
             model=model, kv_cache_budget=kv_cache_budget, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -40,7 +41,7 @@ class LLM:
             weight_cache=weight_cache, max_packed_rows=max_packed_rows,
             admission=admission, safety_margin=safety_margin, max_queue=max_queue, abort_late=abort_late,
             pace_prefill=pace_prefill, degrade=degrade,
-            latency_fit=latency_fit, seed=seed, threads=threads, runtime=runtime)
+            latency_fit=latency_fit, seed=seed, threads=threads, engine_cpus=engine_cpus, runtime=runtime)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
 from ricllm.engine.admission import AdmissionConfig, AdmissionController
+from ricllm.engine.affinity import format_cpu_list, pin_current_thread
 from ricllm.engine.runtime import build_runtime
 from ricllm.engine.scheduler import Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
@@ -45,6 +46,8 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self._built_on = self._stepping_on = threading.get_ident()
+        if config.engine_cpus:  # before the runtime starts any OpenMP worker: they inherit it
+            pin_current_thread(config.engine_cpus)
         self.model_path = resolve_model_path(config.model)
         runtime = self.runtime = build_runtime(config, self.model_path)
         self.spec, self.tokenizer, self.model = runtime.spec, runtime.tokenizer, runtime.model
@@ -99,6 +102,7 @@ class LLMEngine:
         )
         log.info("engine_ready", model=self.spec.name, runtime=self.runtime.name, runtime_why=self.runtime.why,
                  device=str(self.device), threads=self.threads,
+                 engine_cpus=format_cpu_list(self.config.engine_cpus) if self.config.engine_cpus else None,
                  weights=f"layers {self.weight_formats[0]}, head {self.weight_formats[1]}",
                  weights_from=self.weights_source, attention_backend=self.attention_backend,
                  startup_s=round(self.startup_s, 2))

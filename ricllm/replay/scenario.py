@@ -243,6 +243,7 @@ class EngineSettings(_Strict):
     tightest_deadline_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     threads: int | None = Field(None, ge=1)
+    engine_cpus: str | list[int] | None = None
     runtime: Literal["auto", "native", "torch"] | None = None
 
     @field_validator("kv_cache_budget")

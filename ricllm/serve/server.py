@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from ricllm.engine.affinity import format_cpu_list, other_cpus, threads_started_on
 from ricllm.errors import ConfigError, RicllmError
 from ricllm.logging import configure_logging
 from ricllm.serve.frontend import Frontend
@@ -77,27 +78,35 @@ class Server:
         self._frontend: Frontend | None = None
         self._threads: list[threading.Thread] = []
         self._worker = Worker(self, config, latency_model)
+        self._service_cpus = other_cpus(config.engine_cpus)
         self._closed = False
 
     # -- lifecycle
 
     def start(self) -> Server:
-        """Bind everything, then start the threads; on a bind error nothing is left open."""
-        try:
-            self._start_http()
-            self._start_auth()
-            self._frontend = Frontend(self, self._context, self.options)
-        except BaseException:
-            self._close()
-            raise
-        self._outbox = Outbox(self._context, self._frontend.wake_address)
-        self._worker.outbox = self._outbox
-        self._threads = [threading.Thread(target=self._frontend.run, name="ricllm-socket", daemon=True),
-                         threading.Thread(target=self._worker.run, name="ricllm-engine", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        """Bind everything, then start the threads; on a bind error nothing is left open.
+
+        With ``engine_cpus`` set, every thread started here (socket, HTTP, CURVE, libzmq's I/O
+        threads, which start with the first socket) inherits the other CPUs; the engine thread
+        moves itself onto ``engine_cpus`` as it builds the engine.
+        """
+        with threads_started_on(self._service_cpus):
+            try:
+                self._start_http()
+                self._start_auth()
+                self._frontend = Frontend(self, self._context, self.options)
+            except BaseException:
+                self._close()
+                raise
+            self._outbox = Outbox(self._context, self._frontend.wake_address)
+            self._worker.outbox = self._outbox
+            self._threads = [threading.Thread(target=self._frontend.run, name="ricllm-socket", daemon=True),
+                             threading.Thread(target=self._worker.run, name="ricllm-engine", daemon=True)]
+            for thread in self._threads:
+                thread.start()
         log.info("server_listening", endpoint=self.endpoint, http_port=self.http_port,
-                 curve=self.options.curve is not None)
+                 curve=self.options.curve is not None,
+                 service_cpus=format_cpu_list(self._service_cpus) if self._service_cpus else None)
         return self
 
     def _start_http(self) -> None:

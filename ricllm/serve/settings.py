@@ -105,6 +105,7 @@ class Controls(_Strict):
     weight_cache: bool = True
     seed: int = Field(0, ge=0)
     threads: Annotated[int, Field(ge=1)] | None = None
+    engine_cpus: str | list[Annotated[int, Field(ge=0)]] | None = None
     runtime: Literal["auto", "native", "torch"] = "auto"
     zmq_endpoint: Annotated[str, StringConstraints(pattern=r"^(tcp|ipc)://.+$")] = DEFAULT_BIND
     http_port: int = Field(DEFAULT_HTTP_PORT, ge=1, le=65535)
@@ -113,6 +114,18 @@ class Controls(_Strict):
     latency_fit: NonEmpty | None = None
     curve: CurveControls = Field(default_factory=CurveControls)
     log_json: bool = True
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cpu_list(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if value is not None:
+            from ricllm.engine.affinity import parse_cpu_list
+
+            try:
+                parse_cpu_list(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("engine_cpus: ")) from None
+        return value
 
     @field_validator("kv_cache_budget")
     @classmethod
@@ -174,6 +187,7 @@ class ServeSettings:
                     safety_margin=c.admission.safety_margin, max_queue=c.admission.max_queue,
                     abort_late=c.admission.abort_late, pace_prefill=c.admission.pace_prefill,
                     degrade=c.admission.degrade, latency_fit=c.latency_fit, seed=c.seed, threads=c.threads,
+                    engine_cpus=c.engine_cpus,
                     runtime=c.runtime)
 
     def engine_config(self):
@@ -239,7 +253,7 @@ FLAG_FIELDS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("max_model_len",), "dtype": ("dtype",), "device": ("device",), "weights": ("weights",),
     "attention_backend": ("attention_backend",), "prefix_caching": ("enable_prefix_caching",),
     "weight_cache": ("weight_cache",),
-    "seed": ("seed",), "threads": ("threads",), "runtime": ("runtime",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
+    "seed": ("seed",), "threads": ("threads",), "engine_cpus": ("engine_cpus",), "runtime": ("runtime",), "zmq": ("zmq_endpoint",), "http_port": ("http_port",),
     "drain_timeout": ("drain_timeout_s",),
     "admission": ("admission", "policy"), "safety_margin": ("admission", "safety_margin"),
     "max_queue": ("admission", "max_queue"), "abort_late": ("admission", "abort_late"),
@@ -355,7 +369,12 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=S,
                         help="reuse converted weights from $RICLLM_CACHE_DIR/weights (default: on)")
     engine.add_argument("--seed", type=int, default=S, help="engine sampling seed (0)")
-    engine.add_argument("--threads", type=int, default=S, help="CPU threads (OMP_NUM_THREADS or all cores)")
+    engine.add_argument("--threads", type=int, default=S,
+                        help="CPU threads (one per --engine-cpus CPU, else OMP_NUM_THREADS, else all cores)")
+    engine.add_argument("--engine-cpus", default=S, metavar="LIST",
+                        help="CPUs the engine computes on, e.g. 0-3 (Linux); the socket, HTTP and ZeroMQ threads "
+                             "then run on the other CPUs, so they never stall the engine's threads "
+                             "(default: unset, every thread may run anywhere)")
     engine.add_argument("--runtime", default=S, help="auto, native (no torch in the process) or torch (auto: native "
                                                      "where it serves the model)")
 
