@@ -132,24 +132,16 @@ class Frontend:
     # -- sending
 
     def _send_replies(self) -> None:
-        """Every queued reply, then what each asked to run after it was sent (metrics, logs)."""
-        outbox, after_sending = self.server._outbox, []
+        outbox = self.server._outbox
         while True:
             try:
-                identity, request_id, reply, final, then = outbox.items.get_nowait()
+                identity, request_id, frame, final = outbox.items.get_nowait()
             except queue.Empty:
-                break
+                outbox.sent.set()  # the engine thread may be waiting to go on (Outbox)
+                return
             if final:
                 self.in_flight.discard((identity, request_id))
-            self._send(identity, reply)
-            if then is not None:
-                after_sending.append(then)
-        outbox.sent.set()  # the engine thread may be waiting to go on (Outbox)
-        for then in after_sending:
-            try:
-                then()
-            except Exception:  # a bug in bookkeeping: the reply is out, serving goes on
-                log.exception("after_reply_failed")
+            self._send_frame(identity, frame)
 
     def _send(self, identity: bytes, reply: BaseModel) -> None:
         self._send_frame(identity, p.encode(reply))

@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 from pydantic import BaseModel
@@ -84,19 +84,16 @@ class Outbox:
     HANDOFF_TIMEOUT_S = 0.002
 
     def __init__(self, context: zmq.Context, address: str) -> None:
-        self.items: queue.SimpleQueue[tuple[bytes, str | None, BaseModel, bool, Callable[[], None] | None]] = \
-            queue.SimpleQueue()
+        self.items: queue.SimpleQueue[tuple[bytes, str | None, bytes, bool]] = queue.SimpleQueue()
         self._context, self._address = context, address
         self._socket: zmq.Socket | None = None
         self._pending = False
         self._finals_pending = False
         self.sent = threading.Event()  # set by the socket thread whenever it finds the queue empty
 
-    def put(self, identity: bytes, reply: BaseModel, then: Callable[[], None] | None = None) -> None:
-        """Queue ``reply`` for ``identity``; the socket thread encodes and sends it, then runs
-        ``then`` (bookkeeping that needs no engine: it leaves the engine thread's path)."""
+    def put(self, identity: bytes, reply: BaseModel) -> None:
         final = p.is_final(reply)
-        self.items.put((identity, getattr(reply, "id", None), reply, final, then))
+        self.items.put((identity, getattr(reply, "id", None), p.encode(reply), final))
         self._pending = True
         self._finals_pending |= final
 

@@ -3,8 +3,6 @@ table of pending requests (docs/serve.md)."""
 
 from __future__ import annotations
 
-import functools
-
 import itertools
 import queue
 from dataclasses import dataclass, field
@@ -290,17 +288,20 @@ class Worker:
     # -- after a step
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
-        """Replies, woken at once (each result's metrics and log event follow it on the socket thread)."""
+        """Replies first, woken at once; then each finished request's metrics and log event."""
+        completed = []
         for out in outputs:
             item = self._internal.pop(out.request_id, None)
             if isinstance(item, _Pending):
-                self._complete(item, out)
+                completed.append((item, out, self._send_result(item, out)))
             elif isinstance(item, _Template):
                 self._pinned(item)
         for pending in self._generates.values():
             if pending.request.stream:
                 self._stream(pending, final=False)
         self.outbox.wake()
+        for pending, out, timings in completed:
+            self._account(pending, out, timings)
 
     def _stream(self, pending: _Pending, final: bool) -> None:
         """A ``token`` per new output token; the text since the last one rides on the newest.
@@ -320,8 +321,10 @@ class Worker:
         pending.sent_tokens = len(token_ids)
 
     def _complete(self, pending: _Pending, out: RequestOutput) -> None:
-        """The final ``result`` (after any last tokens); its metrics and its one log event are left
-        to the socket thread, after the send: they need nothing of the engine's."""
+        """The final ``result`` (after any last tokens), its metrics and its one log event."""
+        self._account(pending, out, self._send_result(pending, out))
+
+    def _send_result(self, pending: _Pending, out: RequestOutput) -> p.Timings:
         self._generates.pop(pending.command.key, None)
         self._internal.pop(pending.internal_id, None)
         if pending.request.stream:
@@ -331,7 +334,8 @@ class Worker:
             id=pending.request.id, text=out.text, token_ids=out.token_ids,
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
             finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
-            degraded=_degraded(out.degradation)), then=functools.partial(self._account, pending, out, timings))
+            degraded=_degraded(out.degradation)))
+        return timings
 
     def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
         if out.finish_reason == "cancelled":
