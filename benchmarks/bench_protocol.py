@@ -8,7 +8,8 @@ interpreter; the in-process clients are threads calling the engine thread direct
 one client at a time (the protocol's own cost per request); many concurrent clients, closed loop
 (each sends again when answered: the engine saturated, so requests per second compare); and the
 same clients open loop (seeded Poisson sends at ``--rate``, identical on both paths, so each
-request is compared with itself). The paths alternate for ``--rounds`` rounds (two busy cores
+request is compared with itself; the in-process path runs it twice, and the second run against
+the first gives the figure's noise floor). The paths alternate for ``--rounds`` rounds (two busy cores
 make one round's difference noisy). For the ZeroMQ path the time spent outside the server (the
 client's latency less the result's ``timings.e2e_s``) is given too. Target: at most 1 ms added
 at p50.
@@ -176,6 +177,14 @@ def table(name: str, rounds: list[dict[str, tuple]], load: Load) -> list[str]:
     return lines
 
 
+def noise_floor(first: list[tuple], second: list[tuple], load: Load) -> str:
+    """The open loop's in-process path against a second in-process run of it, request by request:
+    what the ZeroMQ figure would read with no protocol at all (the machine's drift between runs)."""
+    paired = [(b - a) * 1000 for one, two in zip(first, second) for a, b in zip(one[0], two[0])]
+    return (f"noise floor of the open-loop figure: the in-process path against a second in-process run, request "
+            f"by request: p50 {percentile(paired, 0.5):+.2f} ms ({load.clients} clients)\n")
+
+
 def title(load: Load) -> str:
     if load.rate is not None:
         return f"{load.clients} concurrent clients, open loop at {load.rate:g} requests/s in all"
@@ -224,9 +233,11 @@ def main() -> None:
     for _ in range(args.rounds):
         local, remote = in_process(config, loads), over_zeromq(config, loads)
         rounds.append([{LOCAL: ours, REMOTE: theirs} for ours, theirs in zip(local, remote)])
+        rounds[-1].append(in_process(config, [loads[-1]])[0])  # the open loop again: the run's noise
     lines = []
     for index, load in enumerate(loads):
         lines += table(title(load), [r[index] for r in rounds], load)
+    lines.append(noise_floor([r[-2][LOCAL] for r in rounds], [r[-1] for r in rounds], loads[-1]))
     publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0].requests} requests, then "
             f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
             f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
