@@ -100,11 +100,15 @@ class EngineConfig:
             return torch.bfloat16
         return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
+    def requested_threads(self) -> int:
+        """``threads``, else one per CPU of ``engine_cpus``, else ``OMP_NUM_THREADS``; 0: none asked for."""
+        return self.threads or len(self.engine_cpus or ()) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+
     def apply_threads(self) -> int:
-        """Torch intra-op threads: ``threads``, else ``OMP_NUM_THREADS``, else torch's default."""
+        """Torch intra-op threads: :meth:`requested_threads`, else torch's default."""
         import torch
 
-        threads = self.threads or len(self.engine_cpus or ()) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        threads = self.requested_threads()
         if threads:
             torch.set_num_threads(threads)
         return torch.get_num_threads()

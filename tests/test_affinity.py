@@ -76,3 +76,13 @@ def test_a_descriptor_names_a_bad_cpu_list(tmp_path):
     path.write_text('{"controls": {"engine_cpus": "0-x"}}')
     with pytest.raises(SettingsError, match="field 'engine_cpus'"):
         load_controls_file(path, "--config")
+
+
+def test_a_scenario_names_a_bad_cpu_list():
+    from pydantic import ValidationError
+
+    from ricllm.replay.scenario import EngineSettings
+
+    assert EngineSettings.model_validate({"engine_cpus": "0-1"}).engine_cpus == "0-1"
+    with pytest.raises(ValidationError, match=r"engine_cpus\n.*range '3-1' runs backwards"):
+        EngineSettings.model_validate({"engine_cpus": "3-1"})

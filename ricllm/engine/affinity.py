@@ -47,6 +47,17 @@ def parse_cpu_list(spec: str | Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def check_cpu_list_field(value: str | list[int] | None) -> str | list[int] | None:
+    """A pydantic field validator's body (descriptor controls, scenario settings): the value as
+    given, or a ValueError that pydantic reports under the field's name."""
+    if value is not None:
+        try:
+            parse_cpu_list(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("engine_cpus: ")) from None
+    return value
+
+
 def allowed_cpus() -> set[int]:
     """The CPUs this process may run on (a container's cpuset, taskset)."""
     if not hasattr(os, "sched_getaffinity"):

@@ -86,11 +86,9 @@ def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
 
 
 def default_threads(config: EngineConfig) -> int:
-    """``threads``, else one per CPU of ``engine_cpus``, else ``OMP_NUM_THREADS``, else the physical
-    cores this process may run on (as torch counts: a second hyperthread per core only contends for
-    the same vector units)."""
-    return (config.threads or len(config.engine_cpus or ()) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-            or physical_cores())
+    """:meth:`EngineConfig.requested_threads`, else the physical cores this process may run on (as
+    torch counts: a second hyperthread per core only contends for the same vector units)."""
+    return config.requested_threads() or physical_cores()
 
 
 def physical_cores() -> int:

@@ -246,6 +246,13 @@ class EngineSettings(_Strict):
     engine_cpus: str | list[int] | None = None
     runtime: Literal["auto", "native", "torch"] | None = None
 
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cpu_list(cls, value: str | list[int] | None) -> str | list[int] | None:
+        from ricllm.engine.affinity import check_cpu_list_field
+
+        return check_cpu_list_field(value)
+
     @field_validator("kv_cache_budget")
     @classmethod
     def _bytes(cls, value: int | str | None) -> int | str | None:

@@ -118,14 +118,9 @@ class Controls(_Strict):
     @field_validator("engine_cpus")
     @classmethod
     def _cpu_list(cls, value: str | list[int] | None) -> str | list[int] | None:
-        if value is not None:
-            from ricllm.engine.affinity import parse_cpu_list
+        from ricllm.engine.affinity import check_cpu_list_field
 
-            try:
-                parse_cpu_list(value)
-            except ConfigError as exc:
-                raise ValueError(str(exc).removeprefix("engine_cpus: ")) from None
-        return value
+        return check_cpu_list_field(value)
 
     @field_validator("kv_cache_budget")
     @classmethod
