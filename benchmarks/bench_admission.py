@@ -144,18 +144,17 @@ def decision_p99_at_full_batch(engine: LLMEngine, trials: int = 400, seed: int =
     return admitted, times[int(0.99 * (len(times) - 1))] * 1000
 
 
-POLICIES = {  # name -> EngineConfig settings
-    "deadline": dict(admission="deadline"),
-    "unpaced": dict(admission="deadline", pace_prefill=False),
-    "degrade": dict(admission="deadline", degrade=True),
-    "fcfs": dict(admission="fcfs", max_queue=10**9),  # unbounded queue: a plain serving loop
+POLICIES = {  # name -> EngineConfig's admission section
+    "deadline": dict(policy="deadline", max_queue=256),
+    "unpaced": dict(policy="deadline", max_queue=256, pace_prefill=False),
+    "degrade": dict(policy="deadline", max_queue=256, degrade=True),
+    "fcfs": dict(policy="fcfs", max_queue=10**9),  # unbounded queue: a plain serving loop
 }
 
 
 def engine_thread(policy: str) -> EngineThread:
     """The engine is built and run on one thread (two OpenMP pools would slow every step)."""
-    settings = dict(kv_cache_budget="256MiB", max_num_seqs=64, max_queue=256)
-    return EngineThread(EngineConfig(**{**settings, **POLICIES[policy]}))
+    return EngineThread(EngineConfig(kv_cache_budget="256MiB", max_num_seqs=64, admission=POLICIES[policy]))
 
 
 def on_engine_thread(policy: str, task):

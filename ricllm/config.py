@@ -1,10 +1,36 @@
-"""One engine configuration, checked once at start-up."""
+"""The engine's settings: one pydantic model, the single home of every field, its default and its rule.
+
+- :class:`EngineSettings` declares the fields. Everything else is derived from it: the CLI flags
+  (:mod:`ricllm.cli.flags`), the xApp descriptor's ``controls`` (:class:`ricllm.serve.settings.Controls`
+  adds the service's own options) and its ``schema.json`` (:mod:`ricllm.serve.descriptor`), and the
+  scenario's ``engine`` section (the same model, partly filled). Adding a setting is adding a field here.
+- :class:`EngineConfig` is what the engine runs with: the same fields, checked once, with the byte
+  size parsed and the CPU list resolved on this host. A bad value raises :class:`ConfigError` naming
+  the field.
+
+Every field has one default, the engine's own (``admission.policy`` is ``off``, as in ``LLM``); the
+server and the scenarios override it in their profiles, in the open (``SERVE_PROFILE``,
+``SCENARIO_PROFILE``).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from ricllm.errors import ConfigError
 from ricllm.units import parse_bytes
@@ -15,77 +41,153 @@ if TYPE_CHECKING:  # torch is imported only by the torch runtime (the native one
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # accepted names -> torch's name
 RUNTIMES = ("auto", "native", "torch")
+# what parse_bytes reads, as a pattern a JSON-schema validator can check without ricllm
+BYTE_SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]*)?\s*([bB]|[kKmMgGtT][bB]|[kKmMgGtT][iI][bB]|[kKmMgG])?\s*$"
+CPU_LIST_PATTERN = r"^\s*[0-9]+(-[0-9]+)?(\s*,\s*[0-9]+(-[0-9]+)?)*\s*$"
 
 
-@dataclass
-class EngineConfig:
-    """Sizes in bytes and tokens. ``dtype`` and ``device`` may be ``"auto"``."""
+def _parses_as_bytes(value: int | str) -> int | str:
+    if isinstance(value, int) and value < 1:
+        raise ValueError("a byte size is at least 1")
+    parse_bytes(value)
+    return value
 
-    model: str | None = None
-    kv_cache_budget: int | str = "256MiB"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # a step's prefill chunk: bounds the stall of running decodes and
-    # the step's activations; on a CPU, 512-token chunks prefill as fast as 2048 (benchmarks/RESULTS.md)
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    weights: str = "auto"  # auto, bf16, int8, int4: weight-only quantized projections on the CPU
-    max_packed_rows: int | None = None  # None: packed weights at every batch size, no bf16 copy (least
-    # memory; ricllm's AMX/AVX-512 kernels lead bf16 up to ~64 rows); N: a bf16 copy serves steps above N rows
-    enable_prefix_caching: bool = True
-    weight_cache: bool = True  # keep converted weights on disk ($RICLLM_CACHE_DIR/weights): later starts in seconds
-    admission: str = "off"  # off: refuse only what can never fit (raise); deadline: promise deadlines; fcfs: queue all
-    safety_margin: float = 0.1  # admission inflates predicted times by this fraction
-    max_queue: int = 256  # best-effort requests that may wait
-    abort_late: bool = False  # abort a request once its deadline passed (finish_reason "deadline")
-    pace_prefill: bool = True  # cap a step's prefill so running deadline decodes keep their per-token pace
-    degrade: bool = False  # admit a request that does not fit with max_tokens shrunk to what fits, and say so
-    latency_fit: str | None = None  # JSON file of a latency-model fit; None: calibrate (cached on disk)
-    tightest_deadline_ms: float = 500.0  # the tightest deadline class: caps are computed for it at start
-    tightest_deadline_tokens: int = 16
-    seed: int = 0
-    threads: int | None = None  # None: len(engine_cpus), else OMP_NUM_THREADS, else the physical cores
-    engine_cpus: str | tuple[int, ...] | None = None  # e.g. "0-3": the engine computes only there, and the
-    # server keeps its socket, HTTP and ZeroMQ threads on the other CPUs (ricllm.engine.affinity says why)
-    runtime: str = "auto"  # native: numpy + ricllm's C kernels, no torch in the process; torch: the torch
-    # model; auto: native where it serves the model as configured (ricllm.engine.runtime says why not)
 
-    def __post_init__(self) -> None:
+def _tuple_as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, range)) else value  # EngineConfig holds a tuple
+
+
+def _parses_as_cpus(value: str | list[int]) -> str | list[int]:
+    from ricllm.engine.affinity import check_cpu_list_field
+
+    return check_cpu_list_field(value)
+
+
+# one check each (the parser's own message), and the schema a JSON-schema validator checks without ricllm
+ByteSize = Annotated[int | str, AfterValidator(_parses_as_bytes), WithJsonSchema({"oneOf": [
+    {"type": "integer", "minimum": 1}, {"type": "string", "pattern": BYTE_SIZE_PATTERN}]})]
+CpuList = Annotated[str | list[int], BeforeValidator(_tuple_as_list), AfterValidator(_parses_as_cpus),
+                    WithJsonSchema({"oneOf": [
+                        {"type": "string", "pattern": CPU_LIST_PATTERN},
+                        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+
+
+def setting(default: Any = None, help: str = "", *, flag: str | None = None, metavar: str | None = None,
+            **rules: Any) -> Any:
+    """A field with its help text (CLI ``--help`` and the descriptor schema's description) and, where
+    the command line spells it differently from the field's name, its flag."""
+    extra = {key: value for key, value in (("flag", flag), ("metavar", metavar)) if value}
+    return Field(default, description=help, json_schema_extra=extra or None, **rules)
+
+
+class StrictModel(BaseModel):
+    """Settings read from files and flags: exact types, unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class AdmissionConfig(StrictModel):
+    """How requests are admitted, and the caps computed at start for the tightest deadline class."""
+
+    policy: Literal["off", "deadline", "fcfs"] = setting(
+        "off", "deadline: admit only what meets its deadline; fcfs: queue everything; off: refuse only what "
+        "can never fit", flag="admission")
+    safety_margin: float = setting(0.1, "predicted times are inflated by this fraction before comparing",
+                                   ge=0, lt=10)
+    max_queue: int = setting(256, "best-effort requests that may wait", ge=0)
+    abort_late: bool = setting(False, "abort a request once its deadline has passed (finish_reason 'deadline')")
+    pace_prefill: bool = setting(True, "cap each step's prefill tokens so running deadline requests keep the "
+                                       "per-token pace their deadlines need; never at the cost of a promise")
+    degrade: bool = setting(False, "admit a request that cannot be served in full with max_tokens shrunk to "
+                                   "what fits (the reply says so) instead of rejecting it")
+    tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
+                                                 "computed for it at start (ms)", gt=0)
+    tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)
+
+
+class EngineSettings(StrictModel):
+    """Every engine setting, with its one default. Sizes in bytes and tokens."""
+
+    model: NonEmpty | None = setting(
+        None, "GGUF file or HF checkpoint folder; null: the installed SmolLM2-135M-Instruct GGUF")
+    kv_cache_budget: ByteSize = setting(
+        "256MiB", "bytes for the whole KV cache: an integer, or a number with a unit (B, KB, MB, GB, TB, KiB, "
+                  "MiB, GiB, TiB, K, M, G), e.g. 256MiB")
+    block_size: int = setting(16, "tokens per KV block", ge=1, le=1024)
+    max_num_seqs: int = setting(64, "most sequences per step", ge=1)
+    # 512: a step's prefill chunk bounds the stall of running decodes and the step's activations; on a
+    # CPU, 512-token chunks prefill as fast as 2048 (benchmarks/RESULTS.md)
+    max_num_batched_tokens: int = setting(512, "token budget per step, prefill chunks included", ge=1)
+    max_model_len: Annotated[int, Field(ge=1)] | None = setting(
+        None, "cap on prompt + output tokens; null: the model's context")
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = setting(
+        "auto", "activations and KV cache; auto: bfloat16 where the hardware has it, else float32")
+    device: Annotated[str, StringConstraints(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = setting(
+        "auto", "auto, cpu or cuda[:N]")
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = setting(
+        "auto", "auto: the C kernel on the CPU, Triton on CUDA; torch: the reference")
+    weights: Literal["auto", "bf16", "int8", "int4"] = setting(
+        "auto", "weight-only quantized projections on the CPU; auto keeps the file's precision")
+    # None: packed weights at every batch size, no bf16 copy (least memory; ricllm's AMX/AVX-512
+    # kernels lead bf16 up to ~64 rows)
+    max_packed_rows: Annotated[int, Field(ge=1)] | None = setting(
+        None, "steps above this many rows use a dense bf16 copy of the weights; null: packed weights always "
+              "(least memory)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of shared prompt prefixes",
+                                          flag="prefix-caching")
+    weight_cache: bool = setting(True, "reuse converted weights from $RICLLM_CACHE_DIR/weights: later starts "
+                                       "in about a second")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    latency_fit: NonEmpty | None = setting(
+        None, "JSON file of a latency-model fit (LatencyModel.save); null: calibrate at start (cached on disk)",
+        metavar="FILE")
+    seed: int = setting(0, "engine sampling seed", ge=0)
+    threads: Annotated[int, Field(ge=1)] | None = setting(
+        None, "CPU threads; null: one per engine_cpus CPU, else OMP_NUM_THREADS, else the physical cores")
+    # ricllm.engine.affinity says why the other threads keep off these CPUs
+    engine_cpus: CpuList | None = setting(
+        None, "CPUs the engine computes on (Linux), as a list or a cpulist such as '0-3,6'; the server's "
+              "socket, HTTP and ZeroMQ threads then run on the other CPUs. null: unpinned", metavar="LIST")
+    runtime: Literal["auto", "native", "torch"] = setting(
+        "auto", "native: numpy and ricllm's C kernels, no torch in the process; torch: the torch model, every "
+                "device and format; auto: native where it serves the model")
+
+    @field_validator("admission", mode="before")
+    @classmethod
+    def _policy_shorthand(cls, value: Any) -> Any:
+        """``admission="deadline"`` stands for ``admission={"policy": "deadline"}``."""
+        return {"policy": value} if isinstance(value, str) else value
+
+
+class EngineConfig(EngineSettings):
+    """The settings the engine runs with, checked once: ``EngineConfig(model=..., admission="deadline")``.
+
+    Unlike the files and flags it comes from, it holds resolved values: ``kv_cache_budget`` in bytes,
+    ``engine_cpus`` as a sorted tuple of CPUs this process may use.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(exc)) from None
+
+    @model_validator(mode="after")
+    def _resolve(self) -> EngineConfig:
         self.kv_cache_budget = parse_bytes(self.kv_cache_budget)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_packed_rows is not None and (not isinstance(self.max_packed_rows, int) or self.max_packed_rows < 1):
-            raise ConfigError(f"max_packed_rows must be an integer >= 1 or None, got {self.max_packed_rows!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
-        if self.admission not in ("off", "deadline", "fcfs"):
-            raise ConfigError(f"unknown admission policy {self.admission!r}; choose off, deadline or fcfs")
-        if not 0 <= self.safety_margin < 10:
-            raise ConfigError(f"safety_margin must be in [0, 10), got {self.safety_margin}")
-        if self.runtime not in RUNTIMES:
-            raise ConfigError(f"unknown runtime {self.runtime!r}; choose one of {', '.join(RUNTIMES)}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.engine_cpus is not None:
             from ricllm.engine.affinity import check_engine_cpus
 
             self.engine_cpus = check_engine_cpus(self.engine_cpus)
+        return self
 
     def torch_device(self) -> torch.device:
         import torch
 
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as exc:
-            raise ConfigError(f"unknown device {self.device!r}: {exc}") from exc
+        device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA GPU")
         return device
@@ -112,3 +214,35 @@ class EngineConfig:
         if threads:
             torch.set_num_threads(threads)
         return torch.get_num_threads()
+
+
+# ------------------------------------------------------------------------------ error messages
+
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*\]|constrained-\w+|function-\w+\[.*\])$")
+
+
+def describe_errors(exc: ValidationError, source: str = "") -> str:
+    """``--config x.json: field 'admission.policy': unknown admission policy 'edf'; choose one of ...``.
+
+    A rule whose message already names its field (``engine_cpus: CPU 9 is not available ...``) is
+    quoted as it is."""
+    parts = [_describe_one(error) for error in exc.errors(include_url=False)[:3]]
+    extra = exc.error_count() - len(parts)
+    text = "; ".join(parts) + (f"; and {extra} more" if extra > 0 else "")
+    return f"{source}: {text}" if source else text
+
+
+def _describe_one(error: dict) -> str:
+    name = ".".join(str(part) for part in error["loc"] if not _UNION_TAG.match(str(part)))
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return f"field {name!r}: unknown setting"
+    if error["type"] == "literal_error":
+        choices = ", ".join(re.findall(r"'([^']*)'", error["ctx"]["expected"]))
+        return f"field {name!r}: unknown {name.rsplit('.', 1)[-1].replace('_', ' ')} {error['input']!r}; " \
+               f"choose one of {choices}"
+    if not name or message.startswith(f"{name}: "):
+        return message
+    if error["type"] == "missing" or isinstance(error.get("input"), dict):
+        return f"field {name!r}: {message}"
+    return f"field {name!r}: {message} (got {error.get('input')!r:.60})"

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from ricllm import LLM, SamplingParams
-from ricllm.config import EngineConfig
+from ricllm.config import AdmissionConfig, EngineConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.engine.scheduler import StepFeatures
@@ -37,8 +37,10 @@ def true_step_time(features, slowdown: float = 1.0) -> float:
 
 def make_engine(tiny_gguf, slowdown=lambda: 1.0, **overrides) -> tuple[LLMEngine, FakeClock]:
     clock = FakeClock()
+    admission = dict(policy="deadline", safety_margin=0.0)
+    admission.update({name: overrides.pop(name) for name in list(overrides) if name in AdmissionConfig.model_fields})
     settings = dict(model=str(tiny_gguf), dtype="float32", kv_cache_budget=64 * 16 * 512, block_size=16,
-                    max_num_batched_tokens=64, admission="deadline", safety_margin=0.0)
+                    max_num_batched_tokens=64, admission=admission)
     settings.update(overrides)
     engine = LLMEngine(EngineConfig(**settings), clock=clock, latency_model=LatencyModel(list(COEFFICIENTS)))
     real_run = engine.runner.run

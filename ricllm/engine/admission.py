@@ -30,23 +30,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ricllm.config import AdmissionConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.sequence import Sequence
 from ricllm.outputs import Degradation, Rejection
 
-POLICIES = ("deadline", "fcfs")
 DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
-
-
-@dataclass
-class AdmissionConfig:
-    policy: str = "deadline"  # "fcfs": no time check, everything queues (the baseline)
-    safety_margin: float = 0.1  # predicted time is inflated by this fraction before comparing
-    max_queue: int = 256  # waiting best-effort requests
-    abort_late: bool = False  # abort a request once its deadline has passed (finish_reason "deadline")
-    pace_prefill: bool = True  # cap a step's prefill tokens so running deadline decodes keep their pace
-    degrade: bool = False  # shrink max_tokens to what fits instead of refusing (when the prompt alone fits)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from ricllm.cache.kv_cache_manager import PinHandle
 from ricllm.config import EngineConfig
@@ -23,25 +24,11 @@ class LLM:
     ``"off"`` (the default) queues everything that can fit and raises for what never can.
     """
 
-    def __init__(self, model: str | None = None, *, kv_cache_budget: int | str = "256MiB",
-                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int | None = None, dtype: str = "auto", device: str = "auto",
-                 attention_backend: str = "auto", weights: str = "auto", enable_prefix_caching: bool = True,
-                 weight_cache: bool = True, max_packed_rows: int | None = None,
-                 admission: str = "off", safety_margin: float = 0.1, max_queue: int = 256,
-                 abort_late: bool = False, pace_prefill: bool = True, degrade: bool = False,
-                 latency_fit: str | None = None,
-                 seed: int = 0, threads: int | None = None, engine_cpus: str | Seq[int] | None = None,
-                 runtime: str = "auto"):
-        self.config = EngineConfig(
-            model=model, kv_cache_budget=kv_cache_budget, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, dtype=dtype, device=device,
-            attention_backend=attention_backend, weights=weights, enable_prefix_caching=enable_prefix_caching,
-            weight_cache=weight_cache, max_packed_rows=max_packed_rows,
-            admission=admission, safety_margin=safety_margin, max_queue=max_queue, abort_late=abort_late,
-            pace_prefill=pace_prefill, degrade=degrade,
-            latency_fit=latency_fit, seed=seed, threads=threads, engine_cpus=engine_cpus, runtime=runtime)
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """``settings`` are :class:`ricllm.config.EngineSettings` fields: ``kv_cache_budget="64MiB"``,
+        ``admission="deadline"`` (or ``admission={"policy": "deadline", "degrade": True}``), ...;
+        a bad one raises :class:`ricllm.errors.ConfigError` naming it."""
+        self.config = EngineConfig(model=model, **settings)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 

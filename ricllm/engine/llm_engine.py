@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
-from ricllm.engine.admission import AdmissionConfig, AdmissionController
+from ricllm.engine.admission import AdmissionController
 from ricllm.engine.affinity import format_cpu_list, pin_current_thread
 from ricllm.engine.runtime import build_runtime
 from ricllm.engine.scheduler import Scheduler, StepFeatures
@@ -68,12 +68,13 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self.admission = None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        if config.admission != "off":
+        if config.admission.policy != "off":
             self.admission = self._build_admission(latency_model)  # may calibrate: runs real steps first
             self.scheduler.gate = self.admission
-            self.caps = self.admission.caps(config.tightest_deadline_ms, config.tightest_deadline_tokens)
-            log.info("admission_caps", deadline_ms=config.tightest_deadline_ms,
-                     tokens=config.tightest_deadline_tokens, caps=self.caps)
+            tightest = config.admission
+            self.caps = self.admission.caps(tightest.tightest_deadline_ms, tightest.tightest_deadline_tokens)
+            log.info("admission_caps", deadline_ms=tightest.tightest_deadline_ms,
+                     tokens=tightest.tightest_deadline_tokens, caps=self.caps)
         self.startup_s = time.perf_counter() - started
         self._log_start()
 
@@ -81,10 +82,7 @@ class LLMEngine:
         from ricllm.engine.calibration import load_or_calibrate
 
         latency = latency_model or load_or_calibrate(self)
-        settings = AdmissionConfig(policy=self.config.admission, safety_margin=self.config.safety_margin,
-                                   max_queue=self.config.max_queue, abort_late=self.config.abort_late,
-                                   pace_prefill=self.config.pace_prefill, degrade=self.config.degrade)
-        return AdmissionController(settings, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
+        return AdmissionController(self.config.admission, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)
 
     def _log_start(self) -> None:

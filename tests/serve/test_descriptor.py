@@ -4,7 +4,6 @@ with the Dockerfile, the protocol defaults and the engine's own defaults."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -147,18 +146,22 @@ def test_probes_agree_with_the_dockerfile_healthcheck():
 
 
 def test_controls_defaults_are_the_engines():
-    from ricllm.config import EngineConfig
+    """The descriptor's controls are the engine's defaults, but for what the serve profile overrides."""
+    from ricllm.config import EngineSettings
+    from ricllm.serve.settings import SERVE_PROFILE, ServerOptions, merge_layers
 
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    defaults = merge_layers(EngineSettings().model_dump(mode="json"), SERVE_PROFILE)
     controls = DESCRIPTOR["controls"]
-    for name in ("model", "kv_cache_budget", "block_size", "max_num_seqs", "max_num_batched_tokens", "dtype",
-                 "device", "weights", "attention_backend", "enable_prefix_caching", "threads", "latency_fit"):
-        assert controls[name] == defaults[name], name
-    for name in ("safety_margin", "max_queue", "abort_late", "pace_prefill", "degrade"):
-        assert controls["admission"][name] == defaults[name], name
-    from ricllm.serve.settings import ServerOptions
-
+    assert {name: controls[name] for name in defaults} == defaults
+    assert controls["admission"]["policy"] == "deadline" != EngineSettings().admission.policy
     assert controls["drain_timeout_s"] == ServerOptions().drain_timeout_s
+
+
+def test_schema_json_is_the_one_generated_from_the_settings_model():
+    from ricllm.serve.descriptor import controls_schema
+
+    assert SCHEMA == controls_schema(), ("xapp_descriptor/schema.json is out of date: "
+                                         "python -m ricllm.serve.descriptor xapp_descriptor/schema.json")
 
 
 def test_schema_enums_are_what_the_engine_accepts():

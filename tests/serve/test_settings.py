@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from ricllm.serve.settings import (
-    AdmissionControls,
-    Controls,
-    CurveControls,
-    CurveOptions,
-    SettingsError,
-    resolve_settings,
-)
+from ricllm.cli.serve import settings_from_args
+from ricllm.config import AdmissionConfig
+from ricllm.serve.settings import Controls, CurveControls, CurveOptions, SettingsError
 
 ROOT = Path(__file__).parents[2]
 DESCRIPTOR = json.loads((ROOT / "xapp_descriptor" / "config-file.json").read_text())
@@ -42,13 +37,13 @@ def descriptor_file(tmp_path: Path, name: str, **controls) -> Path:
 
 # ------------------------------------------------------------------------------ agreement with the schema
 
-def test_the_descriptor_controls_are_valid_and_are_the_defaults():
-    assert Controls.model_validate(DESCRIPTOR["controls"]) == Controls()
+def test_the_descriptor_controls_are_valid_and_are_the_serve_defaults():
+    assert Controls.model_validate(DESCRIPTOR["controls"]) == settings_from_args(parse(), environ={}).controls
 
 
 @pytest.mark.parametrize("model, schema", [
     (Controls, SCHEMA),
-    (AdmissionControls, SCHEMA["properties"]["admission"]),
+    (AdmissionConfig, SCHEMA["properties"]["admission"]),
     (CurveControls, SCHEMA["properties"]["curve"]),
 ])
 def test_fields_are_the_schemas(model: type[BaseModel], schema: dict):
@@ -61,12 +56,12 @@ def test_enums_are_the_schemas():
     properties = SCHEMA["properties"]
     for name in ("dtype", "weights", "attention_backend"):
         assert set(typing.get_args(Controls.model_fields[name].annotation)) == set(properties[name]["enum"]), name
-    policy = AdmissionControls.model_fields["policy"].annotation
+    policy = AdmissionConfig.model_fields["policy"].annotation
     assert set(typing.get_args(policy)) == set(properties["admission"]["properties"]["policy"]["enum"])
 
 
 def test_the_byte_size_pattern_is_the_schemas():
-    from ricllm.serve.settings import BYTE_SIZE_PATTERN
+    from ricllm.config import BYTE_SIZE_PATTERN
 
     assert BYTE_SIZE_PATTERN == SCHEMA["properties"]["kv_cache_budget"]["oneOf"][1]["pattern"]
 
@@ -98,7 +93,7 @@ def test_invalid_controls_are_rejected_naming_the_field(tmp_path, change, field)
     """The same changes the schema rejects (tests/serve/test_descriptor.py), plus a few."""
     path = descriptor_file(tmp_path, "bad.json", **{**DESCRIPTOR["controls"], **change})
     with pytest.raises(SettingsError) as error:
-        resolve_settings(parse("--config", str(path)), environ={})
+        settings_from_args(parse("--config", str(path)), environ={})
     assert field in str(error.value) and f"--config {path}" in str(error.value)
 
 
@@ -115,7 +110,7 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
                                   kv_cache_budget="64MiB", log_json=False, drain_timeout_s=10.0)
     args = parse("--config", str(config_file), "--block-size", "64", "--zmq", "ipc:///tmp/x.sock",
                  "--drain-timeout", "5")
-    settings = resolve_settings(args, environ={"CONFIG_FILE": str(env_file)})
+    settings = settings_from_args(args, environ={"CONFIG_FILE": str(env_file)})
     c = settings.controls
     assert c.block_size == 64  # flag
     assert c.admission.policy == "fcfs" and c.kv_cache_budget == "64MiB" and c.log_json is False  # --config
@@ -129,38 +124,39 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
 def test_only_flags_the_user_gave_override(tmp_path):
     config_file = descriptor_file(tmp_path, "config.json", block_size=32, enable_prefix_caching=False,
                                   admission={"policy": "off", "abort_late": True})
-    settings = resolve_settings(parse("--config", str(config_file)), environ={})
+    settings = settings_from_args(parse("--config", str(config_file)), environ={})
     assert settings.controls.block_size == 32 and settings.controls.enable_prefix_caching is False
     assert settings.controls.admission.abort_late is True
-    flagged = resolve_settings(parse("--config", str(config_file), "--prefix-caching", "--no-abort-late"), environ={})
+    flagged = settings_from_args(parse("--config", str(config_file), "--prefix-caching", "--no-abort-late"), environ={})
     assert flagged.controls.enable_prefix_caching is True and flagged.controls.admission.abort_late is False
 
 
 def test_defaults_without_any_file():
-    settings = resolve_settings(parse(), environ={})
-    assert settings.controls == Controls()
+    settings = settings_from_args(parse(), environ={})
+    assert settings.controls == Controls(admission={"policy": "deadline"})  # the serve profile, over the defaults
     assert settings.server.zmq_endpoint == "tcp://0.0.0.0:5555" and settings.server.http_port == 8080
     assert settings.server.drain_timeout_s == 25.0
-    assert settings.server.curve is None and settings.engine_kwargs()["admission"] == "deadline"
+    assert settings.server.curve is None and settings.engine_config().admission.policy == "deadline"
 
 
 def test_engine_config_from_settings(tmp_path):
-    settings = resolve_settings(parse("--kv-cache-budget", "8MiB", "--admission", "fcfs", "--safety-margin", "0.5",
+    settings = settings_from_args(parse("--kv-cache-budget", "8MiB", "--admission", "fcfs", "--safety-margin", "0.5",
                                       "--max-queue", "7", "--latency-fit", "fit.json", "--seed", "3"), environ={})
     config = settings.engine_config()
-    assert config.kv_cache_budget == 8 << 20 and config.admission == "fcfs" and config.safety_margin == 0.5
-    assert config.max_queue == 7 and config.latency_fit == "fit.json" and config.seed == 3
+    assert config.kv_cache_budget == 8 << 20 and config.admission.policy == "fcfs"
+    assert config.admission.safety_margin == 0.5 and config.admission.max_queue == 7
+    assert config.latency_fit == "fit.json" and config.seed == 3
 
 
 def test_curve_can_be_enabled_in_one_layer_and_keyed_in_another(tmp_path):
     config_file = descriptor_file(tmp_path, "config.json", curve={"enabled": True})
-    settings = resolve_settings(parse("--config", str(config_file), "--curve-secret-key", "s.key_secret",
+    settings = settings_from_args(parse("--config", str(config_file), "--curve-secret-key", "s.key_secret",
                                       "--curve-authorized-dir", "clients"), environ={})
     assert settings.server.curve == CurveOptions("s.key_secret", "clients")
-    keyed = resolve_settings(parse("--curve-secret-key", "s.key_secret", "--curve-authorized-dir", "c"), environ={})
+    keyed = settings_from_args(parse("--curve-secret-key", "s.key_secret", "--curve-authorized-dir", "c"), environ={})
     assert keyed.controls.curve.enabled is True  # giving the keys turns it on
     with pytest.raises(SettingsError) as error:
-        resolve_settings(parse("--config", str(config_file)), environ={})
+        settings_from_args(parse("--config", str(config_file)), environ={})
     assert "curve.server_secret_key_file" in str(error.value)
 
 
@@ -168,26 +164,26 @@ def test_curve_can_be_enabled_in_one_layer_and_keyed_in_another(tmp_path):
 
 def test_flag_errors_name_the_field():
     with pytest.raises(SettingsError) as error:
-        resolve_settings(parse("--block-size", "0"), environ={})
+        settings_from_args(parse("--block-size", "0"), environ={})
     assert "command-line flags: field 'block_size'" in str(error.value)
     with pytest.raises(SettingsError) as budget:
-        resolve_settings(parse("--kv-cache-budget", "lots"), environ={})
+        settings_from_args(parse("--kv-cache-budget", "lots"), environ={})
     assert "field 'kv_cache_budget'" in str(budget.value) and "lots" in str(budget.value)
 
 
 def test_file_errors_name_the_file(tmp_path):
     with pytest.raises(SettingsError) as missing:
-        resolve_settings(parse(), environ={"CONFIG_FILE": str(tmp_path / "absent.json")})
+        settings_from_args(parse(), environ={"CONFIG_FILE": str(tmp_path / "absent.json")})
     assert "CONFIG_FILE=" in str(missing.value) and "absent.json" in str(missing.value)
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(SettingsError) as not_json:
-        resolve_settings(parse("--config", str(broken)), environ={})
+        settings_from_args(parse("--config", str(broken)), environ={})
     assert "not valid JSON" in str(not_json.value)
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"block_size": 16}))
     with pytest.raises(SettingsError) as no_controls:
-        resolve_settings(parse("--config", str(bare)), environ={})
+        settings_from_args(parse("--config", str(bare)), environ={})
     assert "no 'controls' object" in str(no_controls.value)
 
 
