@@ -66,7 +66,7 @@ def test_the_engine_is_built_on_its_thread_and_build_errors_reach_the_caller(tin
     from ricllm.errors import RicllmError
 
     worker = EngineThread(lambda: LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32")))
-    assert worker.engine._built_on == worker._thread.ident
+    assert worker.engine._built_on == worker.thread.ident
     worker.stop(timeout=60)
     with pytest.raises(RicllmError, match="missing.gguf"):
         EngineThread(EngineConfig(model=str(tmp_path / "missing.gguf")))
