@@ -100,7 +100,7 @@ class Server:
                 self._close()
                 raise
             self._state.endpoint, self._state.http_port = self.endpoint, self.http_port
-            engine = EngineLoop(self._worker._load, self._worker, self._state.inbound, name="ricllm-engine")
+            engine = EngineLoop(self._worker.load_engine, self._worker, self._state.inbound, name="ricllm-engine")
             self._threads = [threading.Thread(target=self._frontend.run, name="ricllm-socket", daemon=True),
                              engine.thread]
             for thread in self._threads:

@@ -52,8 +52,8 @@ class ServerState:
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new generates; cancel admitted ones after ``timeout_s``. A later call may only
-        bring the deadline closer: two threads racing here both end at the earlier deadline or
-        one a moment later, never at a later one than the last caller asked for."""
+        bring the deadline closer. Any thread: two calls at the same moment may keep either
+        deadline, a harmless race (the engine thread reads it once per round)."""
         deadline = clock() + timeout_s
         if self.drain_deadline is None or deadline < self.drain_deadline:
             self.drain_deadline = deadline

@@ -86,7 +86,7 @@ class Worker(EngineDriver):
         self._template_ids = itertools.count(1)
         self._published = 0.0
 
-    def _load(self) -> LLMEngine:
+    def load_engine(self) -> LLMEngine:
         """The engine, built on the engine thread (the loop's source)."""
         from ricllm.engine.llm_engine import LLMEngine
 
