@@ -123,9 +123,6 @@ class Worker(EngineDriver):
         self.outbox.wake()  # accepted / rejected go out now, not after the coming step
         self._enforce_drain_deadline()
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self._after_step(outputs)
-
     def after_round(self, idle: bool) -> None:
         self.outbox.wake()
         # idle through a whole wait: publish, or the metrics would show the last busy state until
@@ -281,7 +278,7 @@ class Worker(EngineDriver):
 
     # -- after a step
 
-    def _after_step(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Replies first, woken at once; then each finished request's metrics and log event."""
         completed = []
         for out in outputs:
