@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_the_engine_is_built_on_its_thread_and_build_errors_reach_the_caller(tin
     from ricllm.errors import RicllmError
 
     worker = EngineThread(lambda: LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32")))
-    assert worker.engine._built_on == worker._thread.ident
+    assert worker.engine._built_on == worker.thread.ident
     worker.stop(timeout=60)
     with pytest.raises(RicllmError, match="missing.gguf"):
         EngineThread(EngineConfig(model=str(tmp_path / "missing.gguf")))
@@ -82,3 +83,21 @@ def test_stepping_off_the_build_thread_while_it_lives_is_logged_once(tiny_gguf):
         worker.stop(timeout=60)
     warnings = [e for e in logs if e["event"] == "engine_stepped_off_its_build_thread"]
     assert len(warnings) == 1 and "EngineThread(EngineConfig" in warnings[0]["fix"]
+
+
+def test_an_engine_fault_reaches_every_waiting_caller(tiny_gguf):
+    worker = EngineThread(EngineConfig(model=str(tiny_gguf), dtype="float32"))
+
+    def broken_step():
+        raise RuntimeError("the step broke")
+
+    both_queued = threading.Event()  # holds the engine thread, so both requests reach one step
+    broken = worker.call(lambda engine: (setattr(engine, "step", broken_step), both_queued.wait(30)))
+    waiting = [worker.submit([5, 6, 7], PARAMS) for _ in range(2)]
+    both_queued.set()
+    broken.result(timeout=30)
+    with pytest.raises(RuntimeError, match="the step broke"):
+        waiting[0].result(timeout=30)
+    assert isinstance(waiting[1].exception(timeout=30), RuntimeError)
+    worker.thread.join(30)
+    assert not worker.thread.is_alive()

@@ -1,62 +1,98 @@
-"""The online engine: one thread owns the ``LLMEngine`` and steps it back to back, while callers
-on other threads (a socket loop, a replay) or on an asyncio loop submit requests.
+"""The online API: ``EngineThread`` (requests from other threads, answered through futures) and
+``AsyncLLMEngine`` (the same from asyncio), both an ``EngineLoop`` with ``RequestFutures`` plugged in.
 
-Invariant: only the engine thread touches the engine. Requests and calls wait in an inbox that
-the thread drains between steps, so admission decides within one step of arrival, and the
-deadline counts from that moment, on the engine's clock.
-
-The engine is best built on that thread too (pass an ``EngineConfig`` or a factory): libgomp,
-the OpenMP runtime of torch and of ricllm's C kernels, keeps one worker pool per thread that
-starts parallel regions. Once a second pool exists (the building thread's, still alive) and the
-pools' threads outnumber the cores, libgomp stops spinning between regions, and every region
-puts its workers to sleep and wakes them again: on 2 cores an 8 ms decode step took 22 ms.
+The futures and the per-step callbacks are touched on the engine thread only (they arrive through
+the inbox); callers on other threads only queue commands and wait on futures. A request's deadline
+counts from the moment the engine thread takes it, on the engine's clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Union
+from typing import Any
 
-from ricllm.config import EngineConfig
+from ricllm.engine.engine_loop import EngineDriver, EngineLoop, EngineSource
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.engine.sequence import Sequence
+from ricllm.logging import get_logger
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLMEngine", "EngineSource", "EngineThread", "RequestFutures"]
+
 TokenCallback = Callable[[Sequence], None]
 
+log = get_logger("ricllm.engine")
 
-EngineSource = Union[LLMEngine, EngineConfig, Callable[[], LLMEngine]]
+
+class RequestFutures(EngineDriver):
+    """The futures plug-in: inbox items are ``(kind, payload, future)``; ``request`` adds a request
+    whose future gets its ``RequestOutput``, ``call`` runs a function on the engine, ``wake`` only
+    wakes the thread (to see ``stopping``)."""
+
+    def __init__(self) -> None:
+        self.engine: LLMEngine | None = None
+        self.stopping = threading.Event()
+        self._pending: dict[str, tuple[Future, TokenCallback | None]] = {}
+
+    def on_ready(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def on_commands(self, commands: list[tuple[str, Any, Future | None]]) -> None:
+        for kind, payload, future in commands:
+            if kind == "call":
+                self._run_call(payload, future)
+            elif kind == "request":
+                self._add(payload, future)
+
+    def _add(self, payload: tuple, future: Future) -> None:
+        prompt, params, request_id, on_step = payload
+        try:
+            seq = self.engine.add_request(prompt, params, request_id)
+        except Exception as exc:  # malformed input: the caller gets the error, the loop goes on
+            future.set_exception(exc)
+            return
+        self._pending[seq.request_id] = (future, on_step)
+
+    def _run_call(self, fn: Callable[[LLMEngine], object], future: Future) -> None:
+        try:
+            future.set_result(fn(self.engine))
+        except Exception as exc:  # the caller sees it; the engine thread goes on
+            future.set_exception(exc)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for seq in self.engine.scheduler.running:
+            listener = self._pending.get(seq.request_id, (None, None))[1]
+            if listener is not None and seq.num_output_tokens:
+                listener(seq)
+        for output in outputs:
+            future, _ = self._pending.pop(output.request_id, (None, None))
+            if future is not None:
+                future.set_result(output)
+
+    def stop_requested(self) -> bool:
+        return self.stopping.is_set()
+
+    def on_fault(self, exc: Exception) -> None:
+        """The engine broke: every caller still waiting gets the error instead of waiting forever."""
+        log.exception("engine_fault")
+        for future, _ in self._pending.values():
+            future.set_exception(exc)
+        self._pending.clear()
 
 
-class EngineThread:
+class EngineThread(EngineLoop):
     """Owns an engine on one thread. ``source``: an ``EngineConfig`` or a factory, built on that
     thread (returns once it is built; a build error is raised here), or an engine built elsewhere."""
 
-    def __init__(self, source: EngineSource):
-        self.engine: LLMEngine | None = None  # set on the engine thread, before its loop starts
-        self._inbox: queue.Queue = queue.Queue()
-        self._pending: dict[str, tuple[Future, TokenCallback | None]] = {}
-        self._stopping = threading.Event()
-        built: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(source, built), name="ricllm-engine", daemon=True)
-        self._thread.start()
-        built.result()  # waits for the build; re-raises its error here
-
-    def _run(self, source: EngineSource, built: Future) -> None:
-        try:
-            engine = source if isinstance(source, LLMEngine) else (
-                LLMEngine(source) if isinstance(source, EngineConfig) else source())
-        except BaseException as exc:  # the constructor re-raises it on the caller's thread
-            built.set_exception(exc)
-            return
-        self.engine = engine
-        built.set_result(None)
-        self._loop()
+    def __init__(self, source: EngineSource) -> None:
+        self.requests = RequestFutures()
+        super().__init__(source, self.requests)
+        self.start()
+        self.wait_built()
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                on_step: TokenCallback | None = None) -> Future:
@@ -66,69 +102,20 @@ class EngineThread:
         Malformed input sets the future's exception.
         """
         future: Future = Future()
-        self._inbox.put(("request", (prompt, params, request_id, on_step), future))
+        self.inbox.put(("request", (prompt, params, request_id, on_step), future))
         return future
 
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:
         """Run ``fn(engine)`` on the engine thread between steps (pins, stats, cancels)."""
         future: Future = Future()
-        self._inbox.put(("call", fn, future))
+        self.inbox.put(("call", fn, future))
         return future
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish every queued and running request, then stop the thread."""
-        self._stopping.set()
-        self._inbox.put(("wake", None, None))
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            idle = not self.engine.has_unfinished()
-            if idle and self._stopping.is_set() and self._inbox.empty():
-                return
-            self._drain_inbox(block=idle)
-            if self.engine.has_unfinished():
-                self._deliver(self.engine.step())
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
-            self._handle(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-
-    def _handle(self, kind: str, payload, future: Future | None) -> None:
-        if kind == "call":
-            self._run_call(payload, future)
-        elif kind == "request":
-            prompt, params, request_id, on_step = payload
-            try:
-                seq = self.engine.add_request(prompt, params, request_id)
-            except Exception as exc:  # malformed input: the caller gets the error, the loop goes on
-                future.set_exception(exc)
-                return
-            self._pending[seq.request_id] = (future, on_step)
-
-    def _run_call(self, fn: Callable[[LLMEngine], object], future: Future) -> None:
-        try:
-            future.set_result(fn(self.engine))
-        except Exception as exc:  # the caller sees it; the engine thread goes on
-            future.set_exception(exc)
-
-    def _deliver(self, finished: list[RequestOutput]) -> None:
-        for seq in self.engine.scheduler.running:
-            listener = self._pending.get(seq.request_id, (None, None))[1]
-            if listener is not None and seq.num_output_tokens:
-                listener(seq)
-        for output in finished:
-            future, _ = self._pending.pop(output.request_id, (None, None))
-            if future is not None:
-                future.set_result(output)
+        self.requests.stopping.set()
+        self.inbox.put(("wake", None, None))
+        self.thread.join(timeout)
 
 
 class AsyncLLMEngine:

@@ -1,9 +1,9 @@
-"""The socket thread of ``ricllm serve``: the only user of the ROUTER socket (docs/serve.md)."""
+"""The socket thread of ``ricllm serve`` (docs/serve.md): it owns the ROUTER socket, its end of the
+wake-up pair and the set of (client, id) pairs in flight, and runs on the ``ricllm-socket`` thread.
+It shares only the ``ServerState`` with the engine thread."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import queue
 import time
 from typing import TYPE_CHECKING, Any
@@ -15,14 +15,13 @@ import ricllm
 from ricllm.errors import ConfigError
 from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal
-from ricllm.serve.settings import ServerOptions
 
 if TYPE_CHECKING:
-    from ricllm.serve.server import Server
+    from ricllm.serve.settings import ServerOptions
+    from ricllm.serve.state import ServerState
 
 
 SEND_HWM = 100_000  # replies queued per client before the ROUTER drops them
-_wake_ids = itertools.count()
 
 
 def _readable(socket: zmq.Socket) -> bool:
@@ -36,21 +35,21 @@ class Frontend:
 
     RECEIVE_BATCH = 256  # frames read per poll round, so replies go out between bursts
 
-    def __init__(self, server: Server, context: zmq.Context, options: ServerOptions) -> None:
-        self.server = server
-        self.options = options
+    def __init__(self, state: ServerState, context: zmq.Context) -> None:
+        """Binds the ROUTER socket (``ConfigError`` if it cannot) and the wake-up end of ``state.outbox``."""
+        self.state = state
+        self.options = state.options
         self.in_flight: set[Key] = set()
         self.router = context.socket(zmq.ROUTER)
         try:
-            self._bind(options)
+            self._bind(self.options)
         except BaseException:
             self.router.close(linger=0)
             raise
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.wake_address = f"inproc://ricllm-wake-{os.getpid()}-{next(_wake_ids)}"
         self.wake = context.socket(zmq.PAIR)
         self.wake.setsockopt(zmq.LINGER, 0)
-        self.wake.bind(self.wake_address)
+        self.wake.bind(state.outbox.address)
 
     def _bind(self, options: ServerOptions) -> None:
         """LINGER 0, no ROUTER_MANDATORY (replies to vanished clients are dropped), a size cap.
@@ -88,7 +87,7 @@ class Frontend:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake, zmq.POLLIN)
         try:
-            while not self.server._worker_done.is_set():
+            while not self.state.worker_done.is_set():
                 events = dict(poller.poll(50))
                 if self.wake in events:
                     self._drain_wake()
@@ -98,8 +97,8 @@ class Frontend:
             self._finish()
         except Exception as exc:  # a bug here: stop the engine thread too, so the process ends
             log.exception("socket_thread_fault")
-            self.server._record_failure(exc)
-            self.server.drain(timeout_s=0.0)
+            self.state.record_failure(exc)
+            self.state.drain(timeout_s=0.0)
         finally:
             self.router.close(linger=self.options.drain_linger_ms)
             self.wake.close(linger=0)
@@ -113,26 +112,26 @@ class Frontend:
         self._send_replies()
         while True:
             try:
-                command = self.server._inbound.get_nowait()
+                command = self.state.inbound.get_nowait()
             except queue.Empty:
                 break
             self._refuse_leftover(command)
         for identity, request_id in sorted(self.in_flight):  # only after an engine fault
-            self._send(identity, p.ErrorReply(id=request_id, code="INTERNAL", message=self.server._end_message()))
+            self._send(identity, p.ErrorReply(id=request_id, code="INTERNAL", message=self.state.end_message()))
         self.in_flight.clear()
 
     def _refuse_leftover(self, command: Command) -> None:
         self.in_flight.discard(command.key)
-        if isinstance(command.request, p.GenerateRequest) and self.server.failure is None:
+        if isinstance(command.request, p.GenerateRequest) and self.state.failure is None:
             self._reject(command, "DRAINING", "the server is shutting down and takes no new work")
         else:
-            self._error(command.identity, command.request.id, "INTERNAL", self.server._end_message(),
+            self._error(command.identity, command.request.id, "INTERNAL", self.state.end_message(),
                         command=command)
 
     # -- sending
 
     def _send_replies(self) -> None:
-        outbox = self.server._outbox
+        outbox = self.state.outbox
         while True:
             try:
                 identity, request_id, frame, final = outbox.items.get_nowait()
@@ -156,13 +155,13 @@ class Frontend:
                command: Command | None = None) -> None:
         self._send(identity, p.ErrorReply(id=request_id, code=code, message=message))
         if command is not None and isinstance(command.request, p.GenerateRequest):
-            self.server.metrics.outcome("error")
+            self.state.metrics.outcome("error")
             log_refusal(command, code, message, rejected=False)
 
     def _reject(self, command: Command, code: str, message: str, **numbers: Any) -> None:
         self._send(command.identity, Refused(code, message, **numbers).reply(command.request.id))
-        self.server.metrics.admission(code)
-        self.server.metrics.outcome("rejected")
+        self.state.metrics.admission(code)
+        self.state.metrics.outcome("rejected")
         log_refusal(command, code, message, rejected=True)
 
     # -- receiving
@@ -195,14 +194,14 @@ class Frontend:
                         f"field 'id': request {request.id!r} of this client is still in flight", command=None)
         elif isinstance(request, p.PingRequest):
             self._send(command.identity, p.Pong(id=request.id, server_time=time.time(), version=ricllm.__version__))
-        elif isinstance(request, p.GenerateRequest) and self.server._draining.is_set():
+        elif isinstance(request, p.GenerateRequest) and self.state.draining.is_set():
             self._reject(command, "DRAINING", "the server is shutting down and takes no new work")
         else:
             self._enqueue(command)
 
     def _enqueue(self, command: Command) -> None:
         try:
-            self.server._inbound.put_nowait(command)
+            self.state.inbound.put_nowait(command)
         except queue.Full:
             size = self.options.inbound_queue_size
             if isinstance(command.request, p.GenerateRequest):

@@ -1,10 +1,13 @@
 """What passes between the socket thread and the engine thread of ``ricllm serve``: checked
 commands in (``Command``, on the bounded inbound queue), encoded replies out (``Outbox``), and
-the refusal both threads answer with (``Refused``)."""
+the refusal both threads answer with (``Refused``). Both threads use this module; the docstrings
+say which side calls what."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import queue
 import threading
 import time
@@ -21,6 +24,7 @@ from ricllm.serve import protocol as p
 log = get_logger("ricllm.serve")
 clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare
 Key = tuple[bytes, str]  # (ZeroMQ identity of the client, its request id)
+_wake_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,11 @@ def log_refusal(command: Command, code: str, message: str, rejected: bool) -> No
 
 # ------------------------------------------------------------------------------ the outbox
 
+def new_wake_address() -> str:
+    """An inproc address for one server's wake-up pair (unique within the process)."""
+    return f"inproc://ricllm-wake-{os.getpid()}-{next(_wake_ids)}"
+
+
 class Outbox:
     """Replies from the engine thread to the socket thread: a queue, and a wake-up message on an
     inproc PAIR socket that only the engine thread uses (it is made there, on first use).
@@ -84,8 +93,9 @@ class Outbox:
     HANDOFF_TIMEOUT_S = 0.002
 
     def __init__(self, context: zmq.Context, address: str) -> None:
+        """``address``: the inproc address the socket thread binds its end of the wake-up pair to."""
         self.items: queue.SimpleQueue[tuple[bytes, str | None, bytes, bool]] = queue.SimpleQueue()
-        self._context, self._address = context, address
+        self._context, self.address = context, address
         self._socket: zmq.Socket | None = None
         self._pending = False
         self._finals_pending = False
@@ -104,7 +114,7 @@ class Outbox:
         if self._socket is None:
             self._socket = self._context.socket(zmq.PAIR)
             self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.connect(self._address)
+            self._socket.connect(self.address)
         hand_over = self._finals_pending
         if hand_over:
             self.sent.clear()  # the wake-up below makes the socket thread look at the queue again

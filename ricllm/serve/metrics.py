@@ -2,7 +2,8 @@
 
 Two kinds of series:
 
-- counted by the server as replies go out (thread-safe ``prometheus_client`` objects): admission
+- counted as replies go out, by the socket thread (refusals it answers itself) and the engine
+  thread (the rest), in thread-safe ``prometheus_client`` objects: admission
   decisions by reason, deadlines met and missed, final replies by outcome, and the TTFT, TPOT and
   end-to-end histograms (seconds, from the server's receipt of the request);
 - read from the engine: the engine thread publishes an :class:`EngineSnapshot` (a frozen value,

@@ -1,12 +1,16 @@
 """``ricllm serve``: the engine behind a ZeroMQ ROUTER socket (docs/protocol.md, docs/serve.md).
 
-Three threads, each the only one to touch what it owns:
+This module owns the lifecycle (bind, start, drain, wait, close) and runs on the caller's thread.
+It builds one :class:`~ricllm.serve.state.ServerState` and hands it to the threads below; they
+share nothing else and never see the ``Server``. Three threads, each the only one to touch what
+it owns:
 
 - the **socket thread** (:mod:`ricllm.serve.frontend`) owns the ROUTER socket. It decodes and
   checks every frame, answers at once what needs no engine (unreadable frames, duplicate ids, ``ping``, a full
   inbound queue, ``DRAINING``), puts the rest on the bounded inbound queue, and sends the
   replies the engine thread leaves in the outbox. It never waits on a model step.
-- the **engine thread** (:mod:`ricllm.serve.worker`) owns the engine. Between steps it takes every
+- the **engine thread** (an :class:`~ricllm.engine.engine_loop.EngineLoop` with the
+  :mod:`ricllm.serve.worker` plugged in) owns the engine. Between steps it takes every
   queued command (admission, templates, cancel, stats) and answers it, then runs one step and sends the
   new tokens of streaming requests and the results of finished ones through the outbox
   (:mod:`ricllm.serve.handoff`); a message on an inproc PAIR socket wakes the socket thread.
@@ -28,7 +32,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 from typing import TYPE_CHECKING
@@ -36,13 +39,15 @@ from typing import TYPE_CHECKING
 import zmq
 
 from ricllm.engine.affinity import format_cpu_list, other_cpus, threads_started_on
+from ricllm.engine.engine_loop import EngineLoop
 from ricllm.errors import ConfigError, RicllmError
 from ricllm.logging import configure_logging
 from ricllm.serve.frontend import Frontend
-from ricllm.serve.handoff import Command, Outbox, clock, log
+from ricllm.serve.handoff import Outbox, clock, log, new_wake_address
 from ricllm.serve.http import HealthServer
 from ricllm.serve.metrics import ServerMetrics
 from ricllm.serve.settings import ServerOptions, ServeSettings
+from ricllm.serve.state import ServerState
 from ricllm.serve.worker import Worker
 
 if TYPE_CHECKING:
@@ -67,17 +72,13 @@ class Server:
                  latency_model: LatencyModel | None = None) -> None:
         self.options = options or ServerOptions()
         self.metrics = ServerMetrics()
-        self.failure: BaseException | None = None
-        self._ready, self._draining, self._worker_done = threading.Event(), threading.Event(), threading.Event()
-        self._drain_deadline: float | None = None
-        self._inbound: queue.Queue[Command] = queue.Queue(maxsize=self.options.inbound_queue_size)
         self._context = zmq.Context()
-        self._outbox: Outbox | None = None
+        self._state = ServerState(self.options, self.metrics, Outbox(self._context, new_wake_address()))
         self._auth = None
         self._http: HealthServer | None = None
         self._frontend: Frontend | None = None
         self._threads: list[threading.Thread] = []
-        self._worker = Worker(self, config, latency_model)
+        self._worker = Worker(self._state, config, latency_model)
         self._service_cpus = other_cpus(config.engine_cpus)
         self._closed = False
 
@@ -94,14 +95,14 @@ class Server:
             try:
                 self._start_http()
                 self._start_auth()
-                self._frontend = Frontend(self, self._context, self.options)
+                self._frontend = Frontend(self._state, self._context)
             except BaseException:
                 self._close()
                 raise
-            self._outbox = Outbox(self._context, self._frontend.wake_address)
-            self._worker.outbox = self._outbox
+            self._state.endpoint, self._state.http_port = self.endpoint, self.http_port
+            engine = EngineLoop(self._worker.load_engine, self._worker, self._state.inbound, name="ricllm-engine")
             self._threads = [threading.Thread(target=self._frontend.run, name="ricllm-socket", daemon=True),
-                             threading.Thread(target=self._worker.run, name="ricllm-engine", daemon=True)]
+                             engine.thread]
             for thread in self._threads:
                 thread.start()
         log.info("server_listening", endpoint=self.endpoint, http_port=self.http_port,
@@ -113,7 +114,8 @@ class Server:
         if self.options.http_port is None:
             return
         try:
-            self._http = HealthServer(self.options.http_host, self.options.http_port, self.ready, self.metrics.render)
+            self._http = HealthServer(self.options.http_host, self.options.http_port, self._state.is_ready,
+                                      self.metrics.render)
         except OSError as exc:
             raise ConfigError(f"cannot listen for HTTP on port {self.options.http_port}: "
                               f"{exc.strerror or exc}") from None
@@ -135,13 +137,7 @@ class Server:
     def drain(self, timeout_s: float | None = None) -> None:
         """Refuse new generates; admitted ones finish, or are cancelled after ``timeout_s``
         (default ``options.drain_timeout_s``; a later call may shorten it). Returns at once."""
-        timeout_s = self.options.drain_timeout_s if timeout_s is None else timeout_s
-        deadline = clock() + timeout_s
-        if self._drain_deadline is None or deadline < self._drain_deadline:
-            self._drain_deadline = deadline
-        if not self._draining.is_set():
-            log.info("server_draining", timeout_s=timeout_s)
-        self._draining.set()
+        self._state.drain(self.options.drain_timeout_s if timeout_s is None else timeout_s)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once both threads have ended and everything is closed."""
@@ -187,30 +183,30 @@ class Server:
     def http_port(self) -> int | None:
         return self._http.port if self._http is not None else None
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the server (a load error, an engine or socket-thread fault), else None."""
+        return self._state.failure
+
+    @property
+    def draining(self) -> bool:
+        return self._state.draining.is_set()
+
     def ready(self) -> bool:
         """Loaded and calibrated, not draining, not failed: what the readiness probe reports."""
-        return self._ready.is_set() and not self._draining.is_set() and not self._worker_done.is_set()
+        return self._state.is_ready()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the engine to load; re-raises its load error."""
+        state = self._state
         end = None if timeout is None else clock() + timeout
-        while not self._ready.is_set() and not self._worker_done.is_set():
+        while not state.ready.is_set() and not state.worker_done.is_set():
             if end is not None and clock() >= end:
                 return False
-            self._ready.wait(0.05)
-        if self.failure is not None and not self._ready.is_set():
-            raise self.failure
-        return self._ready.is_set()
-
-    def _record_failure(self, exc: BaseException) -> None:
-        if self.failure is None:
-            self.failure = exc
-
-    def _end_message(self) -> str:
-        if self.failure is not None:
-            return f"the server stopped: {type(self.failure).__name__}: {self.failure}"
-        return "the server is shutting down"
-
+            state.ready.wait(0.05)
+        if state.failure is not None and not state.ready.is_set():
+            raise state.failure
+        return state.ready.is_set()
 
 
 def serve_forever(settings: ServeSettings) -> int:
@@ -221,7 +217,7 @@ def serve_forever(settings: ServeSettings) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal_received", signal=signal.Signals(signum).name)
-        server.drain(timeout_s=0.0 if server._draining.is_set() else None)
+        server.drain(timeout_s=0.0 if server.draining else None)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)

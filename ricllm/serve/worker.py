@@ -1,14 +1,15 @@
-"""The engine thread of ``ricllm serve``: the only user of the engine, the templates and the
-table of pending requests (docs/serve.md)."""
+"""The engine thread of ``ricllm serve`` (docs/serve.md): ``Worker``, plugged into the engine's
+``EngineLoop``, owns the engine, the templates and the table of pending requests, and runs on the
+``ricllm-engine`` thread. It shares only the ``ServerState`` with the socket thread."""
 
 from __future__ import annotations
 
 import itertools
-import queue
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ricllm
+from ricllm.engine.engine_loop import EngineDriver
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from ricllm.engine.sequence import Sequence
     from ricllm.outputs import RequestOutput
     from ricllm.sampling_params import SamplingParams
-    from ricllm.serve.server import Server
+    from ricllm.serve.state import ServerState
 
 
 PUBLISH_EVERY_S = 0.1
@@ -62,19 +63,21 @@ class _Template:
                                     num_pinned_tokens=len(self.handle.block_ids) * block_size)
 
 
-class Worker:
-    """The engine thread. Only it touches the engine, the templates and the pending table.
+class Worker(EngineDriver):
+    """What the server plugs into the engine thread (``EngineLoop``): the command handlers, the
+    replies through the outbox and the metrics. Only it touches the engine, the templates and
+    the pending table, and every method runs on the engine thread.
 
     Handlers raise (``ProtocolError``, ``Refused``) only before a request reaches the engine's
     queues, so a request that is answered with an error never also gets a result.
     """
 
-    def __init__(self, server: Server, config: EngineConfig, latency_model: LatencyModel | None) -> None:
-        self.server = server
+    def __init__(self, state: ServerState, config: EngineConfig, latency_model: LatencyModel | None) -> None:
+        self.state = state
         self.config = config
         self.latency_model = latency_model
-        self.metrics = server.metrics
-        self.outbox = server._outbox
+        self.metrics = state.metrics
+        self.outbox = state.outbox
         self.engine: LLMEngine | None = None
         self._generates: dict[Key, _Pending] = {}
         self._internal: dict[str, _Pending | _Template] = {}
@@ -83,67 +86,55 @@ class Worker:
         self._template_ids = itertools.count(1)
         self._published = 0.0
 
-    def run(self) -> None:
-        try:
-            self.engine = self._load()
-        except Exception as exc:
-            log.error("engine_load_failed", error=f"{type(exc).__name__}: {exc}")
-            self.server._record_failure(exc)
-            self._exit()
-            return
-        self._publish(force=True)
-        self.server._ready.set()
-        log.info("server_ready", endpoint=self.server.endpoint, http_port=self.server.http_port,
-                 admission=self.config.admission, startup_s=round(self.engine.startup_s, 2))
-        try:
-            self._loop()
-        except Exception as exc:
-            log.exception("engine_fault")
-            self.server._record_failure(exc)
-            self._fail_everything(f"engine fault: {type(exc).__name__}: {exc}")
-        finally:
-            self._exit()
-
-    def _load(self) -> LLMEngine:
+    def load_engine(self) -> LLMEngine:
+        """The engine, built on the engine thread (the loop's source)."""
         from ricllm.engine.llm_engine import LLMEngine
 
         return LLMEngine(self.config, clock=clock, latency_model=self.latency_model)
 
-    def _exit(self) -> None:
+    # -- the engine thread's life (EngineDriver)
+
+    def on_ready(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._publish(force=True)
+        self.state.ready.set()
+        log.info("server_ready", endpoint=self.state.endpoint, http_port=self.state.http_port,
+                 admission=self.config.admission, startup_s=round(engine.startup_s, 2))
+
+    def on_load_failed(self, exc: BaseException) -> None:
+        log.error("engine_load_failed", error=f"{type(exc).__name__}: {exc}")
+        self.state.record_failure(exc)
+
+    def on_fault(self, exc: Exception) -> None:
+        log.exception("engine_fault")
+        self.state.record_failure(exc)
+        self._fail_everything(f"engine fault: {type(exc).__name__}: {exc}")
+
+    def on_exit(self) -> None:
+        """Wake the socket thread before and after ``worker_done``: whichever it sees, it sends the rest."""
         self.outbox.wake(force=True)
-        self.server._worker_done.set()
+        self.state.worker_done.set()
         self.outbox.wake(force=True)
         self.outbox.close()
 
-    def _loop(self) -> None:
-        """Commands, then one step, until drained: no work, nothing queued, and draining."""
-        engine = self.engine
-        while True:
-            was_idle = not engine.has_unfinished()
-            commands = self._take(block=was_idle)
-            for command in commands:
-                self._dispatch(command)
-            self.outbox.wake()  # accepted / rejected go out now, not after the coming step
-            self._enforce_drain_deadline()
-            if engine.has_unfinished():
-                self._after_step(engine.step())
-            elif self.server._draining.is_set() and self.server._inbound.empty():
-                self._publish(force=True)
-                return
-            self.outbox.wake()
-            # idle through a whole wait: publish, or the metrics would show the last busy state until
-            # a command comes (not at once on going idle: the replies of the last step go out first)
-            self._publish(force=was_idle and not commands)
+    def on_commands(self, commands: list[Command]) -> None:
+        for command in commands:
+            self._dispatch(command)
+        self.outbox.wake()  # accepted / rejected go out now, not after the coming step
+        self._enforce_drain_deadline()
 
-    def _take(self, block: bool) -> list[Command]:
-        commands = []
-        inbound = self.server._inbound
-        try:
-            commands.append(inbound.get(timeout=0.05) if block else inbound.get_nowait())
-            while True:
-                commands.append(inbound.get_nowait())
-        except queue.Empty:
-            return commands
+    def after_round(self, idle: bool) -> None:
+        self.outbox.wake()
+        # idle through a whole wait: publish, or the metrics would show the last busy state until
+        # a command comes (not at once on going idle: the replies of the last step go out first)
+        self._publish(force=idle)
+
+    def stop_requested(self) -> bool:
+        """Drained once this holds, the engine has no work and the inbound queue is empty."""
+        return self.state.draining.is_set()
+
+    def on_stopped(self) -> None:
+        self._publish(force=True)
 
     def _dispatch(self, command: Command) -> None:
         handlers = {p.GenerateRequest: self._generate, p.RegisterTemplateRequest: self._register,
@@ -287,7 +278,7 @@ class Worker:
 
     # -- after a step
 
-    def _after_step(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Replies first, woken at once; then each finished request's metrics and log event."""
         completed = []
         for out in outputs:
@@ -365,7 +356,7 @@ class Worker:
         self._complete(pending, self.engine.abort(pending.seq, reason))
 
     def _enforce_drain_deadline(self) -> None:
-        deadline = self.server._drain_deadline
+        deadline = self.state.drain_deadline
         if deadline is None or clock() < deadline or not self._generates:
             return
         log.warning("drain_timeout", cancelled=len(self._generates))
@@ -484,8 +475,8 @@ class Worker:
         return {
             "model": self._model_identity(),
             "kv_cache": engine.kv_cache_stats(),
-            "queues": {"inbound": self.server._inbound.qsize(),
-                       "inbound_capacity": self.server.options.inbound_queue_size,
+            "queues": {"inbound": self.state.inbound.qsize(),
+                       "inbound_capacity": self.state.options.inbound_queue_size,
                        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                        "in_flight": len(self._generates)},
             "admission": {"policy": self.config.admission, "counts": counts["admission"],
@@ -495,7 +486,7 @@ class Worker:
             "templates": {t.template_id: {"num_tokens": len(t.token_ids), "pinned": t.pinned,
                                           "num_pinned_tokens": len(t.handle.block_ids) * engine.config.block_size}
                           for t in self._templates.values()},
-            "draining": self.server._draining.is_set(),
+            "draining": self.state.draining.is_set(),
         }
 
     def _model_identity(self) -> dict[str, Any]:
@@ -518,7 +509,7 @@ class Worker:
         errors = admission.latency.error_summary() if admission is not None else {}
         self.metrics.publish(EngineSnapshot(
             running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
-            inbound=self.server._inbound.qsize(), num_blocks=kv["num_blocks"], used_blocks=kv["used_blocks"],
+            inbound=self.state.inbound.qsize(), num_blocks=kv["num_blocks"], used_blocks=kv["used_blocks"],
             free_blocks=kv["free_blocks"], cached_free_blocks=kv["cached_free_blocks"],
             pinned_blocks=kv["pinned_blocks"], prefix_queries_tokens=kv["prefix_cache_queries_tokens"],
             prefix_hits_tokens=kv["prefix_cache_hits_tokens"], preemptions=kv["preemptions"],

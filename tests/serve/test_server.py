@@ -470,8 +470,8 @@ def test_ready_only_after_the_model_is_loaded(start_server, monkeypatch):
     from ricllm.serve.worker import Worker
 
     release = threading.Event()
-    real_load = Worker._load
-    monkeypatch.setattr(Worker, "_load", lambda self: release.wait(30) and real_load(self))
+    real_load = Worker.load_engine
+    monkeypatch.setattr(Worker, "load_engine", lambda self: release.wait(30) and real_load(self))
     running = start_server(ready=False)
     assert http_get(running.http_url + "/ric/v1/health/alive")[0] == 200
     assert http_get(running.http_url + "/ric/v1/health/ready")[0] == 503
@@ -496,8 +496,8 @@ def test_a_model_that_fails_to_load_answers_what_waited(start_server, tmp_path, 
     from ricllm.serve.worker import Worker
 
     release = threading.Event()
-    real_load = Worker._load
-    monkeypatch.setattr(Worker, "_load", lambda self: release.wait(30) and real_load(self))
+    real_load = Worker.load_engine
+    monkeypatch.setattr(Worker, "load_engine", lambda self: release.wait(30) and real_load(self))
     running = start_server(ready=False, engine={"model": str(tmp_path / "absent.gguf")})
     dealer = Dealer(running.endpoint)
     try:
