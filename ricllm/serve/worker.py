@@ -99,7 +99,7 @@ class Worker(EngineDriver):
         self._publish(force=True)
         self.state.ready.set()
         log.info("server_ready", endpoint=self.state.endpoint, http_port=self.state.http_port,
-                 admission=self.config.admission, startup_s=round(engine.startup_s, 2))
+                 admission=self.config.admission.policy, startup_s=round(engine.startup_s, 2))
 
     def on_load_failed(self, exc: BaseException) -> None:
         log.error("engine_load_failed", error=f"{type(exc).__name__}: {exc}")
@@ -479,7 +479,7 @@ class Worker(EngineDriver):
                        "inbound_capacity": self.state.options.inbound_queue_size,
                        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                        "in_flight": len(self._generates)},
-            "admission": {"policy": self.config.admission, "counts": counts["admission"],
+            "admission": {"policy": self.config.admission.policy, "counts": counts["admission"],
                           "reserved_blocks": admission.reserved_blocks if admission is not None else 0},
             "deadlines": counts["deadlines"],
             "latency_model": latency,

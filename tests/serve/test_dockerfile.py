@@ -91,11 +91,13 @@ def test_the_image_converts_the_weights_it_serves_with_at_build_time():
     cache = next(arg for kind, arg in instructions[:prepare_at] if kind == "ENV" and "RICLLM_CACHE_DIR=" in arg)
     assert cache.split("RICLLM_CACHE_DIR=")[1].split()[0].startswith("/home/ricllm/")
     from ricllm.cli import build_parser
+    from ricllm.cli.flags import given_settings
+    from ricllm.config import EngineSettings
 
-    defaults = vars(build_parser().parse_args(["prepare"]))
+    defaults = EngineSettings.model_validate(given_settings(build_parser().parse_args(["prepare"])))
     controls = DESCRIPTOR["controls"]
     for name in ("model", "weights", "dtype", "device", "threads"):
-        assert controls[name] == defaults[name], name
+        assert controls[name] == getattr(defaults, name), name
     assert "ricllm prepare" in README
 
 

@@ -284,9 +284,9 @@ def test_context_too_long_is_rejected(server):
 
 
 def test_degrade_admits_a_shorter_answer_and_says_so(start_server):
-    from ricllm.serve.keys import _timing_line
+    from ricllm.cli.client import _timing_line
 
-    running = start_server(engine={"degrade": True})
+    running = start_server(engine={"admission": {"policy": "deadline", "degrade": True}})
     dealer = Dealer(running.endpoint)
     try:
         dealer.send(generate("short", prompt="cell 17 overloaded", max_tokens=64, ignore_eos=True,
@@ -520,7 +520,7 @@ def test_a_model_that_fails_to_load_answers_what_waited(start_server, tmp_path, 
 
 def test_ipc_and_thousands_of_requests_each_get_one_answer(start_server, tmp_path):
     running = start_server(zmq_endpoint=f"ipc://{tmp_path}/ricllm.sock", inbound_queue_size=16, http_port=None,
-                           engine={"max_queue": 8})
+                           engine={"admission": {"policy": "deadline", "max_queue": 8}})
     assert running.endpoint.startswith("ipc://")
     dealer = Dealer(running.endpoint)
     finals: dict[str, list] = {}
