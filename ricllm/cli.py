@@ -8,7 +8,7 @@ import sys
 
 from ricllm.errors import ConfigError, RicllmError
 from ricllm.plan import add_subparser as add_plan_subparser
-from ricllm.replay.runner import add_replay_subparser
+from ricllm.replay.cli import add_replay_subparser
 from ricllm.report import add_report_subparser
 from ricllm.serve.keys import add_client_subparser, add_keys_subparser
 from ricllm.serve.settings import add_serve_subparser

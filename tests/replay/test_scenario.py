@@ -13,16 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ricllm.replay.scenario import (
-    ScenarioError,
-    Threshold,
-    Trigger,
-    bundled_scenarios,
-    fire_triggers,
-    load_scenario,
-    load_scenario_trace,
-    plan_requests,
-)
+from ricllm.replay.expressions import Threshold
+from ricllm.replay.loading import ScenarioError, bundled_scenarios, load_scenario, load_scenario_trace
+from ricllm.replay.planning import fire_triggers, plan_requests
+from ricllm.replay.schema import Trigger
 from ricllm.replay.traces import KpiRow
 
 ROOT = Path(__file__).parents[2]
@@ -329,7 +323,7 @@ def test_threshold_signal_is_its_left_side():
 def test_documented_scenario_example_validates():
     import yaml
 
-    from ricllm.replay.scenario import Scenario
+    from ricllm.replay.schema import Scenario
 
     text = (ROOT / "docs" / "replay.md").read_text()
     block = next(b.split("```", 1)[0] for b in text.split("```yaml\n")[1:] if b.startswith("name:"))
