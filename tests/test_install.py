@@ -16,7 +16,7 @@ ROOT = Path(__file__).parents[1]
 def test_an_installed_ricllm_prepares_and_generates_outside_the_repository(tiny_gguf, tmp_path):
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "ricllm", "kernels"):
+    for name in ("pyproject.toml", "README.md", "ricllm", "kernels", "scenarios"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
         copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
                                              if (ROOT / name).is_dir() else {}))
@@ -44,6 +44,14 @@ def test_an_installed_ricllm_prepares_and_generates_outside_the_repository(tiny_
     where = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                            timeout=120)
     assert where.returncode == 0 and where.stdout.count(str(site)) == 2, where.stdout + where.stderr
+    code = ("from ricllm.replay.loading import bundled_scenarios, load_scenario\n"
+            "names = bundled_scenarios()\n"
+            "print(names, [str(load_scenario(name).path) for name in names])\n")
+    bundled = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert bundled.returncode == 0, bundled.stderr[-2000:]
+    assert bundled.stdout.startswith("['default', 'overload', 'templates']"), bundled.stdout
+    assert bundled.stdout.count(str((site / "ricllm" / "scenarios").resolve())) == 3, bundled.stdout  # not the repo
     prepared = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16")
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     if shutil.which("cc") or shutil.which("gcc"):  # built from the sources the wheel carries

@@ -14,7 +14,7 @@ from ricllm.cli.model_commands import add_model_subparsers
 from ricllm.cli.serve import add_serve_subparser
 from ricllm.errors import RicllmError
 from ricllm.plan import add_subparser as add_plan_subparser
-from ricllm.replay.runner import add_replay_subparser
+from ricllm.replay.cli import add_replay_subparser
 from ricllm.report import add_report_subparser
 from ricllm.serve.keys import add_keys_subparser
 

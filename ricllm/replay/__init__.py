@@ -1,7 +1,17 @@
 """Scenario replay: RAN KPI traces fed to the xApp as if they came from the E2 interface.
 
-``traces`` loads CSV traces of any public layout into canonical E2SM-KPM rows through a
-column mapping (``TraceSpec``), repairing and counting messy data; ``generator`` writes seeded
-synthetic traces (daily load curve, bursts, cell outages) for tests and demos. Neither imports
-torch, so a replay client stays light.
+One module per job:
+
+- ``traces``: CSV traces of any public layout -> canonical E2SM-KPM rows, through a column
+  mapping (``TraceSpec``), repairing and counting messy data; ``generator``: seeded synthetic
+  traces (daily load curve, bursts, cell outages) for tests and demos.
+- ``schema``: the scenario file's pydantic models; ``expressions``: the threshold language;
+  ``targets``: compliance targets; ``prompts``: user-prompt templates (sandboxed jinja2).
+- ``loading``: a scenario from a path or a bundled name, ``--set`` overrides, problems with their
+  YAML line; ``planning``: the seeded, open-loop request plan.
+- ``runner``: the replay loop over a backend, ``engine_backend`` (in-process) or ``zmq_backend``
+  (a running ``ricllm serve``); ``records`` and ``reporting``: what a run records and reports;
+  ``cli``: ``ricllm replay``.
+
+Only ``engine_backend`` loads torch (when it loads the engine), so a replay over ZeroMQ stays light.
 """

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ricllm.replay.records import RequestRecord
-from ricllm.replay.scenario import Target, parse_target
+from ricllm.replay.targets import Target, parse_target
 
 PERCENTILES = (50, 95, 99)
 LATENCIES = ("ttft_s", "e2e_s")

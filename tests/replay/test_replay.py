@@ -230,12 +230,13 @@ def test_ctrl_c_still_writes_the_report(tiny_gguf, fit_file, tmp_path):
 def test_zeromq_replay_path_imports_no_torch(tmp_path):
     code = ("import sys\n"
             "from ricllm.cli import build_parser\n"
-            "from ricllm.replay import runner\n"
-            "from ricllm.replay.scenario import load_scenario, load_scenario_trace, plan_requests\n"
+            "from ricllm.replay import cli, engine_backend, reporting, runner, zmq_backend\n"
+            "from ricllm.replay.loading import load_scenario, load_scenario_trace\n"
+            "from ricllm.replay.planning import plan_requests\n"
             "from ricllm.report import aggregate, html, terminal, plots\n"
             "scenario = load_scenario('default')\n"
             "plan = plan_requests(scenario, load_scenario_trace(scenario))\n"
-            "backend = runner.ZmqBackend('tcp://127.0.0.1:9', timeout_s=1)\n"
+            "backend = zmq_backend.ZmqBackend('tcp://127.0.0.1:9', timeout_s=1)\n"
             "build_parser().parse_args(['replay', 'default', '--endpoint', 'tcp://127.0.0.1:9'])\n"
             "sys.exit('torch' in sys.modules)\n")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0

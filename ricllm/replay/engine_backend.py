@@ -1,0 +1,219 @@
+"""The in-process replay backend: an ``LLMEngine`` in this process, owned by one ``EngineThread``.
+
+Requests, template pins and timeline samples all go through that thread, so the engine is only
+ever touched by its owner. Each template is pinned before any request runs, and every prompt is
+tokenized before the first one is sent, so tokenizing never sits on a request's measured path.
+The helpers below the backend run *on* the engine thread, between steps. torch is imported only
+when the engine is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from ricllm.errors import RicllmError
+
+
+class InProcessBackend:
+    """An engine in this process: one thread owns it; requests, pins and samples go through it."""
+
+    mode = "in_process"
+
+    def __init__(self, engine_kwargs: dict[str, Any]):
+        self.engine_kwargs = engine_kwargs
+        self.thread = None
+        self.prompts: dict[int, list[int]] = {}
+        self.sampler = _EngineSampler()
+
+    async def start(self, plan: list, templates: dict[str, str]) -> dict[str, dict]:
+        """Load the engine on its own thread (off the event loop), pin each template, and tokenize
+        every prompt now."""
+        from ricllm.engine.async_engine import EngineThread
+
+        loop = asyncio.get_running_loop()
+        self.thread = await loop.run_in_executor(None, EngineThread, self._load)
+        engine = self.thread.engine
+        pinned = {}
+        for name, text in templates.items():
+            pinned[name] = await _await(self.thread.call(lambda e, t=text: _pin_template(e, t)))
+        self.prompts = await loop.run_in_executor(None, self._render_all, engine.tokenizer, plan, templates)
+        return pinned
+
+    def _load(self):
+        from ricllm.config import EngineConfig
+        from ricllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine(EngineConfig(**self.engine_kwargs))
+
+    @staticmethod
+    def _render_all(tokenizer, plan: list, templates: dict[str, str]) -> dict[int, list[int]]:
+        return {p.index: _render_prompt(tokenizer, templates.get(p.template), p.user_prompt) for p in plan}
+
+    async def generate(self, planned, spec, record, t0: float) -> None:
+        """Submit and fill ``record`` from the engine's ``RequestOutput``."""
+        from ricllm.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                                ignore_eos=spec.ignore_eos, deadline_ms=spec.deadline_ms,
+                                priority=spec.resolved_priority())
+        first: dict[str, float] = {}
+        sent = time.perf_counter()
+        record.sent_s = sent - t0
+        future = self.thread.submit(self.prompts[planned.index], params, planned.request_id,
+                                    on_step=lambda seq: first.setdefault("t", time.perf_counter()))
+        try:
+            output, done = await _await(future, stamp=True)
+        except RicllmError as exc:
+            record.finish("error", rejection_message=str(exc), done_s=time.perf_counter() - t0)
+            return
+        _fill_from_output(record, output, sent, first.get("t"), done, t0)
+
+    async def sample(self) -> dict[str, Any]:
+        return await _await(self.thread.call(self.sampler))
+
+    async def finish(self, interrupted: bool) -> dict[str, Any]:
+        """Engine settings and final counters, then stop the thread; after Ctrl-C what still runs is
+        ended first, so the thread stops at once (one killed mid-step at exit aborts the process)."""
+        info = await asyncio.wait_for(_await(self.thread.call(_engine_info)), 30)
+        if interrupted:
+            info["cancelled_at_interrupt"] = await _await(self.thread.call(_cancel_all))
+        await asyncio.get_running_loop().run_in_executor(None, self.thread.stop, 60)
+        return info
+
+
+async def _await(future: Future, stamp: bool = False) -> Any:
+    """Await a thread's future without ever cancelling it (the engine thread would then fail to
+    set its result); with ``stamp`` also return the time it completed, taken on that thread."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def relay(done: Future) -> None:
+        finished = time.perf_counter()
+
+        def settle() -> None:
+            if waiter.done():
+                return
+            if done.exception() is not None:
+                waiter.set_exception(done.exception())
+            else:
+                waiter.set_result((done.result(), finished) if stamp else done.result())
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the replay's loop is gone (interrupted run): nobody waits any more
+            pass
+
+    future.add_done_callback(relay)
+    return await waiter
+
+
+# ------------------------------------------------------------ engine-thread helpers (in-process)
+
+def _render_prompt(tokenizer, system: str | None, user: str) -> list[int]:
+    """Chat-rendered token ids; the system part renders exactly as its pinned prefix does."""
+    if tokenizer.has_chat_template:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(f"{system}\n\n{user}" if system else user)
+
+
+def _pin_template(engine, system: str) -> dict[str, int]:
+    """Runs on the engine thread before any request: compute the system prompt's KV and pin it."""
+    from ricllm.cache.kv_cache_manager import PinHandle
+    from ricllm.errors import CapacityError
+    from ricllm.sampling_params import SamplingParams
+
+    tokenizer = engine.tokenizer
+    if tokenizer.has_chat_template:
+        text = tokenizer.apply_chat_template([{"role": "system", "content": system}], add_generation_prompt=False)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        token_ids = tokenizer.encode(system)
+    cache = engine.cache
+    room = engine.kv_cache.geometry.num_blocks - cache.num_pinned_blocks - 1
+    if len(token_ids) // cache.block_size > room:
+        raise CapacityError(f"pinning a template of {len(token_ids)} tokens needs "
+                            f"{len(token_ids) // cache.block_size} KV blocks; only {room} can be pinned")
+    handle = PinHandle(handle_id=next(engine._pin_ids), token_ids=list(token_ids))
+    engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True), pin_on_finish=handle)
+    while engine.has_unfinished():  # nothing else is queued yet: this runs only the pinning request
+        engine.step()
+    return {"tokens": len(token_ids), "pinned_tokens": len(handle.block_ids) * cache.block_size}
+
+
+class _EngineSampler:
+    """Runs on the engine thread between steps: what the timeline plots, including the steps run
+    since the previous sample and their mean duration (found by the last record already seen)."""
+
+    def __init__(self) -> None:
+        self._seen = None
+
+    def __call__(self, engine) -> dict[str, Any]:
+        stats = engine.kv_cache_stats()
+        admission = engine.admission.stats() if engine.admission is not None else None
+        new = self._new_steps(engine.step_history)
+        last = engine.step_history[-1].features if engine.step_history else None
+        return {"kv_used_blocks": stats["used_blocks"], "kv_num_blocks": stats["num_blocks"],
+                "kv_pinned_blocks": stats["pinned_blocks"], "running": len(engine.scheduler.running),
+                "waiting": len(engine.scheduler.waiting), "preemptions": stats["preemptions"],
+                "steps": len(new), "step_ms_mean": 1000 * sum(r.duration_s for r in new) / len(new) if new else None,
+                "decode_seqs_mean": sum(r.features.num_decode_seqs for r in new) / len(new) if new else None,
+                "last_step_prefill_tokens": last.num_prefill_tokens if last else 0,
+                "admitted_total": admission["admitted"] if admission else None,
+                "rejected_total": sum(admission["rejected"].values()) if admission else None,
+                "met_total": engine.deadline_counts["met"], "missed_total": engine.deadline_counts["missed"]}
+
+    def _new_steps(self, history) -> list:
+        new = []
+        for record in reversed(history):
+            if record is self._seen:
+                break
+            new.append(record)
+        self._seen = history[-1] if history else None
+        return new[::-1]
+
+
+def _cancel_all(engine) -> int:
+    """Runs on the engine thread: end every unfinished request now (finish reason ``cancelled``)."""
+    unfinished = [*engine.scheduler.running, *engine.scheduler.waiting]
+    for seq in unfinished:
+        engine.abort(seq, "cancelled")
+    return len(unfinished)
+
+
+def _engine_info(engine) -> dict[str, Any]:
+    """Runs on the engine thread at the end: settings, final counters, model identity."""
+    from dataclasses import asdict
+
+    from ricllm.paths import file_digest
+
+    kv = engine.kv_cache_stats()
+    return {"source": "in_process", "settings": asdict(engine.config), "kv_cache": kv,
+            "admission": engine.admission_stats(), "startup_s": engine.startup_s,
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "attention_backend": engine.attention_backend, "threads": engine.threads,
+            "runtime": engine.runtime.name,
+            "model": {"path": str(engine.model_path), "name": engine.spec.name,
+                      "sha256": file_digest(Path(engine.model_path))}}
+
+
+def _fill_from_output(record, output, sent: float, first: float | None, done: float, t0: float) -> None:
+    common = dict(done_s=done - t0, client_e2e_s=done - sent)
+    if output.finish_reason == "rejected":
+        rejection = output.rejection
+        record.finish("rejected", admitted=False, rejection_code=rejection.code,
+                      rejection_message=rejection.message, **common)
+        return
+    if first is None and output.token_ids:
+        first = done  # finished in the step that produced its first token
+    record.finish("completed", admitted=True, finish_reason=output.finish_reason, server_queue_s=output.queue_s,
+                  server_ttft_s=output.ttft_s, server_e2e_s=output.e2e_s,
+                  client_ttft_s=None if first is None else first - sent,
+                  prompt_tokens=len(output.prompt_token_ids), output_tokens=len(output.token_ids),
+                  cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text,
+                  granted_max_tokens=output.degradation.granted_max_tokens if output.degradation else None,
+                  **common)

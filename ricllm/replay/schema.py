@@ -1,0 +1,285 @@
+"""The scenario file's schema: pydantic models of its sections, each field with its check.
+
+A scenario says which trace to replay, how fast, which rows send a request, with what prompt,
+under which deadline, on which engine, and what the run must achieve. The models check one field
+at a time (and the fields of one section together); checks across sections (a trigger naming an
+unknown class) are ``ricllm.replay.loading.cross_check``'s. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from ricllm.replay.generator import GENERATED_KPIS
+from ricllm.replay.prompts import check_template
+from ricllm.replay.targets import parse_target
+from ricllm.replay.traces import TraceSpec
+from ricllm.units import parse_bytes
+
+DEFAULT_USER_PROMPT = (
+    "Cell {{ entity }} at t={{ time_s | fmt(0) }} s: PRB usage {{ kpi['RRU.PrbUsedDl'] | fmt(0) }} of "
+    "{{ kpi['RRU.PrbAvailDl'] | fmt(0) }}, DL throughput {{ kpi['DRB.UEThpDl'] | fmt(0) }} kbps, "
+    "{{ kpi['RRC.ConnMean'] | fmt(0) }} UEs, SINR {{ kpi['L1M.DL-SS-SINR'] | fmt(1) }} dB. "
+    "What should the controller do?")
+SELECT_MODES = ("entity", "entity_order", "random")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------------------------ the trace
+
+class GeneratorSpec(_Strict):
+    """Arguments of ``generate_trace``: a seeded synthetic trace, so a scenario needs no file."""
+
+    cells: int = Field(ge=1)
+    duration_s: float = Field(gt=0)
+    interval_s: float = Field(1.0, gt=0)
+    seed: int = 0
+    day_length_s: float = Field(86400.0, gt=0)
+    bursts_per_min: float = Field(1.0, ge=0)
+    outages: int = Field(1, ge=0)
+    outage_mode: Literal["zero", "absent"] = "zero"
+    prb_avail: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [106, 273], min_length=1)
+    start: datetime | None = None
+
+    @model_validator(mode="after")
+    def _interval_fits(self) -> GeneratorSpec:
+        if self.interval_s > self.duration_s:
+            raise ValueError(f"interval_s ({self.interval_s}) is longer than duration_s ({self.duration_s})")
+        return self
+
+
+class GeneratedTrace(_Strict):
+    generator: GeneratorSpec
+
+
+def _trace_kind(data: Any) -> str:
+    if isinstance(data, Mapping):
+        return "generated" if "generator" in data else "csv"
+    return "generated" if isinstance(data, GeneratedTrace) else "csv"
+
+
+TraceSection = Annotated[Union[Annotated[TraceSpec, Tag("csv")], Annotated[GeneratedTrace, Tag("generated")]],
+                         Discriminator(_trace_kind)]
+
+
+# ------------------------------------------------------------------------- pacing and triggers
+
+class Pacing(_Strict):
+    """Open loop: request k is sent at ``(row time - start_s) / speed`` whatever came back."""
+
+    speed: float = Field(1.0, gt=0)
+    start_s: float = Field(0.0, ge=0)
+    duration_s: float | None = Field(None, gt=0)
+    drain_timeout_s: float = Field(60.0, gt=0)
+
+
+class Every(_Strict):
+    """Per entity, every ``seconds`` of trace time. ``stagger`` spreads the entities' phases over the
+    period (by a stable hash of the id), so cells do not all report in the same instant."""
+
+    seconds: float = Field(gt=0)
+    stagger: bool = False
+
+
+class Trigger(_Strict):
+    """Exactly one condition; each firing row sends one request.
+
+    ``every`` and ``cooldown_s`` count per entity, in trace seconds. ``mode: rising`` fires a
+    threshold only when it turns true for that entity; ``level`` fires on every true row. (``mode``,
+    not ``on``: YAML reads a bare ``on`` key as the boolean true.)
+    """
+
+    name: str | None = None
+    every_row: bool = False
+    every: Every | None = None
+    threshold: str | None = None
+    mode: Literal["level", "rising"] = "level"
+    cooldown_s: float = Field(0.0, ge=0)
+    entities: list[str] | None = None
+    deadline_class: str | None = None
+    template: str | None = None
+    user_prompt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"every_row": True} if data == "every_row" else data
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> Trigger:
+        given = [n for n, v in (("every_row", self.every_row), ("every", self.every),
+                                ("threshold", self.threshold)) if v]
+        if len(given) != 1:
+            raise ValueError("a trigger needs exactly one of every_row, every, threshold; got "
+                             + (", ".join(given) or "none"))
+        return self
+
+    @field_validator("user_prompt")
+    @classmethod
+    def _template_parses(cls, value: str | None) -> str | None:
+        return None if value is None else check_template(value)
+
+    def label(self, index: int) -> str:
+        if self.name:
+            return self.name
+        if self.threshold:
+            return f"threshold {self.threshold}"
+        return "every_row" if self.every_row else f"every {self.every.seconds:g} s"
+
+
+# ------------------------------------------------------------------- prompts, classes, engine
+
+class TemplateFile(_Strict):
+    file: str = Field(min_length=1)
+
+
+class Prompts(_Strict):
+    """RAN config-template system prompts (pinned once), the user prompt, and which template a row uses.
+
+    ``select``: ``entity`` (a stable hash of the entity id), ``entity_order`` (the trace's i-th entity
+    gets template i mod n: an even spread), ``random`` (seeded) or a template name.
+    """
+
+    templates: dict[str, Annotated[str, Field(min_length=1)] | TemplateFile] = {}
+    select: str = "entity"
+    user_prompt: str = DEFAULT_USER_PROMPT
+
+    @field_validator("user_prompt")
+    @classmethod
+    def _template_parses(cls, value: str) -> str:
+        return check_template(value)
+
+
+class DeadlineClass(_Strict):
+    """A kind of request: its deadline (None: best effort), output length and share of the mix."""
+
+    deadline_ms: float | None = Field(gt=0)
+    max_tokens: int = Field(16, ge=1)
+    weight: float = Field(1.0, ge=0)
+    priority: Literal["near_rt", "non_rt", "best_effort"] | None = None
+    temperature: float = Field(0.0, ge=0)
+    ignore_eos: bool = False
+
+    def resolved_priority(self) -> str:
+        """As ``SamplingParams`` derives it, so the in-process and ZeroMQ paths agree."""
+        if self.priority:
+            return self.priority
+        if self.deadline_ms is None:
+            return "best_effort"
+        return "near_rt" if self.deadline_ms <= 1000 else "non_rt"
+
+
+class EngineSettings(_Strict):
+    """``EngineConfig`` fields for an in-process replay; unset ones keep the engine's default.
+
+    Over ZeroMQ the server's own settings apply and this section is only recorded.
+    """
+
+    model: str | None = None
+    kv_cache_budget: int | str | None = None
+    block_size: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] | None = None
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] | None = None
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] | None = None
+    weights: Literal["auto", "bf16", "int8", "int4"] | None = None
+    enable_prefix_caching: bool | None = None
+    admission: Literal["deadline", "fcfs", "off"] = "deadline"
+    safety_margin: float | None = Field(None, ge=0, lt=10)
+    max_queue: int | None = Field(None, ge=0)
+    abort_late: bool | None = None
+    pace_prefill: bool | None = None
+    degrade: bool | None = None
+    latency_fit: str | None = None
+    tightest_deadline_ms: float | None = Field(None, gt=0)
+    tightest_deadline_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    threads: int | None = Field(None, ge=1)
+    engine_cpus: str | list[int] | None = None
+    runtime: Literal["auto", "native", "torch"] | None = None
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cpu_list(cls, value: str | list[int] | None) -> str | list[int] | None:
+        from ricllm.engine.affinity import check_cpu_list_field
+
+        return check_cpu_list_field(value)
+
+    @field_validator("kv_cache_budget")
+    @classmethod
+    def _bytes(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            parse_bytes(value)
+        return value
+
+    def config_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+# ---------------------------------------------------------------------------------- scenario
+
+def _valid_target(text: str) -> str:
+    parse_target(text)
+    return text
+
+
+class Scenario(_Strict):
+    name: str | None = None
+    description: str = ""
+    seed: int = 0
+    trace: TraceSection
+    pacing: Pacing = Pacing()
+    triggers: list[Trigger] = Field(min_length=1)
+    prompts: Prompts = Prompts()
+    classes: dict[str, DeadlineClass] = Field(min_length=1)
+    engine: EngineSettings = EngineSettings()
+    targets: dict[str, list[Annotated[str, AfterValidator(_valid_target)]]] = {}
+    _path: Path = PrivateAttr(default=Path("scenario.yaml"))
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def base_dir(self) -> Path:
+        return self._path.parent
+
+    def trace_kpis(self) -> list[str]:
+        if isinstance(self.trace, GeneratedTrace):
+            return list(GENERATED_KPIS)
+        return list(self.trace.kpis)
+
+    def template_texts(self) -> dict[str, str]:
+        """Template name -> system prompt text, files read relative to the scenario."""
+        return {name: _template_text(value, self.base_dir) for name, value in self.prompts.templates.items()}
+
+    def resolve_path(self, value: str) -> str:
+        """A path in the file is relative to the scenario's folder."""
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else self.base_dir / path)
+
+
+def _template_text(value: str | TemplateFile, base_dir: Path) -> str:
+    if isinstance(value, str):
+        return value
+    return (base_dir / value.file).read_text(encoding="utf-8").strip()

@@ -1,0 +1,134 @@
+"""The ZeroMQ replay backend: a running ``ricllm serve``, reached through ``AsyncRicClient``.
+
+Templates are registered on the server (and unregistered at the end), requests are streamed so
+the replay measures its own time to first token, and the server's ``stats`` reply feeds the
+timeline. This path never imports torch, so a replay client can run on a machine without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from ricllm.errors import RicllmError
+
+
+class ZmqBackend:
+    """A running ``ricllm serve``: templates registered, requests streamed for the client's TTFT."""
+
+    mode = "zmq"
+
+    def __init__(self, endpoint: str, timeout_s: float):
+        from ricllm.client import AsyncRicClient
+
+        self.endpoint = endpoint
+        self.client = AsyncRicClient(endpoint, timeout_s=timeout_s)
+        self.template_ids: dict[str, str] = {}
+        self.version: str | None = None
+
+    async def start(self, plan: list, templates: dict[str, str]) -> dict[str, dict]:
+        try:
+            self.version = (await self.client.ping(timeout_s=10)).version
+        except TimeoutError:
+            raise RicllmError(f"no ricllm server answers at {self.endpoint} (ping timed out after 10 s)") from None
+        pinned = {}
+        for name, text in templates.items():
+            wanted = f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+            reply = await self.client.register_template(text, template_id=wanted)
+            self.template_ids[name] = reply.template_id
+            pinned[name] = {"template_id": reply.template_id, "tokens": reply.num_tokens,
+                            "pinned_tokens": reply.num_pinned_tokens}
+        return pinned
+
+    async def generate(self, planned, spec, record, t0: float) -> None:
+        from ricllm.client import RejectedError, ServerError
+
+        options = dict(max_tokens=spec.max_tokens, temperature=spec.temperature, ignore_eos=spec.ignore_eos,
+                       deadline_ms=spec.deadline_ms, priority=spec.resolved_priority())
+        if planned.template is not None:
+            options["template_id"] = self.template_ids[planned.template]
+        messages = [{"role": "user", "content": planned.user_prompt}]
+        first, sent = None, time.perf_counter()
+        record.sent_s = sent - t0
+        try:
+            async for reply in self.client.stream(messages=messages, request_id=f"{planned.request_id}-{id(self):x}",
+                                                  **options):
+                if reply.type == "token":
+                    first = first or time.perf_counter()
+                else:
+                    _fill_from_result(record, reply, sent, first, time.perf_counter(), t0)
+        except RejectedError as exc:
+            record.finish("rejected", admitted=False, rejection_code=exc.code, rejection_message=exc.message,
+                          done_s=time.perf_counter() - t0, client_e2e_s=time.perf_counter() - sent)
+        except ServerError as exc:
+            record.finish("error", rejection_code=exc.code, rejection_message=exc.message,
+                          done_s=time.perf_counter() - t0)
+        except TimeoutError as exc:
+            record.finish("timeout", rejection_message=str(exc), done_s=time.perf_counter() - t0)
+
+    async def sample(self) -> dict[str, Any]:
+        return normalize_server_stats(await self.client.stats(timeout_s=2))
+
+    async def finish(self, interrupted: bool) -> dict[str, Any]:
+        stats: dict[str, Any] = {}
+        try:
+            stats = await self.client.stats(timeout_s=5)
+            for template_id in self.template_ids.values():
+                await self.client.unregister_template(template_id, timeout_s=5)
+        except (TimeoutError, RicllmError) as exc:
+            stats.setdefault("error", str(exc))
+        finally:
+            await self.client.aclose()
+        return {"source": "server", "endpoint": self.endpoint, "server_version": self.version,
+                "kv_cache": stats.get("kv_cache"), "server_stats": stats, "model": _server_model(stats)}
+
+
+def _fill_from_result(record, result, sent: float, first: float | None, done: float, t0: float) -> None:
+    timings = result.timings
+    if first is None and result.token_ids:
+        first = done
+    record.finish("completed", admitted=True, finish_reason=result.finish_reason, server_queue_s=timings.queue_s,
+                  server_ttft_s=timings.ttft_s, server_e2e_s=timings.e2e_s, done_s=done - t0,
+                  client_ttft_s=None if first is None else first - sent, client_e2e_s=done - sent,
+                  prompt_tokens=result.num_prompt_tokens, output_tokens=len(result.token_ids),
+                  cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
+                  granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None)
+
+
+def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _pick(flat: dict[str, Any], *names: str) -> Any:
+    """The first number whose key (or its last dotted part) is one of ``names``."""
+    for name in names:
+        for key, value in flat.items():
+            if (key == name or key.rsplit(".", 1)[-1] == name) and isinstance(value, (int, float)):
+                return value
+    return None
+
+
+def normalize_server_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """A server ``stats`` reply -> the timeline's fields (None where the server does not say)."""
+    flat = _flatten(stats)
+    return {"kv_used_blocks": _pick(flat, "used_blocks", "kv_used_blocks"),
+            "kv_num_blocks": _pick(flat, "num_blocks", "kv_num_blocks"),
+            "kv_pinned_blocks": _pick(flat, "pinned_blocks"),
+            "running": _pick(flat, "running", "num_running", "running_seqs"),
+            "waiting": _pick(flat, "waiting", "num_waiting", "queue_length", "waiting_seqs"),
+            "preemptions": _pick(flat, "preemptions")}
+
+
+def _server_model(stats: dict[str, Any]) -> dict[str, Any]:
+    flat = _flatten(stats)
+    found = {k.rsplit(".", 1)[-1]: v for k, v in flat.items()
+             if k.rsplit(".", 1)[-1] in ("model", "model_path", "model_name", "model_sha256", "sha256")}
+    return {"path": found.get("model_path") or found.get("model"), "name": found.get("model_name"),
+            "sha256": found.get("model_sha256") or found.get("sha256")}
