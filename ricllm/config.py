@@ -216,7 +216,16 @@ class EngineConfig(EngineSettings):
         return torch.get_num_threads()
 
 
-# ------------------------------------------------------------------------------ error messages
+# ------------------------------------------------------------------------------ layers and errors
+
+def merge_layers(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Settings ``top`` over ``base``, field by field, nested sections too (a profile, a file, flags)."""
+    merged = dict(base)
+    for key, value in top.items():
+        below = merged.get(key)
+        merged[key] = merge_layers(below, value) if isinstance(value, dict) and isinstance(below, dict) else value
+    return merged
+
 
 _UNION_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*\]|constrained-\w+|function-\w+\[.*\])$")
 

@@ -81,7 +81,7 @@ def test_a_descriptor_names_a_bad_cpu_list(tmp_path):
 def test_a_scenario_names_a_bad_cpu_list():
     from pydantic import ValidationError
 
-    from ricllm.replay.schema import EngineSettings
+    from ricllm.config import EngineSettings
 
     assert EngineSettings.model_validate({"engine_cpus": "0-1"}).engine_cpus == "0-1"
     with pytest.raises(ValidationError, match=r"engine_cpus\n.*range '3-1' runs backwards"):

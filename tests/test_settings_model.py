@@ -71,3 +71,18 @@ def test_only_typed_flags_are_given_and_defaults_come_from_the_model():
 def test_one_default_per_field_admission_is_off_in_the_model():
     assert EngineSettings().admission.policy == EngineConfig().admission.policy == "off"
     assert EngineConfig(admission="deadline").admission == AdmissionConfig(policy="deadline")
+
+
+def test_the_scenario_engine_section_is_the_settings_model_partly_filled():
+    from ricllm.replay.cli import engine_kwargs
+    from ricllm.replay.loading import load_scenario
+    from ricllm.replay.schema import Scenario
+
+    assert Scenario.model_fields["engine"].annotation is EngineSettings
+    scenario = load_scenario("default", ["engine.admission.safety_margin=0.2", "engine.max_packed_rows=8"])
+    kwargs = engine_kwargs(scenario)
+    assert kwargs["admission"]["policy"] == "deadline"  # the scenario profile: the model's default is off
+    assert kwargs["admission"]["safety_margin"] == 0.2 and kwargs["max_packed_rows"] == 8
+    assert "block_size" not in kwargs  # unset: the engine's own default
+    assert EngineConfig(**kwargs).admission.tightest_deadline_ms == min(
+        c.deadline_ms for c in scenario.classes.values() if c.deadline_ms is not None)

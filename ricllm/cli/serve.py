@@ -7,7 +7,13 @@ import argparse
 
 from ricllm.cli.flags import add_settings_flags, given_settings
 from ricllm.config import EngineSettings
-from ricllm.serve.settings import CONFIG_ENV, SERVE_PROFILE, Controls, ServeSettings, resolve_settings
+from ricllm.serve.settings import (
+    CONFIG_ENV,
+    SERVE_PROFILE,
+    Controls,
+    ServeSettings,
+    resolve_settings,
+)
 
 
 def add_serve_subparser(sub: argparse._SubParsersAction) -> None:

@@ -13,10 +13,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ricllm.config import merge_layers
 from ricllm.errors import RicllmError
 from ricllm.replay.engine_backend import InProcessBackend
 from ricllm.replay.reporting import build_report
 from ricllm.replay.runner import Replayer
+from ricllm.replay.schema import SCENARIO_PROFILE
 from ricllm.replay.zmq_backend import ZmqBackend
 
 EXIT_TARGETS_MISSED = 1
@@ -88,11 +90,12 @@ def _backend(args: argparse.Namespace, scenario, plan: list):
 
 
 def engine_kwargs(scenario, model: str | None = None, latency_fit: str | None = None) -> dict[str, Any]:
-    """``EngineConfig`` arguments: the scenario's engine section, its paths resolved, CLI flags over it.
+    """``EngineConfig`` arguments: the scenario's engine section over the scenario profile, its paths
+    resolved, CLI flags over it.
 
-    The tightest deadline class sets ``tightest_deadline_ms``/``_tokens`` unless the scenario does.
+    The tightest deadline class sets ``admission.tightest_deadline_ms``/``_tokens`` unless the scenario does.
     """
-    kwargs = scenario.engine.config_kwargs()
+    kwargs = merge_layers(SCENARIO_PROFILE, scenario.engine.model_dump(exclude_unset=True))
     for name in ("model", "latency_fit"):
         if name in kwargs:
             kwargs[name] = scenario.resolve_path(kwargs[name])
@@ -103,8 +106,8 @@ def engine_kwargs(scenario, model: str | None = None, latency_fit: str | None = 
     with_deadline = [c for c in scenario.classes.values() if c.deadline_ms is not None]
     if with_deadline:
         tightest = min(with_deadline, key=lambda c: c.deadline_ms)
-        kwargs.setdefault("tightest_deadline_ms", tightest.deadline_ms)
-        kwargs.setdefault("tightest_deadline_tokens", tightest.max_tokens)
+        kwargs["admission"].setdefault("tightest_deadline_ms", tightest.deadline_ms)
+        kwargs["admission"].setdefault("tightest_deadline_tokens", tightest.max_tokens)
     return kwargs
 
 

@@ -187,12 +187,10 @@ def _cancel_all(engine) -> int:
 
 def _engine_info(engine) -> dict[str, Any]:
     """Runs on the engine thread at the end: settings, final counters, model identity."""
-    from dataclasses import asdict
-
     from ricllm.paths import file_digest
 
     kv = engine.kv_cache_stats()
-    return {"source": "in_process", "settings": asdict(engine.config), "kv_cache": kv,
+    return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": kv,
             "admission": engine.admission_stats(), "startup_s": engine.startup_s,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "attention_backend": engine.attention_backend, "threads": engine.threads,

@@ -25,11 +25,11 @@ from pydantic import (
     model_validator,
 )
 
+from ricllm.config import EngineSettings
 from ricllm.replay.generator import GENERATED_KPIS
 from ricllm.replay.prompts import check_template
 from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
-from ricllm.units import parse_bytes
 
 DEFAULT_USER_PROMPT = (
     "Cell {{ entity }} at t={{ time_s | fmt(0) }} s: PRB usage {{ kpi['RRU.PrbUsedDl'] | fmt(0) }} of "
@@ -187,53 +187,9 @@ class DeadlineClass(_Strict):
         return "near_rt" if self.deadline_ms <= 1000 else "non_rt"
 
 
-class EngineSettings(_Strict):
-    """``EngineConfig`` fields for an in-process replay; unset ones keep the engine's default.
-
-    Over ZeroMQ the server's own settings apply and this section is only recorded.
-    """
-
-    model: str | None = None
-    kv_cache_budget: int | str | None = None
-    block_size: int | None = Field(None, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] | None = None
-    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] | None = None
-    attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] | None = None
-    weights: Literal["auto", "bf16", "int8", "int4"] | None = None
-    enable_prefix_caching: bool | None = None
-    admission: Literal["deadline", "fcfs", "off"] = "deadline"
-    safety_margin: float | None = Field(None, ge=0, lt=10)
-    max_queue: int | None = Field(None, ge=0)
-    abort_late: bool | None = None
-    pace_prefill: bool | None = None
-    degrade: bool | None = None
-    latency_fit: str | None = None
-    tightest_deadline_ms: float | None = Field(None, gt=0)
-    tightest_deadline_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
-    threads: int | None = Field(None, ge=1)
-    engine_cpus: str | list[int] | None = None
-    runtime: Literal["auto", "native", "torch"] | None = None
-
-    @field_validator("engine_cpus")
-    @classmethod
-    def _cpu_list(cls, value: str | list[int] | None) -> str | list[int] | None:
-        from ricllm.engine.affinity import check_cpu_list_field
-
-        return check_cpu_list_field(value)
-
-    @field_validator("kv_cache_budget")
-    @classmethod
-    def _bytes(cls, value: int | str | None) -> int | str | None:
-        if value is not None:
-            parse_bytes(value)
-        return value
-
-    def config_kwargs(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+# An in-process replay promises deadlines, as a server does: the engine's own default (off) only refuses
+# what can never fit. The scenario's engine section goes over this profile.
+SCENARIO_PROFILE: dict[str, Any] = {"admission": {"policy": "deadline"}}
 
 
 # ---------------------------------------------------------------------------------- scenario
@@ -252,7 +208,7 @@ class Scenario(_Strict):
     triggers: list[Trigger] = Field(min_length=1)
     prompts: Prompts = Prompts()
     classes: dict[str, DeadlineClass] = Field(min_length=1)
-    engine: EngineSettings = EngineSettings()
+    engine: EngineSettings = Field(default_factory=EngineSettings)  # partly filled: what the file sets
     targets: dict[str, list[Annotated[str, AfterValidator(_valid_target)]]] = {}
     _path: Path = PrivateAttr(default=Path("scenario.yaml"))
 

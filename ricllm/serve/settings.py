@@ -22,7 +22,15 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, ValidationError
 
-from ricllm.config import EngineConfig, EngineSettings, NonEmpty, StrictModel, describe_errors, setting
+from ricllm.config import (
+    EngineConfig,
+    EngineSettings,
+    NonEmpty,
+    StrictModel,
+    describe_errors,
+    merge_layers,
+    setting,
+)
 from ricllm.errors import ConfigError
 from ricllm.serve.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 
@@ -149,15 +157,6 @@ def load_controls_file(path: str | os.PathLike[str], source: str) -> dict[str, A
     if not isinstance(document, dict) or not isinstance(document.get("controls"), dict):
         raise SettingsError(f"{source}: {os.fspath(path)!r} has no 'controls' object (expected an xApp descriptor)")
     return validate_layer(document["controls"], source)
-
-
-def merge_layers(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``, field by field, nested sections too."""
-    merged = dict(base)
-    for key, value in top.items():
-        merged[key] = merge_layers(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
-            else value
-    return merged
 
 
 def resolve_settings(flags: dict[str, Any] | None = None, config_file: str | None = None,
