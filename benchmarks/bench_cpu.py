@@ -91,7 +91,7 @@ class RicllmEngine:
 
     def describe(self) -> dict:
         engine = self.llm.engine
-        return dict(formats=list(engine.weight_formats), weights_from=engine.weights_source,
+        return dict(formats=list(engine.runtime.weight_formats), weights_from=engine.runtime.weights_source,
                     preemptions=self.preemptions, torch_imported="torch" in sys.modules)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:

@@ -1,8 +1,16 @@
-"""GPU decode kernels for the paged KV cache (installed as ``ricllm.kernels``).
+"""ricllm's compute kernels (installed as ``ricllm.kernels``): C kernels for the CPU and decode
+kernels for GPUs.
 
-Importing this package needs neither triton nor a GPU: the Triton module is imported on the
-first kernel call, and ``triton_available()`` says beforehand whether that can work.
-The functions match ``ricllm.attention.reference`` (same arguments, same results up to
+- CPU (``csrc/cpu_*.c``, built on first use into one shared library by ``cpu_library``): paged
+  attention (``cpu_attention``), fused layer steps (``cpu_fused``), int4/int8 weight products
+  (``cpu_quant``) and the whole decoder stack in one call (``cpu_decoder``, its argument block in
+  ``decoder_stack_call``, which the torch-free native runtime uses too).
+- GPU: paged decode attention and the K/V store in Triton (``triton_decode``, exposed below) and
+  as a CUDA extension (``cuda_ext``), with the split-K choice they share (``splits``).
+
+Importing this package needs neither triton nor a GPU nor torch: the Triton module is imported
+on the first kernel call, and ``triton_available()`` says beforehand whether that can work.
+The GPU functions match ``ricllm.attention.reference`` (same arguments, same results up to
 rounding); see ``triton_decode`` for the invariants on block tables and context lengths.
 On CPU tensors they run only under the Triton interpreter (``TRITON_INTERPRET=1``, set
 before triton is imported), which is how the tests check them without a GPU.

@@ -6,8 +6,9 @@ where only torch is installed (the GPU check script runs so).
 
 from __future__ import annotations
 
+from ricllm.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

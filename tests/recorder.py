@@ -10,7 +10,7 @@ import torch
 class LogitsRecorder:
     def __init__(self, engine):
         self.by_request: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-        runner = engine.runner
+        runner = engine.runtime.runner
         original = runner.run
 
         def run(batch):

@@ -43,14 +43,14 @@ def make_engine(tiny_gguf, slowdown=lambda: 1.0, **overrides) -> tuple[LLMEngine
                     max_num_batched_tokens=64, admission=admission)
     settings.update(overrides)
     engine = LLMEngine(EngineConfig(**settings), clock=clock, latency_model=LatencyModel(list(COEFFICIENTS)))
-    real_run = engine.runner.run
+    real_run = engine.runtime.runner.run
 
     def timed_run(batch):
         result = real_run(batch)
         clock.now += true_step_time(batch.features(), slowdown())
         return result
 
-    engine.runner.run = timed_run
+    engine.runtime.runner.run = timed_run
     return engine, clock
 
 
@@ -256,7 +256,7 @@ def test_a_fit_is_not_reused_after_the_kernels_or_the_packing_change(tiny_gguf, 
     from ricllm.kernels import cpu_library
 
     engine = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32"))
-    assert engine.attention_backend == "cpu"
+    assert engine.runtime.attention_backend == "cpu"
     key = calibration.fit_key(engine)
     assert key["kernels"] == cpu_library.library_identity()
     monkeypatch.setattr(cpu_library, "library_identity", lambda compiler=None: "edited kernels")

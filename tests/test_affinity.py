@@ -63,7 +63,7 @@ def test_the_engine_thread_computes_on_its_cpus_with_a_thread_each(tiny_native_g
         out = worker.submit([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=60)
         assert len(out.token_ids) == 2
         assert worker.call(lambda engine: os.sched_getaffinity(0)).result(timeout=10) == {min(ALLOWED)}
-        assert worker.engine.threads == 1
+        assert worker.engine.runtime.threads == 1
     finally:
         worker.stop()
     assert os.sched_getaffinity(0) == before  # the caller's thread is not moved

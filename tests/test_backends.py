@@ -52,7 +52,7 @@ def test_engine_with_c_kernel_matches_torch_reference(tiny_gguf, dtype):
     for backend in ("torch", "cpu"):
         llm = LLM(str(tiny_gguf), attention_backend=backend, kv_cache_budget="4MiB", max_num_batched_tokens=32,
                   dtype=dtype)
-        assert llm.engine.attention_backend == backend
+        assert llm.engine.runtime.attention_backend == backend
         runs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs["cpu"] == runs["torch"]
 

@@ -58,7 +58,7 @@ def test_sixty_four_requests_on_a_small_budget(tiny_gguf):
     outputs = generate_checking_pool(llm, prompts, params)
 
     assert_budget_held(llm, NUM_BLOCKS, budget)
-    assert {name for name, _ in engine.model.named_buffers()} == {"rope.cos", "rope.sin"}
+    assert {name for name, _ in engine.runtime.model.named_buffers()} == {"rope.cos", "rope.sin"}
 
     solo = LLM(str(tiny_gguf), dtype="float32", block_size=BLOCK, kv_cache_budget="8MiB", max_num_seqs=1)
     for prompt, p, out in zip(prompts, params, outputs):

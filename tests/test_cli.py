@@ -64,7 +64,7 @@ def test_prepare_fills_the_weight_cache_and_the_fit_that_the_next_start_uses(tin
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "calibrate", lambda engine, **_: pytest.fail("calibrated again"))
     llm = LLM(str(tiny_gguf), dtype="bfloat16", admission="deadline")
-    assert llm.engine.weights_source.startswith(f"cache {tmp_path / 'weights'}")
+    assert llm.engine.runtime.weights_source.startswith(f"cache {tmp_path / 'weights'}")
 
 
 def test_prepare_refuses_to_skip_the_weight_cache(tiny_gguf):

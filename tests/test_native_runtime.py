@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from ricllm import LLM, SamplingParams
-from ricllm.engine import native_convert, numpy_sampler, sampler
+from ricllm.engine.runtime import numpy_sampler, sampler
 from ricllm.errors import ConfigError
+from ricllm.model import native_convert
 from tests.helpers import write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_oracle_parity import random_prompts
@@ -39,7 +40,7 @@ import json, sys
 from ricllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], weights="int4", kv_cache_budget="4MiB")
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=12, ignore_eos=True))
-print(json.dumps({"runtime": llm.engine.runtime.name, "source": llm.engine.weights_source.split()[0],
+print(json.dumps({"runtime": llm.engine.runtime.name, "source": llm.engine.runtime.weights_source.split()[0],
                   "torch": "torch" in sys.modules, "tokens": [o.token_ids for o in outs]}))
 """
 
@@ -108,7 +109,7 @@ def test_a_torn_native_weights_file_is_converted_again(tiny_native, tmp_path, mo
     entry.parent.mkdir(parents=True)
     entry.write_bytes(b"RICLLMNW" + b"\xff" * 40)
     llm = tiny(tiny_native, "native", weight_cache=True)
-    assert llm.engine.weights_source.startswith("file") and entry.stat().st_size > 10_000
+    assert llm.engine.runtime.weights_source.startswith("file") and entry.stat().st_size > 10_000
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == tiny(tiny_native, "torch").generate([[5, 6, 7]], GREEDY)[0].token_ids
 
 
@@ -161,7 +162,7 @@ def test_a_read_only_weight_cache_costs_time_not_the_start(tiny_native, tmp_path
     monkeypatch.setenv("RICLLM_CACHE_DIR", str(cache))
     monkeypatch.setattr(native_convert, "_writable", lambda folder: False)
     llm = tiny(tiny_native, "native", weight_cache=True)
-    assert llm.engine.runtime.name == "native" and llm.engine.weight_cache_entry is None
+    assert llm.engine.runtime.name == "native" and llm.engine.runtime.weight_cache_entry is None
     assert not list((cache / "weights").glob("*.native"))
     assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == GREEDY.max_tokens
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ricllm import LLM, SamplingParams
-from ricllm.engine.sampler import filter_logits
+from ricllm.engine.runtime.sampler import filter_logits
 from ricllm.errors import InvalidRequestError
 
 

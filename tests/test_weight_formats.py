@@ -267,7 +267,7 @@ def teacher_forced_logits(llm: LLM, token_ids: list[int], positions: list[int]) 
     The prefill runs in steps of ``max_num_batched_tokens`` rows and the head in slices of at
     most its packed row count, so the packed kernels compute what they would compute in decode.
     """
-    model, hidden = llm.engine.model, {}
+    model, hidden = llm.engine.runtime.model, {}
 
     def keep(module, args, out):
         for pos, row in zip(args[1].tolist(), out):
@@ -331,7 +331,7 @@ def oracle_choices(smollm2, oracle):
     is much cheaper on two cores than HF's own token-by-token generation.
     """
     reference = LLM(str(smollm2), dtype="float32", kv_cache_budget="64MiB", weight_cache=False)
-    assert reference.engine.weight_formats == ("dense", "dense")  # auto packs only with bf16
+    assert reference.engine.runtime.weight_formats == ("dense", "dense")  # auto packs only with bf16
     outputs = reference.generate(PROMPTS, SamplingParams(max_tokens=CONTINUATION, ignore_eos=True))
     sequences = []
     for out in outputs:
@@ -384,19 +384,19 @@ def test_the_default_model_keeps_its_vocabulary_once(smollm2, tmp_path, monkeypa
     ids = torch.arange(with_copy.engine.spec.vocab_size)
     for start in ("file", "cache"):
         lean = LLM(str(smollm2), dtype="bfloat16", kv_cache_budget="8MiB", runtime="torch")
-        assert lean.engine.weights_source.startswith(start)
-        assert isinstance(lean.engine.model.embed, PackedEmbedding)
-        assert "embed.weight" not in lean.engine.model.state_dict()
-        assert torch.equal(lean.engine.model.embed(ids), with_copy.engine.model.embed(ids))
+        assert lean.engine.runtime.weights_source.startswith(start)
+        assert isinstance(lean.engine.runtime.model.embed, PackedEmbedding)
+        assert "embed.weight" not in lean.engine.runtime.model.state_dict()
+        assert torch.equal(lean.engine.runtime.model.embed(ids), with_copy.engine.runtime.model.embed(ids))
 
 
 @pytest.mark.slow
 def test_greedy_choices_agree_with_hf_fp32_in_every_format(smollm2_in_format, oracle_choices):
     fmt, llm = smollm2_in_format
     expected_layers = {"bf16": "dense", "int8": "int8", "int4": "int4"}[fmt]
-    assert layer_formats(llm.engine.model) == ({expected_layers}, "dense" if fmt == "bf16" else "int8")
+    assert layer_formats(llm.engine.runtime.model) == ({expected_layers}, "dense" if fmt == "bf16" else "int8")
     agree = total = 0
-    with packed_calls(llm.engine.model) as calls:
+    with packed_calls(llm.engine.runtime.model) as calls:
         for full, positions, choices in oracle_choices:
             agree += (teacher_forced_logits(llm, full, positions).argmax(-1) == choices).sum().item()
             total += len(positions)
@@ -419,10 +419,10 @@ def native_teacher_forced_logits(llm: LLM, token_ids: list[int], positions: list
     """The native runtime's fp32 logits at ``positions``, from prefill steps of
     ``max_num_batched_tokens`` rows through the C decoder stack (as it serves a prompt). It
     writes K/V into the pool's first blocks: ``llm`` must hold no cached prefix."""
-    from ricllm.engine.flat_batch import FlatBatch
+    from ricllm.engine.runtime.flat_batch import FlatBatch
 
     engine, hidden = llm.engine, []
-    model, bs, chunk = engine.model, engine.config.block_size, engine.config.max_num_batched_tokens
+    model, bs, chunk = engine.runtime.model, engine.config.block_size, engine.config.max_num_batched_tokens
     table = list(range(-(-len(token_ids) // bs)))
     for start in range(0, len(token_ids), chunk):
         end = min(len(token_ids), start + chunk)
@@ -514,12 +514,12 @@ def tiny_llm(path, weights: str, **kwargs) -> LLM:
 ])
 def test_packed_formats_really_pack_and_run_packed(tiny_q4_1_gguf, weights, layers, head):
     llm = tiny_llm(tiny_q4_1_gguf, weights)
-    assert llm.engine.weight_formats == (layers, head)
-    assert layer_formats(llm.engine.model) == ({layers}, head)
+    assert llm.engine.runtime.weight_formats == (layers, head)
+    assert layer_formats(llm.engine.runtime.model) == ({layers}, head)
     # the per-op path, whose module calls the hooks see (the one-call stack runs the same
     # packed kernels: tests/kernels/test_cpu_decoder.py)
-    llm.engine.model.decoder_stack = None
-    with packed_calls(llm.engine.model) as calls:
+    llm.engine.runtime.model.decoder_stack = None
+    with packed_calls(llm.engine.runtime.model) as calls:
         llm.generate([[5, 6, 7]], PARAMS)  # 3-token prefill and 1-row decodes: all under max_packed_rows
     assert {fmt for fmt, _, packed in calls if packed} == {layers, head} - {"dense"}
     assert all(packed for _, _, packed in calls)
@@ -540,7 +540,7 @@ def test_a_converting_start_never_holds_the_whole_dense_model(tiny_q4_1_gguf, mo
         pack_layer(model, index, fmt, max_rows)
 
     monkeypatch.setattr(LlamaModel, "pack_layer", recording)
-    model = tiny_llm(tiny_q4_1_gguf, "int4").engine.model
+    model = tiny_llm(tiny_q4_1_gguf, "int4").engine.runtime.model
     assert dense_when_packing == [[i] * 4 for i in range(len(model.layers))]
     assert not any(t.is_meta for t in model.state_dict().values())
 

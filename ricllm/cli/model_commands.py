@@ -82,7 +82,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.calibrate:  # the fit is measured only where admission needs one
         settings["admission"] = {"policy": "deadline", **settings.get("admission", {})}
     engine = LLMEngine(EngineConfig(**settings))
-    entry = engine.weight_cache_entry
+    entry = engine.runtime.weight_cache_entry
     if entry is None or not entry.is_file():
         print(f"ricllm: error: could not write the weight cache entry {entry} (see the log above); "
               f"set RICLLM_CACHE_DIR to a writable folder", file=sys.stderr)
@@ -98,13 +98,13 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
     from ricllm.kernels.cpu_library import cpu_kernels_available
     from ricllm.units import format_bytes
 
-    layers, head = engine.weight_formats
-    what = (f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.dtype).removeprefix('torch.')}, "
+    layers, head = engine.runtime.weight_formats
+    what = (f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.runtime.dtype).removeprefix('torch.')}, "
             f"{engine.runtime.name} runtime")
-    done = ("already in the weight cache" if engine.weights_source.startswith("cache")
-            else f"converted from {engine.model_path} in {engine.load_s:.1f} s")
+    done = ("already in the weight cache" if engine.runtime.weights_source.startswith("cache")
+            else f"converted from {engine.model_path} in {engine.runtime.load_s:.1f} s")
     lines = [f"weights   {what}: {done}", f"          {entry} ({format_bytes(entry.stat().st_size)})"]
-    device = str(engine.device).split(":")[0]
+    device = str(engine.runtime.device).split(":")[0]
     ok, reason = cpu_kernels_available() if device == "cpu" else (False, f"not used on {device}")
     lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
     if calibrated:

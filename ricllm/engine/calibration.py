@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-import ricllm
 from ricllm.engine.latency_model import LatencyModel, Roofline, fit
 from ricllm.errors import ConfigError
 from ricllm.logging import get_logger
 from ricllm.paths import cache_dir, file_digest
 from ricllm.sampling_params import SamplingParams
+from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
@@ -36,17 +36,17 @@ MIXED = ((16, 48), (16, 96), (16, 400))  # (decoding sequences of 64 tokens, len
 def fit_key(engine) -> dict:
     """What a step's time depends on: a cached fit is reused only when all of it is the same."""
     kernels = None
-    if engine.attention_backend == "cpu":  # the C kernels' sources, compiler and CPU
+    if engine.runtime.attention_backend == "cpu":  # the C kernels' sources, compiler and CPU
         from ricllm.kernels.cpu_library import library_identity
 
         kernels = library_identity()
     return {
-        "model_sha256": file_digest(engine.model_path), "dtype": str(engine.dtype),
-        "weights": list(engine.weight_formats), "attention_backend": engine.attention_backend,
-        "device": str(engine.device), "threads": engine.threads, "ricllm": ricllm.__version__,
+        "model_sha256": file_digest(engine.model_path), "dtype": str(engine.runtime.dtype),
+        "weights": list(engine.runtime.weight_formats), "attention_backend": engine.runtime.attention_backend,
+        "device": str(engine.runtime.device), "threads": engine.runtime.threads, "ricllm": __version__,
         "calibration": CALIBRATION_VERSION, "kernels": kernels,
         "max_packed_rows": engine.config.max_packed_rows, "runtime": engine.runtime.name,
-        "decoder_stack": engine.runtime.name == "native" or engine.model.decoder_stack is not None,
+        "decoder_stack": engine.runtime.name == "native" or engine.runtime.model.decoder_stack is not None,
         "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
     }
 
@@ -107,10 +107,10 @@ def roofline_of(engine) -> Roofline:
     """Bytes a small-batch step must read: packed weights where a layer has them, else dense."""
     per_token = engine.kv_cache.geometry.bytes_per_block / engine.kv_cache.geometry.block_size
     if engine.runtime.name == "native":
-        return Roofline(float(engine.model.weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"))
+        return Roofline(float(engine.runtime.model.weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"))
     from ricllm.model.packed_linear import PackedLinear
 
-    model = engine.model
+    model = engine.runtime.model
     shadowed = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None}
     embedding = getattr(model.embed, "weight", None)  # none when served from the packed head
     if embedding is not None and not (model.lm_head is None and model.packed_head is None):
@@ -118,7 +118,7 @@ def roofline_of(engine) -> Roofline:
     tensors = [t for name, t in model.named_buffers() if not name.startswith("rope.")] + [
         t for t in model.parameters() if id(t) not in shadowed]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.device))
+    return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.runtime.device))
 
 
 def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:

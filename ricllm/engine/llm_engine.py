@@ -18,13 +18,15 @@ from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.affinity import format_cpu_list, pin_current_thread
-from ricllm.engine.runtime import build_runtime
+from ricllm.engine.runtime.choice import build_runtime
+from ricllm.engine.runtime.interface import KVStore
 from ricllm.engine.scheduler import Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
-from ricllm.model.tokenizer import IncrementalDetokenizer
+from ricllm.model.spec import ModelSpec
+from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 from ricllm.units import format_bytes
@@ -49,13 +51,8 @@ class LLMEngine:
         if config.engine_cpus:  # before the runtime starts any OpenMP worker: they inherit it
             pin_current_thread(config.engine_cpus)
         self.model_path = resolve_model_path(config.model)
-        runtime = self.runtime = build_runtime(config, self.model_path)
-        self.spec, self.tokenizer, self.model = runtime.spec, runtime.tokenizer, runtime.model
-        self.device, self.dtype, self.threads = runtime.device, runtime.dtype, runtime.threads
-        self.attention_backend, self.weight_formats = runtime.attention_backend, runtime.weight_formats
-        self.weights_source, self.weight_cache_entry = runtime.weights_source, runtime.weight_cache_entry
-        self.load_s = runtime.load_s  # the weights alone (startup_s adds calibration)
-        self.kv_cache, self.runner = runtime.kv_cache, runtime.runner
+        # the model, its KV store and how it runs; its load_s is the weights alone (startup_s adds calibration)
+        self.runtime = build_runtime(config, self.model_path)
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         geometry = self.kv_cache.geometry
         self.cache = KVCacheManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -78,6 +75,19 @@ class LLMEngine:
         self.startup_s = time.perf_counter() - started
         self._log_start()
 
+    # the runtime's, read so often (requests, pins, stats) that they are named here too
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runtime.spec
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.runtime.tokenizer
+
+    @property
+    def kv_cache(self) -> KVStore:
+        return self.runtime.kv_cache
+
     def _build_admission(self, latency_model) -> AdmissionController:
         from ricllm.engine.calibration import load_or_calibrate
 
@@ -92,17 +102,17 @@ class LLMEngine:
             "kv_cache_allocated",
             equation="M_KV = 2*L*n*n_kv*d_h*b*B",
             layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.runtime.dtype).removeprefix("torch."),
             bytes_per_token=per_token, block_size=g.block_size, bytes_per_block=g.bytes_per_block,
             num_blocks=g.num_blocks, num_tokens=g.num_tokens, budget=format_bytes(g.budget_bytes),
             allocated=format_bytes(self.kv_cache.total_bytes()), max_model_len=self.max_model_len,
             max_concurrency_at_max_len=round(g.num_tokens / self.max_model_len, 2),
         )
         log.info("engine_ready", model=self.spec.name, runtime=self.runtime.name, runtime_why=self.runtime.why,
-                 device=str(self.device), threads=self.threads,
+                 device=str(self.runtime.device), threads=self.runtime.threads,
                  engine_cpus=format_cpu_list(self.config.engine_cpus) if self.config.engine_cpus else None,
-                 weights=f"layers {self.weight_formats[0]}, head {self.weight_formats[1]}",
-                 weights_from=self.weights_source, attention_backend=self.attention_backend,
+                 weights=f"layers {self.runtime.weight_formats[0]}, head {self.runtime.weight_formats[1]}",
+                 weights_from=self.runtime.weights_source, attention_backend=self.runtime.attention_backend,
                  startup_s=round(self.startup_s, 2))
 
     # ------------------------------------------------------------ requests
@@ -231,7 +241,7 @@ class LLMEngine:
         for seq, _ in batch.items:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
-        logits, _ = self.runner.run(batch)
+        logits, _ = self.runtime.runner.run(batch)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
             self.cache.cache_full_blocks(seq)

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import ricllm
 from ricllm.logging import get_logger
 from ricllm.model.packed_linear import PackedEmbedding, PackedLinear, head_max_packed_rows, vnni_layout_available
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
+from ricllm.version import __version__
 
 log = get_logger("ricllm.weight_cache")
 ENTRY_VERSION = 1
@@ -61,7 +61,7 @@ def entry_path(source: Path, dtype: torch.dtype, device: torch.device, weights: 
                max_packed_rows: int | None) -> Path:
     key = {"sha256": file_digest(source), "dtype": str(dtype), "device": device.type, "weights": weights,
            "max_packed_rows": max_packed_rows,
-           "vnni": [vnni_layout_available(f) for f in ("int4", "int8")] if weights != "bf16" else None, "ricllm": ricllm.__version__, "torch": torch.__version__,
+           "vnni": [vnni_layout_available(f) for f in ("int4", "int8")] if weights != "bf16" else None, "ricllm": __version__, "torch": torch.__version__,
            "code": _conversion_code_digest(), "entry": ENTRY_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "weights" / f"{digest}.pt"

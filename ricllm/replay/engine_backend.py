@@ -192,8 +192,8 @@ def _engine_info(engine) -> dict[str, Any]:
     kv = engine.kv_cache_stats()
     return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": kv,
             "admission": engine.admission_stats(), "startup_s": engine.startup_s,
-            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "attention_backend": engine.attention_backend, "threads": engine.threads,
+            "device": str(engine.runtime.device), "dtype": str(engine.runtime.dtype).removeprefix("torch."),
+            "attention_backend": engine.runtime.attention_backend, "threads": engine.runtime.threads,
             "runtime": engine.runtime.name,
             "model": {"path": str(engine.model_path), "name": engine.spec.name,
                       "sha256": file_digest(Path(engine.model_path))}}

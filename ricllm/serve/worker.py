@@ -492,10 +492,10 @@ class Worker(EngineDriver):
     def _model_identity(self) -> dict[str, Any]:
         """Which model and build answer: a RIC-side caller can check it serves what it expects."""
         engine = self.engine
-        layers, head = engine.weight_formats
-        return {"name": engine.spec.name, "path": str(engine.model_path), "dtype": str(engine.dtype).removeprefix("torch."),
-                "weights": {"layers": layers, "head": head}, "attention_backend": engine.attention_backend,
-                "device": str(engine.device), "threads": engine.threads, "runtime": engine.runtime.name,
+        layers, head = engine.runtime.weight_formats
+        return {"name": engine.spec.name, "path": str(engine.model_path), "dtype": str(engine.runtime.dtype).removeprefix("torch."),
+                "weights": {"layers": layers, "head": head}, "attention_backend": engine.runtime.attention_backend,
+                "device": str(engine.runtime.device), "threads": engine.runtime.threads, "runtime": engine.runtime.name,
                 "ricllm": ricllm.__version__}
 
     def _publish(self, force: bool = False) -> None:

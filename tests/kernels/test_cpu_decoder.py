@@ -28,15 +28,15 @@ def need_kernels(weights: str) -> None:
 def engine(path, weights: str, stack: bool, **kwargs) -> LLM:
     llm = LLM(str(path), dtype="bfloat16", weights=weights, weight_cache=False, block_size=4,
               kv_cache_budget="4MiB", **kwargs)
-    assert llm.engine.model.decoder_stack is not None, "the packed tiny model should run on the stack"
+    assert llm.engine.runtime.model.decoder_stack is not None, "the packed tiny model should run on the stack"
     if not stack:
-        llm.engine.model.decoder_stack = None
+        llm.engine.runtime.model.decoder_stack = None
     return llm
 
 
 def count_stack_calls(llm: LLM) -> list[int]:
     """Rows of each step the stack ran (it is replaced by a counting wrapper)."""
-    stack, rows = llm.engine.model.decoder_stack, []
+    stack, rows = llm.engine.runtime.model.decoder_stack, []
 
     class Counting:
         def accepts(self, x, kernel_attention):
@@ -46,7 +46,7 @@ def count_stack_calls(llm: LLM) -> list[int]:
             rows.append(x.shape[0])
             return stack(x, *args)
 
-    llm.engine.model.decoder_stack = Counting()
+    llm.engine.runtime.model.decoder_stack = Counting()
     return rows
 
 
@@ -76,7 +76,7 @@ def test_stack_gives_the_per_op_logits_bit_for_bit(tiny_q4_1, weights):
 def test_steps_the_stack_does_not_take_run_per_op(tiny_q4_1):
     need_kernels("int4")
     llm = engine(tiny_q4_1, "int4", stack=True, max_packed_rows=2)
-    assert llm.engine.model.decoder_stack.max_rows == 2
+    assert llm.engine.runtime.model.decoder_stack.max_rows == 2
     stack_rows = count_stack_calls(llm)
     vocab = llm.engine.spec.vocab_size
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 12)]
@@ -88,9 +88,9 @@ def test_steps_the_stack_does_not_take_run_per_op(tiny_q4_1):
 
 
 def test_dense_weights_or_the_torch_backend_keep_the_per_op_path(tiny_q4_1):
-    assert LLM(str(tiny_q4_1), dtype="bfloat16", weights="bf16", weight_cache=False).engine.model.decoder_stack is None
+    assert LLM(str(tiny_q4_1), dtype="bfloat16", weights="bf16", weight_cache=False).engine.runtime.model.decoder_stack is None
     assert LLM(str(tiny_q4_1), dtype="bfloat16", weights="int4", attention_backend="torch",
-               weight_cache=False).engine.model.decoder_stack is None
+               weight_cache=False).engine.runtime.model.decoder_stack is None
 
 
 def test_small_prefills_run_on_the_stack_and_large_ones_per_op(tiny_q4_1):

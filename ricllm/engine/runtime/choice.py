@@ -1,46 +1,22 @@
-"""What executes the model: the ``torch`` runtime (the torch model, any device, every format) or
-the ``native`` one (numpy and ricllm's C kernels: no torch in the process).
+"""Which runtime executes the model: ``torch`` (the torch model, any device, every format) or
+``native`` (numpy and ricllm's C kernels: no torch in the process), and why.
 
 A process that imports torch holds about 230 MB before any model: its libraries and ~770
 modules. On a RIC node whose memory other xApps share that is most of the serving footprint of
 a 135M model, so where the C decoder stack serves the model whole (CPU, bf16 activations,
 every projection and the head packed in ricllm's layout) ``auto`` runs it without torch. The
-engine above sees one interface: a ``Runtime``.
+engine above sees one interface: a ``Runtime`` (``interface``). Each runtime module is imported
+only once chosen, so the native one never loads torch.
 """
 
 from __future__ import annotations
 
 import glob
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from ricllm.config import EngineConfig
+from ricllm.engine.runtime.interface import Runtime
 from ricllm.errors import ConfigError
-from ricllm.model.spec import ModelSpec
-from ricllm.model.tokenizer import Tokenizer
-
-
-@dataclass
-class Runtime:
-    name: str  # "torch" or "native"
-    why: str  # why this runtime serves the configuration
-    spec: ModelSpec
-    tokenizer: Tokenizer
-    model: object  # ricllm.model.llama.LlamaModel, or ricllm.engine.native_runtime.NativeModel
-    kv_cache: object  # KVCache or NativeKVCache: ``geometry``, ``layers``, ``total_bytes()``
-    runner: object  # ``run(batch) -> (fp32 logits [N, vocab], rows)``
-    sample: Callable  # (logits, params, generators) -> token ids
-    new_generator: Callable[[int], object]  # a seeded generator for one sampled request
-    device: object  # torch.device, or "cpu"
-    dtype: object  # torch.dtype, or "bfloat16"
-    threads: int
-    attention_backend: str
-    weight_formats: tuple[str, str]
-    weights_source: str
-    weight_cache_entry: Path | None
-    load_s: float  # loading (and converting) the weights
 
 
 def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | None:
@@ -73,7 +49,7 @@ def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
     from ricllm.model.loader import read_tensor_types
 
     if config.weights == "auto" and config.weight_cache:
-        from ricllm.engine.native_convert import entry_path
+        from ricllm.model.native_convert import entry_path
 
         entry = entry_path(model_path, config.weights)
         if entry.is_file() or entry.with_suffix(".unsupported").is_file():
@@ -85,23 +61,6 @@ def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
     return None
 
 
-def default_threads(config: EngineConfig) -> int:
-    """:meth:`EngineConfig.requested_threads`, else the physical cores this process may run on (as
-    torch counts: a second hyperthread per core only contends for the same vector units)."""
-    return config.requested_threads() or physical_cores()
-
-
-def physical_cores() -> int:
-    cpus = os.sched_getaffinity(0)
-    cores = set()
-    for cpu in cpus:
-        try:
-            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
-        except OSError:  # no topology to read: count what may run
-            return len(cpus)
-    return len(cores) or len(cpus)
-
-
 def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     """The runtime ``config.runtime`` asks for; ``auto``: native where it can serve, else torch."""
     reason = None if config.runtime == "torch" else native_unsupported_reason(config, model_path)
@@ -110,8 +69,8 @@ def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     if config.runtime == "torch":
         reason = "runtime 'torch' was asked for"
     if reason is None:
-        from ricllm.engine.native_convert import NativeUnsupported
-        from ricllm.engine.native_runtime import build_native_runtime
+        from ricllm.engine.runtime.native_runtime import build_native_runtime
+        from ricllm.model.native_convert import NativeUnsupported
 
         try:
             return build_native_runtime(config, model_path)
@@ -119,6 +78,6 @@ def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
             if config.runtime == "native":
                 raise ConfigError(f"runtime 'native' cannot serve this model: {exc}") from exc
             reason = str(exc)
-    from ricllm.engine.torch_runtime import build_torch_runtime
+    from ricllm.engine.runtime.torch_runtime import build_torch_runtime
 
     return build_torch_runtime(config, model_path, why=reason)

@@ -1,5 +1,5 @@
 """The native runtime's weights on disk: found in the cache, else converted from the model file
-with the torch runtime's code, in a child process (``python -m ricllm.engine.native_convert
+with the torch runtime's code, in a child process (``python -m ricllm.model.native_convert
 MODEL WEIGHTS OUT``) so that torch never enters the serving process. The child prints one JSON
 line: ``{"written": OUT}``, or ``{"unsupported": reason}`` for a model the C decoder stack
 cannot serve (remembered beside the entry, so later starts skip converting)."""
@@ -15,13 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import ricllm
 from ricllm.config import EngineConfig
 from ricllm.errors import ModelLoadError
 from ricllm.logging import get_logger
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights
 from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
+from ricllm.version import __version__
 
 log = get_logger("ricllm.native")
 MAX_ENTRIES = 4  # native weights files kept (most recently used), as the torch runtime's entries
@@ -35,7 +35,7 @@ def entry_path(model_path: Path, weights: str) -> Path:
     """Where the native weights for this file and weight format live in the cache: keyed like the
     torch runtime's entries by the file's sha256, the format and the conversion code."""
     key = {"sha256": file_digest(model_path), "weights": weights, "format": native_weights.FORMAT_VERSION,
-           "ricllm": ricllm.__version__, "code": conversion_code_digest()}
+           "ricllm": __version__, "code": conversion_code_digest()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "weights" / f"{digest}.native"
 
@@ -65,7 +65,7 @@ def _convert(model_path: Path, weights: str, out: Path) -> str | None:
         reason = convert(model_path, weights, out)
         release_free_heap()  # the torch model it packed from is garbage now
         return reason
-    command = [sys.executable, "-m", "ricllm.engine.native_convert", str(model_path), weights, str(out)]
+    command = [sys.executable, "-m", "ricllm.model.native_convert", str(model_path), weights, str(out)]
     log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True)  # stderr: progress bars
     lines = result.stdout.strip().splitlines()
@@ -124,7 +124,7 @@ def convert(model_path: Path, weights: str, out: Path) -> str | None:
     """Write ``out``; the reason instead when the converted model is not servable natively."""
     import torch
 
-    from ricllm.engine.torch_runtime import LoadedModel
+    from ricllm.engine.runtime.torch_runtime import LoadedModel
 
     config = EngineConfig(model=str(model_path), dtype="bfloat16", device="cpu", attention_backend="cpu",
                           weights=weights, weight_cache=False, runtime="torch")
@@ -137,7 +137,7 @@ def convert(model_path: Path, weights: str, out: Path) -> str | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m ricllm.engine.native_convert MODEL WEIGHTS OUT", file=sys.stderr)
+        print("usage: python -m ricllm.model.native_convert MODEL WEIGHTS OUT", file=sys.stderr)
         return 2
     from ricllm.errors import RicllmError
 

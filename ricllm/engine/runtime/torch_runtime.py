@@ -11,9 +11,9 @@ import torch
 from ricllm.attention.backends import select_backend
 from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.config import EngineConfig
-from ricllm.engine.model_runner import ModelRunner
-from ricllm.engine.runtime import Runtime
-from ricllm.engine.sampler import sample
+from ricllm.engine.runtime.interface import Runtime
+from ricllm.engine.runtime.model_runner import ModelRunner
+from ricllm.engine.runtime.sampler import sample
 from ricllm.model import weight_cache
 from ricllm.model.heap import release_free_heap
 from ricllm.model.llama import LlamaModel

@@ -1,34 +1,17 @@
-"""The native runtime: the model as ricllm's C kernels on numpy arrays, with no torch in the process.
-
-Every step runs as one C call for all layers (``csrc/cpu_decoder.c``: the same kernels, order and
-roundings as the torch runtime's decoder stack), prefill chunks included: the C attention kernel
-attends causally through the block tables. Around it: the embedding lookup (rows dequantized
-from the packed head, or a bf16 table), the packed head, and a numpy sampler. Where the torch
-runtime also uses the stack (decode steps, small prefills) the two give bit-identical logits.
-
-The weights come from a native weights file (``ricllm.model.native_weights``), converted once
-from the model file by the torch runtime's code in a child process (``native_convert``: this
-process never imports torch), then mapped: later starts read it in milliseconds.
-"""
+"""The native model and its runner: one step is the embedding lookup, the decoder stack as one
+C call for all layers (``csrc/cpu_decoder.c``), prefill chunks included, then the packed head.
+Numpy arrays and ricllm's C kernels only: this module never imports torch."""
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import numpy as np
 
-from ricllm.cache.kv_cache import NativeKVCache, plan_cache
-from ricllm.config import EngineConfig
-from ricllm.engine import numpy_sampler
-from ricllm.engine.flat_batch import flatten
-from ricllm.engine.native_convert import load_weights
-from ricllm.engine.runtime import Runtime, default_threads
+from ricllm.cache.kv_cache import NativeKVCache
+from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.kernels.decoder_stack_call import DecoderStackCall, layer_addresses
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
-BF16_BYTES = 2
 
 
 def _int32(values) -> np.ndarray:
@@ -77,7 +60,7 @@ class NativeModel:
             raise IndexError(f"token id out of range [0, {head.out_features})")
         return out
 
-    def forward(self, input_ids: list[int], positions: list[int], flat) -> np.ndarray:
+    def forward(self, input_ids: list[int], positions: list[int], flat: FlatBatch) -> np.ndarray:
         """Hidden states ``[T, hidden]`` (bf16 bits) after the final norm; writes the step's K/V."""
         x = self.embed(np.asarray(input_ids, dtype=np.int64))
         where = np.asarray(positions, dtype=np.int64)
@@ -119,19 +102,3 @@ class NativeModelRunner:
         flat = flatten(batch, self.block_size)
         hidden = self.model.forward(flat.input_ids, flat.positions, flat)
         return self.model.compute_logits(np.ascontiguousarray(hidden[flat.logits_rows])), flat.logits_rows
-
-
-def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
-    started = time.perf_counter()
-    threads = default_threads(config)
-    weights, source, entry = load_weights(config, model_path)
-    load_s = time.perf_counter() - started
-    model = NativeModel(weights, threads)
-    geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size, BF16_BYTES)
-    kv_cache = NativeKVCache(weights.spec, geometry)
-    return Runtime(
-        name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
-        tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache),
-        sample=numpy_sampler.sample, new_generator=numpy_sampler.new_generator, device="cpu", dtype="bfloat16",
-        threads=threads, attention_backend="cpu", weight_formats=weights.weight_formats, weights_source=source,
-        weight_cache_entry=entry, load_s=load_s)
