@@ -28,8 +28,8 @@ from pydantic import BaseModel
 from ricllm.errors import RicllmError
 from ricllm.serve.protocol import (
     DEFAULT_ENDPOINT,
-    CancelRequest,
     Cancelled,
+    CancelRequest,
     ErrorReply,
     GenerateRequest,
     PingRequest,
@@ -38,6 +38,7 @@ from ricllm.serve.protocol import (
     RegisterTemplateRequest,
     Rejected,
     Result,
+    ServerStats,
     StatsReply,
     StatsRequest,
     TemplateRegistered,
@@ -251,7 +252,7 @@ class RicClient:
     def cancel(self, target_id: str, timeout_s: float | None = None) -> Cancelled:
         return self._call(CancelRequest(id=new_request_id(), target_id=target_id), Cancelled, timeout_s)
 
-    def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
+    def stats(self, timeout_s: float | None = None) -> ServerStats:
         return self._call(StatsRequest(id=new_request_id()), StatsReply, timeout_s).stats
 
     def ping(self, timeout_s: float | None = None) -> Pong:
@@ -397,7 +398,7 @@ class AsyncRicClient:
         request = CancelRequest(id=new_request_id(), target_id=target_id)
         return await self._call(request, Cancelled, timeout_s)
 
-    async def stats(self, timeout_s: float | None = None) -> dict[str, Any]:
+    async def stats(self, timeout_s: float | None = None) -> ServerStats:
         return (await self._call(StatsRequest(id=new_request_id()), StatsReply, timeout_s)).stats
 
     async def ping(self, timeout_s: float | None = None) -> Pong:

@@ -15,6 +15,7 @@ server and the scenarios override it in their profiles, in the open (``SERVE_PRO
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -219,11 +220,14 @@ class EngineConfig(EngineSettings):
 # ------------------------------------------------------------------------------ layers and errors
 
 def merge_layers(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Settings ``top`` over ``base``, field by field, nested sections too (a profile, a file, flags)."""
-    merged = dict(base)
+    """Settings ``top`` over ``base``, field by field, nested sections too (a profile, a file, flags).
+
+    A new dict: neither layer is changed, nor shared with the result (profiles are module constants)."""
+    merged = copy.deepcopy(base)
     for key, value in top.items():
         below = merged.get(key)
-        merged[key] = merge_layers(below, value) if isinstance(value, dict) and isinstance(below, dict) else value
+        merged[key] = merge_layers(below, value) if isinstance(value, dict) and isinstance(below, dict) \
+            else copy.deepcopy(value)
     return merged
 
 

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from ricllm.errors import InvalidRequestError
 
 PRIORITIES = ("near_rt", "non_rt", "best_effort")
+NEAR_RT_MAX_MS = 1000.0  # the near-RT RIC's control loop: 10 ms to 1 s
+
+
+def default_priority(deadline_ms: float | None) -> str:
+    """A request's class when it names none: near-RT up to 1 s of deadline, non-RT above, else best effort."""
+    if deadline_ms is None:
+        return "best_effort"
+    return "near_rt" if deadline_ms <= NEAR_RT_MAX_MS else "non_rt"
 
 
 @dataclass
@@ -57,8 +65,7 @@ class SamplingParams:
             if not self.deadline_ms > 0:
                 raise InvalidRequestError(f"deadline_ms must be > 0, got {self.deadline_ms}")
         if self.priority is None:
-            self.priority = "best_effort" if self.deadline_ms is None else (
-                "near_rt" if self.deadline_ms <= 1000 else "non_rt")
+            self.priority = default_priority(self.deadline_ms)
         if self.priority not in PRIORITIES:
             raise InvalidRequestError(f"unknown priority {self.priority!r}; choose one of {', '.join(PRIORITIES)}")
         if self.priority != "best_effort" and self.deadline_ms is None:

@@ -94,3 +94,26 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def sample_server_stats(inbound: int = 0):
+    """A complete ``stats`` reply body, as a server of this version sends it."""
+    from ricllm.engine.stats import KVCacheStats, LatencyStats
+    from ricllm.serve import protocol as p
+
+    kv = KVCacheStats(num_blocks=728, block_size=16, bytes_per_block=368640, budget_bytes=268435456,
+                      allocated_bytes=268369920, used_blocks=10, free_blocks=718, cached_free_blocks=4,
+                      pinned_blocks=2, peak_used_blocks=12, prefix_cache_queries_tokens=640,
+                      prefix_cache_hits_tokens=512, preemptions=0, waits=0)
+    model = p.ModelIdentity(name="SmolLM2-135M-Instruct", path="/m.gguf", dtype="bfloat16",
+                            weights=p.WeightFormats(layers="int4", head="int4"), attention_backend="cpu",
+                            device="cpu", threads=2, runtime="native", ricllm="0.1.0")
+    return p.ServerStats(model=model, kv_cache=kv,
+                         queues=p.QueueStats(inbound=inbound, inbound_capacity=1024, running=1, waiting=0,
+                                             in_flight=1),
+                         admission=p.AdmissionSummary(policy="deadline", counts={"admitted": 3}, reserved_blocks=5),
+                         deadlines={"met": 3, "missed": 0},
+                         latency_model=LatencyStats(steps=40, median_abs_error=0.05, p95_abs_error=0.2,
+                                                    correction=1.02),
+                         templates={"t-1": p.TemplateStats(num_tokens=37, pinned=True, num_pinned_tokens=32)},
+                         draining=False)

@@ -86,3 +86,12 @@ def test_the_scenario_engine_section_is_the_settings_model_partly_filled():
     assert "block_size" not in kwargs  # unset: the engine's own default
     assert EngineConfig(**kwargs).admission.tightest_deadline_ms == min(
         c.deadline_ms for c in scenario.classes.values() if c.deadline_ms is not None)
+
+
+def test_merging_layers_never_changes_a_profile():
+    from ricllm.config import merge_layers
+    from ricllm.replay.schema import SCENARIO_PROFILE
+
+    merged = merge_layers(SCENARIO_PROFILE, {"kv_cache_budget": "8MiB"})
+    merged["admission"]["tightest_deadline_ms"] = 1.0
+    assert SCENARIO_PROFILE == {"admission": {"policy": "deadline"}}

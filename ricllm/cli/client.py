@@ -94,9 +94,8 @@ def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                    stop=args.stop, ignore_eos=args.ignore_eos, deadline_ms=args.deadline_ms,
                                    template_id=args.template_id, request_id=args.request_id)
-    priority = args.priority or ("best_effort" if args.deadline_ms is None else
-                                 "near_rt" if args.deadline_ms <= 1000 else "non_rt")
-    options["priority"] = priority
+    if args.priority is not None:  # else the server derives it from the deadline
+        options["priority"] = args.priority
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         options["messages"] = messages + [{"role": "user", "content": args.prompt}]
@@ -160,7 +159,7 @@ def _cancel(client: Any, args: argparse.Namespace) -> int:
 
 
 def _stats(client: Any, args: argparse.Namespace) -> int:
-    print(json.dumps(client.stats(), indent=None if args.json else 2))
+    print(json.dumps(client.stats().model_dump(mode="json"), indent=None if args.json else 2))
     return 0
 
 

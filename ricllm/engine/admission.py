@@ -193,6 +193,13 @@ class AdmissionController:
                          batch=len(works) + extra, request=w.request_id))
         return None
 
+    def predicted_finish(self, seq: Sequence, now: float, running_best_effort: int) -> float:
+        """The bound on an admitted request's finish, as of ``now``, safety margin included."""
+        ordered = sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
+        bounds = finish_bounds([work_of(s) for s in ordered], self.latency, self.token_budget, now, 0.0,
+                               running_best_effort)
+        return now + (bounds[ordered.index(seq)] - now) * (1 + self.config.safety_margin)
+
     def reject(self, code: str, message: str, **numbers) -> Rejection:
         """A refusal decided outside ``decide`` (the engine's seat limit), counted with the others."""
         self._count(code)

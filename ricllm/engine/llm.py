@@ -8,7 +8,7 @@ from typing import Any
 from ricllm.cache.kv_cache_manager import PinHandle
 from ricllm.config import EngineConfig
 from ricllm.engine.llm_engine import LLMEngine
-from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.errors import InvalidRequestError
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 
@@ -79,30 +79,15 @@ class LLM:
         is what ``chat`` requests start with.
         """
         if isinstance(prefix, list) and prefix and isinstance(prefix[0], dict):
-            prefix = self.render_chat(prefix, add_generation_prompt=False)
-        _, token_ids = self.engine.encode_prompt(prefix)
-        self._check_pin_fits(token_ids)
-        handle = PinHandle(handle_id=next(self.engine._pin_ids), token_ids=list(token_ids))
-        seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                                      pin_on_finish=handle)
+            token_ids = self.engine.render_chat_prefix(prefix).token_ids
+        else:
+            token_ids = self.engine.encode_prompt(prefix)[1]
+        handle, seq = self.engine.pin_prefix(token_ids)
         self._run([seq], use_tqdm=False)
         return handle
 
-    def _check_pin_fits(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prefix to pin is empty")
-        cache = self.engine.cache
-        needed = len(token_ids) // cache.block_size
-        free_for_pins = self.engine.kv_cache.geometry.num_blocks - cache.num_pinned_blocks - 1
-        if needed > free_for_pins:
-            raise CapacityError(
-                f"pinning {len(token_ids)} tokens needs {needed} full KV blocks, but only {free_for_pins} "
-                f"can be pinned ({cache.num_pinned_blocks} already pinned, one block kept for decoding)")
-
     def unpin_prefix(self, handle: PinHandle) -> None:
-        if handle.handle_id not in self.engine.cache.pins:
-            raise InvalidRequestError(f"prefix handle {handle.handle_id} is not pinned")
-        self.engine.cache.unpin(handle)
+        self.engine.unpin_prefix(handle)
 
     def kv_cache_stats(self) -> dict:
         return self.engine.kv_cache_stats()

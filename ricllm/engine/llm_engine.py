@@ -12,16 +12,18 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.affinity import format_cpu_list, pin_current_thread
+from ricllm.engine.chat_prefix import ChatPrefix, render_chat_prefix
 from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore
 from ricllm.engine.scheduler import Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
+from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
@@ -60,6 +62,7 @@ class LLMEngine:
         self._pin_ids = itertools.count(1)
         self._seeds = random.Random(config.seed)  # unseeded sampled requests draw their seeds from it
         self.step_history: deque[StepRecord] = deque(maxlen=4096)
+        self.num_steps = 0
         self.deadline_counts = {"met": 0, "missed": 0}
         self.slack_ms: deque[float] = deque(maxlen=4096)  # deadline − finish, of finished deadline requests
         self._rejected: list[RequestOutput] = []
@@ -266,6 +269,7 @@ class LLMEngine:
                         fix="build the engine on the thread that steps it: EngineThread(EngineConfig(...))")
 
     def _record_step(self, features: StepFeatures, duration_s: float) -> None:
+        self.num_steps += 1
         self.step_history.append(StepRecord(features, duration_s))
         if self.admission is not None:
             self.admission.latency.observe(features, duration_s)
@@ -343,6 +347,72 @@ class LLMEngine:
             admitted=not rejected, rejection=seq.rejection, deadline_met=met,
             deadline_ms=seq.params.deadline_ms, degradation=seq.degradation)
 
+    # ------------------------------------------------------------ pinned prefixes (templates)
+
+    def render_chat_prefix(self, messages: list[dict[str, str]]) -> ChatPrefix:
+        """A template's messages as chat requests start with them (:mod:`ricllm.engine.chat_prefix`)."""
+        return render_chat_prefix(self.tokenizer, messages)
+
+    def pin_prefix(self, token_ids: list[int], request_id: str | None = None) -> tuple[PinHandle, Sequence]:
+        """Queue the computation of a prefix's K/V; its full blocks stay pinned once ``seq`` finishes.
+
+        The one rule for room: pins may not take blocks that admitted requests reserved, nor the
+        last free block (decoding needs one). Raises ``CapacityError`` when it does not fit, or when
+        admission refuses the pinning request now; the caller steps the engine until ``seq`` is done.
+        """
+        self._check_pin_fits(token_ids)
+        handle = PinHandle(handle_id=next(self._pin_ids), token_ids=list(token_ids))
+        seq = self.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id=request_id,
+                               pin_on_finish=handle)
+        if seq.rejection is not None:
+            raise CapacityError(f"cannot pin {len(token_ids)} tokens now: {seq.rejection}")
+        return handle, seq
+
+    def _check_pin_fits(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prefix to pin is empty")
+        needed = len(token_ids) // self.cache.block_size
+        reserved = self.admission.reserved_blocks if self.admission is not None else 0
+        room = self.kv_cache.geometry.num_blocks - self.cache.num_pinned_blocks - reserved - 1
+        if needed > room:
+            raise CapacityError(
+                f"pinning {len(token_ids)} tokens needs {needed} full KV blocks, but only {room} can be pinned "
+                f"now ({self.cache.num_pinned_blocks} already pinned, {reserved} reserved by admitted requests, "
+                f"one kept for decoding)")
+
+    def unpin_prefix(self, handle: PinHandle) -> None:
+        if handle.handle_id not in self.cache.pins:
+            raise InvalidRequestError(f"prefix handle {handle.handle_id} is not pinned")
+        self.cache.unpin(handle)
+
+    # ------------------------------------------------------------ what the engine promises and holds
+
+    def predicted_finish(self, request_id: str) -> float | None:
+        """Admission's bound on an admitted request's finish (engine clock, safety margin included);
+        None for a request without a promise. The same bound admission checked the request against."""
+        seq = self.admission.admitted.get(request_id) if self.admission is not None else None
+        if seq is None:
+            return None
+        running_best_effort = sum(1 for s in self.scheduler.running if not s.promised)
+        return self.admission.predicted_finish(seq, self.clock(), running_best_effort)
+
+    def snapshot(self) -> EngineStats:
+        """The engine's numbers now: the one place they are gathered (:mod:`ricllm.engine.stats`)."""
+        admission = self.admission
+        latency = None
+        if admission is not None:
+            errors = admission.latency.error_summary()
+            latency = LatencyStats(errors["steps"], errors["median_abs_error"], errors["p95_abs_error"],
+                                   admission.latency.correction)
+        counts = admission.stats() if admission is not None else {}
+        return EngineStats(
+            kv_cache=self._kv_cache_stats(), running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting), policy=self.config.admission.policy,
+            reserved_blocks=admission.reserved_blocks if admission is not None else 0,
+            admitted=counts.get("admitted", 0), rejected=counts.get("rejected", {}),
+            deadlines_met=self.deadline_counts["met"], deadlines_missed=self.deadline_counts["missed"],
+            latency=latency, steps=self.num_steps)
+
     # ------------------------------------------------------------ stats
 
     def admission_stats(self) -> dict:
@@ -358,14 +428,15 @@ class LLMEngine:
                 "caps": getattr(self, "caps", None)}
 
     def kv_cache_stats(self) -> dict:
+        return asdict(self._kv_cache_stats())
+
+    def _kv_cache_stats(self) -> KVCacheStats:
         g, pool = self.kv_cache.geometry, self.cache.pool
-        return {
-            "num_blocks": g.num_blocks, "block_size": g.block_size, "bytes_per_block": g.bytes_per_block,
-            "budget_bytes": g.budget_bytes, "allocated_bytes": self.kv_cache.total_bytes(),
-            "used_blocks": pool.num_used, "free_blocks": pool.num_free,
-            "cached_free_blocks": pool.num_cached_free, "pinned_blocks": self.cache.num_pinned_blocks,
-            "peak_used_blocks": self.cache.peak_used_blocks,
-            "prefix_cache_queries_tokens": self.cache.prefix_queries_tokens,
-            "prefix_cache_hits_tokens": self.cache.prefix_hits_tokens,
-            "preemptions": self.scheduler.num_preemptions, "waits": self.scheduler.num_waits,
-        }
+        return KVCacheStats(
+            num_blocks=g.num_blocks, block_size=g.block_size, bytes_per_block=g.bytes_per_block,
+            budget_bytes=g.budget_bytes, allocated_bytes=self.kv_cache.total_bytes(),
+            used_blocks=pool.num_used, free_blocks=pool.num_free, cached_free_blocks=pool.num_cached_free,
+            pinned_blocks=self.cache.num_pinned_blocks, peak_used_blocks=self.cache.peak_used_blocks,
+            prefix_cache_queries_tokens=self.cache.prefix_queries_tokens,
+            prefix_cache_hits_tokens=self.cache.prefix_hits_tokens,
+            preemptions=self.scheduler.num_preemptions, waits=self.scheduler.num_waits)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ricllm.errors import RicllmError
+from ricllm.replay.records import timeline_sample
 
 
 class InProcessBackend:
@@ -123,26 +124,11 @@ def _render_prompt(tokenizer, system: str | None, user: str) -> list[int]:
 
 def _pin_template(engine, system: str) -> dict[str, int]:
     """Runs on the engine thread before any request: compute the system prompt's KV and pin it."""
-    from ricllm.cache.kv_cache_manager import PinHandle
-    from ricllm.errors import CapacityError
-    from ricllm.sampling_params import SamplingParams
-
-    tokenizer = engine.tokenizer
-    if tokenizer.has_chat_template:
-        text = tokenizer.apply_chat_template([{"role": "system", "content": system}], add_generation_prompt=False)
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        token_ids = tokenizer.encode(system)
-    cache = engine.cache
-    room = engine.kv_cache.geometry.num_blocks - cache.num_pinned_blocks - 1
-    if len(token_ids) // cache.block_size > room:
-        raise CapacityError(f"pinning a template of {len(token_ids)} tokens needs "
-                            f"{len(token_ids) // cache.block_size} KV blocks; only {room} can be pinned")
-    handle = PinHandle(handle_id=next(engine._pin_ids), token_ids=list(token_ids))
-    engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True), pin_on_finish=handle)
-    while engine.has_unfinished():  # nothing else is queued yet: this runs only the pinning request
+    prefix = engine.render_chat_prefix([{"role": "system", "content": system}])
+    handle, seq = engine.pin_prefix(prefix.token_ids)
+    while not seq.is_finished:
         engine.step()
-    return {"tokens": len(token_ids), "pinned_tokens": len(handle.block_ids) * cache.block_size}
+    return {"tokens": len(prefix.token_ids), "pinned_tokens": len(handle.block_ids) * engine.config.block_size}
 
 
 class _EngineSampler:
@@ -153,19 +139,17 @@ class _EngineSampler:
         self._seen = None
 
     def __call__(self, engine) -> dict[str, Any]:
-        stats = engine.kv_cache_stats()
-        admission = engine.admission.stats() if engine.admission is not None else None
+        snap = engine.snapshot()
+        admitting = snap.policy != "off"
         new = self._new_steps(engine.step_history)
         last = engine.step_history[-1].features if engine.step_history else None
-        return {"kv_used_blocks": stats["used_blocks"], "kv_num_blocks": stats["num_blocks"],
-                "kv_pinned_blocks": stats["pinned_blocks"], "running": len(engine.scheduler.running),
-                "waiting": len(engine.scheduler.waiting), "preemptions": stats["preemptions"],
+        return {**timeline_sample(snap.kv_cache, snap.running, snap.waiting),
                 "steps": len(new), "step_ms_mean": 1000 * sum(r.duration_s for r in new) / len(new) if new else None,
                 "decode_seqs_mean": sum(r.features.num_decode_seqs for r in new) / len(new) if new else None,
                 "last_step_prefill_tokens": last.num_prefill_tokens if last else 0,
-                "admitted_total": admission["admitted"] if admission else None,
-                "rejected_total": sum(admission["rejected"].values()) if admission else None,
-                "met_total": engine.deadline_counts["met"], "missed_total": engine.deadline_counts["missed"]}
+                "admitted_total": snap.admitted if admitting else None,
+                "rejected_total": sum(snap.rejected.values()) if admitting else None,
+                "met_total": snap.deadlines_met, "missed_total": snap.deadlines_missed}
 
     def _new_steps(self, history) -> list:
         new = []

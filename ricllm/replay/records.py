@@ -26,6 +26,14 @@ SCHEMA_VERSION = 1
 STATUSES = ("completed", "rejected", "error", "interrupted", "timeout")
 
 
+def timeline_sample(kv_cache: Any, running: int, waiting: int) -> dict[str, Any]:
+    """The timeline fields both backends sample: from the engine's snapshot in process, from the
+    server's typed ``stats`` reply over ZeroMQ (a ``KVCacheStats`` either way)."""
+    return {"kv_used_blocks": kv_cache.used_blocks, "kv_num_blocks": kv_cache.num_blocks,
+            "kv_pinned_blocks": kv_cache.pinned_blocks, "running": running, "waiting": waiting,
+            "preemptions": kv_cache.preemptions}
+
+
 class ReportError(RicllmError, ValueError):
     """A report file that cannot be read (missing, not JSON, another schema version)."""
 

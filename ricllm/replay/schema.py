@@ -30,6 +30,7 @@ from ricllm.replay.generator import GENERATED_KPIS
 from ricllm.replay.prompts import check_template
 from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
+from ricllm.sampling_params import default_priority
 
 DEFAULT_USER_PROMPT = (
     "Cell {{ entity }} at t={{ time_s | fmt(0) }} s: PRB usage {{ kpi['RRU.PrbUsedDl'] | fmt(0) }} of "
@@ -180,11 +181,7 @@ class DeadlineClass(_Strict):
 
     def resolved_priority(self) -> str:
         """As ``SamplingParams`` derives it, so the in-process and ZeroMQ paths agree."""
-        if self.priority:
-            return self.priority
-        if self.deadline_ms is None:
-            return "best_effort"
-        return "near_rt" if self.deadline_ms <= 1000 else "non_rt"
+        return self.priority or default_priority(self.deadline_ms)
 
 
 # An in-process replay promises deadlines, as a server does: the engine's own default (off) only refuses

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import asdict
 from typing import Any
 
 from ricllm.errors import RicllmError
+from ricllm.replay.records import timeline_sample
 
 
 class ZmqBackend:
@@ -68,20 +70,22 @@ class ZmqBackend:
             record.finish("timeout", rejection_message=str(exc), done_s=time.perf_counter() - t0)
 
     async def sample(self) -> dict[str, Any]:
-        return normalize_server_stats(await self.client.stats(timeout_s=2))
+        stats = await self.client.stats(timeout_s=2)
+        return timeline_sample(stats.kv_cache, stats.queues.running, stats.queues.waiting)
 
     async def finish(self, interrupted: bool) -> dict[str, Any]:
-        stats: dict[str, Any] = {}
+        info: dict[str, Any] = {"source": "server", "endpoint": self.endpoint, "server_version": self.version}
         try:
             stats = await self.client.stats(timeout_s=5)
+            info.update(kv_cache=asdict(stats.kv_cache), server_stats=stats.model_dump(mode="json"),
+                        model={"path": stats.model.path, "name": stats.model.name, "sha256": None})
             for template_id in self.template_ids.values():
                 await self.client.unregister_template(template_id, timeout_s=5)
         except (TimeoutError, RicllmError) as exc:
-            stats.setdefault("error", str(exc))
+            info["error"] = str(exc)
         finally:
             await self.client.aclose()
-        return {"source": "server", "endpoint": self.endpoint, "server_version": self.version,
-                "kv_cache": stats.get("kv_cache"), "server_stats": stats, "model": _server_model(stats)}
+        return info
 
 
 def _fill_from_result(record, result, sent: float, first: float | None, done: float, t0: float) -> None:
@@ -94,41 +98,3 @@ def _fill_from_result(record, result, sent: float, first: float | None, done: fl
                   prompt_tokens=result.num_prompt_tokens, output_tokens=len(result.token_ids),
                   cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
                   granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None)
-
-
-def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in stats.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _pick(flat: dict[str, Any], *names: str) -> Any:
-    """The first number whose key (or its last dotted part) is one of ``names``."""
-    for name in names:
-        for key, value in flat.items():
-            if (key == name or key.rsplit(".", 1)[-1] == name) and isinstance(value, (int, float)):
-                return value
-    return None
-
-
-def normalize_server_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """A server ``stats`` reply -> the timeline's fields (None where the server does not say)."""
-    flat = _flatten(stats)
-    return {"kv_used_blocks": _pick(flat, "used_blocks", "kv_used_blocks"),
-            "kv_num_blocks": _pick(flat, "num_blocks", "kv_num_blocks"),
-            "kv_pinned_blocks": _pick(flat, "pinned_blocks"),
-            "running": _pick(flat, "running", "num_running", "running_seqs"),
-            "waiting": _pick(flat, "waiting", "num_waiting", "queue_length", "waiting_seqs"),
-            "preemptions": _pick(flat, "preemptions")}
-
-
-def _server_model(stats: dict[str, Any]) -> dict[str, Any]:
-    flat = _flatten(stats)
-    found = {k.rsplit(".", 1)[-1]: v for k, v in flat.items()
-             if k.rsplit(".", 1)[-1] in ("model", "model_path", "model_name", "model_sha256", "sha256")}
-    return {"path": found.get("model_path") or found.get("model"), "name": found.get("model_name"),
-            "sha256": found.get("model_sha256") or found.get("sha256")}

@@ -6,7 +6,8 @@ Two kinds of series:
   thread (the rest), in thread-safe ``prometheus_client`` objects: admission
   decisions by reason, deadlines met and missed, final replies by outcome, and the TTFT, TPOT and
   end-to-end histograms (seconds, from the server's receipt of the request);
-- read from the engine: the engine thread publishes an :class:`EngineSnapshot` (a frozen value,
+- read from the engine: the engine thread publishes an :class:`EngineSnapshot` (the engine's own
+  ``snapshot()`` and the inbound queue length, a frozen value,
   swapped atomically) and a collector turns the latest one into gauges and counters at scrape
   time, so the HTTP thread never touches engine state.
 """
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ricllm.engine.stats import EngineStats, LatencyStats
+
 NAMESPACE = "ricxapp"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -27,22 +30,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Engine state at one moment, as the engine thread saw it."""
+    """The engine's snapshot at one moment, with the server's inbound queue as the engine thread saw it."""
 
-    running: int
-    waiting: int
+    engine: EngineStats
     inbound: int
-    num_blocks: int
-    used_blocks: int
-    free_blocks: int
-    cached_free_blocks: int
-    pinned_blocks: int
-    prefix_queries_tokens: int
-    prefix_hits_tokens: int
-    preemptions: int
-    latency_median_abs_error: float | None
-    latency_p95_abs_error: float | None
-    latency_correction: float | None
 
 
 class _EngineCollector:
@@ -53,31 +44,38 @@ class _EngineCollector:
         snap = self._metrics.snapshot
         if snap is None:  # the model is still loading
             return
-        yield _gauge("requests_running", "Requests in the running batch", snap.running)
-        yield _gauge("requests_waiting", "Admitted requests waiting to be scheduled", snap.waiting)
+        engine, kv = snap.engine, snap.engine.kv_cache
+        yield _gauge("requests_running", "Requests in the running batch", engine.running)
+        yield _gauge("requests_waiting", "Admitted requests waiting to be scheduled", engine.waiting)
         yield _gauge("inbound_queue_length", "Requests received but not yet seen by the engine thread", snap.inbound)
         yield _gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use",
-                     snap.used_blocks / snap.num_blocks if snap.num_blocks else 0.0)
+                     kv.used_blocks / kv.num_blocks if kv.num_blocks else 0.0)
         blocks = GaugeMetricFamily(f"{NAMESPACE}_kv_cache_blocks", "KV-cache blocks by state", labels=["state"])
-        for state, value in (("total", snap.num_blocks), ("used", snap.used_blocks), ("free", snap.free_blocks),
-                             ("cached_free", snap.cached_free_blocks), ("pinned", snap.pinned_blocks)):
+        for state, value in (("total", kv.num_blocks), ("used", kv.used_blocks), ("free", kv.free_blocks),
+                             ("cached_free", kv.cached_free_blocks), ("pinned", kv.pinned_blocks)):
             blocks.add_metric([state], value)
         yield blocks
         yield CounterMetricFamily(f"{NAMESPACE}_prefix_cache_queries_tokens",
-                                  "Prompt tokens looked up in the prefix cache", value=snap.prefix_queries_tokens)
+                                  "Prompt tokens looked up in the prefix cache", value=kv.prefix_cache_queries_tokens)
         yield CounterMetricFamily(f"{NAMESPACE}_prefix_cache_hits_tokens",
-                                  "Prompt tokens served from the prefix cache", value=snap.prefix_hits_tokens)
+                                  "Prompt tokens served from the prefix cache", value=kv.prefix_cache_hits_tokens)
         yield CounterMetricFamily(f"{NAMESPACE}_preemptions", "Sequences preempted for KV blocks",
-                                  value=snap.preemptions)
-        for name, value, text in (
-                ("latency_model_median_abs_error", snap.latency_median_abs_error,
-                 "Median |relative error| of the step-latency model"),
-                ("latency_model_p95_abs_error", snap.latency_p95_abs_error,
-                 "95th percentile |relative error| of the step-latency model"),
-                ("latency_model_correction", snap.latency_correction,
-                 "Online correction factor (measured / fitted step time)")):
-            if value is not None:
-                yield _gauge(name, text, value)
+                                  value=kv.preemptions)
+        yield from _latency_gauges(engine.latency)
+
+
+def _latency_gauges(latency: LatencyStats | None) -> Iterator[Metric]:
+    if latency is None:
+        return
+    for name, value, text in (
+            ("latency_model_median_abs_error", latency.median_abs_error,
+             "Median |relative error| of the step-latency model"),
+            ("latency_model_p95_abs_error", latency.p95_abs_error,
+             "95th percentile |relative error| of the step-latency model"),
+            ("latency_model_correction", latency.correction,
+             "Online correction factor (measured / fitted step time)")):
+        if value is not None:
+            yield _gauge(name, text, value)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Union, get_args
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
+from ricllm.engine.stats import KVCacheStats, LatencyStats
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default bound on one request frame; the server may configure its own
 DEFAULT_ZMQ_PORT = 5555
@@ -83,7 +85,7 @@ class GenerateRequest(_Message):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     deadline_ms: float | None = Field(None, gt=0)
-    priority: Priority = "best_effort"
+    priority: Priority | None = None  # None: derived from deadline_ms (ricllm.sampling_params.default_priority)
     stream: bool = False
 
     @model_validator(mode="after")
@@ -233,10 +235,68 @@ class Cancelled(_Message):
     target_id: RequestId
 
 
+class _Report(BaseModel):
+    """What the server reports about itself: checked, but a newer server's extra keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class WeightFormats(_Report):
+    layers: str
+    head: str
+
+
+class ModelIdentity(_Report):
+    """Which model and build answer: a RIC-side caller can check it serves what it expects."""
+
+    name: str
+    path: str
+    dtype: str
+    weights: WeightFormats
+    attention_backend: str
+    device: str
+    threads: int
+    runtime: str
+    ricllm: str
+
+
+class QueueStats(_Report):
+    inbound: int
+    inbound_capacity: int
+    running: int
+    waiting: int
+    in_flight: int
+
+
+class AdmissionSummary(_Report):
+    policy: str
+    counts: dict[str, int]  # admitted, degraded and each reject code, since start
+    reserved_blocks: int
+
+
+class TemplateStats(_Report):
+    num_tokens: int
+    pinned: bool
+    num_pinned_tokens: int
+
+
+class ServerStats(_Report):
+    """The ``stats`` reply's body: the engine's snapshot (``ricllm.engine.stats``) and the server's own."""
+
+    model: ModelIdentity
+    kv_cache: KVCacheStats
+    queues: QueueStats
+    admission: AdmissionSummary
+    deadlines: dict[str, int]  # met, missed
+    latency_model: LatencyStats | None
+    templates: dict[str, TemplateStats]
+    draining: bool
+
+
 class StatsReply(_Message):
     type: Literal["stats_reply"] = "stats_reply"
     id: RequestId
-    stats: dict[str, Any]
+    stats: Annotated[ServerStats, Field(strict=False)]
 
 
 class Pong(_Message):

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import ricllm
 from ricllm.engine.engine_loop import EngineDriver
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
 from ricllm.serve.metrics import EngineSnapshot
+from ricllm.version import __version__
 
 if TYPE_CHECKING:
     from ricllm.cache.kv_cache_manager import PinHandle
     from ricllm.config import EngineConfig
+    from ricllm.engine.chat_prefix import ChatPrefix
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.engine.llm_engine import LLMEngine
     from ricllm.engine.sequence import Sequence
@@ -52,11 +53,14 @@ class _Template:
 
     template_id: str
     system_prompt: str
-    token_ids: list[int]
-    text: str | None  # the rendered system message, for splicing chat prompts
+    prefix: ChatPrefix  # the system message as chat requests start with it
     handle: PinHandle
     waiters: list[Command] = field(default_factory=list)
     pinned: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prefix.token_ids
 
     def registered(self, request_id: str, block_size: int) -> p.TemplateRegistered:
         return p.TemplateRegistered(id=request_id, template_id=self.template_id, num_tokens=len(self.token_ids),
@@ -200,29 +204,23 @@ class Worker(EngineDriver):
         return prefix + list(request.token_ids)
 
     def _chat_tokens(self, request: p.GenerateRequest, template: _Template | None) -> list[int]:
-        messages = [m.model_dump() for m in request.messages]
-        if template is not None:
-            if messages[0]["role"] == "system":
-                raise p.ProtocolError("VALIDATION", "field 'messages': starts with a system message, but "
-                                      "template_id already supplies it", request.id)
-            messages.insert(0, {"role": "system", "content": template.system_prompt})
-        text = self._render(messages, True, request.id)
-        tokenizer = self.engine.tokenizer
-        if template is not None and template.text is not None and text.startswith(template.text):
-            return template.token_ids + tokenizer.encode(text[len(template.text):], add_special_tokens=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+        from ricllm.engine.chat_prefix import render_chat_request
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, request_id: str) -> str:
+        messages = [m.model_dump() for m in request.messages]
+        if template is not None and messages[0]["role"] == "system":
+            raise p.ProtocolError("VALIDATION", "field 'messages': starts with a system message, but "
+                                  "template_id already supplies it", request.id)
         try:
-            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return render_chat_request(self.engine.tokenizer, template.prefix if template else None, messages)
         except Exception as exc:  # no template, or the template's raise_exception
             raise p.ProtocolError("VALIDATION", f"field 'messages': cannot apply the model's chat template: "
-                                  f"{exc}", request_id) from None
+                                  f"{exc}", request.id) from None
 
     def _sampling(self, request: p.GenerateRequest, received: float) -> SamplingParams:
         """The deadline is counted from receipt: the time spent queued here is taken off it."""
-        from ricllm.sampling_params import SamplingParams
+        from ricllm.sampling_params import SamplingParams, default_priority
 
+        priority = request.priority or default_priority(request.deadline_ms)  # of the deadline as sent
         deadline_ms = request.deadline_ms
         if deadline_ms is not None:
             waited_ms = (clock() - received) * 1000
@@ -232,7 +230,7 @@ class Worker(EngineDriver):
                                waited_ms=round(waited_ms, 3))
             deadline_ms -= waited_ms
         try:
-            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=request.priority)
+            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority)
         except InvalidRequestError as exc:
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
@@ -255,22 +253,12 @@ class Worker(EngineDriver):
 
     def _predicted_ms(self, pending: _Pending) -> float | None:
         """Admission's bound on this request's finish, from receipt, margin included (promised only)."""
-        from ricllm.engine.admission import finish_bounds, work_of
-
-        admission, seq = self.engine.admission, pending.seq
-        if admission is None or not seq.promised:
-            return None
         try:
-            ordered = sorted(admission.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
-            extra = sum(1 for s in self.engine.scheduler.running if not s.promised)
-            now = clock()
-            bounds = finish_bounds([work_of(s) for s in ordered], admission.latency, admission.token_budget, now,
-                                   0.0, extra)
-            bound_s = (bounds[ordered.index(seq)] - now) * (1 + admission.config.safety_margin)
-            return round((bound_s + now - pending.command.received) * 1000, 3)
+            finish = self.engine.predicted_finish(pending.seq.request_id)
         except Exception:  # an estimate only: never let it fail an admitted request
             log.exception("predicted_ms_failed")
             return None
+        return None if finish is None else round((finish - pending.command.received) * 1000, 3)
 
     def _queue_position(self, seq: Sequence) -> int | None:
         waiting = self.engine.scheduler.waiting
@@ -375,28 +363,19 @@ class Worker(EngineDriver):
     # -- templates
 
     def _register(self, command: Command) -> None:
-        from ricllm.cache.kv_cache_manager import PinHandle
-        from ricllm.sampling_params import SamplingParams
-
         request: p.RegisterTemplateRequest = command.request
         template_id = request.template_id or self._new_template_id()
         existing = self._templates.get(template_id)
         if existing is not None:
             self._register_again(command, existing)
             return
-        token_ids, text = self._render_system(request.system_prompt, request.id)
-        self._check_pin_fits(token_ids, request.id)
-        # ids far from the engine's own (LLM.pin_prefix counts from 1), in case both are ever used
-        handle = PinHandle(handle_id=(1 << 30) + next(self._template_ids), token_ids=list(token_ids))
+        prefix = self._render_system(request.system_prompt, request.id)
         internal_id = f"template:{next(self._ids)}"
         try:
-            seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
-                                          request_id=internal_id, pin_on_finish=handle)
+            handle, _ = self.engine.pin_prefix(prefix.token_ids, request_id=internal_id)
         except (CapacityError, InvalidRequestError) as exc:
             raise p.ProtocolError("VALIDATION", f"field 'system_prompt': {exc}", request.id) from None
-        if seq.rejection is not None:
-            raise p.ProtocolError("INTERNAL", f"cannot pin template {template_id!r} now: {seq.rejection}", request.id)
-        template = _Template(template_id, request.system_prompt, list(token_ids), text, handle, [command])
+        template = _Template(template_id, request.system_prompt, prefix, handle, [command])
         self._templates[template_id] = template
         self._internal[internal_id] = template
 
@@ -417,23 +396,13 @@ class Worker(EngineDriver):
             if template_id not in self._templates:
                 return template_id
 
-    def _render_system(self, system_prompt: str, request_id: str) -> tuple[list[int], str | None]:
+    def _render_system(self, system_prompt: str, request_id: str) -> ChatPrefix:
         """The system message as chat requests start with it (raw text without a chat template)."""
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.has_chat_template:
-            return tokenizer.encode(system_prompt), None
-        text = self._render([{"role": "system", "content": system_prompt}], False, request_id)
-        return tokenizer.encode(text, add_special_tokens=False), text
-
-    def _check_pin_fits(self, token_ids: list[int], request_id: str) -> None:
-        """Pins may not take blocks that admitted requests reserved, nor the last free one."""
-        engine = self.engine
-        needed = len(token_ids) // engine.cache.block_size
-        reserved = engine.admission.reserved_blocks if engine.admission is not None else 0
-        room = engine.kv_cache.geometry.num_blocks - engine.cache.num_pinned_blocks - reserved - 1
-        if needed > room:
-            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': pinning {len(token_ids)} tokens needs "
-                                  f"{needed} full KV blocks, but only {room} can be pinned now", request_id)
+        try:
+            return self.engine.render_chat_prefix([{"role": "system", "content": system_prompt}])
+        except Exception as exc:  # the template's raise_exception
+            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': cannot apply the model's chat template: "
+                                  f"{exc}", request_id) from None
 
     def _pinned(self, template: _Template) -> None:
         template.pinned = True
@@ -448,7 +417,7 @@ class Worker(EngineDriver):
 
     def _unpin(self, template: _Template) -> None:
         if template.handle.handle_id in self.engine.cache.pins:
-            self.engine.cache.unpin(template.handle)
+            self.engine.unpin_prefix(template.handle)
 
     def _unregister(self, command: Command) -> None:
         request: p.UnregisterTemplateRequest = command.request
@@ -464,39 +433,32 @@ class Worker(EngineDriver):
     # -- stats and metrics
 
     def _stats(self, command: Command) -> None:
-        self.outbox.put(command.identity, p.StatsReply(id=command.request.id, stats=self._stats_dict()))
+        self.outbox.put(command.identity, p.StatsReply(id=command.request.id, stats=self._server_stats()))
 
-    def _stats_dict(self) -> dict[str, Any]:
-        engine, admission = self.engine, self.engine.admission
+    def _server_stats(self) -> p.ServerStats:
+        engine, snap = self.engine, self.engine.snapshot()
         counts = self.metrics.counts()
-        latency = None
-        if admission is not None:
-            latency = {**admission.latency.error_summary(), "correction": admission.latency.correction}
-        return {
-            "model": self._model_identity(),
-            "kv_cache": engine.kv_cache_stats(),
-            "queues": {"inbound": self.state.inbound.qsize(),
-                       "inbound_capacity": self.state.options.inbound_queue_size,
-                       "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                       "in_flight": len(self._generates)},
-            "admission": {"policy": self.config.admission.policy, "counts": counts["admission"],
-                          "reserved_blocks": admission.reserved_blocks if admission is not None else 0},
-            "deadlines": counts["deadlines"],
-            "latency_model": latency,
-            "templates": {t.template_id: {"num_tokens": len(t.token_ids), "pinned": t.pinned,
-                                          "num_pinned_tokens": len(t.handle.block_ids) * engine.config.block_size}
-                          for t in self._templates.values()},
-            "draining": self.state.draining.is_set(),
-        }
+        block_size = engine.config.block_size
+        return p.ServerStats(
+            model=self._model_identity(), kv_cache=snap.kv_cache,
+            queues=p.QueueStats(inbound=self.state.inbound.qsize(), inbound_capacity=self.state.options.inbound_queue_size,
+                                running=snap.running, waiting=snap.waiting, in_flight=len(self._generates)),
+            admission=p.AdmissionSummary(policy=snap.policy, counts=counts["admission"],
+                                         reserved_blocks=snap.reserved_blocks),
+            deadlines=counts["deadlines"], latency_model=snap.latency,
+            templates={t.template_id: p.TemplateStats(num_tokens=len(t.token_ids), pinned=t.pinned,
+                                                      num_pinned_tokens=len(t.handle.block_ids) * block_size)
+                       for t in self._templates.values()},
+            draining=self.state.draining.is_set())
 
-    def _model_identity(self) -> dict[str, Any]:
-        """Which model and build answer: a RIC-side caller can check it serves what it expects."""
-        engine = self.engine
-        layers, head = engine.runtime.weight_formats
-        return {"name": engine.spec.name, "path": str(engine.model_path), "dtype": str(engine.runtime.dtype).removeprefix("torch."),
-                "weights": {"layers": layers, "head": head}, "attention_backend": engine.runtime.attention_backend,
-                "device": str(engine.runtime.device), "threads": engine.runtime.threads, "runtime": engine.runtime.name,
-                "ricllm": ricllm.__version__}
+    def _model_identity(self) -> p.ModelIdentity:
+        runtime = self.engine.runtime
+        layers, head = runtime.weight_formats
+        return p.ModelIdentity(name=runtime.spec.name, path=str(self.engine.model_path),
+                               dtype=str(runtime.dtype).removeprefix("torch."),
+                               weights=p.WeightFormats(layers=layers, head=head),
+                               attention_backend=runtime.attention_backend, device=str(runtime.device),
+                               threads=runtime.threads, runtime=runtime.name, ricllm=__version__)
 
     def _publish(self, force: bool = False) -> None:
         """Hand the metrics collector a fresh snapshot, at most every PUBLISH_EVERY_S."""
@@ -504,17 +466,7 @@ class Worker(EngineDriver):
         if not force and now - self._published < PUBLISH_EVERY_S:
             return
         self._published = now
-        engine, admission = self.engine, self.engine.admission
-        kv = engine.kv_cache_stats()
-        errors = admission.latency.error_summary() if admission is not None else {}
-        self.metrics.publish(EngineSnapshot(
-            running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
-            inbound=self.state.inbound.qsize(), num_blocks=kv["num_blocks"], used_blocks=kv["used_blocks"],
-            free_blocks=kv["free_blocks"], cached_free_blocks=kv["cached_free_blocks"],
-            pinned_blocks=kv["pinned_blocks"], prefix_queries_tokens=kv["prefix_cache_queries_tokens"],
-            prefix_hits_tokens=kv["prefix_cache_hits_tokens"], preemptions=kv["preemptions"],
-            latency_median_abs_error=errors.get("median_abs_error"), latency_p95_abs_error=errors.get("p95_abs_error"),
-            latency_correction=admission.latency.correction if admission is not None else None))
+        self.metrics.publish(EngineSnapshot(self.engine.snapshot(), inbound=self.state.inbound.qsize()))
 
 
 def _timings(out: RequestOutput, offset_s: float) -> p.Timings:

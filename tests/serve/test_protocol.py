@@ -38,6 +38,7 @@ from ricllm.serve.protocol import (
     encode,
     is_final,
 )
+from tests.helpers import sample_server_stats
 
 REQUESTS = [
     GenerateRequest(id="g1", prompt="Cell 17: PRB usage 92%", max_tokens=64, temperature=0.7, top_k=40,
@@ -70,7 +71,7 @@ REPLIES = [
     TemplateRegistered(id="r1", template_id="t-1", num_tokens=37, num_pinned_tokens=32),
     TemplateUnregistered(id="u1", template_id="mine"),
     Cancelled(id="c1", target_id="g1"),
-    StatsReply(id="s1", stats={"kv": {"blocks_used": 10, "blocks_free": 718}, "queue_len": 0}),
+    StatsReply(id="s1", stats=sample_server_stats()),
     Pong(id="p1", server_time=1.7e9, version="0.1.0"),
 ]
 

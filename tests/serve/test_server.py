@@ -231,7 +231,7 @@ def test_template_registration_and_reuse(server):
         assert other_text.value.code == "VALIDATION" and "template_id" in other_text.value.message
         assigned = client.register_template("Short system prompt.")
         assert assigned.template_id and assigned.template_id != "ran-config"
-        stats = client.stats()
+        stats = client.stats().model_dump()
         assert stats["templates"]["ran-config"]["pinned"] is True
         assert client.unregister_template("ran-config").template_id == "ran-config"
         client.unregister_template(assigned.template_id)
@@ -241,7 +241,7 @@ def test_template_registration_and_reuse(server):
         with pytest.raises(ServerError) as again:
             client.unregister_template("ran-config")
         assert again.value.code == "UNKNOWN_TEMPLATE"
-        assert client.stats()["kv_cache"]["pinned_blocks"] == 0
+        assert client.stats().model_dump()["kv_cache"]["pinned_blocks"] == 0
 
 
 def test_unknown_template_is_an_error(server):
@@ -394,12 +394,18 @@ def test_vanished_client_does_not_hurt_the_server(server):
     dealer.close()
     with RicClient(server.endpoint, timeout_s=30) as client:
         assert client.generate("still here", max_tokens=2, ignore_eos=True).finish_reason == "length"
-        wait_for(lambda: client.stats()["queues"]["in_flight"] == 0, 30, "the orphan to finish")
+        wait_for(lambda: client.stats().model_dump()["queues"]["in_flight"] == 0, 30, "the orphan to finish")
 
 
 def test_stats_reply(server):
+    """Typed on both sides (the engine's snapshot inside), with the wire keys it always had."""
+    from ricllm.engine.stats import KVCacheStats
+    from ricllm.serve.protocol import ServerStats
+
     with RicClient(server.endpoint, timeout_s=30) as client:
-        stats = client.stats()
+        typed = client.stats()
+    assert isinstance(typed, ServerStats) and isinstance(typed.kv_cache, KVCacheStats)
+    stats = typed.model_dump()
     assert stats["kv_cache"]["num_blocks"] == 512 and stats["kv_cache"]["block_size"] == 16
     assert stats["admission"]["policy"] == "deadline" and stats["admission"]["counts"]["admitted"] >= 1
     assert set(stats["deadlines"]) == {"met", "missed"}
@@ -423,7 +429,7 @@ def test_health_and_metrics(server):
         met = client.generate("in time", max_tokens=2, ignore_eos=True, deadline_ms=60_000.0)
         with pytest.raises(RejectedError):
             client.generate("too late", max_tokens=64, deadline_ms=5.0)
-        stats = client.stats()
+        stats = client.stats().model_dump()
 
     def delta(name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -786,7 +792,7 @@ def test_the_native_runtime_serves_templates_deadlines_and_streams(start_server,
                                       weight_cache=False))
     user = [{"role": "user", "content": "PRB usage 92% on cell 17"}]
     with RicClient(server.endpoint, timeout_s=30) as client:
-        assert client.stats()["model"]["runtime"] == "native"
+        assert client.stats().model_dump()["model"]["runtime"] == "native"
         registered = client.register_template(LONG_SYSTEM, template_id="ran-config")
         client.generate(messages=user, template_id="ran-config", max_tokens=3, ignore_eos=True)
         second = client.generate(messages=user, template_id="ran-config", max_tokens=4, ignore_eos=True,

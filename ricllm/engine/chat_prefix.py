@@ -1,0 +1,43 @@
+"""A conversation's fixed start (a RAN template's system prompt), rendered once, and the requests
+that begin with it.
+
+Pinning a template and serving a request that uses it must agree token for token, or the
+request's prompt would not hit the pinned blocks. So the prefix is rendered here, one way, for
+``LLM.pin_prefix``, the server's registered templates and the replay's pinned templates; and a
+chat request that starts with it reuses the prefix's own token ids, encoding only what follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ricllm.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChatPrefix:
+    """``text`` is the chat-template rendering (None for a model without a chat template, whose
+    prefix is the messages' contents, one per line)."""
+
+    messages: list[dict[str, str]]
+    text: str | None
+    token_ids: list[int]
+
+
+def render_chat_prefix(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> ChatPrefix:
+    """The messages as a chat request starts with them: no generation prompt after them."""
+    if not tokenizer.has_chat_template:
+        return ChatPrefix(messages, None, tokenizer.encode("\n".join(m["content"] for m in messages)))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    return ChatPrefix(messages, text, tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_request(tokenizer: Tokenizer, prefix: ChatPrefix | None, messages: list[dict[str, str]]) -> list[int]:
+    """``prefix.messages + messages`` with a generation prompt; the prefix's tokens come first, token
+    for token, where the rendering starts with the prefix's text. Raises ``ValueError`` for a
+    model without a chat template (or a template that refuses the conversation)."""
+    conversation = (prefix.messages if prefix is not None else []) + messages
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    if prefix is not None and prefix.text is not None and text.startswith(prefix.text):
+        return prefix.token_ids + tokenizer.encode(text[len(prefix.text):], add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False)

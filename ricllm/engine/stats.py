@@ -1,0 +1,58 @@
+"""One engine snapshot (:class:`EngineStats`): what the engine holds and has done, at one moment.
+
+``LLMEngine.snapshot()`` is the only place these numbers are gathered; the offline API's
+``kv_cache_stats``, the server's ``stats`` reply and Prometheus metrics, and the replay timeline
+and report all read it. The dataclasses import nothing heavy, so the wire protocol carries them
+as they are (``ricllm.serve.protocol.ServerStats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The block pool: ``used_blocks + free_blocks == num_blocks`` (cached free blocks are free)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+    allocated_bytes: int
+    used_blocks: int
+    free_blocks: int
+    cached_free_blocks: int
+    pinned_blocks: int
+    peak_used_blocks: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    preemptions: int
+    waits: int
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """How far the step-latency model's predictions were from measured steps (relative errors)."""
+
+    steps: int
+    median_abs_error: float | None
+    p95_abs_error: float | None
+    correction: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine at one moment. ``latency`` is None without admission (no latency model)."""
+
+    kv_cache: KVCacheStats
+    running: int
+    waiting: int
+    policy: str  # admission policy: off, deadline or fcfs
+    reserved_blocks: int  # KV blocks admission holds for admitted requests
+    admitted: int
+    rejected: dict[str, int] = field(default_factory=dict)  # by code
+    deadlines_met: int = 0
+    deadlines_missed: int = 0
+    latency: LatencyStats | None = None
+    steps: int = 0  # steps run since start
