@@ -22,15 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, ValidationError
 
-from ricllm.config import (
-    EngineConfig,
-    EngineSettings,
-    NonEmpty,
-    StrictModel,
-    describe_errors,
-    merge_layers,
-    setting,
-)
+from ricllm.config import EngineConfig, EngineSettings, NonEmpty, StrictModel, describe_errors, merge_layers, setting
 from ricllm.errors import ConfigError
 from ricllm.serve.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 
