@@ -21,6 +21,7 @@ import numpy as np
 from ricllm.replay.traces import KPI_UNITS, KpiRow, TraceError, TraceSpec
 
 #: The KPIs a generated trace reports, in column order.
+GENERATED_PASSTHROUGH = ("event",)  # the columns a generated trace passes to prompts as extras[COLUMN]
 GENERATED_KPIS = ("DRB.UEThpDl", "DRB.UEThpUl", "RRU.PrbUsedDl", "RRU.PrbAvailDl", "RRU.PrbTotDl",
                   "DRB.RlcSduDelayDl", "RRC.ConnMean", "L1M.DL-SS-RSRP", "L1M.DL-SS-SINR")
 #: Radio KPIs a dark cell cannot measure: None during a "zero" outage, the rest report 0.
@@ -76,7 +77,7 @@ def write_trace_csv(rows: Sequence[KpiRow], path: str | Path) -> Path:
 def generated_trace_spec(path: str, *, policy: Literal["skip", "fill", "keep"] = "keep") -> TraceSpec:
     """The mapping that reads a file ``write_trace_csv`` wrote: names and units already canonical."""
     return TraceSpec(path=path, timestamp={"column": TIME_COLUMN, "format": "iso8601"},
-                     entity=ENTITY_COLUMN, policy=policy, passthrough=["event"],
+                     entity=ENTITY_COLUMN, policy=policy, passthrough=list(GENERATED_PASSTHROUGH),
                      kpis={k: {"column": k, "unit": KPI_UNITS[k]} for k in GENERATED_KPIS})
 
 

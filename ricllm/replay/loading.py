@@ -184,10 +184,11 @@ def _template_file_problems(scenario: Scenario) -> list[Problem]:
 
 
 def _prompt_render_problems(scenario: Scenario, kpis: list[str]) -> list[Problem]:
-    """Render each user prompt once with a sample row, so a typo in a variable fails now."""
+    """Render each user prompt once with a sample row of this trace's KPIs and passthrough columns,
+    so a typo in a variable fails now."""
     from jinja2 import TemplateError
 
-    row = KpiRow(0.0, 0.0, "cell0", dict.fromkeys(kpis, 1.0), {"event": ""}, 2)
+    row = KpiRow(0.0, 0.0, "cell0", dict.fromkeys(kpis, 1.0), dict.fromkeys(scenario.trace_passthrough(), ""), 2)
     context = prompt_context(row, template=None, deadline_class="x", deadline_ms=1.0, max_tokens=1, trigger="t")
     problems = []
     sources = [(("prompts", "user_prompt"), scenario.prompts.user_prompt)]

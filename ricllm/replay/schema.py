@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from ricllm.config import EngineSettings
-from ricllm.replay.generator import GENERATED_KPIS
+from ricllm.replay.generator import GENERATED_KPIS, GENERATED_PASSTHROUGH
 from ricllm.replay.prompts import check_template
 from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
@@ -221,6 +221,12 @@ class Scenario(_Strict):
         if isinstance(self.trace, GeneratedTrace):
             return list(GENERATED_KPIS)
         return list(self.trace.kpis)
+
+    def trace_passthrough(self) -> list[str]:
+        """The trace's columns that user prompts read as ``extras[COLUMN]``."""
+        if isinstance(self.trace, GeneratedTrace):
+            return list(GENERATED_PASSTHROUGH)
+        return list(self.trace.passthrough)
 
     def template_texts(self) -> dict[str, str]:
         """Template name -> system prompt text, files read relative to the scenario."""

@@ -153,6 +153,28 @@ def test_csv_trace_thresholds_know_the_mapped_kpis(tmp_path):
     assert "prompts.user_prompt" in problem(tmp_path, unmapped)
 
 
+def test_a_prompt_may_read_the_traces_passthrough_columns(tmp_path):
+    """``extras[COLUMN]`` is documented for a CSV trace's passthrough columns: validation renders the
+    prompt with those columns, so it accepts them and still refuses a column the trace does not pass."""
+    mapping = textwrap.dedent(f"""\
+        trace:
+          path: {FIXTURES / 'drive_test.csv'}
+          timestamp: {{column: Timestamp, format: "%Y.%m.%d_%H.%M.%S"}}
+          entity: CellID
+          kpis:
+            DRB.UEThpDl: DL_bitrate
+            L1M.DL-SS-SINR: SNR
+          passthrough: [NetworkMode]
+        """)
+    text = BASE.split("trace:")[0] + mapping + "pacing:" + BASE.split("pacing:")[1]
+    text = text.replace("RRU.PrbUsedDl / RRU.PrbAvailDl > 0.3", "DRB.UEThpDl > 1000")
+    text = text.replace("{{ kpi['RRU.PrbTotDl'] | fmt(1) }}", "{{ extras['NetworkMode'] }} {{ kpi['DRB.UEThpDl'] }}")
+    scenario = load_scenario(write(tmp_path, text))
+    assert plan_requests(scenario, load_scenario_trace(scenario))
+    unknown = text.replace("extras['NetworkMode']", "extras['Operator']")
+    assert "prompts.user_prompt" in problem(tmp_path, unknown)
+
+
 def test_cli_user_error_exits_2_without_traceback(tmp_path):
     path = write(tmp_path, BASE.replace("deadline_ms: 500", "deadline_ms: -5"))
     result = subprocess.run([sys.executable, "-m", "ricllm.cli", "replay", str(path)], capture_output=True, text=True,
