@@ -6,7 +6,9 @@ dots and dashes (``L1M.DL-SS-RSRP``), so the names the trace declares, and any n
 `backticks`, are swapped for identifiers before ``ast`` sees the text.
 
 Invariant: a comparison that reads a KPI the row lacks (or divides by zero) is false, never an
-error, so a gap in a trace silences a trigger instead of stopping the replay. This module stands
+error, so a gap in a trace silences a trigger instead of stopping the replay. ``missing(KPI)`` is
+true exactly when the row lacks that KPI, so a rule can say what a gap means
+(``missing(RRU.PrbUsedDl) or RRU.PrbUsedDl > 90``). This module stands
 alone (no scenario, no pydantic): it knows expressions and KPI mappings only.
 """
 
@@ -41,9 +43,10 @@ class Threshold:
             tree = ast.parse(source.strip(), mode="eval")
         except SyntaxError as exc:
             raise ValueError(f"threshold {text!r} is not a valid expression: {exc.msg}") from None
-        if not isinstance(tree.body, (ast.Compare, ast.BoolOp)) and not (
+        if not isinstance(tree.body, (ast.Compare, ast.BoolOp, ast.Call)) and not (
                 isinstance(tree.body, ast.UnaryOp) and isinstance(tree.body.op, ast.Not)):
-            raise ValueError(f"threshold {text!r} must be a comparison, e.g. 'RRU.PrbUsedDl / RRU.PrbAvailDl > 0.8'")
+            raise ValueError(f"threshold {text!r} must be a comparison, e.g. 'RRU.PrbUsedDl / RRU.PrbAvailDl > 0.8', "
+                             "or missing(KPI)")
         self.names: list[str] = []
         self._fn = self._build(tree.body)
         self.signal = self._signal(tree.body)
@@ -73,10 +76,10 @@ class Threshold:
     def _build(self, node: ast.AST) -> KpiFn:
         builder = {ast.BoolOp: self._bool, ast.UnaryOp: self._unary, ast.BinOp: self._arith,
                    ast.Compare: self._compare, ast.Constant: self._constant, ast.Name: self._name,
-                   ast.Attribute: self._unknown_name}.get(type(node))
+                   ast.Attribute: self._unknown_name, ast.Call: self._missing}.get(type(node))
         if builder is None:
             raise ValueError(f"threshold {self.text!r}: {type(node).__name__} is not allowed; use KPI names, "
-                             "numbers, + - * /, comparisons, and/or/not")
+                             "numbers, + - * /, comparisons, and/or/not, missing(KPI)")
         return builder(node)
 
     def _bool(self, node: ast.BoolOp) -> KpiFn:
@@ -132,6 +135,22 @@ class Threshold:
                 raise _Missing(name)
             return value
         return read
+
+    def _missing(self, node: ast.Call) -> KpiFn:
+        """``missing(KPI)``: the row has no value for it (the only call the language has)."""
+        if not (isinstance(node.func, ast.Name) and node.func.id == "missing" and len(node.args) == 1
+                and not node.keywords and isinstance(node.args[0], (ast.Name, ast.Attribute))):
+            raise ValueError(f"threshold {self.text!r}: this Call is not allowed; the only call allowed is "
+                             "missing(KPI), with one KPI name")
+        read = self._build(node.args[0])  # an unknown name is refused there, naming the trace's KPIs
+
+        def missing(k: Mapping[str, float | None]) -> bool:
+            try:
+                read(k)
+            except _Missing:
+                return True
+            return False
+        return missing
 
     def _unknown_name(self, node: ast.AST) -> KpiFn:
         name = ast.unparse(node)

@@ -201,6 +201,12 @@ def test_cli_user_error_exits_2_without_traceback(tmp_path):
     ("-RRU.PrbTotDl + 2 * 3 < 0", {"RRU.PrbTotDl": 30}, True),
     ("10 < RRU.PrbTotDl <= 20", {"RRU.PrbTotDl": 20}, True),
     ("`buffer bytes` > 1000", {"buffer bytes": 2000}, True),
+    ("missing(RRU.PrbTotDl)", {"RRU.PrbTotDl": None}, True),
+    ("missing(RRU.PrbTotDl)", {}, True),
+    ("missing(RRU.PrbTotDl)", {"RRU.PrbTotDl": 0}, False),
+    ("missing(RRU.PrbTotDl) or RRU.PrbTotDl > 90", {"RRU.PrbTotDl": None}, True),
+    ("missing(RRU.PrbTotDl) or RRU.PrbTotDl > 90", {"RRU.PrbTotDl": 50}, False),
+    ("not missing(`buffer bytes`) and `buffer bytes` > 1000", {"buffer bytes": 2000}, True),
 ])
 def test_threshold_evaluation(expression, kpis, expected):
     known = ["RRU.PrbUsedDl", "RRU.PrbAvailDl", "RRU.PrbTotDl", "L1M.DL-SS-SINR", "L1M.DL-SS-RSRP", "buffer bytes"]
@@ -214,6 +220,9 @@ def test_threshold_evaluation(expression, kpis, expected):
     ("RRU.PrbTotDl > 'x'", "only numbers"),
     ("RRU.PrbTotDl is None", "only < <= > >= == != comparisons"),
     ("lambda: 1", "must be a comparison"),
+    ("print(RRU.PrbTotDl)", "the only call allowed is missing(KPI)"),
+    ("missing(RRU.PrbTotDl, RRU.PrbTotDl)", "the only call allowed is missing(KPI)"),
+    ("missing(RRU.PrbUsedDl)", "unknown KPI 'RRU.PrbUsedDl'"),
 ])
 def test_threshold_refuses_everything_else(expression, words):
     with pytest.raises(ValueError, match=re.escape(words)):
