@@ -99,7 +99,8 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
     from ricllm.units import format_bytes
 
     layers, head = engine.runtime.weight_formats
-    what = (f"{engine.spec.name}: layers {layers}, head {head}, dtype {str(engine.runtime.dtype).removeprefix('torch.')}, "
+    dtype = str(engine.runtime.dtype).removeprefix("torch.")
+    what = (f"{engine.spec.name}: layers {layers}, head {head}, dtype {dtype}, "
             f"{engine.runtime.name} runtime")
     done = ("already in the weight cache" if engine.runtime.weights_source.startswith("cache")
             else f"converted from {engine.model_path} in {engine.runtime.load_s:.1f} s")

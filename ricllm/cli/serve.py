@@ -28,7 +28,8 @@ def add_serve_subparser(sub: argparse._SubParsersAction) -> None:
                        help=f"xApp descriptor JSON whose 'controls' section holds the settings "
                             f"(overrides ${CONFIG_ENV}, which names a file of the same format)")
     add_settings_flags(serve, EngineSettings, "engine", shown_defaults=SERVE_PROFILE)
-    add_settings_flags(serve, Controls, "service", only=frozenset(Controls.model_fields) - set(EngineSettings.model_fields))
+    service_only = frozenset(Controls.model_fields) - set(EngineSettings.model_fields)
+    add_settings_flags(serve, Controls, "service", only=service_only)
     serve.set_defaults(func=_cmd_serve)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ricllm.cache.kv_cache_manager import PinHandle
 from ricllm.config import EngineConfig
+from ricllm.engine.chat_prefix import render_chat_request
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.errors import InvalidRequestError
 from ricllm.outputs import RequestOutput
@@ -54,8 +55,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """A conversation's tokens: as a request (with the generation prompt) or as a prefix to pin."""
+        if add_generation_prompt:
+            return render_chat_request(self.tokenizer, None, messages)
+        return self.engine.render_chat_prefix(messages).token_ids
 
     def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
@@ -79,7 +82,7 @@ class LLM:
         is what ``chat`` requests start with.
         """
         if isinstance(prefix, list) and prefix and isinstance(prefix[0], dict):
-            token_ids = self.engine.render_chat_prefix(prefix).token_ids
+            token_ids = self.render_chat(prefix, add_generation_prompt=False)
         else:
             token_ids = self.engine.encode_prompt(prefix)[1]
         handle, seq = self.engine.pin_prefix(token_ids)

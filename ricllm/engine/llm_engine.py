@@ -95,7 +95,8 @@ class LLMEngine:
         from ricllm.engine.calibration import load_or_calibrate
 
         latency = latency_model or load_or_calibrate(self)
-        return AdmissionController(self.config.admission, latency, self.kv_cache.geometry.num_blocks, self.config.block_size,
+        return AdmissionController(self.config.admission, latency, self.kv_cache.geometry.num_blocks,
+                                   self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)
 
     def _log_start(self) -> None:

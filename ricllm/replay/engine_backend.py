@@ -116,9 +116,10 @@ async def _await(future: Future, stamp: bool = False) -> Any:
 def _render_prompt(tokenizer, system: str | None, user: str) -> list[int]:
     """Chat-rendered token ids; the system part renders exactly as its pinned prefix does."""
     if tokenizer.has_chat_template:
+        from ricllm.engine.chat_prefix import render_chat_request
+
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return render_chat_request(tokenizer, None, messages)
     return tokenizer.encode(f"{system}\n\n{user}" if system else user)
 
 

@@ -19,7 +19,6 @@ from ricllm.replay.prompts import jinja_env, prompt_context
 from ricllm.replay.schema import DeadlineClass, Prompts, Scenario, Trigger
 from ricllm.replay.traces import KpiRow, LoadedTrace
 
-
 # ---------------------------------------------------------------------------------- triggers
 
 class TriggerRule:

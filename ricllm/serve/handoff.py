@@ -20,7 +20,6 @@ from pydantic import BaseModel
 from ricllm.logging import get_logger
 from ricllm.serve import protocol as p
 
-
 log = get_logger("ricllm.serve")
 clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare
 Key = tuple[bytes, str]  # (ZeroMQ identity of the client, its request id)

@@ -172,8 +172,8 @@ def resolve_settings(flags: dict[str, Any] | None = None, config_file: str | Non
     missing = controls.curve.missing_keys()
     if missing:
         sources = ", ".join(source for source, layer in layers[1:] if layer) or "defaults"
-        raise SettingsError(f"settings from {sources}: curve.enabled is true but "
-                            f"{' and '.join('curve.' + m for m in missing)} {'is' if len(missing) == 1 else 'are'} null")
+        names, verb = " and ".join("curve." + m for m in missing), "is" if len(missing) == 1 else "are"
+        raise SettingsError(f"settings from {sources}: curve.enabled is true but {names} {verb} null")
     return ServeSettings(controls, server_options(controls))
 
 

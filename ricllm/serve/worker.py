@@ -62,9 +62,12 @@ class _Template:
     def token_ids(self) -> list[int]:
         return self.prefix.token_ids
 
+    def pinned_tokens(self, block_size: int) -> int:
+        return len(self.handle.block_ids) * block_size
+
     def registered(self, request_id: str, block_size: int) -> p.TemplateRegistered:
         return p.TemplateRegistered(id=request_id, template_id=self.template_id, num_tokens=len(self.token_ids),
-                                    num_pinned_tokens=len(self.handle.block_ids) * block_size)
+                                    num_pinned_tokens=self.pinned_tokens(block_size))
 
 
 class Worker(EngineDriver):
@@ -413,7 +416,7 @@ class Worker(EngineDriver):
             self.outbox.put(waiter.identity, template.registered(waiter.request.id, block_size))
         template.waiters.clear()
         log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
-                 pinned_tokens=len(template.handle.block_ids) * block_size)
+                 pinned_tokens=template.pinned_tokens(block_size))
 
     def _unpin(self, template: _Template) -> None:
         if template.handle.handle_id in self.engine.cache.pins:
@@ -441,13 +444,14 @@ class Worker(EngineDriver):
         block_size = engine.config.block_size
         return p.ServerStats(
             model=self._model_identity(), kv_cache=snap.kv_cache,
-            queues=p.QueueStats(inbound=self.state.inbound.qsize(), inbound_capacity=self.state.options.inbound_queue_size,
+            queues=p.QueueStats(inbound=self.state.inbound.qsize(),
+                                inbound_capacity=self.state.options.inbound_queue_size,
                                 running=snap.running, waiting=snap.waiting, in_flight=len(self._generates)),
             admission=p.AdmissionSummary(policy=snap.policy, counts=counts["admission"],
                                          reserved_blocks=snap.reserved_blocks),
             deadlines=counts["deadlines"], latency_model=snap.latency,
             templates={t.template_id: p.TemplateStats(num_tokens=len(t.token_ids), pinned=t.pinned,
-                                                      num_pinned_tokens=len(t.handle.block_ids) * block_size)
+                                                      num_pinned_tokens=t.pinned_tokens(block_size))
                        for t in self._templates.values()},
             draining=self.state.draining.is_set())
 
