@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ricllm.errors import InvalidRequestError
+from ricllm.structured.spec import StructuredSpec
 
 PRIORITIES = ("near_rt", "non_rt", "best_effort")
 NEAR_RT_MAX_MS = 1000.0  # the near-RT RIC's control loop: 10 ms to 1 s
@@ -22,6 +24,8 @@ class SamplingParams:
     """``temperature=0`` is greedy. ``top_k <= 0`` and ``top_p = 1`` switch those filters off.
 
     ``seed`` makes a sampled request reproducible whatever else shares its batch.
+    ``structured`` constrains the answer (vLLM's ``structured_outputs`` keys: ``{"json": schema}``,
+    ``{"choice": [...]}``, ``{"regex": ...}``, ``{"grammar": ...}``); it is kept as a ``StructuredSpec``.
     ``stop`` strings end the output before the string; ``stop_token_ids`` and the model's EOS
     end it after the token (not shown in ``text``) unless ``ignore_eos``.
     """
@@ -37,12 +41,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     deadline_ms: float | None = None  # from arrival at the engine, on the engine's clock; None = best effort
     priority: str | None = None  # near_rt, non_rt or best_effort; derived from deadline_ms when None
+    structured: StructuredSpec | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.structured is not None:
+            self.structured = StructuredSpec.parse(self.structured)
         self._validate()
 
     def _validate(self) -> None:
