@@ -13,10 +13,14 @@ import asyncio
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
 from ricllm.replay.records import timeline_sample
+
+if TYPE_CHECKING:
+    from ricllm.engine.chat_prefix import ChatPrefix
+    from ricllm.template import Template
 
 
 class InProcessBackend:
@@ -28,20 +32,22 @@ class InProcessBackend:
         self.engine_kwargs = engine_kwargs
         self.thread = None
         self.prompts: dict[int, list[int]] = {}
+        self.templates: dict[str, Template] = {}
         self.sampler = _EngineSampler()
 
-    async def start(self, plan: list, templates: dict[str, str]) -> dict[str, dict]:
-        """Load the engine on its own thread (off the event loop), pin each template, and tokenize
-        every prompt now."""
+    async def start(self, plan: list, templates: dict[str, Template]) -> dict[str, dict]:
+        """Load the engine on its own thread (off the event loop), pin each template (compiling its
+        constraint), and tokenize every prompt now."""
         from ricllm.engine.async_engine import EngineThread
 
         loop = asyncio.get_running_loop()
         self.thread = await loop.run_in_executor(None, EngineThread, self._load)
-        engine = self.thread.engine
-        pinned = {}
-        for name, text in templates.items():
-            pinned[name] = await _await(self.thread.call(lambda e, t=text: _pin_template(e, t)))
-        self.prompts = await loop.run_in_executor(None, self._render_all, engine.tokenizer, plan, templates)
+        self.templates = templates
+        pinned, prefixes = {}, {}
+        for name, template in templates.items():
+            pinned[name], prefixes[name] = await _await(self.thread.call(lambda e, t=template: _pin_template(e, t)))
+        tokenizer = self.thread.engine.tokenizer
+        self.prompts = await loop.run_in_executor(None, _render_all, tokenizer, plan, prefixes)
         return pinned
 
     def _load(self):
@@ -50,17 +56,14 @@ class InProcessBackend:
 
         return LLMEngine(EngineConfig(**self.engine_kwargs))
 
-    @staticmethod
-    def _render_all(tokenizer, plan: list, templates: dict[str, str]) -> dict[int, list[int]]:
-        return {p.index: _render_prompt(tokenizer, templates.get(p.template), p.user_prompt) for p in plan}
-
     async def generate(self, planned, spec, record, t0: float) -> None:
         """Submit and fill ``record`` from the engine's ``RequestOutput``."""
         from ricllm.sampling_params import SamplingParams
 
+        template = self.templates.get(planned.template)
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
                                 ignore_eos=spec.ignore_eos, deadline_ms=spec.deadline_ms,
-                                priority=spec.resolved_priority())
+                                priority=spec.resolved_priority(), structured=template.structured if template else None)
         first: dict[str, float] = {}
         sent = time.perf_counter()
         record.sent_s = sent - t0
@@ -113,23 +116,37 @@ async def _await(future: Future, stamp: bool = False) -> Any:
 
 # ------------------------------------------------------------ engine-thread helpers (in-process)
 
-def _render_prompt(tokenizer, system: str | None, user: str) -> list[int]:
-    """Chat-rendered token ids; the system part renders exactly as its pinned prefix does."""
+def _render_all(tokenizer, plan: list, prefixes: dict[str, ChatPrefix]) -> dict[int, list[int]]:
+    return {p.index: _render_prompt(tokenizer, prefixes.get(p.template), p.user_prompt) for p in plan}
+
+
+def _render_prompt(tokenizer, prefix: ChatPrefix | None, user: str) -> list[int]:
+    """The template's conversation and the user turn, chat-rendered: the conversation's part is its
+    pinned prefix's own tokens, so the request hits the pinned blocks token for token."""
     if tokenizer.has_chat_template:
         from ricllm.engine.chat_prefix import render_chat_request
 
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return render_chat_request(tokenizer, None, messages)
-    return tokenizer.encode(f"{system}\n\n{user}" if system else user)
+        return render_chat_request(tokenizer, prefix, [{"role": "user", "content": user}])
+    return tokenizer.encode(f"{prefix_text(prefix)}\n\n{user}" if prefix else user)
 
 
-def _pin_template(engine, system: str) -> dict[str, int]:
-    """Runs on the engine thread before any request: compute the system prompt's KV and pin it."""
-    prefix = engine.render_chat_prefix([{"role": "system", "content": system}])
+def prefix_text(prefix: ChatPrefix) -> str:
+    """A prefix without a chat template: its messages' contents, one per line (as it was pinned)."""
+    return "\n".join(m["content"] for m in prefix.messages)
+
+
+def _pin_template(engine, template: Template) -> tuple[dict[str, int], ChatPrefix]:
+    """Runs on the engine thread before any request: compile the template's constraint (once, so no
+    request pays for it; a schema the engine cannot compile fails here), then compute the whole
+    conversation's KV (system prompt and worked examples) and pin it."""
+    if template.structured is not None:
+        engine.compile_structured(template.structured)
+    prefix = engine.render_chat_prefix(template.message_list)
     handle, seq = engine.pin_prefix(prefix.token_ids)
     while not seq.is_finished:
         engine.step()
-    return {"tokens": len(prefix.token_ids), "pinned_tokens": len(handle.block_ids) * engine.config.block_size}
+    pinned = {"tokens": len(prefix.token_ids), "pinned_tokens": len(handle.block_ids) * engine.config.block_size}
+    return pinned, prefix
 
 
 class _EngineSampler:
@@ -199,4 +216,4 @@ def _fill_from_output(record, output, sent: float, first: float | None, done: fl
                   prompt_tokens=len(output.prompt_token_ids), output_tokens=len(output.token_ids),
                   cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text,
                   granted_max_tokens=output.degradation.granted_max_tokens if output.degradation else None,
-                  **common)
+                  num_forced_tokens=getattr(output, "num_forced_tokens", None), **common)

@@ -23,7 +23,8 @@ from ricllm.errors import RicllmError
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.generator import GENERATED_KPIS, generate_trace
 from ricllm.replay.prompts import jinja_env, prompt_context
-from ricllm.replay.schema import SELECT_MODES, Scenario, TemplateFile, Trigger
+from ricllm.replay.schema import SELECT_MODES, Scenario, Trigger
+from ricllm.replay.templates import template_problems
 from ricllm.replay.traces import KpiRow, LoadedTrace, LoadStats, TraceSpec, load_trace
 
 BUNDLED_PACKAGE = "ricllm.scenarios"
@@ -151,7 +152,8 @@ def cross_check(scenario: Scenario) -> list[Problem]:
     problems += [(("targets", scope), f"unknown scope {scope!r}: use 'overall' or a class "
                   f"({', '.join(classes)})", "x") for scope in scenario.targets
                  if scope != "overall" and scope not in classes]
-    problems += _template_file_problems(scenario)
+    for name, entry in templates.items():
+        problems += template_problems(name, entry, scenario.base_dir, kpis)
     problems += _prompt_render_problems(scenario, kpis)
     problems += _engine_path_problems(scenario)
     return problems
@@ -171,15 +173,6 @@ def _trigger_problems(i: int, trigger: Trigger, classes: Mapping, templates: Map
             Threshold(trigger.threshold, kpis)
         except ValueError as exc:
             problems.append((("triggers", i, "threshold"), str(exc), "x"))
-    return problems
-
-
-def _template_file_problems(scenario: Scenario) -> list[Problem]:
-    problems = []
-    for name, value in scenario.prompts.templates.items():
-        if isinstance(value, TemplateFile) and not (scenario.base_dir / value.file).is_file():
-            problems.append((("prompts", "templates", name, "file"),
-                             f"no file {value.file!r} next to the scenario ({scenario.base_dir})", "x"))
     return problems
 
 

@@ -2,8 +2,9 @@
 
 ``plan_requests`` turns a scenario and its trace into the full, seeded list of requests before
 anything is sent (deadline class drawn by weight, template chosen by the scenario's rule, user
-prompt rendered), so a replay is open loop and reproducible: the same scenario gives the same
-plan on every machine. Nothing here imports torch.
+prompt rendered, the answer the template's reference policy expects read off the row), so a
+replay is open loop and reproducible: the same scenario gives the same plan on every machine.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class PlannedRequest:
     deadline_class: str
     template: str | None
     user_prompt: str
+    expected: dict | None = None  # what the template's reference policy expects for this row
 
 
 def plan_requests(scenario: Scenario, trace: LoadedTrace, speed: float | None = None) -> list[PlannedRequest]:
@@ -100,6 +102,7 @@ def plan_requests(scenario: Scenario, trace: LoadedTrace, speed: float | None = 
     prompts = {None: env.from_string(scenario.prompts.user_prompt)}
     prompts.update({i: env.from_string(t.user_prompt) for i, t in enumerate(scenario.triggers) if t.user_prompt})
     order = {entity: i for i, entity in enumerate(trace.entities())}
+    policies = scenario.policies()
     planned = []
     for row_index, trigger_index in fire_triggers(scenario.triggers, rows, scenario.trace_kpis()):
         row, trigger = rows[row_index], scenario.triggers[trigger_index]
@@ -110,8 +113,10 @@ def plan_requests(scenario: Scenario, trace: LoadedTrace, speed: float | None = 
                                  max_tokens=spec.max_tokens, trigger=trigger.label(trigger_index))
         text = prompts.get(trigger_index, prompts[None]).render(context).strip()
         index = len(planned)
+        expected = policies[template].expected(row.kpis) if template in policies else None
         planned.append(PlannedRequest(index, f"r{index:05d}", row.time_s, (row.time_s - pacing.start_s) / speed,
-                                      row.entity, row.line, trigger.label(trigger_index), cls, template, text))
+                                      row.entity, row.line, trigger.label(trigger_index), cls, template, text,
+                                      expected))
     return planned
 
 

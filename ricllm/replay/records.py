@@ -24,6 +24,9 @@ SCHEMA_VERSION = 1
 #: How a sent request ended. ``interrupted``: still outstanding when the replay was stopped (Ctrl-C);
 #: ``timeout``: no answer within the drain timeout; ``error``: the engine refused it as malformed.
 STATUSES = ("completed", "rejected", "error", "interrupted", "timeout")
+#: The finish reasons of a request that produced an answer: it ended by itself or at its length
+#: limit (``deadline`` and ``cancelled`` are cut off by the engine, with no answer to act on).
+ANSWERED_REASONS = ("stop", "length")
 
 
 def timeline_sample(kv_cache: Any, running: int, waiting: int) -> dict[str, Any]:
@@ -69,6 +72,23 @@ class RequestRecord:
     met: bool | None = None
     client_met: bool | None = None
     text: str | None = None
+    num_forced_tokens: int | None = None  # tokens the grammar forced (no sampling), when the engine says
+    expected: dict[str, Any] | None = None  # the reference policy's fields for this row (template's expect)
+    valid: bool | None = None  # the answer satisfies its template's constraint; None: no constraint or no answer
+    answer: Any = None  # the parsed answer object of a valid answer
+    correct: bool | None = None  # every expected field equals the answer's; None: no expectation or no answer
+
+    @property
+    def answered(self) -> bool:
+        """Admitted and finished with an answer (possibly an invalid one)."""
+        return self.status == "completed" and self.finish_reason in ANSWERED_REASONS
+
+    @property
+    def useful(self) -> bool | None:
+        """Valid, correct and on time: a decision the RAN can act on; None without a reference policy."""
+        if self.expected is None:
+            return None
+        return bool(self.valid and self.correct and self.met)
 
     def finish(self, status: str, **values: Any) -> None:
         """Set the outcome; ``met`` is false unless the engine says the deadline was met (or none was set)."""

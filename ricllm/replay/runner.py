@@ -51,12 +51,23 @@ class Replayer:
         self.max_lag = 0.0
         self.t0 = 0.0
         self.progress = _Progress(len(plan), scenario.name, progress)
+        self.checks: dict = {}
+
+    async def _start_backend(self) -> dict[str, dict]:
+        """Pin (or register) every template; the report's template entries also say what each holds."""
+        from ricllm.replay.templates import answer_check
+
+        templates = self.scenario.templates()
+        self.checks = {name: answer_check(entry) for name, entry in self.scenario.prompts.templates.items()}
+        pinned = await self.backend.start(self.plan, templates)
+        return {name: {**pinned[name], "examples": t.num_examples,
+                       "constraint": t.structured.kind if t.structured else None} for name, t in templates.items()}
 
     async def run(self) -> ReplayResult:
         loop = asyncio.get_running_loop()
         self._install_sigint(loop)
         try:
-            templates = await self.backend.start(self.plan, self.scenario.template_texts())
+            templates = await self._start_backend()
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             print(f"replaying {len(self.plan)} requests over {self.plan[-1].send_offset_s:.1f} s "
                   f"({self.backend.mode}); Ctrl-C stops and still writes the report", file=sys.stderr, flush=True)
@@ -107,7 +118,7 @@ class Replayer:
             spec = self.scenario.classes[planned.deadline_class]
             record = RequestRecord(planned.request_id, planned.entity, planned.trace_time_s, planned.trace_line,
                                    planned.trigger, planned.deadline_class, planned.template, spec.deadline_ms,
-                                   spec.max_tokens, planned.send_offset_s)
+                                   spec.max_tokens, planned.send_offset_s, expected=planned.expected)
             self.records.append(record)
             self.max_lag = max(self.max_lag, time.perf_counter() - self.t0 - planned.send_offset_s)
             tasks.append(asyncio.create_task(self._one(planned, spec, record)))
@@ -115,7 +126,10 @@ class Replayer:
         return tasks
 
     async def _one(self, planned, spec, record) -> None:
+        from ricllm.replay.decisions import judge
+
         await self.backend.generate(planned, spec, record, self.t0)
+        judge(record, self.checks.get(planned.template))
         self.progress.done(record)
 
     async def _sleep(self, seconds: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -31,6 +31,10 @@ from ricllm.replay.prompts import check_template
 from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
 from ricllm.sampling_params import default_priority
+
+if TYPE_CHECKING:
+    from ricllm.replay.decisions import Policy
+    from ricllm.template import Template
 
 DEFAULT_USER_PROMPT = (
     "Cell {{ entity }} at t={{ time_s | fmt(0) }} s: PRB usage {{ kpi['RRU.PrbUsedDl'] | fmt(0) }} of "
@@ -148,18 +152,100 @@ class Trigger(_Strict):
 
 # ------------------------------------------------------------------- prompts, classes, engine
 
-class TemplateFile(_Strict):
-    file: str = Field(min_length=1)
+class WorkedExample(_Strict):
+    """One worked example: a user turn and the answer it should get, pinned with the system prompt."""
+
+    user: str = Field(min_length=1)
+    assistant: str = Field(min_length=1)
+
+
+class ExpectRule(_Strict):
+    """One rule of a template's reference policy: ``when`` (a threshold expression) then these answer
+    fields; or, last, ``otherwise``."""
+
+    when: str | None = None
+    then: dict[str, Any] | None = Field(None, min_length=1)
+    otherwise: dict[str, Any] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> ExpectRule:
+        if self.otherwise is not None and (self.when is not None or self.then is not None):
+            raise ValueError("a rule is either when + then, or otherwise alone")
+        if self.otherwise is None and (self.when is None or self.then is None):
+            raise ValueError("a rule needs both when and then (or, last, otherwise)")
+        return self
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return self.then if self.otherwise is None else self.otherwise
+
+
+class TemplateSpec(_Strict):
+    """A RAN template: a system prompt (``file`` or ``system``), worked examples, the constraint every
+    answer must satisfy (``schema``, ``choice`` or ``regex``) and the reference policy (``expect``).
+    Checks that need the trace or the files (examples valid, ``then`` fields in the schema) are
+    ``ricllm.replay.templates.template_problems``'."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    file: str | None = Field(None, min_length=1)
+    system: str | None = Field(None, min_length=1)
+    examples: list[WorkedExample] = []
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    regex: str | None = Field(None, min_length=1)
+    expect: list[ExpectRule] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_each(self) -> TemplateSpec:
+        if (self.file is None) == (self.system is None):
+            raise ValueError("a template needs exactly one of file, system")
+        constraints = [n for n, v in (("schema", self.json_schema), ("choice", self.choice), ("regex", self.regex))
+                       if v is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"a template takes at most one of schema, choice, regex; got {', '.join(constraints)}")
+        if self.expect is not None and not constraints:
+            raise ValueError("expect needs schema, choice or regex: an answer is compared field by field")
+        return self
+
+    @field_validator("expect")
+    @classmethod
+    def _ends_with_otherwise(cls, rules: list[ExpectRule] | None) -> list[ExpectRule] | None:
+        otherwise = [i for i, rule in enumerate(rules or []) if rule.otherwise is not None]
+        if rules is not None and otherwise != [len(rules) - 1]:
+            found = f"otherwise at rule {', '.join(str(i) for i in otherwise)}" if otherwise else "no otherwise"
+            raise ValueError(f"expect must end with exactly one otherwise rule (the last); found {found} "
+                             f"of {len(rules)} rules")
+        return rules
+
+    @property
+    def structured(self) -> dict[str, Any] | None:
+        """The constraint in vLLM's ``structured_outputs`` keys (``ricllm.template.Template``'s)."""
+        for kind, value in (("json", self.json_schema), ("choice", self.choice), ("regex", self.regex)):
+            if value is not None:
+                return {kind: value}
+        return None
+
+
+def _template_kind(data: Any) -> str:
+    return "text" if isinstance(data, str) else "spec"
+
+
+# A discriminated union, so a mistake in a template mapping is reported once, not also as "not a string".
+TemplateEntry = Annotated[Annotated[Annotated[str, Field(min_length=1)], Tag("text")]
+                          | Annotated[TemplateSpec, Tag("spec")], Discriminator(_template_kind)]
 
 
 class Prompts(_Strict):
-    """RAN config-template system prompts (pinned once), the user prompt, and which template a row uses.
+    """RAN config templates (pinned once), the user prompt, and which template a row uses. A template is
+    a system prompt (a string, or ``{file: ...}``) or a ``TemplateSpec`` with worked examples, a
+    constraint and a reference policy.
 
     ``select``: ``entity`` (a stable hash of the entity id), ``entity_order`` (the trace's i-th entity
     gets template i mod n: an even spread), ``random`` (seeded) or a template name.
     """
 
-    templates: dict[str, Annotated[str, Field(min_length=1)] | TemplateFile] = {}
+    templates: dict[str, TemplateEntry] = {}
     select: str = "entity"
     user_prompt: str = DEFAULT_USER_PROMPT
 
@@ -228,17 +314,21 @@ class Scenario(_Strict):
             return list(GENERATED_PASSTHROUGH)
         return list(self.trace.passthrough)
 
-    def template_texts(self) -> dict[str, str]:
-        """Template name -> system prompt text, files read relative to the scenario."""
-        return {name: _template_text(value, self.base_dir) for name, value in self.prompts.templates.items()}
+    def templates(self) -> dict[str, Template]:
+        """Template name -> the conversation to pin and its constraint; files read relative to the scenario."""
+        from ricllm.replay.templates import build_template
+
+        return {name: build_template(value, self.base_dir) for name, value in self.prompts.templates.items()}
+
+    def policies(self) -> dict[str, Policy]:
+        """Template name -> its reference policy, for the templates that declare ``expect``."""
+        from ricllm.replay.templates import build_policy
+
+        kpis = self.trace_kpis()
+        return {name: build_policy(value, kpis) for name, value in self.prompts.templates.items()
+                if isinstance(value, TemplateSpec) and value.expect}
 
     def resolve_path(self, value: str) -> str:
         """A path in the file is relative to the scenario's folder."""
         path = Path(value).expanduser()
         return str(path if path.is_absolute() else self.base_dir / path)
-
-
-def _template_text(value: str | TemplateFile, base_dir: Path) -> str:
-    if isinstance(value, str):
-        return value
-    return (base_dir / value.file).read_text(encoding="utf-8").strip()

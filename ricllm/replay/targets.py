@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 TARGET_METRICS = ("met_of_admitted", "met_of_sent", "client_met_of_sent", "admitted_of_sent",
                   "rejected_of_sent", "goodput_rps", "prefix_cache_hit_rate",
+                  "valid_of_answered", "correct_of_answered", "useful_of_sent", "useful_goodput_rps",
                   "p50_ttft_s", "p95_ttft_s", "p99_ttft_s", "p50_e2e_s", "p95_e2e_s", "p99_e2e_s")
 TARGET_OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}

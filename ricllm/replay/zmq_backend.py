@@ -1,6 +1,7 @@
 """The ZeroMQ replay backend: a running ``ricllm serve``, reached through ``AsyncRicClient``.
 
-Templates are registered on the server (and unregistered at the end), requests are streamed so
+Templates are registered on the server (and unregistered at the end) with their worked examples
+and constraint, which every request naming the template inherits; requests are streamed so
 the replay measures its own time to first token, and the server's ``stats`` reply feeds the
 timeline. This path never imports torch, so a replay client can run on a machine without it.
 """
@@ -8,12 +9,23 @@ timeline. This path never imports torch, so a replay client can run on a machine
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
 from ricllm.replay.records import timeline_sample
+
+if TYPE_CHECKING:
+    from ricllm.template import Template
+
+
+def template_digest(template: Template) -> str:
+    """Names a template's content (conversation and constraint), so two scenarios never share an id
+    for different templates."""
+    content = json.dumps([template.message_list, template.structured.key if template.structured else None])
+    return hashlib.sha256(content.encode()).hexdigest()[:10]
 
 
 class ZmqBackend:
@@ -29,15 +41,16 @@ class ZmqBackend:
         self.template_ids: dict[str, str] = {}
         self.version: str | None = None
 
-    async def start(self, plan: list, templates: dict[str, str]) -> dict[str, dict]:
+    async def start(self, plan: list, templates: dict[str, Template]) -> dict[str, dict]:
         try:
             self.version = (await self.client.ping(timeout_s=10)).version
         except TimeoutError:
             raise RicllmError(f"no ricllm server answers at {self.endpoint} (ping timed out after 10 s)") from None
         pinned = {}
-        for name, text in templates.items():
-            wanted = f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
-            reply = await self.client.register_template(text, template_id=wanted)
+        for name, template in templates.items():
+            reply = await self.client.register_template(
+                messages=template.message_list, template_id=f"{name}-{template_digest(template)}",
+                structured=template.structured.to_wire() if template.structured else None)
             self.template_ids[name] = reply.template_id
             pinned[name] = {"template_id": reply.template_id, "tokens": reply.num_tokens,
                             "pinned_tokens": reply.num_pinned_tokens}
@@ -97,4 +110,5 @@ def _fill_from_result(record, result, sent: float, first: float | None, done: fl
                   client_ttft_s=None if first is None else first - sent, client_e2e_s=done - sent,
                   prompt_tokens=result.num_prompt_tokens, output_tokens=len(result.token_ids),
                   cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
-                  granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None)
+                  granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None,
+                  num_forced_tokens=getattr(result, "num_forced_tokens", None))

@@ -15,14 +15,19 @@ from typing import Any
 
 from ricllm.replay.records import load_report, write_report_json
 
-PLOT_FILES = {"latency_cdf": "latency_cdf.png", "timeline": "timeline.png", "trace": "trace.png"}
+PLOT_FILES = {"latency_cdf": "latency_cdf.png", "timeline": "timeline.png", "trace": "trace.png",
+              "decisions": "decisions.png"}
 
 
 def render_plots(report: dict[str, Any]) -> dict[str, bytes]:
+    """The plots; the confusion matrices only when some answer was judged against a reference policy."""
     from ricllm.report import plots
 
-    return {"latency_cdf": plots.latency_cdf(report), "timeline": plots.timeline(report),
+    pngs = {"latency_cdf": plots.latency_cdf(report), "timeline": plots.timeline(report),
             "trace": plots.trace_kpis(report)}
+    if report["aggregates"]["overall"].get("confusion"):
+        pngs["decisions"] = plots.decisions(report)
+    return pngs
 
 
 def write_html(report: dict[str, Any], directory: Path) -> dict[str, Path]:

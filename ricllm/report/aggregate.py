@@ -12,19 +12,37 @@ Definitions (``docs/replay.md`` says the same):
   last answer (or to the interruption).
 - Percentiles are nearest-rank: the smallest value with at least q of the values at or below it.
 - ``prefix_cache_hit_rate = Σ cached prompt tokens / Σ prompt tokens`` over completed requests.
+
+Decisions, over the requests whose template declares a constraint (``valid``) or a reference
+policy (``correct``, ``useful``):
+
+- ``answered``: admitted and finished with an answer (finish reason ``stop`` or ``length``; one
+  cut off at its deadline or cancelled has none).
+- ``valid_of_answered = valid / answered``: the answer parses and satisfies the template's
+  schema, choice or regex; one that ended by length is invalid.
+- ``correct_of_answered = correct / answered``: valid, and every field the policy expects for
+  the request's KPI row equals the answer's.
+- ``useful``: valid, correct and on time (met); ``useful_of_sent = useful / sent``,
+  ``useful_goodput_rps = useful / wall_s``.
+- ``confusion[template][field][expected][answered]``: answered requests counted by the expected
+  and the answered value of each expected field; ``invalid`` for an invalid answer, ``(absent)``
+  for a valid one without that field.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ricllm.replay.decisions import MISSING
 from ricllm.replay.records import RequestRecord
 from ricllm.replay.targets import Target, parse_target
 
 PERCENTILES = (50, 95, 99)
+INVALID, ABSENT = "invalid", "(absent)"  # confusion-matrix columns besides the answered values
 LATENCIES = ("ttft_s", "e2e_s")
 
 
@@ -62,6 +80,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         "output_tokens": sum(r.output_tokens or 0 for r in completed),
     }
     summary["prefix_cache_hit_rate"] = _ratio(summary["cached_tokens"], prompt)
+    summary.update(decision_summary(records, wall_s))
     for side in ("server", "client"):
         for latency in LATENCIES:
             values = [v for r in completed if (v := getattr(r, f"{side}_{latency}")) is not None]
@@ -69,6 +88,58 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
             for q in PERCENTILES:
                 summary[f"{prefix}p{q}_{latency}"] = percentile(values, q)
     return summary
+
+
+def decision_summary(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
+    """Valid, correct and useful answers (the definitions above); rates are None where no request
+    of the group has a constraint or a policy to judge by."""
+    answered = [r for r in records if r.answered]
+    constrained = [r for r in answered if r.valid is not None]
+    judged = [r for r in answered if r.expected is not None]
+    with_policy = [r for r in records if r.expected is not None]
+    valid, correct = sum(1 for r in constrained if r.valid), sum(1 for r in judged if r.correct)
+    useful = sum(1 for r in with_policy if r.useful)
+    return {
+        "answered": len(answered), "valid": valid, "invalid": len(constrained) - valid, "correct": correct,
+        "wrong": len(judged) - correct, "useful": useful,
+        "valid_of_answered": _ratio(valid, len(constrained)), "correct_of_answered": _ratio(correct, len(judged)),
+        "useful_of_sent": _ratio(useful, len(with_policy)),
+        "useful_goodput_rps": useful / wall_s if wall_s > 0 and with_policy else None,
+        "forced_tokens": sum(r.num_forced_tokens or 0 for r in answered),
+        "confusion": confusion(judged),
+    }
+
+
+def confusion(records: Iterable[RequestRecord]) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+    """``[template][field][expected][answered]`` counts over answered requests with an expectation."""
+    matrices: dict = {}
+    for r in records:
+        for field, value in r.expected.items():
+            row = matrices.setdefault(r.template, {}).setdefault(field, {}).setdefault(value_label(value), {})
+            column = _answered_label(r, field)
+            row[column] = row.get(column, 0) + 1
+    return matrices
+
+
+def value_label(value: Any) -> str:
+    """A field's value as a matrix label: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _answered_label(record: RequestRecord, field: str) -> str:
+    if not record.valid:
+        return INVALID
+    value = record.answer.get(field, MISSING) if isinstance(record.answer, dict) else MISSING
+    return ABSENT if value is MISSING else value_label(value)
+
+
+def matrix_axes(matrix: dict[str, dict[str, int]]) -> tuple[list[str], list[str]]:
+    """Rows (expected values) and columns: the expected values first, so the diagonal is the correct
+    answers, then other answered values, ``(absent)`` if any, and always ``invalid``."""
+    rows = sorted(matrix)
+    answered = {column for counts in matrix.values() for column in counts}
+    others = sorted(answered - set(rows) - {ABSENT, INVALID})
+    return rows, rows + others + ([ABSENT] if ABSENT in answered else []) + [INVALID]
 
 
 def aggregate(records: Sequence[RequestRecord], wall_s: float, class_names: Iterable[str],
@@ -96,6 +167,9 @@ def evaluate_targets(targets: dict[str, list[str]], aggregates: dict[str, Any]) 
 
 # ---------------------------------------------------------------------------------- formatting
 
+RATE_PREFIXES = ("met_", "client_met", "admitted_of", "rejected_of", "valid_of", "correct_of", "useful_of")
+
+
 def fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f}%"
 
@@ -116,8 +190,7 @@ def fmt_value(metric: str, value: Any) -> str:
         return fmt_ms(value)
     if metric.endswith("_rps"):
         return fmt_rate(value)
-    if isinstance(value, float) and (metric.startswith(("met_", "client_met", "admitted_of", "rejected_of"))
-                                     or metric.endswith(("_rate", "_fraction"))):
+    if isinstance(value, float) and (metric.startswith(RATE_PREFIXES) or metric.endswith(("_rate", "_fraction"))):
         return fmt_pct(value)
     if isinstance(value, dict):
         return ", ".join(f"{k} {v}" for k, v in value.items()) or "none"
@@ -132,7 +205,11 @@ TABLE_METRICS = (
     ("rejected", "rejected"), ("rejected_by_reason", "rejected by reason"), ("completed", "completed"),
     ("interrupted", "interrupted"), ("met", "met"), ("met_of_admitted", "met % of admitted"),
     ("met_of_sent", "met % of sent"), ("client_met_of_sent", "met % of sent (client clock)"),
-    ("goodput_rps", "goodput (met per s)"), ("p50_ttft_s", "TTFT p50"), ("p95_ttft_s", "TTFT p95"),
+    ("goodput_rps", "goodput (met per s)"), ("answered", "answered"),
+    ("valid_of_answered", "valid % of answered"), ("correct_of_answered", "correct % of answered"),
+    ("useful", "useful (valid, correct, met)"), ("useful_of_sent", "useful % of sent"),
+    ("useful_goodput_rps", "useful goodput (per s)"), ("forced_tokens", "tokens forced by the grammar"),
+    ("p50_ttft_s", "TTFT p50"), ("p95_ttft_s", "TTFT p95"),
     ("p99_ttft_s", "TTFT p99"), ("p50_e2e_s", "E2E p50"), ("p95_e2e_s", "E2E p95"), ("p99_e2e_s", "E2E p99"),
     ("client_p95_e2e_s", "E2E p95 (client)"), ("prefix_cache_hit_rate", "prefix-cache hit rate"),
 )

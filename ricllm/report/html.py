@@ -8,7 +8,7 @@ import json
 from html import escape
 from typing import Any
 
-from ricllm.report.aggregate import TABLE_METRICS, fmt_value
+from ricllm.report.aggregate import TABLE_METRICS, fmt_value, matrix_axes
 
 STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em auto;max-width:1200px;color:#222}
@@ -43,6 +43,32 @@ def class_table(aggregates: dict[str, Any]) -> str:
     scopes = {"overall": aggregates["overall"], **aggregates["classes"]}
     rows = [[label, *(fmt_value(metric, s.get(metric)) for s in scopes.values())] for metric, label in TABLE_METRICS]
     return _table(["metric", *scopes], rows)
+
+
+def confusion_table(matrix: dict[str, dict[str, int]]) -> str:
+    """Expected values down, answered values across (the diagonal is correct), with row totals."""
+    rows, columns = matrix_axes(matrix)
+    body = [[expected, *(matrix[expected].get(c, 0) for c in columns), sum(matrix[expected].values())]
+            for expected in rows]
+    return _table(["expected \\ answered", *columns, "total"], body)
+
+
+def confusion_block(confusion: dict[str, Any]) -> str:
+    """One confusion table per template and expected field."""
+    return "\n".join(f"<h3>{escape(template)}: {escape(field)}</h3>{confusion_table(matrix)}"
+                     for template, fields in confusion.items() for field, matrix in fields.items())
+
+
+def decisions_section(report: dict[str, Any], plots: dict[str, bytes]) -> list[str]:
+    """The answers judged against each template's reference policy: overall, then per class."""
+    aggregates = report["aggregates"]
+    if not aggregates["overall"].get("confusion"):
+        note = "No template declares a reference policy (<code>expect</code>): no answer was judged correct or wrong."
+        return ["<h2>Decisions</h2>", f"<p>{note}</p>"]
+    classes = [f"<details><summary>class {escape(name)}</summary>{confusion_block(summary['confusion'])}</details>"
+               for name, summary in aggregates["classes"].items() if summary.get("confusion")]
+    return ["<h2>Decisions: expected vs answered</h2>", _img(plots["decisions"], "confusion matrices"),
+            confusion_block(aggregates["overall"]["confusion"]), *classes]
 
 
 def targets_block(report: dict[str, Any]) -> str:
@@ -81,7 +107,7 @@ def _dict_table(data: dict[str, Any]) -> str:
 def _requests_table(report: dict[str, Any]) -> str:
     columns = ("id", "entity", "trace_time_s", "deadline_class", "template", "status", "rejection_code",
                "server_ttft_s", "server_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
-               "output_tokens", "met", "text")
+               "output_tokens", "met", "valid", "correct", "expected", "answer", "text")
     rows = [[_cell(r.get(c)) for c in columns] for r in report["requests"]]
     return (f'<details><summary>All {len(rows)} requests</summary>'
             f"{_table(list(columns), rows, left=2)}</details>")
@@ -92,6 +118,8 @@ def _cell(value: Any) -> str:
         return ""
     if isinstance(value, float):
         return f"{value:.4f}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"))
     return str(value)
 
 
@@ -103,6 +131,7 @@ def render_report(report: dict[str, Any], plots: dict[str, bytes]) -> str:
         f"<h1>ricllm replay: {escape(name)}</h1>", _meta(report),
         "<h2>Compliance</h2>", targets_block(report),
         "<h2>Per deadline class</h2>", class_table(report["aggregates"]),
+        *decisions_section(report, plots),
         "<h2>Latency against the deadline</h2>", _img(plots["latency_cdf"], "latency CDF"),
         "<h2>Timeline</h2>", _img(plots["timeline"], "timeline"),
         "<h2>Trace and the requests it triggered</h2>", _img(plots["trace"], "trace KPIs"),
@@ -138,7 +167,7 @@ def _scope(report: dict[str, Any], scope: str) -> dict[str, Any]:
 def _change(metric: str, x: Any, y: Any) -> str:
     if not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or isinstance(x, bool):
         return ""
-    if metric.endswith(("_of_sent", "_of_admitted", "_rate")):
+    if metric.endswith(("_of_sent", "_of_admitted", "_of_answered", "_rate")):
         return f"{(y - x) * 100:+.1f} pp"
     return f"{(y - x) / x * 100:+.1f}%" if x else ""
 

@@ -198,6 +198,39 @@ def _request_raster(ax, report: dict[str, Any], entities: list[str]) -> None:
     ax.grid(alpha=0.3)
 
 
+def decisions(report: dict[str, Any]) -> bytes:
+    """The overall confusion matrices, one heatmap per template and expected field: expected values
+    down, answered across, each cell's count written in it; the diagonal is the correct answers."""
+    from ricllm.report.aggregate import matrix_axes
+
+    plt = _pyplot()
+    panels = [(f"{template}: {field}", matrix) for template, fields in report["aggregates"]["overall"]["confusion"].items()
+              for field, matrix in fields.items()]
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, (title, matrix) in zip(axes.flat, panels):
+        _heatmap(ax, matrix_axes(matrix), matrix, title)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_axis_off()
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _heatmap(ax, labels: tuple[list[str], list[str]], matrix: dict[str, dict[str, int]], title: str) -> None:
+    rows, columns = labels
+    counts = [[matrix[r].get(c, 0) for c in columns] for r in rows]
+    ax.imshow(counts, cmap="Blues", aspect="auto")
+    peak = max(max(row) for row in counts) or 1
+    for i, row in enumerate(counts):
+        for j, count in enumerate(row):
+            ax.text(j, i, str(count), ha="center", va="center", fontsize=8,
+                    color="white" if count > peak / 2 else "black")
+    ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right", fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set(title=title, xlabel="answered", ylabel="expected")
+
+
 def compare_cdf(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str]) -> bytes:
     """E2E CDFs of both runs per class: A solid, B dashed; deadlines dotted."""
     plt = _pyplot()

@@ -8,7 +8,8 @@ from ricllm.report.aggregate import fmt_value
 
 SUMMARY_COLUMNS = (
     ("sent", "sent"), ("admitted", "admitted"), ("rejected", "rejected"), ("met_of_admitted", "met % adm."),
-    ("met_of_sent", "met % sent"), ("goodput_rps", "goodput"), ("p95_ttft_s", "TTFT p95"),
+    ("met_of_sent", "met % sent"), ("goodput_rps", "goodput"), ("valid_of_answered", "valid %"),
+    ("correct_of_answered", "correct %"), ("useful_goodput_rps", "useful/s"), ("p95_ttft_s", "TTFT p95"),
     ("p95_e2e_s", "E2E p95"), ("prefix_cache_hit_rate", "cache hit"),
 )
 

@@ -326,8 +326,9 @@ def test_bundled_scenarios_load_and_plan(name):
     scenario = load_scenario(name)
     plan = plan_requests(scenario, load_scenario_trace(scenario))
     assert scenario.name == name and plan and scenario.targets
-    assert set(scenario.template_texts()) == {p.template for p in plan}
-    assert all(len(text) > 800 for text in scenario.template_texts().values())  # long, worth pinning
+    templates = scenario.templates()
+    assert set(templates) == {p.template for p in plan}
+    assert all(len(t.system_prompt) > 800 for t in templates.values())  # long, worth pinning
 
 
 def test_bundled_list():
