@@ -139,6 +139,8 @@ class EngineSettings(StrictModel):
                                           flag="prefix-caching")
     weight_cache: bool = setting(True, "reuse converted weights from $RICLLM_CACHE_DIR/weights: later starts "
                                        "in about a second")
+    jump_forward: bool = setting(True, "a constrained answer's forced tokens (its JSON keys, quotes and "
+                                       "braces) are computed as one chunk in the next step; off: one per step")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     latency_fit: NonEmpty | None = setting(
         None, "JSON file of a latency-model fit (LatencyModel.save); null: calibrate at start (cached on disk)",

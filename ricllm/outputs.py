@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REJECTION_CODES = ("KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL")
+REJECTION_CODES = ("KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "OUTPUT_TOO_SHORT")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class RequestOutput:
     ``rejection``) or ``deadline`` (aborted once its deadline passed, when so configured).
     ``deadline_met`` is None when the request had no deadline or was rejected. ``degradation``
     is set when the ``degrade`` policy admitted it with a smaller ``max_tokens`` than asked.
+    A constrained answer that ends by ``length`` is incomplete (it does not parse): never hidden.
     """
 
     request_id: str
@@ -61,6 +62,7 @@ class RequestOutput:
     deadline_met: bool | None = None
     deadline_ms: float | None = None
     degradation: Degradation | None = None  # set when admission shrank max_tokens (degrade policy)
+    num_forced_tokens: int = 0  # output tokens the answer's grammar forced (appended without sampling)
 
     @property
     def tpot_s(self) -> float | None:

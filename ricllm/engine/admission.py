@@ -51,8 +51,10 @@ class Work:
 
 
 def work_of(seq: Sequence) -> Work:
-    """Pinned prefix blocks are never recomputed, so they are not prefill work."""
-    prefill_left = max(seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.pinned_prefix_tokens), 0)
+    """Pinned prefix blocks are never recomputed, so they are not prefill work; an answer's forced
+    start is prefilled with the prompt, so it is."""
+    prefill_tokens = seq.num_prompt_tokens + seq.num_forced_at_arrival
+    prefill_left = max(prefill_tokens - max(seq.num_computed_tokens, seq.pinned_prefix_tokens), 0)
     decode_left = seq.params.max_tokens - seq.num_output_tokens
     return Work(seq.deadline, prefill_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id)
@@ -164,7 +166,7 @@ class AdmissionController:
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if not isinstance(with_tokens(middle), Rejection) else (low, middle - 1)
-        verdict = with_tokens(low) if low >= 1 else refusal
+        verdict = with_tokens(low) if low >= seq.min_output_tokens else refusal  # never below a whole answer
         if isinstance(verdict, Rejection):
             seq.params = requested
             return refusal

@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.config import EngineConfig
@@ -29,8 +29,9 @@ from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from ricllm.outputs import RequestOutput
+from ricllm.outputs import Rejection, RequestOutput
 from ricllm.sampling_params import SamplingParams
+from ricllm.structured.spec import StructuredSpec
 from ricllm.units import format_bytes
 
 log = get_logger("ricllm.engine")
@@ -66,8 +67,10 @@ class LLMEngine:
         self.deadline_counts = {"met": 0, "missed": 0}
         self.slack_ms: deque[float] = deque(maxlen=4096)  # deadline − finish, of finished deadline requests
         self._rejected: list[RequestOutput] = []
+        self._grammars = None  # a GrammarCompiler, built with the first constraint
         self.admission = None
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   jump_forward=config.jump_forward)
         if config.admission.policy != "off":
             self.admission = self._build_admission(latency_model)  # may calibrate: runs real steps first
             self.scheduler.gate = self.admission
@@ -166,16 +169,24 @@ class LLMEngine:
         next ``step``).
         """
         text, token_ids = self.encode_prompt(prompt)
-        self.validate(token_ids, params)
+        guide = self._guide(params)
         now = self.clock()
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text,
-                       pin_on_finish=pin_on_finish, arrival_time=now)
+                       pin_on_finish=pin_on_finish, arrival_time=now, guide=guide)
+        if guide is not None and self._bound_by_grammar(seq, now) is not None:
+            return seq
+        self.validate(token_ids, seq.params)
         if params.deadline_ms is not None:
             seq.deadline = now + params.deadline_ms / 1000
+        if guide is not None:
+            self._append_forced(seq, guide.forced_tokens(), at_arrival=True)
         if self.admission is not None and self._admit(seq, now) is not None:
             return seq
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        for token in seq.output_token_ids:  # the answer's forced start
+            seq.detokenizer.add(token)
+        seq.output_text = seq.detokenizer.text
         if not params.greedy:
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._seeds.randrange(2**31)
             seq.generator = self.runtime.new_generator(seed)
@@ -202,17 +213,64 @@ class LLMEngine:
                 "QUEUE_FULL", f"{self.config.max_num_seqs} deadline requests already hold every seat of the "
                 f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
         if rejection is not None:
-            seq.rejection = rejection
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "rejected"
-            seq.finish_time = now
-            self._rejected.append(self._output(seq))
-            log.info("request_rejected", request_id=seq.request_id, code=rejection.code, **rejection.numbers)
+            self._refuse(seq, rejection, now)
         elif seq.degradation is not None:
             d = seq.degradation
             log.info("request_degraded", request_id=seq.request_id, code=d.code,
                      requested_max_tokens=d.requested_max_tokens, granted_max_tokens=d.granted_max_tokens)
         return rejection
+
+    def _refuse(self, seq: Sequence, rejection: Rejection, now: float) -> None:
+        seq.rejection = rejection
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "rejected"
+        seq.finish_time = now
+        self._rejected.append(self._output(seq))
+        log.info("request_rejected", request_id=seq.request_id, code=rejection.code, **rejection.numbers)
+
+    # ------------------------------------------------------------ constrained answers
+
+    def compile_structured(self, spec: StructuredSpec | dict):
+        """Compile (once: cached by its key) a constraint; ``InvalidRequestError`` if it cannot be.
+        Templates call this when they are registered or pinned, so their requests find it compiled."""
+        if self._grammars is None:
+            from ricllm.structured.compiler import GrammarCompiler  # llguidance only for engines that constrain
+
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars.compile(StructuredSpec.parse(spec))
+
+    def _guide(self, params: SamplingParams):
+        if params.structured is None:
+            return None
+        from ricllm.structured.guide import Guide
+
+        return Guide(self.compile_structured(params.structured))
+
+    def _bound_by_grammar(self, seq: Sequence, now: float) -> Rejection | None:
+        """Refuse a ``max_tokens`` shorter than any complete answer; cap it at the longest one."""
+        grammar, requested = seq.guide.grammar, seq.params.max_tokens
+        seq.min_output_tokens = grammar.min_tokens
+        if requested < grammar.min_tokens:
+            rejection = Rejection(
+                "OUTPUT_TOO_SHORT", f"max_tokens {requested} is shorter than the shortest complete answer "
+                f"the constraint allows ({grammar.min_tokens} tokens); it would end as invalid output",
+                {"max_tokens": requested, "shortest_answer_tokens": grammar.min_tokens})
+            self._refuse(seq, rejection, now)
+            return rejection
+        if grammar.max_tokens is not None and grammar.max_tokens < requested:
+            seq.params = replace(seq.params, max_tokens=grammar.max_tokens)  # admission plans with the bound
+        return None
+
+    def _append_forced(self, seq: Sequence, forced: list[int], at_arrival: bool = False) -> list[int]:
+        """Append the grammar's forced tokens without sampling; the next step computes them as one chunk."""
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        forced = forced[:max(room, 0)]
+        seq.guide.accept(forced)
+        seq.token_ids += forced
+        seq.num_forced_tokens += len(forced)
+        if at_arrival:
+            seq.num_forced_at_arrival = len(forced)
+        return forced
 
     def _check_well_formed(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -250,6 +308,7 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
             self.cache.cache_full_blocks(seq)
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
+        logits = self._mask_constrained(logits, ready)
         tokens = self.runtime.sample(logits, [s.params for s in ready], [s.generator for s in ready])
         now = self.clock()
         self._record_step(features, now - started)
@@ -258,6 +317,14 @@ class LLMEngine:
             if reason is not None:
                 finished.append(self._finish(seq, reason, now))
         return finished
+
+    def _mask_constrained(self, logits, ready: list[Sequence]):
+        rows = [row for row, seq in enumerate(ready) if seq.guide is not None]
+        if not rows:
+            return logits
+        from ricllm.structured.guide import allowed_tokens
+
+        return self.runtime.mask(logits, rows, allowed_tokens([ready[r].guide for r in rows], logits.shape[-1]))
 
     def _check_stepping_thread(self) -> None:
         """Warn (once per thread) when steps run on a thread other than the engine's building one
@@ -323,6 +390,27 @@ class LLMEngine:
         seq.output_text = seq.detokenizer.text
         if params.stop and self._truncate_at_stop(seq):
             return "stop"
+        if reason is None and seq.guide is not None:
+            return self._follow_grammar(seq, token)
+        return reason
+
+    def _follow_grammar(self, seq: Sequence, token: int) -> str | None:
+        """Feed the sampled token to the grammar, then append what it forces; "stop" once the
+        answer is whole (no end token to sample), "length" if the forced tokens ran out of room."""
+        seq.guide.accept([token])
+        for forced_token in self._append_forced(seq, seq.guide.forced_tokens()):
+            seq.detokenizer.add(forced_token)
+        if seq.guide.is_complete:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            seq.detokenizer.finish()
+        seq.output_text = seq.detokenizer.text
+        if seq.params.stop and self._truncate_at_stop(seq):
+            return "stop"
         return reason
 
     @staticmethod
@@ -346,7 +434,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason, ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
             admitted=not rejected, rejection=seq.rejection, deadline_met=met,
-            deadline_ms=seq.params.deadline_ms, degradation=seq.degradation)
+            deadline_ms=seq.params.deadline_ms, degradation=seq.degradation, num_forced_tokens=seq.num_forced_tokens)
 
     # ------------------------------------------------------------ pinned prefixes (templates)
 

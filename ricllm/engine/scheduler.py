@@ -61,7 +61,9 @@ class ScheduledBatch:
 class Scheduler:
     """``gate`` is the admission controller (None: plain continuous batching, everything FCFS)."""
 
-    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, gate=None):
+    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, gate=None,
+                 jump_forward: bool = True):
+        self.jump_forward = jump_forward  # off: known output tokens (forced ones) are computed one per step
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -105,13 +107,19 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue  # preempted earlier in this step
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
             if self._allocate_or_preempt(seq, num_new, {s for s, _ in items}):
                 items.append((seq, num_new))
                 budget -= num_new
             else:
                 preempted = True
         return budget, preempted
+
+    def _chunk(self, seq: Sequence, num_new: int) -> int:
+        """Without jump-forward, output tokens are computed one per step, as if each were decoded."""
+        if self.jump_forward:
+            return num_new
+        return min(num_new, max(seq.num_prompt_tokens - seq.num_computed_tokens, 1))
 
     def _running_best_effort(self) -> int:
         return sum(1 for s in self.running if not s.promised)
@@ -123,7 +131,7 @@ class Scheduler:
             if not seq.promised and not self._best_effort_may_join(now):
                 break
             hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
-            num_new = min(seq.num_tokens - len(hits) * self.cache.block_size, budget)
+            num_new = self._chunk(seq, min(seq.num_tokens - len(hits) * self.cache.block_size, budget))
             allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
                          else self._within_unreserved(seq, num_new, hits) and self.cache.allocate(seq, num_new, hits))
             if not allocated:

@@ -44,6 +44,10 @@ class Sequence:
     reserved_blocks: int = 0  # worst-case blocks set aside by admission
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
     pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
+    guide: object = None  # a ricllm.structured.guide.Guide when the answer is constrained
+    num_forced_tokens: int = 0  # output tokens the grammar forced: appended without sampling
+    num_forced_at_arrival: int = 0  # of those, the answer's forced start, prefilled with the prompt
+    min_output_tokens: int = 1  # the shortest complete answer (its grammar's); degrading never goes below
     rejection: object = None  # ricllm.outputs.Rejection when admission refused it
     degradation: object = None  # ricllm.outputs.Degradation when admission shrank max_tokens
     first_scheduled_time: float | None = None

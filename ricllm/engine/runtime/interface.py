@@ -33,6 +33,7 @@ Device = Union["torch.device", str]  # the native runtime's is "cpu"
 DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16"
 Generator = Union["torch.Generator", "np.random.Generator"]
 Sampler = Callable[[Any, "list[SamplingParams]", "list[Generator | None]"], "list[int]"]
+Masker = Callable[[Any, "list[int]", "np.ndarray"], Any]  # (logits, rows, allowed) -> the masked logits
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Runtime:
     kv_cache: KVStore
     runner: Runner
     sample: Sampler  # (logits, params, generators) -> token ids
+    mask: Masker  # forbids on the constrained rows what their grammar does not allow, before sampling
     new_generator: Callable[[int], Generator]  # a seeded generator for one sampled request
     device: Device
     dtype: DType

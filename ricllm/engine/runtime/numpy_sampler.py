@@ -48,3 +48,9 @@ def sample(logits: np.ndarray, params: list[SamplingParams], generators: list) -
 
 def new_generator(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
+
+
+def mask(logits: np.ndarray, rows: list[int], allowed: np.ndarray) -> np.ndarray:
+    """Forbid the tokens a row's constraint does not allow (``allowed [len(rows), vocab]``)."""
+    logits[rows] = np.where(allowed, logits[rows], np.float32(-np.inf))
+    return logits

@@ -34,3 +34,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = torch.softmax(filter_logits(logits[row], p), dim=-1)
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=gen)))
     return tokens
+
+
+@torch.inference_mode()
+def mask(logits: torch.Tensor, rows: list[int], allowed) -> torch.Tensor:
+    """Forbid the tokens a row's constraint does not allow (``allowed``: numpy booleans ``[len(rows), vocab]``)."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    forbidden = ~torch.from_numpy(allowed).to(logits.device)
+    logits[index] = logits.index_select(0, index).masked_fill(forbidden, float("-inf"))
+    return logits

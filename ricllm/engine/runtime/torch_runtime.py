@@ -13,7 +13,7 @@ from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.config import EngineConfig
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.model_runner import ModelRunner
-from ricllm.engine.runtime.sampler import sample
+from ricllm.engine.runtime.sampler import mask, sample
 from ricllm.model import weight_cache
 from ricllm.model.heap import release_free_heap
 from ricllm.model.llama import LlamaModel
@@ -93,7 +93,7 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
     kv_cache = KVCache(loaded.spec, geometry, dtype, device)
     return Runtime(
         name="torch", why=why, spec=loaded.spec, tokenizer=loaded.tokenizer, model=loaded.model,
-        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample,
+        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample, mask=mask,
         new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
         weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s)

@@ -1,0 +1,118 @@
+"""Constraints compiled for one tokenizer with llguidance, cached by their key.
+
+llguidance was chosen over xgrammar (``benchmarks/bench_grammar_engines.py``): it needs neither
+torch nor transformers, so the native runtime keeps its torch-free process, and it fills numpy
+bitmasks and reports the tokens the grammar forces. Its tokenizer bridge costs ~0.2 s, so it is
+built on the first constraint, not at engine start: engines that never constrain pay nothing.
+A compiled grammar keeps a fresh matcher that each request deep-copies (no per-request compile).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+
+from ricllm.errors import InvalidRequestError
+from ricllm.logging import get_logger
+from ricllm.model.tokenizer import Tokenizer
+from ricllm.structured import bounds
+from ricllm.structured.spec import StructuredSpec
+
+log = get_logger("ricllm.structured")
+CACHE_SIZE = 256  # compiled grammars kept; a deployment has a handful of templates, each compiled once
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """``min_tokens``: the fewest tokens of a complete answer; ``max_tokens``: the most, its end
+    token included, or None when the constraint does not bound it."""
+
+    spec: StructuredSpec
+    grammar: str
+    min_tokens: int
+    max_tokens: int | None
+    fresh: llguidance.LLMatcher
+    fresh_vocab_size: int  # the grammar's tokenizer's vocabulary: the width of its masks
+
+    def new_matcher(self) -> llguidance.LLMatcher:
+        return self.fresh.deep_copy()
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._token_texts: tuple[frozenset[str], int] | None = None
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self.num_compiled = 0
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                self.tokenizer.backend.to_str(), eos_token=sorted(self.tokenizer.eos_token_ids))
+        return self._ll_tokenizer
+
+    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        """The compiled constraint; ``InvalidRequestError`` names what the grammar engine refused."""
+        if spec.key in self._cache:
+            self._cache.move_to_end(spec.key)
+            return self._cache[spec.key]
+        compiled = self._compile(spec)
+        self._cache[spec.key] = compiled
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        grammar = _grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise InvalidRequestError(f"structured {spec.kind} cannot be compiled: {error.strip()}")
+        fresh = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if fresh.is_error():
+            raise InvalidRequestError(f"structured {spec.kind} cannot be compiled: {fresh.get_error()}")
+        longest = bounds.longest_bytes(spec)
+        compiled = CompiledGrammar(spec, grammar, self._fewest_tokens(bounds.shortest_answers(spec)),
+                                   None if longest is None else longest + 1, fresh, self.ll_tokenizer.vocab_size)
+        self.num_compiled += 1
+        log.info("grammar_compiled", kind=spec.kind, key=spec.key, min_tokens=compiled.min_tokens,
+                 max_tokens=compiled.max_tokens)
+        return compiled
+
+    def _fewest_tokens(self, answers: list[str] | None) -> int:
+        """The fewest tokens that spell one of the answers (1 when they are not known)."""
+        if not answers:
+            return 1
+        return max(1, min(self._segment(text) for text in answers))
+
+    def _segment(self, text: str) -> int:
+        """Fewest vocabulary tokens whose texts concatenate to ``text`` (shortest path, by DP)."""
+        vocabulary, longest = self._vocabulary()
+        fewest = [0] + [len(text) + 1] * len(text)
+        for end in range(1, len(text) + 1):
+            for start in range(max(0, end - longest), end):
+                if fewest[start] + 1 < fewest[end] and text[start:end] in vocabulary:
+                    fewest[end] = fewest[start] + 1
+        return fewest[-1] if fewest[-1] <= len(text) else len(text.encode())
+
+    def _vocabulary(self) -> tuple[frozenset[str], int]:
+        if self._token_texts is None:
+            size = self.tokenizer.backend.get_vocab_size()
+            texts = self.tokenizer.backend.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
+            kept = frozenset(t for t in texts if t and "\ufffd" not in t)
+            self._token_texts = (kept, max(len(t) for t in kept))
+        return self._token_texts
+
+
+def _grammar_text(spec: StructuredSpec) -> str:
+    if spec.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults={"whitespace_flexible": False})
+    if spec.kind == "choice":
+        return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.value)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    return llguidance.LLMatcher.grammar_from_lark(spec.value)
