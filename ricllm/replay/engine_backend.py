@@ -45,7 +45,10 @@ class InProcessBackend:
         self.templates = templates
         pinned, prefixes = {}, {}
         for name, template in templates.items():
-            pinned[name], prefixes[name] = await _await(self.thread.call(lambda e, t=template: _pin_template(e, t)))
+            try:
+                pinned[name], prefixes[name] = await _await(self.thread.call(lambda e, t=template: _pin_template(e, t)))
+            except RicllmError as exc:  # a constraint the engine cannot compile, a template that does not fit
+                raise type(exc)(f"template {name!r}: {exc}") from None
         tokenizer = self.thread.engine.tokenizer
         self.prompts = await loop.run_in_executor(None, _render_all, tokenizer, plan, prefixes)
         return pinned
@@ -216,4 +219,4 @@ def _fill_from_output(record, output, sent: float, first: float | None, done: fl
                   prompt_tokens=len(output.prompt_token_ids), output_tokens=len(output.token_ids),
                   cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text,
                   granted_max_tokens=output.degradation.granted_max_tokens if output.degradation else None,
-                  num_forced_tokens=getattr(output, "num_forced_tokens", None), **common)
+                  num_forced_tokens=output.num_forced_tokens, **common)
