@@ -227,6 +227,83 @@ def test_ctrl_c_still_writes_the_report(tiny_gguf, fit_file, tmp_path):
     assert "interrupted" in " ".join(parse_html(out / "report.html").text).lower()
 
 
+DECISIONS = """\
+name: tiny-decisions
+seed: 3
+trace:
+  generator: {{cells: 3, duration_s: 4, interval_s: 0.5, seed: 1, outages: 1}}
+pacing: {{speed: 4, drain_timeout_s: 30}}
+triggers:
+  - every_row
+classes:
+  near_rt: {{deadline_ms: 4000, max_tokens: 16, temperature: 1.0}}
+prompts:
+  templates:
+    congestion:
+      system: "You are a tiny RAN assistant for congestion. Answer with one action."
+      examples:
+        - {{user: "cell cell9 prb 90 sinr 3.0", assistant: offload}}
+        - {{user: "cell cell8 prb 10 sinr 9.0", assistant: hold}}
+      choice: [offload, hold, escalate]
+      expect:
+        - when: "RRU.PrbTotDl > 50"
+          then: {{answer: offload}}
+        - when: "missing(L1M.DL-SS-SINR)"
+          then: {{answer: escalate}}
+        - otherwise: {{answer: hold}}
+  user_prompt: "cell {{{{ entity }}}} prb {{{{ kpi['RRU.PrbTotDl'] | fmt(0) }}}} sinr {{{{ kpi['L1M.DL-SS-SINR'] | fmt(1) }}}}"
+engine:
+  model: {model}
+  latency_fit: {fit}
+  dtype: float32
+  kv_cache_budget: 2MiB
+targets:
+  overall: ["valid_of_answered >= 1.0"]
+"""
+
+
+def policy_answer(kpis: dict) -> str:
+    """DECISIONS' policy, written out again."""
+    if kpis["RRU.PrbTotDl"] is not None and kpis["RRU.PrbTotDl"] > 50:
+        return "offload"
+    return "escalate" if kpis["L1M.DL-SS-SINR"] is None else "hold"
+
+
+def test_a_choice_template_gets_only_valid_answers_and_they_are_judged(tiny_gguf, fit_file, tmp_path, capsys):
+    """The random model, sampling at temperature 1, answers only with one of the choices once the engine
+    applies the template's constraint; each answer is judged against the policy's answer for its row."""
+    from ricllm.replay.loading import load_scenario, load_scenario_trace
+
+    path = tmp_path / "decisions.yaml"
+    path.write_text(DECISIONS.format(model=tiny_gguf, fit=fit_file))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+        code = main(["replay", str(path), "--out", str(tmp_path / "report"), "--no-progress"])
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert code == 0 and report["compliant"], report["targets"]
+    rows = {(r.entity, r.time_s): r.kpis for r in load_scenario_trace(load_scenario(path)).rows}
+    requests = report["requests"]
+    assert len(requests) == 24 and all(r["status"] == "completed" and r["finish_reason"] == "stop" for r in requests)
+    for r in requests:
+        expected = policy_answer(rows[(r["entity"], r["trace_time_s"])])
+        assert r["valid"] is True and r["text"] in ("offload", "hold", "escalate") and r["answer"] == {"answer": r["text"]}
+        assert r["expected"] == {"answer": expected} and r["correct"] is (r["text"] == expected)
+        assert isinstance(r["num_forced_tokens"], int)
+    assert {r["expected"]["answer"] for r in requests} >= {"escalate", "hold"}  # the outage's dark rows escalate
+    overall = report["aggregates"]["overall"]
+    assert overall["valid_of_answered"] == 1.0 and overall["answered"] == 24
+    assert overall["correct_of_answered"] == sum(r["correct"] for r in requests) / 24
+    matrix = overall["confusion"]["congestion"]["answer"]
+    assert sum(sum(row.values()) for row in matrix.values()) == 24 and all("invalid" not in row for row in matrix.values())
+    # the worked examples are pinned with the system prompt, and every request reuses them
+    template = report["scenario"]["templates"]["congestion"]
+    assert template["examples"] == 2 and template["constraint"] == "choice"
+    assert all(r["cached_tokens"] >= template["pinned_tokens"] > 0 for r in requests)
+    out = capsys.readouterr().out
+    assert "valid % answ." in out and "100.0%" in out
+    assert (tmp_path / "report" / "decisions.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_zeromq_replay_path_imports_no_torch(tmp_path):
     code = ("import sys\n"
             "from ricllm.cli import build_parser\n"
