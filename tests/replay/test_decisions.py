@@ -261,3 +261,15 @@ def test_correct_compares_json_values():
     assert not is_correct({"enabled": True}, {"enabled": 1})  # true is not 1
     assert not is_correct({"action": "hold"}, {"cio_delta_db": 0})  # the expected field is absent
     assert not is_correct({"action": "hold"}, ["hold"])
+
+
+def test_documented_template_example_loads(tmp_path):
+    """The decision template in docs/replay.md passes every check, as a user would copy it."""
+    docs = (Path(__file__).parents[2] / "docs" / "replay.md").read_text()
+    block = next(b.split("```", 1)[0] for b in docs.split("```yaml\n")[1:] if b.startswith("congestion:"))
+    text = SCENARIO.split("  templates:\n")[0] + "  templates:\n" + textwrap.indent(block, "    ")
+    scenario = load_scenario(write(tmp_path, text + "  select: congestion\n"))
+    template = scenario.templates()["congestion"]
+    assert template.num_examples == 2 and template.structured.kind == "json"
+    assert {p.expected["action"] for p in plan_requests(scenario, load_scenario_trace(scenario))} <= {
+        "offload", "escalate", "hold"}
