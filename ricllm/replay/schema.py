@@ -183,8 +183,8 @@ class ExpectRule(_Strict):
 class TemplateSpec(_Strict):
     """A RAN template: a system prompt (``file`` or ``system``), worked examples, the constraint every
     answer must satisfy (``schema``, ``choice`` or ``regex``) and the reference policy (``expect``).
-    Checks that need the trace or the files (examples valid, ``then`` fields in the schema) are
-    ``ricllm.replay.templates.template_problems``'."""
+    The checks across its fields (an example's answer against the constraint, ``then`` fields
+    against the schema, ``when`` against the trace's KPIs) are in ``ricllm.replay.templates``."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ricllm.errors import InvalidRequestError
 from ricllm.replay.decisions import AnswerCheck, Policy, schema_problem
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.schema import TemplateSpec
@@ -77,16 +78,33 @@ def _file_problems(where: tuple, entry: TemplateSpec, base_dir: Path) -> list[Pr
 
 
 def _constraint_problems(where: tuple, entry: TemplateSpec) -> list[Problem]:
-    if entry.json_schema is not None and (problem := schema_problem(entry.json_schema)):
-        return [((*where, "schema"), problem, "x")]
-    if entry.regex is not None:
+    """What is wrong with the constraint itself (the examples and rules are judged by it)."""
+    if entry.structured is None:
+        return []
+    (kind, value), = entry.structured.items()
+    problem = _shape_problem(entry.structured) or _meaning_problem(kind, value)
+    return [((*where, "schema" if kind == "json" else kind), problem, "x")] if problem else []
+
+
+def _shape_problem(structured: dict[str, Any]) -> str | None:
+    """The engine's own check of a constraint's shape and size."""
+    try:
+        StructuredSpec.parse(structured)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
+
+
+def _meaning_problem(kind: str, value: Any) -> str | None:
+    if kind == "json":
+        return schema_problem(value)
+    if kind == "regex":
         try:
-            re.compile(entry.regex)
+            re.compile(value)
         except re.error as exc:
-            return [((*where, "regex"), f"not a valid regular expression: {exc}", "x")]
-    if entry.choice is not None and len(set(entry.choice)) != len(entry.choice):
-        return [((*where, "choice"), f"the choices repeat one another: {entry.choice}", "x")]
-    return []
+            return f"not a valid regular expression: {exc}"
+        return None
+    return f"the choices repeat one another: {value}" if len(set(value)) != len(value) else None
 
 
 def _example_problems(where: tuple, entry: TemplateSpec, check: AnswerCheck) -> list[Problem]:

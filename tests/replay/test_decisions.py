@@ -159,6 +159,10 @@ def test_planned_requests_carry_the_policys_expected_answer(tmp_path):
      "prompts.templates.energy", "a template needs exactly one of file, system"),
     ("{enum: [offload, hold, escalate, rebalance]}", "{type: strin}", "prompts.templates.congestion.schema",
      "not a valid JSON schema"),
+    ("choice: [sleep, stay]", "regex: 'sl(eep|stay'", "prompts.templates.energy.regex",
+     "not a valid regular expression"),
+    ("choice: [sleep, stay]", "choice: [sleep, stay, sleep]", "prompts.templates.energy.choice",
+     "the choices repeat one another"),
 ])
 def test_template_mistakes_name_the_template_and_the_field(tmp_path, old, new, field, words):
     assert old in SCENARIO
