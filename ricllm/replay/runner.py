@@ -178,7 +178,7 @@ class _Progress:
     def __init__(self, total: int, name: str, enabled: bool | None):
         from tqdm import tqdm
 
-        self.counts = {"sent": 0, "done": 0, "admitted": 0, "met": 0, "rejected": 0}
+        self.counts = {"sent": 0, "done": 0, "admitted": 0, "met": 0, "rejected": 0, "judged": 0, "useful": 0}
         self.bar = tqdm(total=total, desc=f"replay {name}", unit="req", file=sys.stderr,
                         disable=None if enabled is None else not enabled, dynamic_ncols=True)
         self.quiet = self.bar.disable and enabled is None
@@ -187,7 +187,8 @@ class _Progress:
     def summary(self) -> str:
         c = self.counts
         met = f"{100 * c['met'] / c['admitted']:.1f}%" if c["admitted"] else "n/a"
-        return f"sent {c['sent']}, admitted {c['admitted']}, met {met} of admitted, rejected {c['rejected']}"
+        useful = f", useful {c['useful']} of {c['judged']}" if c["judged"] else ""
+        return f"sent {c['sent']}, admitted {c['admitted']}, met {met} of admitted, rejected {c['rejected']}{useful}"
 
     def sent(self) -> None:
         self.counts["sent"] += 1
@@ -197,6 +198,8 @@ class _Progress:
         self.counts["admitted"] += bool(record.admitted)
         self.counts["met"] += bool(record.met)
         self.counts["rejected"] += record.status == "rejected"
+        self.counts["judged"] += record.useful is not None
+        self.counts["useful"] += bool(record.useful)
         self.bar.update(1)
 
     def tick(self) -> None:
