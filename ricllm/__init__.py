@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ricllm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Template"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from ricllm.outputs import RequestOutput
 
         return RequestOutput
+    if name == "Template":
+        from ricllm.template import Template
+
+        return Template
     raise AttributeError(f"module 'ricllm' has no attribute {name!r}")

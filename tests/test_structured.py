@@ -202,3 +202,39 @@ def test_the_shortest_answers_take_the_shortest_value_of_each_required_field():
     assert answers[0] == '{"action":"hold","cio_delta_db":0}'
     optional = {**DECISION, "required": ["action"]}
     assert bounds.shortest_answers(StructuredSpec.parse({"json": optional}))[0] == '{"action":"hold"}'
+
+
+# ------------------------------------------------------------------ templates and the command line
+
+def test_a_pinned_template_compiles_its_constraint_and_its_examples_hit_the_cache(tiny_native_gguf):
+    from ricllm import Template
+
+    llm = tiny(tiny_native_gguf, "native")
+    template = Template.build([{"role": "system", "content": "Decide."}, {"role": "user", "content": "hello world"},
+                               {"role": "assistant", "content": '{"action":"hold","cio_delta_db":0}'}],
+                              structured={"json": DECISION})
+    llm.pin_prefix(template)
+    assert llm.engine._grammars.num_compiled == 1
+    out = llm.chat(template.message_list + [{"role": "user", "content": "the cell is congested"}],
+                   SamplingParams(max_tokens=64, structured=template.structured))[0]
+    assert out.num_cached_tokens >= 16 and json.loads(out.text)["action"] in ("offload", "hold", "escalate",
+                                                                              "rebalance")
+    assert llm.engine._grammars.num_compiled == 1  # the request found it compiled
+
+
+def test_generate_takes_a_constraint_from_the_command_line(tiny_native_gguf, tmp_path, capsys):
+    from ricllm.cli import main
+
+    schema = tmp_path / "decision.json"
+    schema.write_text(json.dumps(DECISION))
+    common = ["generate", "hello world", "--model", str(tiny_native_gguf), "--kv-cache-budget", "4MiB", "--json"]
+    assert main(common + ["--json-schema", str(schema)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    jsonschema.validate(json.loads(answer["text"]), DECISION)
+    assert answer["num_forced_tokens"] > 0
+    assert main(common + ["--choice", "yes,no"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes", "no")
+    assert main(common + ["--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(common + ["--json-schema", str(schema), "--max-tokens", "2"]) == 1
+    assert "OUTPUT_TOO_SHORT" in capsys.readouterr().out

@@ -10,12 +10,17 @@ user typed, as nested sections ready to validate or to merge over lower layers.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+
+from ricllm.errors import InvalidRequestError
 
 _DEST_PREFIX = "setting:"  # dests of generated flags: "setting:admission.policy"
 
@@ -103,3 +108,43 @@ def _shown(default: Any) -> str:
     if isinstance(default, bool):
         return "on" if default else "off"
     return str(default)
+
+
+# ------------------------------------------------------------------ a request's answer constraint
+
+def add_structured_flags(parser: argparse.ArgumentParser) -> None:
+    """``--json-schema FILE | --choice a,b,c | --regex R | --grammar FILE``: what the answer must be."""
+    group = parser.add_argument_group("constrained answer (one of)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE",
+                       help="the answer is compact JSON matching this JSON schema file ('-': stdin)")
+    group.add_argument("--choice", metavar="A,B,C", help="the answer is exactly one of these comma-separated strings")
+    group.add_argument("--regex", metavar="R", help="the answer matches this regular expression in full")
+    group.add_argument("--grammar", metavar="FILE", help="the answer follows this Lark grammar file")
+
+
+def structured_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``structured`` mapping of ``SamplingParams`` the flags ask for; ``InvalidRequestError`` when a
+    file cannot be read or is not JSON."""
+    if args.json_schema is not None:
+        return {"json": _read_json(args.json_schema, "--json-schema")}
+    if args.choice is not None:
+        return {"choice": [c.strip() for c in args.choice.split(",") if c.strip()]}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar is not None:
+        return {"grammar": _read_text(args.grammar, "--grammar")}
+    return None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise InvalidRequestError(f"{flag} {path}: {exc.strerror}") from None
+
+
+def _read_json(path: str, flag: str) -> Any:
+    try:
+        return json.loads(_read_text(path, flag))
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{flag} {path} is not JSON: {exc}") from None

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from ricllm.cli.flags import add_settings_flags, given_settings
+from ricllm.cli.flags import add_settings_flags, add_structured_flags, given_settings, structured_from_args
 from ricllm.config import EngineSettings
 from ricllm.errors import ConfigError
 
@@ -24,7 +24,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ricllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+                            structured=structured_from_args(args))
     llm = LLM(**given_settings(args))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -34,11 +35,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = outputs[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_tokens": len(out.prompt_token_ids),
-                          "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "e2e_s": out.e2e_s}))
-        return 0
+                          "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "e2e_s": out.e2e_s,
+                          "num_forced_tokens": out.num_forced_tokens,
+                          "rejection": str(out.rejection) if out.rejection else None}))
+        return 0 if out.rejection is None else 1
+    if out.rejection is not None:
+        print(f"ricllm: refused: {out.rejection}", file=sys.stderr)
+        return 1
     print(out.text)
     tpot = f", {1 / out.tpot_s:.1f} tok/s decode" if out.tpot_s else ""
-    print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
+    forced = f" ({out.num_forced_tokens} forced by the constraint)" if out.num_forced_tokens else ""
+    print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated{forced}, "
           f"finish: {out.finish_reason}; TTFT {out.ttft_s * 1000:.1f} ms, total {out.e2e_s * 1000:.1f} ms{tpot}; "
           f"load {llm.engine.startup_s:.2f} s]", file=sys.stderr)
     return 0
@@ -131,6 +138,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_structured_flags(gen)
     add_settings_flags(gen, EngineSettings, "engine", exclude=frozenset({"seed"}))
     gen.set_defaults(func=cmd_generate)
 

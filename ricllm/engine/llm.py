@@ -12,6 +12,7 @@ from ricllm.engine.llm_engine import LLMEngine
 from ricllm.errors import InvalidRequestError
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
+from ricllm.template import Template
 
 Prompt = str | list[int]
 Messages = list[dict]
@@ -75,12 +76,17 @@ class LLM:
 
     # ------------------------------------------------------------ prefix pinning
 
-    def pin_prefix(self, prefix: str | list[int] | Messages) -> PinHandle:
+    def pin_prefix(self, prefix: str | list[int] | Messages | Template) -> PinHandle:
         """Compute a prefix's K/V once and keep its full blocks resident until ``unpin_prefix``.
 
         A list of chat messages (e.g. one system message) is pinned in its rendered form, which
-        is what ``chat`` requests start with.
+        is what ``chat`` requests start with. A :class:`ricllm.template.Template` pins its
+        conversation and compiles its constraint now, so its requests find it compiled.
         """
+        if isinstance(prefix, Template):
+            if prefix.structured is not None:
+                self.engine.compile_structured(prefix.structured)
+            prefix = prefix.message_list
         if isinstance(prefix, list) and prefix and isinstance(prefix[0], dict):
             token_ids = self.render_chat(prefix, add_generation_prompt=False)
         else:
