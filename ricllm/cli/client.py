@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ricllm.cli.flags import add_structured_flags, structured_from_args  # pydantic only: no torch, no engine
+
 EXIT_SERVER_ERROR, EXIT_REJECTED, EXIT_TIMEOUT = 2, 3, 4
 
 
@@ -31,35 +33,6 @@ def _connection_args() -> argparse.ArgumentParser:
     group.add_argument("--curve-client-keys", default=None, metavar="FILE", help="this client's .key_secret file")
     group.add_argument("--json", action="store_true", help="print the reply as JSON")
     return common
-
-
-def add_structured_flags(parser: argparse.ArgumentParser, what: str = "the answer") -> None:
-    """``--json-schema FILE | --choice a,b,c | --regex R``: at most one constraint (vLLM's keys on the wire)."""
-    group = parser.add_argument_group("constrained answers (at most one)").add_mutually_exclusive_group()
-    group.add_argument("--json-schema", default=None, metavar="FILE",
-                       help=f"constrain {what} to a JSON schema (a JSON file; '-' reads it from stdin)")
-    group.add_argument("--choice", default=None, metavar="A,B,C",
-                       help=f"constrain {what} to one of these comma-separated strings, exactly as written")
-    group.add_argument("--regex", default=None, metavar="R", help=f"constrain {what} to a regular expression")
-
-
-def structured_from_flags(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The ``structured`` mapping the flags ask for, or None; an unreadable file is a ValueError or OSError."""
-    if args.json_schema is not None:
-        return {"json": _read_json(args.json_schema)}
-    if args.choice is not None:
-        return {"choice": args.choice.split(",")}
-    if args.regex is not None:
-        return {"regex": args.regex}
-    return None
-
-
-def _read_json(path: str) -> Any:
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from None
 
 
 def add_client_subparser(sub: argparse._SubParsersAction) -> None:
@@ -94,7 +67,7 @@ def add_client_subparser(sub: argparse._SubParsersAction) -> None:
                      help="a JSON file holding the conversation: a list of {role, content}, the system prompt "
                           "then worked-example user/assistant turns")
     reg.add_argument("--template-id", default=None, help="its name (default: the server picks one)")
-    add_structured_flags(reg, what="the answers of every request that uses it")
+    add_structured_flags(reg)  # the constraint of every request that names the template and gives none
     unreg = actions.add_parser("unregister-template", parents=[common], help="unpin a registered system prompt")
     unreg.add_argument("template_id")
     cancel = actions.add_parser("cancel", parents=[common], help="cancel an in-flight generate of this client")
@@ -132,7 +105,7 @@ def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                    stop=args.stop, ignore_eos=args.ignore_eos, deadline_ms=args.deadline_ms,
                                    template_id=args.template_id, request_id=args.request_id,
-                                   structured=structured_from_flags(args))
+                                   structured=structured_from_args(args))
     if args.priority is not None:  # else the server derives it from the deadline
         options["priority"] = args.priority
     if args.chat:
@@ -182,13 +155,20 @@ def _register(client: Any, args: argparse.Namespace) -> int:
     if (args.system_prompt is None) == (args.messages is None):
         raise ValueError("register-template needs a system prompt or --messages FILE (exactly one)")
     text = sys.stdin.read() if args.system_prompt == "-" else args.system_prompt
-    messages = _read_json(args.messages) if args.messages is not None else None
-    reply = client.register_template(text, messages=messages, structured=structured_from_flags(args),
+    messages = _read_messages(args.messages) if args.messages is not None else None
+    reply = client.register_template(text, messages=messages, structured=structured_from_args(args),
                                      template_id=args.template_id)
     examples = f", {reply.num_examples} worked examples" if reply.num_examples else ""
     print(json.dumps(reply.model_dump()) if args.json else
           f"{reply.template_id}  ({reply.num_tokens} tokens, {reply.num_pinned_tokens} pinned{examples})")
     return 0
+
+
+def _read_messages(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--messages {path} is not JSON: {exc}") from None
 
 
 def _unregister(client: Any, args: argparse.Namespace) -> int:

@@ -203,6 +203,10 @@ def test_the_client_command_constrains_answers_and_registers_conversations(serve
     assert capsys.readouterr().out.strip() in ("yes", "no")
     assert main(["client", "generate", "Cell 17", "--regex", "[a-c]{4}", "--json", *endpoint]) == 0
     assert re.fullmatch("[a-c]{4}", json.loads(capsys.readouterr().out)["text"])
+    grammar = tmp_path / "switch.lark"
+    grammar.write_text('start: "on" | "off"\n')
+    assert main(["client", "generate", "Cell 17", "--grammar", str(grammar), *endpoint]) == 0
+    assert capsys.readouterr().out.strip() in ("on", "off")
     assert main(["client", "register-template", "--messages", str(conversation), "--choice", ",".join(ACTIONS),
                  "--template-id", "cli-congestion", *endpoint]) == 0
     assert capsys.readouterr().out.startswith("cli-congestion  (")
