@@ -135,6 +135,13 @@ def _generate_request(prompt: str | None, messages: list[dict[str, str]] | None,
                            token_ids=token_ids, stream=stream, **options)
 
 
+def _register_request(system_prompt: str | None, messages: list[dict[str, str]] | None,
+                      structured: dict[str, Any] | None, template_id: str | None) -> RegisterTemplateRequest:
+    """Validated here too: a conversation or constraint of the wrong shape fails before it is sent."""
+    return RegisterTemplateRequest(id=new_request_id(), system_prompt=system_prompt, messages=messages,
+                                   structured=structured, template_id=template_id)
+
+
 def _final(reply: BaseModel, expected: type[BaseModel]) -> Any:
     """Turn a final reply into the caller's value or the matching exception."""
     if isinstance(reply, Rejected):
@@ -212,7 +219,8 @@ class RicClient:
                  token_ids: list[int] | None = None, request_id: str | None = None,
                  timeout_s: float | None = None, **options: Any) -> Result:
         """Wait for the whole output. ``options`` are :class:`GenerateRequest` fields
-        (``max_tokens``, ``temperature``, ``deadline_ms``, ``priority``, ``template_id``, ...)."""
+        (``max_tokens``, ``temperature``, ``deadline_ms``, ``priority``, ``template_id``, ...);
+        ``structured={"json": schema}`` (or ``choice``, ``regex``, ``grammar``) constrains the answer."""
         request = _generate_request(prompt, messages, token_ids, request_id, False, options)
         return self._call(request, Result, timeout_s)
 
@@ -238,11 +246,15 @@ class RicClient:
             self._cancel_quietly(request_id)
             raise
 
-    def register_template(self, system_prompt: str, template_id: str | None = None,
+    def register_template(self, system_prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                          structured: dict[str, Any] | None = None, template_id: str | None = None,
                           timeout_s: float | None = None) -> TemplateRegistered:
-        """Pin a system prompt's KV blocks on the server; use its ``template_id`` in generate."""
-        request = RegisterTemplateRequest(id=new_request_id(), system_prompt=system_prompt,
-                                          template_id=template_id)
+        """Pin a template's KV blocks on the server; use its ``template_id`` in generate.
+
+        The conversation is a system prompt or ``messages`` (system prompt and worked-example
+        turns), exactly one; ``structured`` constrains every request that uses it and names none.
+        """
+        request = _register_request(system_prompt, messages, structured, template_id)
         return self._call(request, TemplateRegistered, timeout_s)
 
     def unregister_template(self, template_id: str, timeout_s: float | None = None) -> TemplateUnregistered:
@@ -384,10 +396,12 @@ class AsyncRicClient:
                     await self._socket.send(encode(CancelRequest(id=new_request_id(), target_id=request.id)))
                 raise
 
-    async def register_template(self, system_prompt: str, template_id: str | None = None,
+    async def register_template(self, system_prompt: str | None = None, *,
+                                messages: list[dict[str, str]] | None = None,
+                                structured: dict[str, Any] | None = None, template_id: str | None = None,
                                 timeout_s: float | None = None) -> TemplateRegistered:
-        request = RegisterTemplateRequest(id=new_request_id(), system_prompt=system_prompt,
-                                          template_id=template_id)
+        """As :meth:`RicClient.register_template`."""
+        request = _register_request(system_prompt, messages, structured, template_id)
         return await self._call(request, TemplateRegistered, timeout_s)
 
     async def unregister_template(self, template_id: str, timeout_s: float | None = None) -> TemplateUnregistered:

@@ -432,3 +432,19 @@ def test_degrade_still_rejects_what_no_length_can_save(tiny_gguf):
     assert seq.params.max_tokens == 8 and "8 tokens to generate" in seq.rejection.message
     best_effort = [engine.add_request(prompt(10, 100 + i), SamplingParams(max_tokens=3)) for i in range(300)]
     assert best_effort[-1].rejection.code == "QUEUE_FULL"  # not a matter of length: never degraded
+
+
+def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_gguf):
+    token_ids = prompt(20, 95)
+    fits = _largest_admitted_max_tokens(tiny_gguf, token_ids, 150)
+    longer = {"choice": ["x" * (fits + 5), "y" * (fits + 5)]}  # one token per letter in the tiny vocabulary
+    engine, _ = make_engine(tiny_gguf, degrade=True)
+    assert engine.compile_structured(longer).min_tokens == fits + 5
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=longer))
+    assert seq.rejection is not None and seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
+    shorter = {"choice": ["x" * (fits - 2), "y" * (fits - 2)]}
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter))
+    assert seq.rejection is None and seq.degradation is None  # the answer's own bound fits: nothing to shrink
+    assert seq.params.max_tokens == fits - 1
+    [out] = [o for o in drain(engine) if o.request_id == seq.request_id]
+    assert out.deadline_met and out.text in ("x" * (fits - 2), "y" * (fits - 2))

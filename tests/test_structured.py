@@ -143,6 +143,7 @@ def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(
     ({"json": {"type": "object", "properties": {"a": {"type": "colour"}}}}, "colour"),
     ({"regex": "(ab"}, "unclosed group"),
     ({"grammar": "start: undefined_rule"}, "undefined_rule"),
+    ({"json": True}, "structured json cannot be compiled"),
 ])
 def test_a_constraint_that_cannot_compile_is_an_error_naming_the_problem(llm, structured, words):
     with pytest.raises(InvalidRequestError, match=re.escape(words)):

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
+
+from ricllm.cli.flags import add_structured_flags, structured_from_args  # pydantic only: no torch, no engine
 
 EXIT_SERVER_ERROR, EXIT_REJECTED, EXIT_TIMEOUT = 2, 3, 4
 
@@ -51,12 +54,20 @@ def add_client_subparser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--deadline-ms", type=float, default=None, help="end-to-end latency budget in ms")
     gen.add_argument("--priority", choices=("near_rt", "non_rt", "best_effort"), default=None,
                      help="scheduling class (default: near_rt up to 1 s of deadline, non_rt above, else best_effort)")
-    gen.add_argument("--template-id", default=None, help="a registered system prompt to start from")
+    gen.add_argument("--template-id", default=None,
+                     help="a registered template to start from (its constraint applies unless one is given here)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--request-id", default=None, help="request id (default: a fresh uuid4)")
-    reg = actions.add_parser("register-template", parents=[common], help="pin a system prompt on the server")
-    reg.add_argument("system_prompt", help="the system message text ('-' reads it from stdin)")
+    add_structured_flags(gen)
+    reg = actions.add_parser("register-template", parents=[common],
+                             help="pin a template (a system prompt, or a conversation with worked examples)")
+    reg.add_argument("system_prompt", nargs="?", default=None,
+                     help="the system message text ('-' reads it from stdin); or give --messages")
+    reg.add_argument("--messages", default=None, metavar="FILE",
+                     help="a JSON file holding the conversation: a list of {role, content}, the system prompt "
+                          "then worked-example user/assistant turns")
     reg.add_argument("--template-id", default=None, help="its name (default: the server picks one)")
+    add_structured_flags(reg)  # the constraint of every request that names the template and gives none
     unreg = actions.add_parser("unregister-template", parents=[common], help="unpin a registered system prompt")
     unreg.add_argument("template_id")
     cancel = actions.add_parser("cancel", parents=[common], help="cancel an in-flight generate of this client")
@@ -93,7 +104,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
 def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                    stop=args.stop, ignore_eos=args.ignore_eos, deadline_ms=args.deadline_ms,
-                                   template_id=args.template_id, request_id=args.request_id)
+                                   template_id=args.template_id, request_id=args.request_id,
+                                   structured=structured_from_args(args))
     if args.priority is not None:  # else the server derives it from the deadline
         options["priority"] = args.priority
     if args.chat:
@@ -133,17 +145,30 @@ def _timing_line(result: Any) -> str:
     d = result.degraded
     degraded = "" if d is None else (f"; degraded: max_tokens {d.requested_max_tokens} -> {d.granted_max_tokens} "
                                      f"({d.code})")
+    forced = f" ({result.num_forced_tokens} forced)" if result.num_forced_tokens else ""
     return (f"[{result.num_prompt_tokens} prompt tokens ({result.num_cached_tokens} cached), "
-            f"{len(result.token_ids)} generated, finish: {result.finish_reason}; queue {_ms(t.queue_s)}, "
+            f"{len(result.token_ids)} generated{forced}, finish: {result.finish_reason}; queue {_ms(t.queue_s)}, "
             f"TTFT {_ms(t.ttft_s)}, TPOT {_ms(t.tpot_s)}, total {_ms(t.e2e_s)}{deadline}{degraded}]")
 
 
 def _register(client: Any, args: argparse.Namespace) -> int:
+    if (args.system_prompt is None) == (args.messages is None):
+        raise ValueError("register-template needs a system prompt or --messages FILE (exactly one)")
     text = sys.stdin.read() if args.system_prompt == "-" else args.system_prompt
-    reply = client.register_template(text, template_id=args.template_id)
+    messages = _read_messages(args.messages) if args.messages is not None else None
+    reply = client.register_template(text, messages=messages, structured=structured_from_args(args),
+                                     template_id=args.template_id)
+    examples = f", {reply.num_examples} worked examples" if reply.num_examples else ""
     print(json.dumps(reply.model_dump()) if args.json else
-          f"{reply.template_id}  ({reply.num_tokens} tokens, {reply.num_pinned_tokens} pinned)")
+          f"{reply.template_id}  ({reply.num_tokens} tokens, {reply.num_pinned_tokens} pinned{examples})")
     return 0
+
+
+def _read_messages(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--messages {path} is not JSON: {exc}") from None
 
 
 def _unregister(client: Any, args: argparse.Namespace) -> int:

@@ -9,17 +9,30 @@ Every request id gets exactly one *final* reply (see :func:`is_final`); ``accept
 ``token`` replies are progress notes that may precede it. The models are strict (no type
 coercion, unknown fields are errors) because a RAN controller that sends ``"max_tokens": "64"``
 has a bug we should name, not paper over. This module imports only pydantic and msgpack, so a
-client needs neither torch nor the engine. ``docs/protocol.md`` is the prose version.
+client needs neither torch nor the engine (a constraint's shape and size are checked with
+``ricllm.structured.spec``, which needs neither; compiling it is the engine's). ``docs/protocol.md``
+is the prose version.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union, get_args
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 from ricllm.engine.stats import KVCacheStats, LatencyStats
+from ricllm.structured.spec import StructuredSpec
+from ricllm.template import Template
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # default bound on one request frame; the server may configure its own
@@ -28,7 +41,8 @@ DEFAULT_HTTP_PORT = 8080
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
 
 Priority = Literal["near_rt", "non_rt", "best_effort"]
-RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING"]
+RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING",
+                     "OUTPUT_TOO_SHORT"]
 ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
                     "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]  # deadline: aborted once it passed
@@ -42,6 +56,23 @@ NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 Count = Annotated[int, Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0)]
+ConstraintKind = Literal["json", "choice", "regex", "grammar"]
+
+
+def _checked_structured(value: dict[str, Any]) -> dict[str, Any]:
+    """Shape and size checked at receipt, by the engine's own rules (``StructuredSpec``), so a
+    malformed constraint never reaches the engine thread; whether it compiles is the engine's call."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError("must be JSON: maps with string keys, arrays, strings, finite numbers, booleans "
+                         "and nil") from None
+    StructuredSpec.parse(value)  # InvalidRequestError is a ValueError: pydantic names the field
+    return value
+
+
+# vLLM's structured_outputs keys: {"json": schema} (or "json_schema"), {"choice": [...]}, {"regex": ...}, {"grammar": ...}
+Structured = Annotated[dict[str, Any], AfterValidator(_checked_structured)]
 
 
 class _Strict(BaseModel):
@@ -61,13 +92,21 @@ class ChatMessage(_Strict):
     content: str
 
 
+class TemplateMessage(_Strict):
+    """One turn of a template's conversation: its system prompt or a worked example's turn."""
+
+    role: Literal["system", "user", "assistant"]
+    content: NonEmptyStr
+
+
 # ----------------------------------------------------------------------------------- requests
 
 class GenerateRequest(_Message):
     """Generate from exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids``.
 
-    ``template_id`` names a registered system prompt whose pinned KV blocks come first.
+    ``template_id`` names a registered template whose pinned KV blocks come first.
     ``deadline_ms`` counts from the server's receipt; admission rejects what cannot meet it.
+    ``structured`` constrains the answer; without it, the template's constraint (if any) applies.
     """
 
     type: Literal["generate"] = "generate"
@@ -87,6 +126,7 @@ class GenerateRequest(_Message):
     deadline_ms: float | None = Field(None, gt=0)
     priority: Priority | None = None  # None: derived from deadline_ms (ricllm.sampling_params.default_priority)
     stream: bool = False
+    structured: Structured | None = None
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> GenerateRequest:
@@ -104,12 +144,36 @@ class GenerateRequest(_Message):
 
 
 class RegisterTemplateRequest(_Message):
-    """Pin a system prompt's KV blocks; the server picks ``template_id`` when it is absent."""
+    """Pin a template's KV blocks; the server picks ``template_id`` when it is absent.
+
+    The conversation is exactly one of ``system_prompt`` (a lone system message) or ``messages``
+    (a system prompt and worked-example turns); ``structured`` is the constraint every request
+    that uses the template inherits unless it names its own.
+    """
 
     type: Literal["register_template"] = "register_template"
     id: RequestId
     template_id: TemplateId | None = None
-    system_prompt: NonEmptyStr
+    system_prompt: NonEmptyStr | None = None
+    messages: Annotated[list[TemplateMessage], Field(min_length=1)] | None = None
+    structured: Structured | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_conversation(self) -> RegisterTemplateRequest:
+        given = [name for name in ("system_prompt", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of system_prompt, messages must be given, got {', '.join(given) or 'none'}")
+        return self
+
+    @property
+    def conversation_field(self) -> str:
+        """The field an error about the conversation names."""
+        return "system_prompt" if self.system_prompt is not None else "messages"
+
+    def template(self) -> Template:
+        """The template it describes (both fields were checked when the request was)."""
+        conversation = self.system_prompt or [m.model_dump() for m in self.messages]
+        return Template.build(conversation, self.structured)
 
 
 class UnregisterTemplateRequest(_Message):
@@ -202,6 +266,7 @@ class Result(_Message):
     timings: Timings
     deadline_met: bool | None = None
     degraded: Degraded | None = None  # as in ``accepted``: admitted with a smaller max_tokens
+    num_forced_tokens: Count = 0  # output tokens the constraint forced (appended without sampling)
 
 
 class ErrorReply(_Message):
@@ -219,6 +284,7 @@ class TemplateRegistered(_Message):
     template_id: TemplateId
     num_tokens: Count
     num_pinned_tokens: Count
+    num_examples: Count = 0  # worked examples: the template's assistant turns
 
 
 class TemplateUnregistered(_Message):
@@ -278,6 +344,8 @@ class TemplateStats(_Report):
     num_tokens: int
     pinned: bool
     num_pinned_tokens: int
+    num_examples: int = 0
+    constraint: ConstraintKind | None = None  # the kind of the constraint its requests inherit
 
 
 class ServerStats(_Report):
@@ -407,12 +475,13 @@ def _describe(exc: ValidationError, kind: str) -> str:
     parts = []
     for error in exc.errors(include_url=False)[:3]:
         field = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
         if not field:  # a rule across fields; its message names them
-            parts.append(error["msg"].removeprefix("Value error, "))
+            parts.append(message)
         elif error["type"] == "extra_forbidden":
             parts.append(f"field {field!r}: unknown field for {kind!r} (protocol v{PROTOCOL_VERSION})")
         else:
             shown = "" if error["type"] == "missing" else repr(error.get("input"))[:60]
-            parts.append(f"field {field!r}: {error['msg']}" + (f" (got {shown})" if shown else ""))
+            parts.append(f"field {field!r}: {message}" + (f" (got {shown})" if shown else ""))
     extra = exc.error_count() - len(parts)
     return "; ".join(parts) + (f"; and {extra} more" if extra > 0 else "")

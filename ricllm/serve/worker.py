@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from ricllm.outputs import RequestOutput
     from ricllm.sampling_params import SamplingParams
     from ricllm.serve.state import ServerState
+    from ricllm.structured.compiler import CompiledGrammar
+    from ricllm.structured.spec import StructuredSpec
+    from ricllm.template import Template
 
 
 PUBLISH_EVERY_S = 0.1
@@ -49,11 +52,11 @@ class _Pending:
 
 @dataclass(eq=False)
 class _Template:
-    """A registered system prompt and its pin; ``waiters`` are register requests awaiting the pin."""
+    """A registered template and its pin; ``waiters`` are register requests awaiting the pin."""
 
     template_id: str
-    system_prompt: str
-    prefix: ChatPrefix  # the system message as chat requests start with it
+    template: Template  # its conversation and the constraint its requests inherit
+    prefix: ChatPrefix  # the conversation as chat requests start with it
     handle: PinHandle
     waiters: list[Command] = field(default_factory=list)
     pinned: bool = False
@@ -62,12 +65,22 @@ class _Template:
     def token_ids(self) -> list[int]:
         return self.prefix.token_ids
 
+    @property
+    def constraint(self) -> str | None:
+        return self.template.structured.kind if self.template.structured is not None else None
+
     def pinned_tokens(self, block_size: int) -> int:
         return len(self.handle.block_ids) * block_size
 
     def registered(self, request_id: str, block_size: int) -> p.TemplateRegistered:
         return p.TemplateRegistered(id=request_id, template_id=self.template_id, num_tokens=len(self.token_ids),
-                                    num_pinned_tokens=self.pinned_tokens(block_size))
+                                    num_pinned_tokens=self.pinned_tokens(block_size),
+                                    num_examples=self.template.num_examples)
+
+    def stats(self, block_size: int) -> p.TemplateStats:
+        return p.TemplateStats(num_tokens=len(self.token_ids), pinned=self.pinned,
+                               num_pinned_tokens=self.pinned_tokens(block_size),
+                               num_examples=self.template.num_examples, constraint=self.constraint)
 
 
 class Worker(EngineDriver):
@@ -172,8 +185,9 @@ class Worker(EngineDriver):
     def _generate(self, command: Command) -> None:
         request: p.GenerateRequest = command.request
         template = self._template(request.template_id, request.id)
+        constraint = self._constraint(request, template)
         token_ids = self._prompt_tokens(request, template)
-        params = self._sampling(request, command.received)
+        params = self._sampling(request, command.received, constraint)
         internal_id = str(next(self._ids))
         seq = self._add(request, token_ids, params, internal_id)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
@@ -196,6 +210,26 @@ class Worker(EngineDriver):
                                   "registered", request_id)
         return template
 
+    def _constraint(self, request: p.GenerateRequest, template: _Template | None) -> StructuredSpec | None:
+        """The request's own constraint, else its template's; compiled now (cached by the engine),
+        so one that cannot be is an error reply before the request reaches the engine's queues."""
+        from ricllm.structured.spec import StructuredSpec
+
+        if request.structured is not None:
+            spec = StructuredSpec.parse(request.structured)  # checked at receipt: cannot fail here
+        else:
+            spec = template.template.structured if template is not None else None
+        if spec is not None:
+            self._compile(spec, request.id)
+        return spec
+
+    def _compile(self, spec: StructuredSpec, request_id: str) -> CompiledGrammar:
+        try:
+            return self.engine.compile_structured(spec)
+        except ValueError as exc:  # InvalidRequestError, or the grammar engine's own refusal of the schema
+            log.info("structured_refused", id=request_id, kind=spec.kind, key=spec.key, error=str(exc))
+            raise p.ProtocolError("VALIDATION", f"field 'structured': {exc}", request_id) from None
+
     def _prompt_tokens(self, request: p.GenerateRequest, template: _Template | None) -> list[int]:
         """The prompt; with a template its pinned tokens come first, token for token."""
         tokenizer = self.engine.tokenizer
@@ -210,16 +244,17 @@ class Worker(EngineDriver):
         from ricllm.engine.chat_prefix import render_chat_request
 
         messages = [m.model_dump() for m in request.messages]
-        if template is not None and messages[0]["role"] == "system":
+        if template is not None and messages[0]["role"] == "system":  # the template's messages come first
             raise p.ProtocolError("VALIDATION", "field 'messages': starts with a system message, but "
-                                  "template_id already supplies it", request.id)
+                                  "template_id already supplies the conversation's start", request.id)
         try:
             return render_chat_request(self.engine.tokenizer, template.prefix if template else None, messages)
         except Exception as exc:  # no template, or the template's raise_exception
             raise p.ProtocolError("VALIDATION", f"field 'messages': cannot apply the model's chat template: "
                                   f"{exc}", request.id) from None
 
-    def _sampling(self, request: p.GenerateRequest, received: float) -> SamplingParams:
+    def _sampling(self, request: p.GenerateRequest, received: float,
+                  constraint: StructuredSpec | None) -> SamplingParams:
         """The deadline is counted from receipt: the time spent queued here is taken off it."""
         from ricllm.sampling_params import SamplingParams, default_priority
 
@@ -233,18 +268,20 @@ class Worker(EngineDriver):
                                waited_ms=round(waited_ms, 3))
             deadline_ms -= waited_ms
         try:
-            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority)
+            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
+                                  structured=constraint)
         except InvalidRequestError as exc:
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
     def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
              internal_id: str) -> Sequence:
         engine = self.engine
-        total = len(token_ids) + params.max_tokens
+        max_tokens = self._planned_tokens(params)
+        total = len(token_ids) + max_tokens
         if engine.admission is None and total > engine.max_model_len:
-            raise Refused("CONTEXT_TOO_LONG", f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            raise Refused("CONTEXT_TOO_LONG", f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) "
                            f"= {total} tokens exceeds the context of {engine.max_model_len} tokens",
-                           prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
+                           prompt_tokens=len(token_ids), max_tokens=max_tokens,
                            max_model_len=engine.max_model_len)
         try:
             return engine.add_request(token_ids, params, request_id=internal_id)
@@ -253,6 +290,13 @@ class Worker(EngineDriver):
         except InvalidRequestError as exc:
             source = "token_ids" if request.token_ids is not None else "prompt"
             raise p.ProtocolError("VALIDATION", f"field {source!r}: {exc}", request.id) from None
+
+    def _planned_tokens(self, params: SamplingParams) -> int:
+        """``max_tokens``, or the constraint's longest answer when that is shorter (the engine caps it so)."""
+        if params.structured is None:
+            return params.max_tokens
+        longest = self.engine.compile_structured(params.structured).max_tokens  # compiled already: cached
+        return params.max_tokens if longest is None else min(params.max_tokens, longest)
 
     def _predicted_ms(self, pending: _Pending) -> float | None:
         """Admission's bound on this request's finish, from receipt, margin included (promised only)."""
@@ -316,7 +360,7 @@ class Worker(EngineDriver):
             id=pending.request.id, text=out.text, token_ids=out.token_ids,
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
             finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
-            degraded=_degraded(out.degradation)))
+            degraded=_degraded(out.degradation), num_forced_tokens=out.num_forced_tokens))
         return timings
 
     def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
@@ -324,11 +368,13 @@ class Worker(EngineDriver):
             self.metrics.outcome("cancelled")
         else:
             self.metrics.result(timings.ttft_s, timings.tpot_s, timings.e2e_s, out.deadline_met)
+        structured = pending.seq.params.structured
         log.info("request_done", id=pending.request.id, client=client_name(pending.command.identity),
                  template=pending.request.template_id, admitted=True, reason=out.finish_reason, outcome="result",
                  prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
-                 output_tokens=len(out.token_ids), **{f"{k[:-2]}_ms": None if v is None else round(v * 1000, 3)
-                                                       for k, v in timings.model_dump().items()},
+                 output_tokens=len(out.token_ids), forced_tokens=out.num_forced_tokens,
+                 constraint=structured.kind if structured is not None else None,
+                 **{f"{k[:-2]}_ms": None if v is None else round(v * 1000, 3) for k, v in timings.model_dump().items()},
                  deadline_ms=pending.request.deadline_ms, deadline_met=out.deadline_met)
 
     # -- cancel and drain
@@ -366,32 +412,41 @@ class Worker(EngineDriver):
     # -- templates
 
     def _register(self, command: Command) -> None:
+        """Compile the constraint, render the conversation, pin it: a failure at any step pins nothing."""
         request: p.RegisterTemplateRequest = command.request
+        template = request.template()
         template_id = request.template_id or self._new_template_id()
         existing = self._templates.get(template_id)
         if existing is not None:
-            self._register_again(command, existing)
+            self._register_again(command, existing, template)
             return
-        prefix = self._render_system(request.system_prompt, request.id)
+        if template.structured is not None:
+            self._compile(template.structured, request.id)  # once, here: its requests find it cached
+        self._pin(command, template_id, template, self._render_template(template, request))
+
+    def _pin(self, command: Command, template_id: str, template: Template, prefix: ChatPrefix) -> None:
+        """Queue the pin; the register request is answered once its prefill has run (``_pinned``)."""
+        request: p.RegisterTemplateRequest = command.request
         internal_id = f"template:{next(self._ids)}"
         try:
             handle, _ = self.engine.pin_prefix(prefix.token_ids, request_id=internal_id)
         except (CapacityError, InvalidRequestError) as exc:
-            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': {exc}", request.id) from None
-        template = _Template(template_id, request.system_prompt, prefix, handle, [command])
-        self._templates[template_id] = template
-        self._internal[internal_id] = template
+            raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: {exc}", request.id) from None
+        registered = _Template(template_id, template, prefix, handle, [command])
+        self._templates[template_id] = registered
+        self._internal[internal_id] = registered
 
-    def _register_again(self, command: Command, template: _Template) -> None:
-        """The same id and text again is a no-op (answered once pinned); another text is an error."""
+    def _register_again(self, command: Command, registered: _Template, template: Template) -> None:
+        """The same id, conversation and constraint again is a no-op (answered once pinned); any
+        difference is an error: requests already using the id expect what it holds."""
         request: p.RegisterTemplateRequest = command.request
-        if template.system_prompt != request.system_prompt:
-            raise p.ProtocolError("VALIDATION", f"field 'template_id': {template.template_id!r} is registered with "
-                                  "another system prompt; unregister it first", request.id)
-        if template.pinned:
-            self.outbox.put(command.identity, template.registered(request.id, self.engine.config.block_size))
+        if registered.template != template:
+            raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
+                                  "another conversation or constraint; unregister it first", request.id)
+        if registered.pinned:
+            self.outbox.put(command.identity, registered.registered(request.id, self.engine.config.block_size))
         else:
-            template.waiters.append(command)
+            registered.waiters.append(command)
 
     def _new_template_id(self) -> str:
         while True:
@@ -399,13 +454,13 @@ class Worker(EngineDriver):
             if template_id not in self._templates:
                 return template_id
 
-    def _render_system(self, system_prompt: str, request_id: str) -> ChatPrefix:
-        """The system message as chat requests start with it (raw text without a chat template)."""
+    def _render_template(self, template: Template, request: p.RegisterTemplateRequest) -> ChatPrefix:
+        """The conversation as chat requests start with it (contents one per line without a chat template)."""
         try:
-            return self.engine.render_chat_prefix([{"role": "system", "content": system_prompt}])
-        except Exception as exc:  # the template's raise_exception
-            raise p.ProtocolError("VALIDATION", f"field 'system_prompt': cannot apply the model's chat template: "
-                                  f"{exc}", request_id) from None
+            return self.engine.render_chat_prefix(template.message_list)
+        except Exception as exc:  # the chat template's raise_exception
+            raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: cannot apply the model's "
+                                  f"chat template: {exc}", request.id) from None
 
     def _pinned(self, template: _Template) -> None:
         template.pinned = True
@@ -416,7 +471,8 @@ class Worker(EngineDriver):
             self.outbox.put(waiter.identity, template.registered(waiter.request.id, block_size))
         template.waiters.clear()
         log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
-                 pinned_tokens=template.pinned_tokens(block_size))
+                 pinned_tokens=template.pinned_tokens(block_size), examples=template.template.num_examples,
+                 constraint=template.constraint)
 
     def _unpin(self, template: _Template) -> None:
         if template.handle.handle_id in self.engine.cache.pins:
@@ -450,9 +506,7 @@ class Worker(EngineDriver):
             admission=p.AdmissionSummary(policy=snap.policy, counts=counts["admission"],
                                          reserved_blocks=snap.reserved_blocks),
             deadlines=counts["deadlines"], latency_model=snap.latency,
-            templates={t.template_id: p.TemplateStats(num_tokens=len(t.token_ids), pinned=t.pinned,
-                                                      num_pinned_tokens=t.pinned_tokens(block_size))
-                       for t in self._templates.values()},
+            templates={t.template_id: t.stats(block_size) for t in self._templates.values()},
             draining=self.state.draining.is_set())
 
     def _model_identity(self) -> p.ModelIdentity:

@@ -68,7 +68,10 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
-        grammar = _grammar_text(spec)
+        try:
+            grammar = _grammar_text(spec)
+        except ValueError as exc:  # e.g. a boolean schema, which the JSON compiler takes no options for
+            raise InvalidRequestError(f"structured {spec.kind} cannot be compiled: {exc}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
             raise InvalidRequestError(f"structured {spec.kind} cannot be compiled: {error.strip()}")

@@ -225,6 +225,47 @@ def test_templates_stats_cancel_ping(server):
         assert client.ping().server_time > 0
 
 
+def test_constraints_and_conversations_are_sent_as_given(server):
+    examples = [{"role": "system", "content": "Decide."}, {"role": "user", "content": "PRB: high."},
+                {"role": "assistant", "content": "offload"}]
+    with RicClient(server.endpoint, timeout_s=5) as client:
+        client.generate("x", structured={"choice": ["offload", "hold"]}, template_id="t")
+        client.register_template(messages=examples, structured={"json": {"type": "boolean"}}, template_id="conv")
+        client.register_template("A system prompt.", template_id="sys")  # the replay's positional use
+    generate, conversation, lone = server.received
+    assert generate.structured == {"choice": ["offload", "hold"]} and generate.template_id == "t"
+    assert [m.model_dump() for m in conversation.messages] == examples and conversation.system_prompt is None
+    assert conversation.structured == {"json": {"type": "boolean"}} and conversation.template_id == "conv"
+    assert lone.system_prompt == "A system prompt." and lone.messages is None and lone.structured is None
+
+
+def test_async_register_template_takes_a_conversation(server):
+    async def run() -> None:
+        async with AsyncRicClient(server.endpoint, timeout_s=5) as client:
+            await client.register_template(messages=[{"role": "user", "content": "q"},
+                                                     {"role": "assistant", "content": "a"}],
+                                           structured={"regex": "a|b"}, template_id="conv")
+            await client.register_template("A system prompt.", template_id="sys")
+
+    asyncio.run(run())
+    conversation, lone = server.received
+    assert conversation.structured == {"regex": "a|b"} and len(conversation.messages) == 2
+    assert lone.system_prompt == "A system prompt."
+
+
+def test_a_malformed_constraint_or_conversation_fails_before_sending(server):
+    with RicClient(server.endpoint, timeout_s=5) as client:
+        with pytest.raises(ValueError, match="structured"):
+            client.generate("x", structured={"choice": []})
+        with pytest.raises(ValueError, match="exactly one of system_prompt, messages"):
+            client.register_template()
+        with pytest.raises(ValueError, match="exactly one of system_prompt, messages"):
+            client.register_template("s", messages=[{"role": "user", "content": "u"}])
+        with pytest.raises(ValueError, match="messages.0.role"):
+            client.register_template(messages=[{"role": "tool", "content": "u"}])
+    assert server.received == []
+
+
 def test_invalid_parameters_fail_before_sending(server):
     with RicClient(server.endpoint, timeout_s=5) as client:
         with pytest.raises(ValueError, match="max_tokens"):

@@ -28,6 +28,7 @@ from ricllm.serve.protocol import (
     Result,
     StatsReply,
     StatsRequest,
+    TemplateMessage,
     TemplateRegistered,
     TemplateUnregistered,
     Timings,
@@ -38,7 +39,15 @@ from ricllm.serve.protocol import (
     encode,
     is_final,
 )
+from ricllm.structured.spec import MAX_SPEC_BYTES
 from tests.helpers import sample_server_stats
+
+DECISION = {"type": "object", "properties": {"action": {"enum": ["offload", "hold"]},
+                                             "cio_delta_db": {"type": "integer", "minimum": -6, "maximum": 6}},
+            "required": ["action", "cio_delta_db"], "additionalProperties": False}
+EXAMPLES = [TemplateMessage(role="system", content="Decide for the cell."),
+            TemplateMessage(role="user", content="PRB usage: high."),
+            TemplateMessage(role="assistant", content='{"action":"offload","cio_delta_db":3}')]
 
 REQUESTS = [
     GenerateRequest(id="g1", prompt="Cell 17: PRB usage 92%", max_tokens=64, temperature=0.7, top_k=40,
@@ -47,8 +56,13 @@ REQUESTS = [
     GenerateRequest(id="g2", messages=[ChatMessage(role="system", content="You are a RAN assistant."),
                                        ChatMessage(role="user", content="Is cell 17 congested?")]),
     GenerateRequest(id="g3", token_ids=[1, 2, 3], priority="non_rt"),
+    GenerateRequest(id="g4", prompt="Cell 17", structured={"json": DECISION}, template_id="ran-cfg"),
+    GenerateRequest(id="g5", prompt="Cell 17", structured={"choice": ["offload", "hold"]}),
+    GenerateRequest(id="g6", prompt="Cell 17", structured={"json_schema": '{"type": "boolean"}'}),
     RegisterTemplateRequest(id="r1", system_prompt="You are a RAN configuration assistant."),
     RegisterTemplateRequest(id="r2", template_id="mine", system_prompt="Answer in JSON."),
+    RegisterTemplateRequest(id="r3", template_id="decide", messages=EXAMPLES, structured={"json": DECISION}),
+    RegisterTemplateRequest(id="r4", system_prompt="Say yes or no.", structured={"regex": "yes|no"}),
     UnregisterTemplateRequest(id="u1", template_id="mine"),
     CancelRequest(id="c1", target_id="g1"),
     StatsRequest(id="s1"),
@@ -60,15 +74,20 @@ REPLIES = [
     Accepted(id="g2"),
     Rejected(id="g1", code="DEADLINE_INFEASIBLE", message="predicted 412 ms > deadline 250 ms",
              numbers={"predicted_ms": 412.0, "deadline_ms": 250, "queue_len": 3}),
+    Rejected(id="g4", code="OUTPUT_TOO_SHORT", message="max_tokens 4 is shorter than the shortest complete answer",
+             numbers={"max_tokens": 4, "shortest_answer_tokens": 12}),
     Token(id="g1", index=0, token_id=1234, text=" Yes"),
     Result(id="g1", text=" Yes, it is.", token_ids=[1234, 318, 13], num_prompt_tokens=40,
            num_cached_tokens=32, finish_reason="stop",
            timings=Timings(queue_s=0.001, ttft_s=0.04, e2e_s=0.09, tpot_s=0.025), deadline_met=True),
     Result(id="g2", text="", token_ids=[], num_prompt_tokens=8, num_cached_tokens=0,
            finish_reason="cancelled", timings=Timings(queue_s=0.2, e2e_s=0.2)),
+    Result(id="g4", text='{"action":"hold","cio_delta_db":0}', token_ids=[5, 6, 7], num_prompt_tokens=30,
+           num_cached_tokens=16, finish_reason="stop", timings=Timings(queue_s=0.0, e2e_s=0.05), num_forced_tokens=9),
     ErrorReply(id=None, code="MALFORMED", message="not a msgpack message"),
     ErrorReply(id="u1", code="UNKNOWN_TEMPLATE", message="field 'template_id': no template 'x'"),
     TemplateRegistered(id="r1", template_id="t-1", num_tokens=37, num_pinned_tokens=32),
+    TemplateRegistered(id="r3", template_id="decide", num_tokens=90, num_pinned_tokens=80, num_examples=1),
     TemplateUnregistered(id="u1", template_id="mine"),
     Cancelled(id="c1", target_id="g1"),
     StatsReply(id="s1", stats=sample_server_stats()),
@@ -100,7 +119,8 @@ def test_request_round_trip(message):
 def test_reply_round_trip(message):
     decoded = decode_reply(encode(message))
     assert decoded == message
-    assert type(decoded.numbers["deadline_ms"]) is int if isinstance(message, Rejected) else True
+    if isinstance(message, Rejected) and "deadline_ms" in message.numbers:
+        assert type(decoded.numbers["deadline_ms"]) is int
 
 
 def test_frame_is_one_flat_msgpack_map_with_version_and_type():
@@ -153,6 +173,17 @@ def test_non_string_keys_are_malformed():
     ({"type": "generate", "id": "x", "messages": [{"role": "user"}]}, "messages.0.content"),
     ({"type": "generate", "id": "x", "prompt": "p", "stop": [""]}, "stop.0"),
     ({"type": "register_template", "id": "x", "system_prompt": 5}, "system_prompt"),
+    ({"type": "register_template", "id": "x", "messages": [{"role": "tool", "content": "c"}]}, "messages.0.role"),
+    ({"type": "register_template", "id": "x", "messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
+    ({"type": "register_template", "id": "x", "messages": []}, "messages"),
+    ({"type": "register_template", "id": "x", "system_prompt": "s", "structured": {"choice": []}}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": {"jsn": {}}}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": {"json": {}, "regex": "a"}}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": {"regex": 3}}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": ["json"]}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": {"json": {"a": b"bytes"}}}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": {"json": {"a": float("inf")}}}, "structured"),
+    ({"type": "generate", "id": "x", "prompt": "p", "structured": {"json": "{not json"}}, "structured"),
     ({"type": "cancel", "id": "x"}, "target_id"),
     ({"type": "ping", "id": 7}, "id"),
     ({"type": "ping", "id": ""}, "id"),
@@ -174,6 +205,28 @@ def test_exactly_one_input(inputs):
     error = _error(_frame(type="generate", id="x", **inputs))
     assert error.code == "VALIDATION"
     assert "exactly one of prompt, messages, token_ids" in error.message
+
+
+@pytest.mark.parametrize("conversation", [{}, {"system_prompt": "s", "messages": [{"role": "user", "content": "c"}]}])
+def test_a_template_is_exactly_one_of_system_prompt_or_messages(conversation):
+    error = _error(_frame(type="register_template", id="x", **conversation))
+    assert error.code == "VALIDATION" and "exactly one of system_prompt, messages" in error.message
+
+
+def test_a_constraint_is_size_limited_as_the_engine_limits_it():
+    near = "a" * (MAX_SPEC_BYTES - 100)
+    assert decode_request(_frame(type="generate", id="x", prompt="p", structured={"regex": near})).structured
+    error = _error(_frame(type="generate", id="x", prompt="p", structured={"regex": "a" * MAX_SPEC_BYTES}))
+    assert error.code == "VALIDATION" and "'structured'" in error.message and str(MAX_SPEC_BYTES) in error.message
+
+
+def test_a_template_request_describes_the_template_the_engine_builds():
+    template = REQUESTS[[r.id for r in REQUESTS].index("r3")].template()
+    assert template.num_examples == 1 and template.system_prompt == "Decide for the cell."
+    assert template.structured.kind == "json"
+    lone = RegisterTemplateRequest(id="r", system_prompt="Decide for the cell.").template()
+    spelled = RegisterTemplateRequest(id="r", messages=EXAMPLES[:1]).template()
+    assert lone == spelled  # a system prompt is a conversation of one message
 
 
 def test_unknown_field_is_named():
@@ -254,6 +307,51 @@ def _only_protocol_errors(frame: bytes) -> None:
     assert decode_request(encode(request)) == request
 
 
+_text = st.text(min_size=1, max_size=12)
+_schema_leaf = st.one_of(
+    st.builds(lambda values: {"enum": values}, st.lists(_text, min_size=1, max_size=3, unique=True)),
+    st.builds(lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+              st.integers(-100, 100), st.integers(0, 100)),
+    st.just({"type": "boolean"}), st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)))
+_schemas = st.builds(lambda props: {"type": "object", "properties": props, "required": sorted(props)},
+                     st.dictionaries(_text, _schema_leaf, min_size=1, max_size=3))
+_structured = st.one_of(
+    st.builds(lambda schema, key: {key: schema}, _schemas, st.sampled_from(["json", "json_schema"])),
+    st.builds(lambda choices: {"choice": choices}, st.lists(_text, min_size=1, max_size=4)),
+    st.builds(lambda regex: {"regex": regex}, st.sampled_from(["yes|no", "[a-z]{1,5}", r"\d+"])),
+    st.just({"grammar": 'start: "on" | "off"'}))
+_template_messages = st.lists(st.builds(TemplateMessage, role=st.sampled_from(["system", "user", "assistant"]),
+                                        content=_text), min_size=1, max_size=5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(structured=_structured, template_id=st.none() | _text, stream=st.booleans())
+def test_a_constrained_generate_survives_a_round_trip(structured, template_id, stream):
+    request = GenerateRequest(id="g", prompt="p", structured=structured, template_id=template_id, stream=stream)
+    assert decode_request(encode(request)) == request
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages=st.none() | _template_messages, structured=st.none() | _structured, template_id=st.none() | _text)
+def test_a_template_registration_survives_a_round_trip(messages, structured, template_id):
+    conversation = {"messages": messages} if messages is not None else {"system_prompt": "Decide."}
+    request = RegisterTemplateRequest(id="r", template_id=template_id, structured=structured, **conversation)
+    decoded = decode_request(encode(request))
+    assert decoded == request and decoded.template() == request.template()
+
+
+@settings(max_examples=50, deadline=None)
+@given(forced=st.integers(0, 64), examples=st.integers(0, 20), shortest=st.integers(1, 500))
+def test_the_new_reply_fields_survive_a_round_trip(forced, examples, shortest):
+    replies = [Result(id="g", text="{}", token_ids=[1], num_prompt_tokens=3, num_cached_tokens=0,
+                      finish_reason="stop", timings=Timings(queue_s=0.0, e2e_s=0.1), num_forced_tokens=forced),
+               TemplateRegistered(id="r", template_id="t", num_tokens=40, num_pinned_tokens=32, num_examples=examples),
+               Rejected(id="g", code="OUTPUT_TOO_SHORT", message="too short",
+                        numbers={"max_tokens": shortest - 1, "shortest_answer_tokens": shortest})]
+    for reply in replies:
+        assert decode_reply(encode(reply)) == reply
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_raise_only_protocol_errors(frame):
@@ -278,7 +376,8 @@ def _doc_section(doc: str, heading: str) -> str:
 def test_docs_list_every_field_of_every_message(model):
     doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
     section = _doc_section(doc, f"### `{model.model_fields['type'].default}`")
-    nested = {"generate": ChatMessage, "result": Timings}.get(model.model_fields["type"].default)
+    nested = {"generate": ChatMessage, "result": Timings,
+              "register_template": TemplateMessage}.get(model.model_fields["type"].default)
     names = set(model.model_fields) | (set(nested.model_fields) if nested else set())
     for name in names - {"v", "type"}:
         assert f"| `{name}` |" in section, f"docs/protocol.md does not describe {model.__name__}.{name}"
