@@ -46,15 +46,21 @@ class ZmqBackend:
             self.version = (await self.client.ping(timeout_s=10)).version
         except TimeoutError:
             raise RicllmError(f"no ricllm server answers at {self.endpoint} (ping timed out after 10 s)") from None
-        pinned = {}
-        for name, template in templates.items():
+        return {name: await self._register(name, template) for name, template in templates.items()}
+
+    async def _register(self, name: str, template: Template) -> dict[str, Any]:
+        """Register the conversation and its constraint; a refusal (a schema the server cannot
+        compile, a template that does not fit) stops the replay, naming the template."""
+        from ricllm.client import RicClientError
+
+        try:
             reply = await self.client.register_template(
                 messages=template.message_list, template_id=f"{name}-{template_digest(template)}",
                 structured=template.structured.to_wire() if template.structured else None)
-            self.template_ids[name] = reply.template_id
-            pinned[name] = {"template_id": reply.template_id, "tokens": reply.num_tokens,
-                            "pinned_tokens": reply.num_pinned_tokens}
-        return pinned
+        except RicClientError as exc:
+            raise RicllmError(f"template {name!r}: the server refused it: {exc}") from None
+        self.template_ids[name] = reply.template_id
+        return {"template_id": reply.template_id, "tokens": reply.num_tokens, "pinned_tokens": reply.num_pinned_tokens}
 
     async def generate(self, planned, spec, record, t0: float) -> None:
         from ricllm.client import RejectedError, ServerError
@@ -111,4 +117,4 @@ def _fill_from_result(record, result, sent: float, first: float | None, done: fl
                   prompt_tokens=result.num_prompt_tokens, output_tokens=len(result.token_ids),
                   cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
                   granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None,
-                  num_forced_tokens=getattr(result, "num_forced_tokens", None))
+                  num_forced_tokens=result.num_forced_tokens)

@@ -269,19 +269,24 @@ def policy_answer(kpis: dict) -> str:
     return "escalate" if kpis["L1M.DL-SS-SINR"] is None else "hold"
 
 
-def test_a_choice_template_gets_only_valid_answers_and_they_are_judged(tiny_gguf, fit_file, tmp_path, capsys):
-    """The random model, sampling at temperature 1, answers only with one of the choices once the engine
-    applies the template's constraint; each answer is judged against the policy's answer for its row."""
-    from ricllm.replay.loading import load_scenario, load_scenario_trace
-
-    path = tmp_path / "decisions.yaml"
+@pytest.fixture(scope="module")
+def decisions_replayed(tiny_gguf, fit_file, tmp_path_factory) -> tuple[int, Path, Path]:
+    """One in-process replay of DECISIONS: (exit code, scenario file, report folder)."""
+    folder = tmp_path_factory.mktemp("decisions")
+    path = folder / "decisions.yaml"
     path.write_text(DECISIONS.format(model=tiny_gguf, fit=fit_file))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
-        code = main(["replay", str(path), "--out", str(tmp_path / "report"), "--no-progress"])
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert code == 0 and report["compliant"], report["targets"]
-    rows = {(r.entity, r.time_s): r.kpis for r in load_scenario_trace(load_scenario(path)).rows}
+        patch.setenv("RICLLM_CACHE_DIR", str(folder / "cache"))
+        code = main(["replay", str(path), "--out", str(folder / "report"), "--no-progress"])
+    return code, path, folder / "report"
+
+
+def check_decisions(report: dict, scenario: Path) -> None:
+    """Every answer one of the choices, each judged against the policy's answer for its own row."""
+    from ricllm.replay.loading import load_scenario, load_scenario_trace
+
+    assert report["compliant"], report["targets"]
+    rows = {(r.entity, r.time_s): r.kpis for r in load_scenario_trace(load_scenario(scenario)).rows}
     requests = report["requests"]
     assert len(requests) == 24 and all(r["status"] == "completed" and r["finish_reason"] == "stop" for r in requests)
     for r in requests:
@@ -299,9 +304,18 @@ def test_a_choice_template_gets_only_valid_answers_and_they_are_judged(tiny_gguf
     template = report["scenario"]["templates"]["congestion"]
     assert template["examples"] == 2 and template["constraint"] == "choice"
     assert all(r["cached_tokens"] >= template["pinned_tokens"] > 0 for r in requests)
+
+
+def test_a_choice_template_gets_only_valid_answers_and_they_are_judged(decisions_replayed, capsys):
+    """The random model, sampling at temperature 1, answers only with one of the choices once the engine
+    applies the template's constraint; each answer is judged against the policy's answer for its row."""
+    code, scenario, folder = decisions_replayed
+    assert code == 0
+    check_decisions(json.loads((folder / "report.json").read_text()), scenario)
+    assert (folder / "decisions.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["report", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "valid % answ." in out and "100.0%" in out
-    assert (tmp_path / "report" / "decisions.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_zeromq_replay_path_imports_no_torch(tmp_path):
@@ -401,3 +415,43 @@ def test_replay_over_zeromq_against_ricllm_serve(serve, tiny_gguf, fit_file, tmp
         assert report["aggregates"]["overall"][key] == pytest.approx(value), key
     assert any(s.get("kv_used_blocks") is not None for s in report["timeline"])
     assert report["engine"]["source"] == "server" and report["engine"]["server_stats"]
+
+
+def uncompilable(scenario: Path, folder: Path) -> Path:
+    """DECISIONS with a schema jsonschema accepts but the grammar engine cannot compile (``not``)."""
+    text = scenario.read_text().replace("choice: [offload, hold, escalate]",
+                                        "schema: {type: object, properties: {action: {not: {type: integer}}}}")
+    text = text[:text.index("      expect:")] + text[text.index("  user_prompt:"):]
+    path = folder / "uncompilable.yaml"
+    path.write_text(text.replace("assistant: offload", "assistant: '{}'").replace("assistant: hold", "assistant: '{}'"))
+    return path
+
+
+def test_a_schema_the_engine_cannot_compile_stops_the_replay_naming_the_template(decisions_replayed, tmp_path,
+                                                                                  capsys):
+    _, scenario, _ = decisions_replayed
+    path = uncompilable(scenario, tmp_path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+        assert main(["replay", str(path), "--out", str(tmp_path / "report"), "--no-progress"]) == 2
+    assert "template 'congestion': structured json cannot be compiled" in capsys.readouterr().err
+
+
+def test_a_choice_template_over_zeromq(serve, decisions_replayed, tmp_path, capsys):
+    """The server pins the same conversation (worked examples included) as the in-process engine, and
+    its requests inherit the template's constraint: every answer valid."""
+    _, scenario, in_process = decisions_replayed
+    out = tmp_path / "report"
+    assert main(["replay", str(scenario), "--endpoint", serve, "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    check_decisions(report, scenario)
+    pinned = json.loads((in_process / "report.json").read_text())["scenario"]["templates"]["congestion"]
+    template = report["scenario"]["templates"]["congestion"]
+    assert template["template_id"].startswith("congestion-")
+    assert (template["tokens"], template["pinned_tokens"]) == (pinned["tokens"], pinned["pinned_tokens"])
+    # a template the server cannot compile: an error reply, named; the replay stops before sending anything
+    capsys.readouterr()
+    bad = uncompilable(scenario, tmp_path)
+    assert main(["replay", str(bad), "--endpoint", serve, "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "template 'congestion': the server refused it:" in err and "cannot be compiled" in err, err
