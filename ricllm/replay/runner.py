@@ -55,10 +55,10 @@ class Replayer:
 
     async def _start_backend(self) -> dict[str, dict]:
         """Pin (or register) every template; the report's template entries also say what each holds."""
-        from ricllm.replay.templates import answer_check
+        from ricllm.replay.decisions import AnswerCheck
 
         templates = self.scenario.templates()
-        self.checks = {name: answer_check(entry) for name, entry in self.scenario.prompts.templates.items()}
+        self.checks = {name: AnswerCheck(t.structured) for name, t in templates.items() if t.structured}
         pinned = await self.backend.start(self.plan, templates)
         return {name: {**pinned[name], "examples": t.num_examples,
                        "constraint": t.structured.kind if t.structured else None} for name, t in templates.items()}
