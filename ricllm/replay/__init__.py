@@ -6,7 +6,9 @@ One module per job:
   mapping (``TraceSpec``), repairing and counting messy data; ``generator``: seeded synthetic
   traces (daily load curve, bursts, cell outages) for tests and demos.
 - ``schema``: the scenario file's pydantic models; ``expressions``: the threshold language;
-  ``targets``: compliance targets; ``prompts``: user-prompt templates (sandboxed jinja2).
+  ``targets``: compliance targets; ``prompts``: user-prompt templates (sandboxed jinja2);
+  ``templates``: a scenario's RAN templates (conversation, constraint, reference policy) and
+  their checks; ``decisions``: whether an answer is valid and correct.
 - ``loading``: a scenario from a path or a bundled name, ``--set`` overrides, problems with their
   YAML line; ``planning``: the seeded, open-loop request plan.
 - ``runner``: the replay loop over a backend, ``engine_backend`` (in-process) or ``zmq_backend``
