@@ -7,9 +7,16 @@ before sampling (``Runtime.mask``), so a constrained answer can only ever be a p
 
 from __future__ import annotations
 
+import functools
+import os
+
+import llguidance
 import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from ricllm.structured.compiler import CompiledGrammar
+
+PARALLEL_FROM = 4  # rows from which llguidance's pool fills the masks (below, its hand-off costs more)
 
 
 class Guide:
@@ -38,14 +45,26 @@ class Guide:
 def allowed_tokens(guides: list[Guide], vocab_size: int) -> np.ndarray:
     """``[len(guides), vocab_size]`` booleans: which tokens each guide allows next.
 
-    Ids past the grammar's tokenizer (a padded embedding) are never allowed.
+    Ids past the grammar's tokenizer (a padded embedding) are never allowed. Several masks are
+    filled by llguidance's thread pool: the model's threads are idle between steps.
     """
-    words = (guides[0].grammar.fresh_vocab_size + 31) // 32
-    bitmask = np.zeros((len(guides), words), dtype=np.int32)
-    for row, guide in enumerate(guides):
-        guide.fill_mask(bitmask, row)
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+    width = guides[0].grammar.fresh_vocab_size
+    bitmask = np.zeros((len(guides), (width + 31) // 32), dtype=np.int32)
+    if len(guides) >= PARALLEL_FROM:
+        fill_next_token_bitmask_par(_executor(), [(g.matcher, row) for row, g in enumerate(guides)], bitmask)
+    else:
+        for row, guide in enumerate(guides):
+            guide.fill_mask(bitmask, row)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=min(width, vocab_size), bitorder="little")
+    if bits.shape[1] == vocab_size:
+        return bits.view(bool)
     allowed = np.zeros((len(guides), vocab_size), dtype=bool)
-    width = min(vocab_size, bits.shape[1])
-    allowed[:, :width] = bits[:, :width]
+    allowed[:, :bits.shape[1]] = bits
     return allowed
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    """Made on the engine's thread, so its threads keep to the engine's CPUs (``engine_cpus``)."""
+    return llguidance.LLExecutor(num_threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else os.cpu_count())

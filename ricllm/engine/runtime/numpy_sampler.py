@@ -51,6 +51,17 @@ def new_generator(seed: int) -> np.random.Generator:
 
 
 def mask(logits: np.ndarray, rows: list[int], allowed: np.ndarray) -> np.ndarray:
-    """Forbid the tokens a row's constraint does not allow (``allowed [len(rows), vocab]``)."""
-    logits[rows] = np.where(allowed, logits[rows], np.float32(-np.inf))
+    """Forbid the tokens a row's constraint does not allow (``allowed [len(rows), vocab]``), in place.
+
+    A row that allows few tokens is rebuilt from them (a grammar usually allows a handful);
+    one that allows most has the rest overwritten.
+    """
+    for row, ok in zip(rows, allowed):
+        keep = np.flatnonzero(ok)
+        if 2 * keep.size < ok.size:
+            kept = logits[row, keep]
+            logits[row] = -np.inf
+            logits[row, keep] = kept
+        else:
+            np.putmask(logits[row], ~ok, np.float32(-np.inf))
     return logits

@@ -1,0 +1,218 @@
+"""Decision quality of the default model on the bundled templates, and what constraining costs.
+
+For each template of a scenario (default: ``default``) that declares a reference policy
+(``expect``), KPI rows of the scenario's own trace are asked four ways: unconstrained or
+constrained to the template's schema, zero-shot (the system prompt alone) or with the template's
+worked examples. Rows: where a threshold trigger that names the template fires (the traffic the
+template gets), else a seeded sample of all rows. Each answer is judged as the replay report
+judges it (valid: parses and matches the schema; correct: the policy's action for that row).
+Then, on the first template with its examples, greedy and interleaved ``--repeats`` times:
+- TTFT and E2E of one request at a time with prefix caching on (the template pinned) and off;
+- engine steps with jump-forward on and off (forced tokens computed as one chunk or one per step);
+- the per-step cost of masking: decode steps of N constrained streams vs N unconstrained ones.
+Greedy decoding on the default model (int4 weights in the native runtime on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results import publish
+from ricllm import LLM, SamplingParams
+from ricllm.replay.expressions import Threshold
+from ricllm.replay.loading import load_scenario, load_scenario_trace
+from ricllm.replay.prompts import jinja_env, prompt_context
+from ricllm.replay.templates import answer_check
+
+# a reason of 20 to 400 characters: every token of it a sampling decision under the mask; only steps in
+# which every stream decodes are timed, so constrained and unconstrained batches are the same size
+FREE_TEXT = {"json": {"type": "object", "properties": {"reason": {"type": "string", "minLength": 20,
+                                                                  "maxLength": 400}},
+                      "required": ["reason"], "additionalProperties": False}}
+
+
+@dataclass
+class Case:
+    user: str
+    expected: dict
+
+
+def template_cases(scenario, name: str, rows: list, limit: int, seed: int) -> list[Case]:
+    policy = scenario.policies()[name]
+    fires = [Threshold(t.threshold, scenario.trace_kpis()) for t in scenario.triggers
+             if t.template == name and t.threshold]
+    chosen = [r for r in rows if any(f(r.kpis) for f in fires)] if fires else list(rows)
+    random.Random(seed).shuffle(chosen)
+    prompt = jinja_env().from_string(scenario.prompts.user_prompt)
+    return [Case(prompt.render(**prompt_context(r, template=name)), policy.expected(r.kpis)) for r in chosen[:limit]]
+
+
+def judge(outputs, cases: list[Case], check) -> tuple[float, float]:
+    valid = correct = 0
+    for out, case in zip(outputs, cases):
+        answer, problem = check.parse(out.text.strip()) if out.finish_reason == "stop" else (None, "length")
+        valid += problem is None
+        correct += problem is None and all(answer.get(k) == v for k, v in case.expected.items())
+    return valid / len(cases), correct / len(cases)
+
+
+def accuracy_rows(llm: LLM, scenario, name: str, cases: list[Case]) -> list[str]:
+    template, check = scenario.templates()[name], answer_check(scenario.prompts.templates[name])
+    rows = []
+    for shots, prefix in (("zero-shot", template.message_list[:1]), (f"{template.num_examples} examples",
+                                                                      template.message_list)):
+        for label, structured in (("unconstrained", None), ("constrained", template.structured)):
+            params = SamplingParams(max_tokens=32, structured=structured)
+            outs = llm.chat([prefix + [{"role": "user", "content": c.user}] for c in cases], params)
+            valid, correct = judge(outs, cases, check)
+            error = math.sqrt(correct * (1 - correct) / len(cases))
+            rows.append(f"| {name} | {shots} | {label} | {len(cases)} | {valid:.1%} | {correct:.1%} ± {error:.1%} |")
+    return rows
+
+
+def majority_share(cases: list[Case]) -> float:
+    counts: dict[str, int] = {}
+    for case in cases:
+        key = repr(sorted(case.expected.items()))
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts.values()) / len(cases)
+
+
+def timed_one_by_one(llm: LLM, conversations: list, params: SamplingParams) -> tuple[float, float]:
+    ttft, e2e = [], []
+    for conversation in conversations:
+        out = llm.chat([conversation], params)[0]
+        ttft.append(out.ttft_s * 1000)
+        e2e.append(out.e2e_s * 1000)
+    return statistics.median(ttft), statistics.median(e2e)
+
+
+def prefix_caching(scenario, name: str, cases: list[Case], repeats: int) -> list[str]:
+    template = scenario.templates()[name]
+    params = SamplingParams(max_tokens=32, structured=template.structured)
+    conversations = [template.message_list + [{"role": "user", "content": c.user}] for c in cases[:12]]
+    engines = {on: LLM(enable_prefix_caching=on) for on in (True, False)}
+    engines[True].pin_prefix(template)
+    engines[False].engine.compile_structured(template.structured)
+    results = {True: [], False: []}
+    for _ in range(repeats):
+        for on, llm in engines.items():
+            results[on].append(timed_one_by_one(llm, conversations, params))
+    return [_timing_row(name, "on (template pinned)" if on else "off", results[on], results[True])
+            for on in (True, False)]
+
+
+def _timing_row(name: str, label: str, runs: list, baseline: list) -> str:
+    ttft, e2e = [r[0] for r in runs], [r[1] for r in runs]
+    ratio = statistics.median(ttft) / statistics.median([r[0] for r in baseline])
+    return (f"| {name} | {label} | {statistics.median(ttft):.1f} [{min(ttft):.1f}-{max(ttft):.1f}] | "
+            f"{statistics.median(e2e):.1f} [{min(e2e):.1f}-{max(e2e):.1f}] | {ratio:.2f}x |")
+
+
+def forced_tokens(scenario, name: str, cases: list[Case], repeats: int) -> list[str]:
+    template = scenario.templates()[name]
+    params = SamplingParams(max_tokens=32, structured=template.structured)
+    conversations = [template.message_list + [{"role": "user", "content": c.user}] for c in cases[:24]]
+    engines = {on: LLM(jump_forward=on) for on in (True, False)}
+    steps, seconds, forced, tokens = {True: [], False: []}, {True: [], False: []}, 0, 0
+    for _ in range(repeats):
+        for on, llm in engines.items():
+            before, started = llm.engine.num_steps, time.perf_counter()
+            outs = llm.chat(conversations, params)
+            seconds[on].append(time.perf_counter() - started)
+            steps[on].append(llm.engine.num_steps - before)
+            forced, tokens = sum(o.num_forced_tokens for o in outs), sum(len(o.token_ids) for o in outs)
+    return [f"| {name} | {'on' if on else 'off'} | {statistics.median(steps[on]):.0f} | "
+            f"{statistics.median(seconds[on]):.2f} [{min(seconds[on]):.2f}-{max(seconds[on]):.2f}] | "
+            f"{forced} of {tokens} |" for on in (True, False)]
+
+
+def masking_cost(repeats: int, streams: tuple[int, ...] = (1, 8, 32), tokens: int = 48) -> list[str]:
+    llm = LLM(max_num_seqs=64)
+    llm.engine.compile_structured(FREE_TEXT)
+    prompts = [f"Describe cell {i} of the network." for i in range(max(streams))]
+    per_step: dict[tuple[int, bool], list[float]] = {}
+    for _ in range(repeats):
+        for n in streams:
+            for constrained in (False, True):
+                params = SamplingParams(max_tokens=tokens, ignore_eos=not constrained,
+                                        structured=FREE_TEXT if constrained else None)
+                per_step.setdefault((n, constrained), []).append(_decode_step_ms(llm, prompts[:n], params))
+    rows = []
+    for n in streams:
+        free, masked = per_step[(n, False)], per_step[(n, True)]
+        overhead = statistics.median(masked) / statistics.median(free) - 1
+        rows.append(f"| {n} | {statistics.median(free):.2f} [{min(free):.2f}-{max(free):.2f}] | "
+                    f"{statistics.median(masked):.2f} [{min(masked):.2f}-{max(masked):.2f}] | {overhead:+.1%} |")
+    return rows
+
+
+def _decode_step_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    """Median wall time of the steps in which every stream decodes (masking, sampling, grammar included)."""
+    engine = llm.engine
+    seqs = [engine.add_request(p, params) for p in prompts]
+    if any(s.rejection is not None for s in seqs):
+        raise SystemExit(f"bench_decisions: a masking-cost request was refused: {seqs[0].rejection}")
+    times = []
+    while engine.has_unfinished():
+        full = all(s.in_decode and not s.is_finished for s in seqs)
+        started = time.perf_counter()
+        engine.step()
+        if full:
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def cpu_flags() -> str:
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
+    return "with AMX" if "amx_tile" in flags else "without AMX"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", default="default", help="scenario whose templates are measured")
+    parser.add_argument("--rows", type=int, default=80, help="KPI rows asked per template (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the timed parts")
+    parser.add_argument("--no-append", action="store_true", help="print only; do not append to RESULTS.md")
+    args = parser.parse_args()
+    scenario = load_scenario(args.scenario)
+    rows = load_scenario_trace(scenario).rows
+    names = list(scenario.policies())
+    cases = {name: template_cases(scenario, name, rows, args.rows, seed=i) for i, name in enumerate(names)}
+    llm = LLM()
+    accuracy = [row for name in names for row in accuracy_rows(llm, scenario, name, cases[name])]
+    majority = ", ".join(f"{name} {majority_share(cases[name]):.0%}" for name in names)
+    first = names[0]
+    body = "\n".join([
+        ("Accuracy (greedy; valid = parses and matches the schema; correct = the policy's action, ± its "
+        f"standard error). The majority class alone: {majority}.\n"),
+        "| template | prompt | output | rows | valid | correct |", "|---|---|---|---:|---:|---:|", *accuracy,
+        (f"\nPrefix caching, one request at a time ({first} with its examples; ms, median [range] of "
+        f"{args.repeats} interleaved runs of 12 requests):\n"),
+        "| template | prefix caching | TTFT ms | E2E ms | TTFT vs on |", "|---|---|---:|---:|---:|",
+        *prefix_caching(scenario, first, cases[first], args.repeats),
+        f"\nForced tokens ({first}, 24 requests in one batch; seconds median [range] of {args.repeats}):\n",
+        "| template | jump-forward | engine steps | seconds | forced of all output tokens |",
+        "|---|---|---:|---:|---:|", *forced_tokens(scenario, first, cases[first], args.repeats),
+        (f"\nMasking cost per decode step (a JSON string of 20-400 characters, vs unconstrained; steps where all streams decode; "
+        f"ms per step, median [range] of {args.repeats}):\n"),
+        "| streams | unconstrained ms | constrained ms | overhead |", "|---:|---:|---:|---:|",
+        *masking_cost(args.repeats),
+    ])
+    publish("Decisions: accuracy and the cost of constraints (issue 19)",
+            f"CPU {cpu_flags()}; scenario {args.scenario}; default model (SmolLM2-135M-Instruct Q4_1, "
+            f"{llm.engine.runtime.name} runtime, weights {llm.engine.runtime.weight_formats[0]}).",
+            body, append=not args.no_append)
+
+
+if __name__ == "__main__":
+    main()
