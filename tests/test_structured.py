@@ -121,7 +121,7 @@ def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(
     engine.runtime.runner.run = recording_run
     try:
         plain = SamplingParams(max_tokens=12, ignore_eos=True)
-        constrained = SamplingParams(max_tokens=64, structured={"json": DECISION})
+        constrained = SamplingParams(max_tokens=64, structured={"json": DECISION}, temperature=0.8, seed=1)
         mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 4 + [constrained] * 4)
     finally:
         object.__setattr__(engine.runtime, "sample", sample)
@@ -135,6 +135,16 @@ def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(
         assert np.isinf(after[bound]).any(axis=1).all()
     assert [len(o.token_ids) for o in mixed[:4]] == [12] * 4
     assert all(json.loads(o.text)["action"] in DECISION["properties"]["action"]["enum"] for o in mixed[4:])
+
+
+def test_a_greedy_row_whose_likeliest_token_is_allowed_skips_the_mask_and_chooses_the_same(llm, monkeypatch):
+    from ricllm.structured.guide import Guide
+
+    params = SamplingParams(max_tokens=200, structured={"json": {"type": "object", "properties": {
+        "note": {"type": "string", "maxLength": 40}}, "required": ["note"], "additionalProperties": False}})
+    checked = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    monkeypatch.setattr(Guide, "allows", lambda self, token: False)  # always build the full mask
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == checked
 
 
 # ------------------------------------------------------------------ refused at once

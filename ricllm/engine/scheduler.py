@@ -107,7 +107,7 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue  # preempted earlier in this step
-            num_new = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            num_new = self._chunk(seq, min(seq.num_uncomputed_tokens, budget), start=seq.num_computed_tokens)
             if self._allocate_or_preempt(seq, num_new, {s for s, _ in items}):
                 items.append((seq, num_new))
                 budget -= num_new
@@ -115,11 +115,12 @@ class Scheduler:
                 preempted = True
         return budget, preempted
 
-    def _chunk(self, seq: Sequence, num_new: int) -> int:
-        """Without jump-forward, output tokens are computed one per step, as if each were decoded."""
+    def _chunk(self, seq: Sequence, num_new: int, start: int) -> int:
+        """Without jump-forward, output tokens are computed one per step, as if each were decoded
+        (``start``: the first position this step computes, past any prefix-cache hit)."""
         if self.jump_forward:
             return num_new
-        return min(num_new, max(seq.num_prompt_tokens - seq.num_computed_tokens, 1))
+        return min(num_new, max(seq.num_prompt_tokens - start, 1))
 
     def _running_best_effort(self) -> int:
         return sum(1 for s in self.running if not s.promised)
@@ -131,7 +132,8 @@ class Scheduler:
             if not seq.promised and not self._best_effort_may_join(now):
                 break
             hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
-            num_new = self._chunk(seq, min(seq.num_tokens - len(hits) * self.cache.block_size, budget))
+            cached = len(hits) * self.cache.block_size
+            num_new = self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached)
             allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
                          else self._within_unreserved(seq, num_new, hits) and self.cache.allocate(seq, num_new, hits))
             if not allocated:

@@ -32,6 +32,9 @@ class Guide:
         if not self.matcher.consume_tokens(token_ids):  # only on a bug: the mask allowed these tokens
             raise RuntimeError(f"grammar refused tokens it allowed: {self.matcher.get_error()}")
 
+    def allows(self, token_id: int) -> bool:
+        return self.matcher.validate_tokens([token_id]) == 1
+
     @property
     def is_complete(self) -> bool:
         """The answer is whole: the grammar allows nothing but the end."""
