@@ -31,7 +31,7 @@ from ricllm import LLM, SamplingParams
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.loading import load_scenario, load_scenario_trace
 from ricllm.replay.prompts import jinja_env, prompt_context
-from ricllm.replay.templates import answer_check
+from ricllm.replay.templates import answer_check, scenario_policies, scenario_templates
 
 # a reason of 20 to 400 characters: every token of it a sampling decision under the mask; only steps in
 # which every stream decodes are timed, so constrained and unconstrained batches are the same size
@@ -47,7 +47,7 @@ class Case:
 
 
 def template_cases(scenario, name: str, rows: list, limit: int, seed: int) -> list[Case]:
-    policy = scenario.policies()[name]
+    policy = scenario_policies(scenario)[name]
     fires = [Threshold(t.threshold, scenario.trace_kpis()) for t in scenario.triggers
              if t.template == name and t.threshold]
     chosen = [r for r in rows if any(f(r.kpis) for f in fires)] if fires else list(rows)
@@ -66,7 +66,7 @@ def judge(outputs, cases: list[Case], check) -> tuple[float, float]:
 
 
 def accuracy_rows(llm: LLM, scenario, name: str, cases: list[Case]) -> list[str]:
-    template, check = scenario.templates()[name], answer_check(scenario.prompts.templates[name])
+    template, check = scenario_templates(scenario)[name], answer_check(scenario.prompts.templates[name])
     rows = []
     for shots, prefix in (("zero-shot", template.message_list[:1]), (f"{template.num_examples} examples",
                                                                       template.message_list)):
@@ -97,7 +97,7 @@ def timed_one_by_one(llm: LLM, conversations: list, params: SamplingParams) -> t
 
 
 def prefix_caching(scenario, name: str, cases: list[Case], repeats: int) -> list[str]:
-    template = scenario.templates()[name]
+    template = scenario_templates(scenario)[name]
     params = SamplingParams(max_tokens=32, structured=template.structured)
     conversations = [template.message_list + [{"role": "user", "content": c.user}] for c in cases[:12]]
     engines = {on: LLM(enable_prefix_caching=on) for on in (True, False)}
@@ -119,7 +119,7 @@ def _timing_row(name: str, label: str, runs: list, baseline: list) -> str:
 
 
 def forced_tokens(scenario, name: str, cases: list[Case], repeats: int) -> list[str]:
-    template = scenario.templates()[name]
+    template = scenario_templates(scenario)[name]
     params = SamplingParams(max_tokens=32, structured=template.structured)
     conversations = [template.message_list + [{"role": "user", "content": c.user}] for c in cases[:24]]
     engines = {on: LLM(jump_forward=on) for on in (True, False)}
@@ -192,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     scenario = load_scenario(args.scenario)
     rows = load_scenario_trace(scenario).rows
-    names = list(scenario.policies())
+    names = list(scenario_policies(scenario))
     cases = {name: template_cases(scenario, name, rows, args.rows, seed=i) for i, name in enumerate(names)}
     llm = LLM()
     accuracy = [row for name in names for row in accuracy_rows(llm, scenario, name, cases[name])]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.prompts import jinja_env, prompt_context
 from ricllm.replay.schema import DeadlineClass, Prompts, Scenario, Trigger
+from ricllm.replay.templates import scenario_policies
 from ricllm.replay.traces import KpiRow, LoadedTrace
 
 # ---------------------------------------------------------------------------------- triggers
@@ -102,7 +103,7 @@ def plan_requests(scenario: Scenario, trace: LoadedTrace, speed: float | None = 
     prompts = {None: env.from_string(scenario.prompts.user_prompt)}
     prompts.update({i: env.from_string(t.user_prompt) for i, t in enumerate(scenario.triggers) if t.user_prompt})
     order = {entity: i for i, entity in enumerate(trace.entities())}
-    policies = scenario.policies()
+    policies = scenario_policies(scenario)
     planned = []
     for row_index, trigger_index in fire_triggers(scenario.triggers, rows, scenario.trace_kpis()):
         row, trigger = rows[row_index], scenario.triggers[trigger_index]

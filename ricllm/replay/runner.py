@@ -56,8 +56,9 @@ class Replayer:
     async def _start_backend(self) -> dict[str, dict]:
         """Pin (or register) every template; the report's template entries also say what each holds."""
         from ricllm.replay.decisions import AnswerCheck
+        from ricllm.replay.templates import scenario_templates
 
-        templates = self.scenario.templates()
+        templates = scenario_templates(self.scenario)
         self.checks = {name: AnswerCheck(t.structured) for name, t in templates.items() if t.structured}
         pinned = await self.backend.start(self.plan, templates)
         return {name: {**pinned[name], "examples": t.num_examples,

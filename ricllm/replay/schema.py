@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -31,10 +31,6 @@ from ricllm.replay.prompts import check_template
 from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
 from ricllm.sampling_params import default_priority
-
-if TYPE_CHECKING:
-    from ricllm.replay.decisions import Policy
-    from ricllm.template import Template
 
 DEFAULT_USER_PROMPT = (
     "Cell {{ entity }} at t={{ time_s | fmt(0) }} s: PRB usage {{ kpi['RRU.PrbUsedDl'] | fmt(0) }} of "
@@ -313,20 +309,6 @@ class Scenario(_Strict):
         if isinstance(self.trace, GeneratedTrace):
             return list(GENERATED_PASSTHROUGH)
         return list(self.trace.passthrough)
-
-    def templates(self) -> dict[str, Template]:
-        """Template name -> the conversation to pin and its constraint; files read relative to the scenario."""
-        from ricllm.replay.templates import build_template
-
-        return {name: build_template(value, self.base_dir) for name, value in self.prompts.templates.items()}
-
-    def policies(self) -> dict[str, Policy]:
-        """Template name -> its reference policy, for the templates that declare ``expect``."""
-        from ricllm.replay.templates import build_policy
-
-        kpis = self.trace_kpis()
-        return {name: build_policy(value, kpis) for name, value in self.prompts.templates.items()
-                if isinstance(value, TemplateSpec) and value.expect}
 
     def resolve_path(self, value: str) -> str:
         """A path in the file is relative to the scenario's folder."""

@@ -19,11 +19,23 @@ from typing import Any
 from ricllm.errors import InvalidRequestError
 from ricllm.replay.decisions import AnswerCheck, Policy, schema_problem
 from ricllm.replay.expressions import Threshold
-from ricllm.replay.schema import TemplateSpec
+from ricllm.replay.schema import Scenario, TemplateSpec
 from ricllm.structured.spec import StructuredSpec
 from ricllm.template import Template
 
 Problem = tuple[tuple, str, str]  # (location in the scenario, message, kind), as ricllm.replay.loading reports them
+
+
+def scenario_templates(scenario: Scenario) -> dict[str, Template]:
+    """Template name -> the conversation to pin and its constraint; files read relative to the scenario."""
+    return {name: build_template(value, scenario.base_dir) for name, value in scenario.prompts.templates.items()}
+
+
+def scenario_policies(scenario: Scenario) -> dict[str, Policy]:
+    """Template name -> its reference policy, for the templates that declare ``expect``."""
+    kpis = scenario.trace_kpis()
+    return {name: build_policy(value, kpis) for name, value in scenario.prompts.templates.items()
+            if isinstance(value, TemplateSpec) and value.expect}
 
 
 def system_text(entry: str | TemplateSpec, base_dir: Path) -> str:

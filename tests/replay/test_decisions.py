@@ -13,6 +13,7 @@ from ricllm.replay.decisions import AnswerCheck, Policy, is_correct, judge
 from ricllm.replay.loading import ScenarioError, load_scenario, load_scenario_trace
 from ricllm.replay.planning import plan_requests
 from ricllm.replay.records import RequestRecord
+from ricllm.replay.templates import scenario_templates
 from ricllm.structured.spec import StructuredSpec
 
 KPIS = ["RRU.PrbTotDl", "DRB.RlcSduDelayDl", "L1M.DL-SS-SINR"]
@@ -85,7 +86,7 @@ def line_of(text: str, fragment: str) -> int:
 
 def test_a_decision_template_is_the_conversation_and_its_constraint(tmp_path):
     scenario = load_scenario(write(tmp_path, SCENARIO))
-    templates = scenario.templates()
+    templates = scenario_templates(scenario)
     congestion = templates["congestion"]
     assert [m["role"] for m in congestion.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert congestion.system_prompt == "You are the congestion controller of a RAN cell."
@@ -273,7 +274,7 @@ def test_documented_template_example_loads(tmp_path):
     block = next(b.split("```", 1)[0] for b in docs.split("```yaml\n")[1:] if b.startswith("congestion:"))
     text = SCENARIO.split("  templates:\n")[0] + "  templates:\n" + textwrap.indent(block, "    ")
     scenario = load_scenario(write(tmp_path, text + "  select: congestion\n"))
-    template = scenario.templates()["congestion"]
+    template = scenario_templates(scenario)["congestion"]
     assert template.num_examples == 2 and template.structured.kind == "json"
     assert {p.expected["action"] for p in plan_requests(scenario, load_scenario_trace(scenario))} <= {
         "offload", "escalate", "hold"}

@@ -16,6 +16,7 @@ from ricllm.replay.expressions import Threshold
 from ricllm.replay.loading import ScenarioError, bundled_scenarios, load_scenario, load_scenario_trace
 from ricllm.replay.planning import fire_triggers, plan_requests
 from ricllm.replay.schema import Trigger
+from ricllm.replay.templates import scenario_templates
 from ricllm.replay.traces import KpiRow
 
 ROOT = Path(__file__).parents[2]
@@ -326,7 +327,7 @@ def test_bundled_scenarios_load_and_plan(name):
     scenario = load_scenario(name)
     plan = plan_requests(scenario, load_scenario_trace(scenario))
     assert scenario.name == name and plan and scenario.targets
-    templates = scenario.templates()
+    templates = scenario_templates(scenario)
     assert set(templates) == {p.template for p in plan}
     assert all(len(t.system_prompt) > 800 for t in templates.values())  # long, worth pinning
 
