@@ -104,7 +104,7 @@ def test_the_forced_start_of_an_answer_costs_no_step(llm):
 
 def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(llm):
     """The mask touches only the constrained rows: the others sample from the model's own logits."""
-    raw, masked = [], []
+    raw, calls = [], []
     run, sample = llm.engine.runtime.runner.run, llm.engine.runtime.sample
 
     def recording_run(batch):
@@ -113,7 +113,7 @@ def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(
         return logits, rows
 
     def recording_sample(logits, params, generators):
-        masked.append((torch.as_tensor(logits).clone().numpy(), [p.structured is not None for p in params]))
+        calls.append((len(raw) - 1, torch.as_tensor(logits).clone().numpy(), [p.structured is not None for p in params]))
         return sample(logits, params, generators)
 
     engine = llm.engine
@@ -121,30 +121,39 @@ def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(
     engine.runtime.runner.run = recording_run
     try:
         plain = SamplingParams(max_tokens=12, ignore_eos=True)
-        constrained = SamplingParams(max_tokens=64, structured={"json": DECISION}, temperature=0.8, seed=1)
+        constrained = SamplingParams(max_tokens=64, structured={"json": DECISION}, temperature=0.8, top_k=50, seed=1)
         mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 4 + [constrained] * 4)
     finally:
         object.__setattr__(engine.runtime, "sample", sample)
         del engine.runtime.runner.run
-    mixed_steps = [(r, m, c) for r, (m, c) in zip(raw, masked) if any(c) and not all(c)]
+    mixed_steps = [(raw[step], seen, rows) for step, seen, rows in calls if any(rows) and not all(rows)]
     assert mixed_steps
     for before, after, constrained_rows in mixed_steps:
         free = [row for row, c in enumerate(constrained_rows) if not c]
         bound = [row for row, c in enumerate(constrained_rows) if c]
         assert np.array_equal(before[free], after[free])  # bit for bit
-        assert np.isinf(after[bound]).any(axis=1).all()
+        assert np.isinf(after[bound]).any(axis=1).all()  # top-k rows: masked before their draw
     assert [len(o.token_ids) for o in mixed[:4]] == [12] * 4
     assert all(json.loads(o.text)["action"] in DECISION["properties"]["action"]["enum"] for o in mixed[4:])
 
 
-def test_a_greedy_row_whose_likeliest_token_is_allowed_skips_the_mask_and_chooses_the_same(llm, monkeypatch):
+def test_a_refused_draw_is_drawn_again_from_the_masked_distribution(llm):
+    """Temperature-only rows draw first and are masked only when refused: answers stay valid."""
+    for seed in range(8):
+        out = llm.generate(PROMPTS[seed % 4], SamplingParams(max_tokens=64, temperature=1.5, seed=seed,
+                                                             structured={"json": DECISION}))[0]
+        jsonschema.validate(json.loads(out.text), DECISION)
+
+
+def test_a_row_whose_draw_the_grammar_allows_skips_the_mask_and_chooses_the_same(llm, monkeypatch):
     from ricllm.structured.guide import Guide
 
-    params = SamplingParams(max_tokens=200, structured={"json": {"type": "object", "properties": {
-        "note": {"type": "string", "maxLength": 40}}, "required": ["note"], "additionalProperties": False}})
-    checked = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    monkeypatch.setattr(Guide, "allows", lambda self, token: False)  # always build the full mask
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == checked
+    note = {"json": {"type": "object", "properties": {"note": {"type": "string", "maxLength": 40}},
+                     "required": ["note"], "additionalProperties": False}}
+    params = [SamplingParams(max_tokens=200, structured=note)]  # greedy: the same token masked or not
+    checked = [o.token_ids for o in llm.generate(PROMPTS, params * 4)]
+    monkeypatch.setattr(Guide, "allows", lambda self, token: False)  # always draw again from the full mask
+    assert [o.token_ids for o in llm.generate(PROMPTS, params * 4)] == checked
 
 
 # ------------------------------------------------------------------ refused at once

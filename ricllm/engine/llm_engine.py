@@ -45,6 +45,11 @@ class StepRecord:
     duration_s: float
 
 
+def _checkable_after(params: SamplingParams) -> bool:
+    """Whether a constrained row may draw first and be checked after (no top-k, no top-p filter)."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.perf_counter, latency_model=None):
         started = time.perf_counter()
@@ -308,8 +313,7 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
             self.cache.cache_full_blocks(seq)
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
-        logits = self._mask_constrained(logits, ready)
-        tokens = self.runtime.sample(logits, [s.params for s in ready], [s.generator for s in ready])
+        tokens = self._sample(logits, ready)
         now = self.clock()
         self._record_step(features, now - started)
         for seq, token in zip(ready, tokens):
@@ -318,16 +322,33 @@ class LLMEngine:
                 finished.append(self._finish(seq, reason, now))
         return finished
 
-    def _mask_constrained(self, logits, ready: list[Sequence]):
-        """Mask the constrained rows, except greedy ones whose likeliest token the grammar allows:
-        the mask could not change their choice, and checking one token costs far less than a mask."""
-        rows = [row for row, seq in enumerate(ready) if seq.guide is not None
-                and not (seq.params.greedy and seq.guide.allows(int(logits[row].argmax())))]
-        if not rows:
-            return logits
+    def _sample(self, logits, ready: list[Sequence]) -> list[int]:
+        """One token per row; a constrained row's token is one its grammar allows.
+
+        Greedy and temperature-only rows draw first and are masked only when the grammar refuses
+        the draw, then draw again: keeping an allowed draw from p, else drawing from p masked,
+        is exactly p restricted to the allowed tokens, and checking one token costs far less than
+        masking a vocabulary. Rows with top-k or top-p are masked before their one draw, since
+        those filters must see the masked distribution.
+        """
+        params, generators = [s.params for s in ready], [s.generator for s in ready]
+        masked_first = [r for r, s in enumerate(ready) if s.guide is not None and not _checkable_after(s.params)]
+        if masked_first:
+            logits = self._mask_rows(logits, [ready[r] for r in masked_first], masked_first)
+        tokens = self.runtime.sample(logits, params, generators)
+        refused = [r for r, s in enumerate(ready) if s.guide is not None and r not in masked_first
+                   and not s.guide.allows(tokens[r])]
+        if refused:
+            again = self._mask_rows(logits[refused], [ready[r] for r in refused], list(range(len(refused))))
+            for row, token in zip(refused, self.runtime.sample(again, [params[r] for r in refused],
+                                                               [generators[r] for r in refused])):
+                tokens[row] = token
+        return tokens
+
+    def _mask_rows(self, logits, seqs: list[Sequence], rows: list[int]):
         from ricllm.structured.guide import allowed_tokens
 
-        return self.runtime.mask(logits, rows, allowed_tokens([ready[r].guide for r in rows], logits.shape[-1]))
+        return self.runtime.mask(logits, rows, allowed_tokens([s.guide for s in seqs], logits.shape[-1]))
 
     def _check_stepping_thread(self) -> None:
         """Warn (once per thread) when steps run on a thread other than the engine's building one

@@ -1,22 +1,16 @@
 """One request's place in its grammar, and the token masks of a batch's constrained rows.
 
-A row without a constraint never reaches this module: it pays nothing. The mask is built only
-for the rows that sample this step and have a guide; the runtime applies it to their logits
-before sampling (``Runtime.mask``), so a constrained answer can only ever be a prefix of a valid one.
+A row without a constraint never reaches this module: it pays nothing. A mask is built only for
+a constrained row that samples this step and needs one (``LLMEngine._sample``); the runtime
+applies it to the row's logits (``Runtime.mask``), so a constrained answer can only ever be a
+prefix of a valid one.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
-import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from ricllm.structured.compiler import CompiledGrammar
-
-PARALLEL_FROM = 4  # rows from which llguidance's pool fills the masks (below, its hand-off costs more)
 
 
 class Guide:
@@ -48,26 +42,17 @@ class Guide:
 def allowed_tokens(guides: list[Guide], vocab_size: int) -> np.ndarray:
     """``[len(guides), vocab_size]`` booleans: which tokens each guide allows next.
 
-    Ids past the grammar's tokenizer (a padded embedding) are never allowed. Several masks are
-    filled by llguidance's thread pool: the model's threads are idle between steps.
+    Ids past the grammar's tokenizer (a padded embedding) are never allowed. The masks are filled
+    one after the other on the engine's thread: llguidance's thread pool was slower on a few cores,
+    its threads taking CPU time from the model's (``benchmarks/bench_decisions.py``).
     """
     width = guides[0].grammar.fresh_vocab_size
     bitmask = np.zeros((len(guides), (width + 31) // 32), dtype=np.int32)
-    if len(guides) >= PARALLEL_FROM:
-        fill_next_token_bitmask_par(_executor(), [(g.matcher, row) for row, g in enumerate(guides)], bitmask)
-    else:
-        for row, guide in enumerate(guides):
-            guide.fill_mask(bitmask, row)
+    for row, guide in enumerate(guides):
+        guide.fill_mask(bitmask, row)
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=min(width, vocab_size), bitorder="little")
     if bits.shape[1] == vocab_size:
         return bits.view(bool)
     allowed = np.zeros((len(guides), vocab_size), dtype=bool)
     allowed[:, :bits.shape[1]] = bits
     return allowed
-
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    """Made on the engine's thread, so its threads keep to the engine's CPUs (``engine_cpus``)."""
-    return llguidance.LLExecutor(num_threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else os.cpu_count())
