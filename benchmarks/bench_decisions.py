@@ -142,7 +142,7 @@ def masking_cost(repeats: int, streams: tuple[int, ...] = (1, 8, 32), tokens: in
     prompts = [f"Describe cell {i} of the network." for i in range(max(streams))]
     per_step: dict[tuple, list[float]] = {}
     for constrained in (False, True):  # warm-up: first steps build kernels and caches
-        _decode_step_ms(llm, prompts[:2], SamplingParams(max_tokens=8, structured=FREE_TEXT if constrained else None))
+        _decode_step_ms(llm, prompts[:2], SamplingParams(max_tokens=tokens, structured=FREE_TEXT if constrained else None))
     for _ in range(repeats):
         for n in streams:
             for temperature in (0.0, 0.8):
