@@ -208,6 +208,8 @@ def test_a_constrained_answer_cut_by_max_tokens_says_length(llm):
     ({"regex": "[a-z]{2,5}"}, 20),  # five characters of up to four bytes
     ({"json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}}, len("[false,false]")),
     ({"json": {"type": "string", "maxLength": 3}}, 2 + 3 * 6),
+    ({"json": {"anyOf": [{"type": "boolean"}, {"const": "n/a"}]}}, len("false")),
+    ({"json": {"type": ["null", "boolean"]}}, len("false")),
     ({"json": {"type": "integer"}}, None),
     ({"json": {"type": "object", "properties": {"a": {"type": "boolean"}}}}, None),  # extra properties allowed
     ({"regex": "a+"}, None),

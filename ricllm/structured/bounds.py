@@ -51,20 +51,26 @@ def _dump(value: Any) -> str:
 
 # ------------------------------------------------------------------ longest
 
-def _json_longest(schema: Any) -> int | None:
+def _fold(schema: Any, texts_of, combine, by_type: dict):
+    """The one walk of a schema both bounds take: a const's or an enum's JSON texts go to
+    ``texts_of``; the results of anyOf/oneOf branches, or of a list of types, are ``combine``d;
+    a single type goes to its function in ``by_type``; anything else is unknown (None)."""
     if not isinstance(schema, dict):
         return None
-    if "const" in schema:
-        return len(_dump(schema["const"]).encode())
-    if "enum" in schema:
-        return max((len(_dump(v).encode()) for v in schema["enum"]), default=None)
-    for key in ("anyOf", "oneOf"):
-        if key in schema:
-            return _max_or_none(_json_longest(branch) for branch in schema[key])
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return texts_of([_dump(v) for v in values]) if values else None
+    branches = schema.get("anyOf", schema.get("oneOf"))
     kinds = schema.get("type")
-    if isinstance(kinds, list):
-        return _max_or_none(_json_longest({**schema, "type": kind}) for kind in kinds)
-    return _LONGEST.get(kinds, lambda _: None)(schema)
+    if branches is None and isinstance(kinds, list):
+        branches = [{**schema, "type": kind} for kind in kinds]
+    if branches is not None:
+        return combine(_fold(branch, texts_of, combine, by_type) for branch in branches)
+    return by_type.get(kinds, lambda _: None)(schema)
+
+
+def _json_longest(schema: Any) -> int | None:
+    return _fold(schema, lambda texts: max(len(t.encode()) for t in texts), _max_or_none, _LONGEST)
 
 
 def _max_or_none(values) -> int | None:
@@ -125,21 +131,7 @@ def _regex_width(pattern: str) -> tuple[int, int | None] | None:
 # ------------------------------------------------------------------ shortest
 
 def _json_shortest(schema: Any) -> list[str] | None:
-    if not isinstance(schema, dict):
-        return None
-    if "const" in schema:
-        return [_dump(schema["const"])]
-    if "enum" in schema:
-        return _keep_shortest([_dump(v) for v in schema["enum"]])
-    for key in ("anyOf", "oneOf"):
-        if key in schema:
-            return _union(_json_shortest(branch) for branch in schema[key])
-    kinds = schema.get("type")
-    if isinstance(kinds, list):
-        return _union(_json_shortest({**schema, "type": kind}) for kind in kinds)
-    if kinds in _SCALARS:
-        return list(_SCALARS[kinds])
-    return _SHORTEST.get(kinds, lambda _: None)(schema)
+    return _fold(schema, _keep_shortest, _union, _SHORTEST)
 
 
 def _union(options) -> list[str] | None:
@@ -184,4 +176,5 @@ def _shortest_array(schema: dict) -> list[str] | None:
 
 
 _SHORTEST = {"integer": _shortest_integer, "number": _shortest_integer, "string": _shortest_string,
-             "object": _shortest_object, "array": _shortest_array}
+             "object": _shortest_object, "array": _shortest_array,
+             **{kind: (lambda _, texts=texts: list(texts)) for kind, texts in _SCALARS.items()}}
