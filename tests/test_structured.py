@@ -260,3 +260,10 @@ def test_generate_takes_a_constraint_from_the_command_line(tiny_native_gguf, tmp
     assert "missing.json" in capsys.readouterr().err
     assert main(common + ["--json-schema", str(schema), "--max-tokens", "2"]) == 1
     assert "OUTPUT_TOO_SHORT" in capsys.readouterr().out
+
+
+def test_a_refused_constrained_request_answers_nothing(tiny_native_gguf):
+    llm = tiny(tiny_native_gguf, "native", admission="deadline")
+    out = llm.generate(["hello"], SamplingParams(max_tokens=64, structured={"json": DECISION}, deadline_ms=0.001))[0]
+    assert out.finish_reason == "rejected" and out.rejection.code == "DEADLINE_INFEASIBLE"
+    assert out.token_ids == [] and out.text == "" and out.num_forced_tokens == 0

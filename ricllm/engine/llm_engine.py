@@ -226,6 +226,8 @@ class LLMEngine:
         return rejection
 
     def _refuse(self, seq: Sequence, rejection: Rejection, now: float) -> None:
+        del seq.token_ids[seq.num_prompt_tokens:]  # a refused request answers nothing, forced start included
+        seq.num_forced_tokens = seq.num_forced_at_arrival = 0
         seq.rejection = rejection
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "rejected"
@@ -398,7 +400,8 @@ class LLMEngine:
         return [self._finish(s, "deadline", now) for s in late]
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> str | None:
-        """Add a sampled token; the finish reason if it ends the request."""
+        """Add a sampled token (and what the answer's grammar then forces); the finish reason if it
+        ends the request."""
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -407,35 +410,23 @@ class LLMEngine:
             reason = "stop"  # the stop token ends the output but is not part of its text
         else:
             seq.detokenizer.add(token)
+            reason = self._follow_grammar(seq, token) if seq.guide is not None else None
             out_of_room = seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
-            reason = "length" if out_of_room else None
+            reason = reason or ("length" if out_of_room else None)
         if reason is not None:
             seq.detokenizer.finish()  # flush text held back for an unfinished UTF-8 character
         seq.output_text = seq.detokenizer.text
         if params.stop and self._truncate_at_stop(seq):
             return "stop"
-        if reason is None and seq.guide is not None:
-            return self._follow_grammar(seq, token)
         return reason
 
     def _follow_grammar(self, seq: Sequence, token: int) -> str | None:
-        """Feed the sampled token to the grammar, then append what it forces; "stop" once the
-        answer is whole (no end token to sample), "length" if the forced tokens ran out of room."""
+        """Feed the sampled token to the grammar and append what it then forces; "stop" once the
+        answer is whole (its end is not sampled: the grammar allows nothing else)."""
         seq.guide.accept([token])
         for forced_token in self._append_forced(seq, seq.guide.forced_tokens()):
             seq.detokenizer.add(forced_token)
-        if seq.guide.is_complete:
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        else:
-            reason = None
-        if reason is not None:
-            seq.detokenizer.finish()
-        seq.output_text = seq.detokenizer.text
-        if seq.params.stop and self._truncate_at_stop(seq):
-            return "stop"
-        return reason
+        return "stop" if seq.guide.is_complete else None
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> bool:
