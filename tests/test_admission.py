@@ -448,3 +448,13 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
     assert seq.params.max_tokens == fits - 1
     [out] = [o for o in drain(engine) if o.request_id == seq.request_id]
     assert out.deadline_met and out.text in ("x" * (fits - 2), "y" * (fits - 2))
+
+
+def test_the_bound_counts_the_fixed_cost_of_steps_run_op_by_op():
+    from ricllm.engine.admission import Work, finish_bounds
+
+    model = LatencyModel([0.0, 0.0, 0.0, 0.0, 0.0, 0.05])  # only the op-by-op term
+    work = Work(deadline=1.0, prefill_left=600, decode_left=3, final_context=603)
+    assert model.predict(StepFeatures(600, 0, 600, 600 * 600)) == pytest.approx(0.05)
+    [bound] = finish_bounds([work], model, token_budget=512, now=0.0)
+    assert bound == pytest.approx(2 * 0.05)  # two prefill steps, each possibly op by op

@@ -65,12 +65,13 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     """Upper bounds on finish times, in the order of ``works`` (which must be EDF-sorted).
 
     ``extra_seqs`` best-effort sequences share every step; ``busy_s`` is what remains of the
-    step in flight.
+    step in flight. Every fitted term counts: a step that carries prefill may run op by op, so
+    each such step is charged the op-by-op fixed cost ``f`` as well.
     """
     batch = len(works) + extra_seqs
     context_max = sum(w.final_context for w in works) + extra_seqs * max(
         (w.final_context for w in works), default=0)
-    a, b, c, d, e = (model.coefficients + [0.0] * 5)[:5]
+    a, b, c, d, e, f = model.coefficients  # LatencyModel pads a shorter fit with zeros
     step = a + c * batch + d * context_max
     if model.roofline is not None:
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
@@ -80,8 +81,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     bounds, prefill_ahead = [], 0
     for w in works:
         prefill_ahead += w.prefill_left
-        steps = math.ceil(prefill_ahead / token_budget) + w.decode_left
-        bounds.append(now + busy_s + model.correction * (steps * step + prefill_cost))
+        prefill_steps = math.ceil(prefill_ahead / token_budget)
+        steps = prefill_steps + w.decode_left
+        bounds.append(now + busy_s + model.correction * (steps * step + prefill_cost + f * prefill_steps))
     return bounds
 
 
