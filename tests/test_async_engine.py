@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -101,3 +102,14 @@ def test_an_engine_fault_reaches_every_waiting_caller(tiny_gguf):
     assert isinstance(waiting[1].exception(timeout=30), RuntimeError)
     worker.thread.join(30)
     assert not worker.thread.is_alive()
+
+
+def test_a_deadline_counts_from_submission_not_from_the_engine_picking_it_up(tiny_gguf):
+    worker = EngineThread(EngineConfig(model=str(tiny_gguf), kv_cache_budget="4MiB", dtype="float32"))
+    try:
+        busy = worker.call(lambda engine: time.sleep(0.3))  # the engine thread is busy for 300 ms
+        out = worker.submit("hello world", SamplingParams(max_tokens=2, deadline_ms=200)).result(timeout=30)
+        busy.result()
+    finally:
+        worker.stop()
+    assert out.e2e_s >= 0.3 and out.deadline_met is False  # the 300 ms wait counts against its 200 ms

@@ -3,7 +3,8 @@
 
 The futures and the per-step callbacks are touched on the engine thread only (they arrive through
 the inbox); callers on other threads only queue commands and wait on futures. A request's deadline
-counts from the moment the engine thread takes it, on the engine's clock.
+counts from its submission, on the engine's clock: the wait for the engine thread to take it
+(up to a step) is part of it.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class RequestFutures(EngineDriver):
                 self._add(payload, future)
 
     def _add(self, payload: tuple, future: Future) -> None:
-        prompt, params, request_id, on_step = payload
+        prompt, params, request_id, on_step, submitted = payload
         try:
-            seq = self.engine.add_request(prompt, params, request_id)
+            seq = self.engine.add_request(prompt, params, request_id, arrival_time=submitted)
         except Exception as exc:  # malformed input: the caller gets the error, the loop goes on
             future.set_exception(exc)
             return
@@ -102,7 +103,7 @@ class EngineThread(EngineLoop):
         Malformed input sets the future's exception.
         """
         future: Future = Future()
-        self.inbox.put(("request", (prompt, params, request_id, on_step), future))
+        self.inbox.put(("request", (prompt, params, request_id, on_step, self.engine.clock()), future))
         return future
 
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:

@@ -165,25 +165,28 @@ class LLMEngine:
                 + (f" besides {pinned} pinned blocks" if pinned else ""))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    pin_on_finish: PinHandle | None = None) -> Sequence:
+                    pin_on_finish: PinHandle | None = None, arrival_time: float | None = None) -> Sequence:
         """Check and queue a request; returns at once. Malformed input raises.
 
         Without admission a request that can never fit raises ``CapacityError``. With admission
         every well-formed request gets a decision now: a refused one comes back finished with
         ``finish_reason == "rejected"`` and ``rejection`` set (its output is also returned by the
-        next ``step``).
+        next ``step``). ``arrival_time`` (engine clock) is when the request reached the API, if
+        earlier than now (it waited in a queue to the engine's thread): its deadline and timings
+        count from then.
         """
         text, token_ids = self.encode_prompt(prompt)
         guide = self._guide(params)
         now = self.clock()
+        arrival = now if arrival_time is None else min(arrival_time, now)
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text,
-                       pin_on_finish=pin_on_finish, arrival_time=now, guide=guide)
+                       pin_on_finish=pin_on_finish, arrival_time=arrival, guide=guide)
         if guide is not None and self._bound_by_grammar(seq, now) is not None:
             return seq
         self.validate(token_ids, seq.params)
         if params.deadline_ms is not None:
-            seq.deadline = now + params.deadline_ms / 1000
+            seq.deadline = arrival + params.deadline_ms / 1000
         if guide is not None:
             self._append_forced(seq, guide.forced_tokens(), at_arrival=True)
         if self.admission is not None and self._admit(seq, now) is not None:
