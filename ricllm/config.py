@@ -102,6 +102,9 @@ class AdmissionConfig(StrictModel):
                                        "per-token pace their deadlines need; never at the cost of a promise")
     degrade: bool = setting(False, "admit a request that cannot be served in full with max_tokens shrunk to "
                                    "what fits (the reply says so) instead of rejecting it")
+    best_effort_chunk: int = setting(32, "prefill tokens best-effort requests may add to a step while admitted "
+                                         "deadline requests are in flight; the bound charges them to every step",
+                                     ge=1)
     tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
                                                  "computed for it at start (ms)", gt=0)
     tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)

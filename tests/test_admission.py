@@ -12,7 +12,7 @@ import pytest
 
 from ricllm import LLM, SamplingParams
 from ricllm.config import AdmissionConfig, EngineConfig
-from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.sequence import Sequence
@@ -35,7 +35,13 @@ def true_step_time(features, slowdown: float = 1.0) -> float:
                        + d * features.num_context_tokens)
 
 
-def make_engine(tiny_gguf, slowdown=lambda: 1.0, **overrides) -> tuple[LLMEngine, FakeClock]:
+def heavy_step_time(features, slowdown: float = 1.0) -> float:
+    """Not the model's own form: a step that runs op by op costs three times the linear fit, as such
+    steps did on CPUs before the fit had a term for them."""
+    return true_step_time(features, slowdown) * (3.0 if runs_op_by_op(features) else 1.0)
+
+
+def make_engine(tiny_gguf, slowdown=lambda: 1.0, step_time=true_step_time, **overrides) -> tuple[LLMEngine, FakeClock]:
     clock = FakeClock()
     admission = dict(policy="deadline", safety_margin=0.0)
     admission.update({name: overrides.pop(name) for name in list(overrides) if name in AdmissionConfig.model_fields})
@@ -47,7 +53,7 @@ def make_engine(tiny_gguf, slowdown=lambda: 1.0, **overrides) -> tuple[LLMEngine
 
     def timed_run(batch):
         result = real_run(batch)
-        clock.now += true_step_time(batch.features(), slowdown())
+        clock.now += step_time(batch.features(), slowdown())
         return result
 
     engine.runtime.runner.run = timed_run
@@ -458,3 +464,13 @@ def test_the_bound_counts_the_fixed_cost_of_steps_run_op_by_op():
     assert model.predict(StepFeatures(600, 0, 600, 600 * 600)) == pytest.approx(0.05)
     [bound] = finish_bounds([work], model, token_budget=512, now=0.0)
     assert bound == pytest.approx(2 * 0.05)  # two prefill steps, each possibly op by op
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_near_rt_request_beside_a_large_best_effort_prompt_meets_its_deadline(tiny_gguf, seed):
+    engine, _ = make_engine(tiny_gguf, step_time=heavy_step_time, max_num_batched_tokens=512)
+    near = engine.add_request(prompt(64, seed), SamplingParams(max_tokens=8, deadline_ms=300, ignore_eos=True))
+    bulk = engine.add_request(prompt(480, 100 + seed), SamplingParams(max_tokens=8, ignore_eos=True))
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert near.promised and outputs[near.request_id].deadline_met
+    assert outputs[bulk.request_id].finish_reason == "length"  # best effort is still served, around the promise

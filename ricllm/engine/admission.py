@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.config import AdmissionConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
@@ -61,18 +62,22 @@ def work_of(seq: Sequence) -> Work:
 
 
 def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now: float,
-                  busy_s: float = 0.0, extra_seqs: int = 0) -> list[float]:
+                  busy_s: float = 0.0, extra_seqs: int = 0, best_effort_chunk: int = 0) -> list[float]:
     """Upper bounds on finish times, in the order of ``works`` (which must be EDF-sorted).
 
-    ``extra_seqs`` best-effort sequences share every step; ``busy_s`` is what remains of the
-    step in flight. Every fitted term counts: a step that carries prefill may run op by op, so
-    each such step is charged the op-by-op fixed cost ``f`` as well.
+    ``extra_seqs`` best-effort sequences share every step, and with them up to
+    ``best_effort_chunk`` prefill tokens a step, of at most ``C_KERNEL_PREFILL_WORK`` attention
+    work (the scheduler holds them to that: ``best_effort_prefill_cap``); ``busy_s`` is what
+    remains of the step in flight. Every fitted term counts: a step that carries the admitted
+    requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
     """
     batch = len(works) + extra_seqs
     context_max = sum(w.final_context for w in works) + extra_seqs * max(
         (w.final_context for w in works), default=0)
     a, b, c, d, e, f = model.coefficients  # LatencyModel pads a shorter fit with zeros
     step = a + c * batch + d * context_max
+    if extra_seqs and best_effort_chunk:
+        step += b * best_effort_chunk + e * C_KERNEL_PREFILL_WORK
     if model.roofline is not None:
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
     prefill_all = sum(w.prefill_left for w in works)
@@ -181,7 +186,7 @@ class AdmissionController:
     def _first_late(self, seq: Sequence, now: float, busy_s: float, extra: int) -> Rejection | None:
         candidates = sorted([*self.admitted.values(), seq], key=lambda s: (s.deadline, s.arrival_time))
         works = [work_of(s) for s in candidates]
-        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, extra)
+        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, extra, self._chunk)
         margin = 1 + self.config.safety_margin
         for w, bound in zip(works, bounds):
             predicted_ms = (bound - now) * margin * 1000
@@ -201,7 +206,7 @@ class AdmissionController:
         """The bound on an admitted request's finish, as of ``now``, safety margin included."""
         ordered = sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
         bounds = finish_bounds([work_of(s) for s in ordered], self.latency, self.token_budget, now, 0.0,
-                               running_best_effort)
+                               running_best_effort, self._chunk)
         return now + (bounds[ordered.index(seq)] - now) * (1 + self.config.safety_margin)
 
     def reject(self, code: str, message: str, **numbers) -> Rejection:
@@ -261,7 +266,8 @@ class AdmissionController:
         if self.config.policy == "fcfs" or not self.admitted:
             return True
         works = [work_of(s) for s in sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))]
-        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, running_best_effort + 1)
+        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, running_best_effort + 1,
+                               self._chunk)
         margin = 1 + self.config.safety_margin
         return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
 
@@ -311,13 +317,34 @@ class AdmissionController:
         margin = 1 + self.config.safety_margin
 
         def keeps(chunk: int) -> bool:
-            bounds = finish_bounds(works, self.latency, chunk, now, 0.0, extra)
+            bounds = finish_bounds(works, self.latency, chunk, now, 0.0, extra, self._chunk)
             return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
 
         low = max(low, 1)
         while low < high:
             middle = (low + high) // 2
             low, high = (low, middle) if keeps(middle) else (middle + 1, high)
+        return low
+
+    @property
+    def _chunk(self) -> int:
+        return self.config.best_effort_chunk
+
+    def best_effort_prefill_allowance(self) -> int | None:
+        """Prefill tokens best-effort sequences may add to the next step: the chunk the bound charges
+        while admitted requests are in flight; None (no limit) when none is."""
+        if self.config.policy == "fcfs" or not self.admitted:
+            return None
+        return self._chunk
+
+    @staticmethod
+    def best_effort_prefill_cap(start: int, tokens: int) -> int:
+        """The largest chunk of at most ``tokens``, from position ``start``, whose attention work stays
+        within what the bound charges (``C_KERNEL_PREFILL_WORK``: the step stays one C call on a CPU)."""
+        low, high = 0, tokens
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if middle * (start + middle) <= C_KERNEL_PREFILL_WORK else (low, middle - 1)
         return low
 
     def outstanding_reservation(self) -> int:

@@ -72,6 +72,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_waits = 0  # steps on which a waiting sequence could not get blocks
+        self._best_effort_left: int | None = None  # best-effort prefill tokens the step may still take
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=Sequence.priority_key)
@@ -88,6 +89,7 @@ class Scheduler:
         """
         order = sorted(self.running, key=Sequence.priority_key)
         items: list[tuple[Sequence, int]] = []
+        self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
         budget, preempted = self._continue([s for s in order if s.in_decode], self.max_num_batched_tokens, items)
         prefilling = [s for s in order if not s.in_decode]
         if self.gate is not None and budget > 0 and (prefilling or self.waiting):
@@ -108,6 +110,9 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted earlier in this step
             num_new = self._chunk(seq, min(seq.num_uncomputed_tokens, budget), start=seq.num_computed_tokens)
+            num_new = self._hold_best_effort(seq, num_new, start=seq.num_computed_tokens)
+            if num_new == 0:
+                continue
             if self._allocate_or_preempt(seq, num_new, {s for s, _ in items}):
                 items.append((seq, num_new))
                 budget -= num_new
@@ -122,6 +127,15 @@ class Scheduler:
             return num_new
         return min(num_new, max(seq.num_prompt_tokens - start, 1))
 
+    def _hold_best_effort(self, seq: Sequence, num_new: int, start: int) -> int:
+        """A best-effort prefill chunk, while promises are in flight, within the step's allowance
+        and the attention work the admission bound charges for it (0: not this step)."""
+        if seq.promised or self._best_effort_left is None or (num_new == 1 and seq.in_decode):
+            return num_new
+        num_new = self.gate.best_effort_prefill_cap(start, min(num_new, self._best_effort_left))
+        self._best_effort_left -= num_new
+        return num_new
+
     def _running_best_effort(self) -> int:
         return sum(1 for s in self.running if not s.promised)
 
@@ -133,7 +147,10 @@ class Scheduler:
                 break
             hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
             cached = len(hits) * self.cache.block_size
-            num_new = self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached)
+            num_new = self._hold_best_effort(seq, self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached),
+                                             start=cached)
+            if num_new == 0:
+                break
             allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
                          else self._within_unreserved(seq, num_new, hits) and self.cache.allocate(seq, num_new, hits))
             if not allocated:
