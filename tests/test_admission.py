@@ -312,16 +312,23 @@ def test_pinned_prefix_is_not_charged_as_prefill(tiny_gguf):
     assert seq.pinned_prefix_tokens == 96 and work_of(seq).prefill_left == 10
 
 
-def test_an_idle_engine_that_refuses_relaxes_its_correction(tiny_gguf):
-    engine, _ = make_engine(tiny_gguf)
-    latency = engine.admission.latency
-    for _ in range(8):
-        latency.observe(engine.step_history[-1].features if engine.step_history else _decode_features(), 1.0)
-    inflated = latency.correction
-    assert inflated > 5
-    for i in range(40):
-        engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=50))
-    assert latency.correction < inflated
+def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machine(tiny_gguf):
+    """The correction moves on measured steps only: probes bring an inflated one back down when the
+    machine is fast again, and keep it up while the machine stays slow."""
+    for factor, expected in ((1.0, "down"), (1.5, "stays")):
+        engine, clock = make_engine(tiny_gguf, slowdown=lambda factor=factor: factor)
+        latency = engine.admission.latency
+        for _ in range(8):
+            latency.observe(_decode_features(), 1.0)  # a burst of stalled steps, then the machine settles
+        inflated = latency.correction
+        for i in range(60):
+            clock.now += 0.1  # idle time passes between refusals
+            engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=50))
+        assert engine.num_steps >= 40  # each refusal, at most every 50 ms, measured one probe step
+        if expected == "down":
+            assert latency.correction < 1.2 < inflated
+        else:
+            assert latency.correction == pytest.approx(1.5, rel=0.05)  # no decay without a measurement
 
 
 def _decode_features():

@@ -124,8 +124,6 @@ class AdmissionController:
             verdict = self._degrade(seq, verdict, judge)
         if isinstance(verdict, Rejection):
             self._count(verdict.code)
-            if verdict.code == "DEADLINE_INFEASIBLE" and not self.admitted and best_effort_running == 0:
-                self.latency.relax()  # idle and refusing: no step will ever correct an inflated correction
             return verdict
         need, promise = verdict
         return self._admit(seq, need, promise)

@@ -91,15 +91,6 @@ class LatencyModel:
             self.ratios.append(measured_s / base)
             self.correction = self._ratio_quantile()
 
-    def relax(self) -> None:
-        """Step the correction back toward the calibrated fit (ratio 1) when no step can be measured.
-
-        An engine that refuses everything runs no steps, so an inflated correction (a burst of
-        slow steps) would never come down on its own; each idle refusal adds one neutral sample.
-        """
-        self.ratios.append(1.0)
-        self.correction = self._ratio_quantile()
-
     def _ratio_quantile(self) -> float:
         ordered = sorted(self.ratios)
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]

@@ -8,6 +8,7 @@ this same loop.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import threading
 import time
@@ -21,7 +22,7 @@ from ricllm.engine.affinity import format_cpu_list, pin_current_thread
 from ricllm.engine.chat_prefix import ChatPrefix, render_chat_prefix
 from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore
-from ricllm.engine.scheduler import Scheduler, StepFeatures
+from ricllm.engine.scheduler import ScheduledBatch, Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats
 from ricllm.errors import CapacityError, InvalidRequestError
@@ -35,6 +36,7 @@ from ricllm.structured.spec import StructuredSpec
 from ricllm.units import format_bytes
 
 log = get_logger("ricllm.engine")
+PROBE_INTERVAL_S = 0.05  # an idle engine that refuses for time measures a probe step at most this often
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class LLMEngine:
         self.slack_ms: deque[float] = deque(maxlen=4096)  # deadline − finish, of finished deadline requests
         self._rejected: list[RequestOutput] = []
         self._grammars = None  # a GrammarCompiler, built with the first constraint
+        self._last_probe = -math.inf  # engine-clock time of the last latency probe
         self.admission = None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    jump_forward=config.jump_forward)
@@ -222,11 +225,30 @@ class LLMEngine:
                 f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
         if rejection is not None:
             self._refuse(seq, rejection, now)
+            if rejection.code == "DEADLINE_INFEASIBLE" and not self.scheduler.has_unfinished():
+                self._probe(now)
         elif seq.degradation is not None:
             d = seq.degradation
             log.info("request_degraded", request_id=seq.request_id, code=d.code,
                      requested_max_tokens=d.requested_max_tokens, granted_max_tokens=d.granted_max_tokens)
         return rejection
+
+    def _probe(self, now: float) -> None:
+        """Measure one small step while idle and refusing for time: an engine that runs no step
+        would never learn that the machine is fast again (or confirm it is still slow), and the
+        correction only ever moves on measured steps. At most one probe per ``PROBE_INTERVAL_S``."""
+        if now - self._last_probe < PROBE_INTERVAL_S:
+            return
+        self._last_probe = now
+        seq = Sequence(request_id="probe", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(max_tokens=1))
+        if not self.cache.allocate(seq, 1):
+            return
+        batch = ScheduledBatch([(seq, 1)])
+        started = self.clock()
+        self.runtime.runner.run(batch)
+        self._record_step(batch.features(), self.clock() - started)
+        self.cache.free(seq)
+        log.info("latency_probe", correction=round(self.admission.latency.correction, 3))
 
     def _refuse(self, seq: Sequence, rejection: Rejection, now: float) -> None:
         del seq.token_ids[seq.num_prompt_tokens:]  # a refused request answers nothing, forced start included
