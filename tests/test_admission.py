@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from structlog.testing import capture_logs
 
 from ricllm import LLM, SamplingParams
 from ricllm.config import AdmissionConfig, EngineConfig
@@ -176,8 +177,11 @@ def test_drift_is_caught_online_and_misses_are_counted(tiny_gguf, drift):
         return original_step()
 
     engine.step = drifting_step
-    outputs = run_arrivals(engine, clock, arrivals)
+    with capture_logs() as logs:
+        outputs = run_arrivals(engine, clock, arrivals)
     assert engine.admission.latency.correction == pytest.approx(drift, rel=0.02)
+    slowdowns = [e for e in logs if e["event"] == "sustained_slowdown"]
+    assert len(slowdowns) == 1 and slowdowns[0]["correction"] >= 1.25  # said once, with the number
     late = [o for o in outputs if o.admitted and not o.deadline_met]
     assert engine.deadline_counts["missed"] == len(late)  # counted, not hidden
     if drift > 2:

@@ -37,6 +37,7 @@ from ricllm.units import format_bytes
 
 log = get_logger("ricllm.engine")
 PROBE_INTERVAL_S = 0.05  # an idle engine that refuses for time measures a probe step at most this often
+SLOWDOWN_RATIO = 1.25  # correction from which steps count as persistently slower than the calibration
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self._grammars = None  # a GrammarCompiler, built with the first constraint
         self._last_probe = -math.inf  # engine-clock time of the last latency probe
+        self._slowed = False  # steps run at least SLOWDOWN_RATIO slower than the fit
         self.admission = None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    jump_forward=config.jump_forward)
@@ -392,6 +394,19 @@ class LLMEngine:
         self.step_history.append(StepRecord(features, duration_s))
         if self.admission is not None:
             self.admission.latency.observe(features, duration_s)
+            self._watch_slowdown()
+
+    def _watch_slowdown(self) -> None:
+        """Say when steps run persistently slower than the fit (a noisy neighbour, thermal limits),
+        and when that ends. Admission has already tightened: its bound scales with the correction."""
+        correction = self.admission.latency.correction
+        slow = correction >= SLOWDOWN_RATIO
+        if slow == self._slowed:
+            return
+        self._slowed = slow
+        event = "sustained_slowdown" if slow else "slowdown_over"
+        (log.warning if slow else log.info)(event, correction=round(correction, 3), threshold=SLOWDOWN_RATIO,
+                                            window_steps=self.admission.latency.window)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
         seq.finish_time = now
