@@ -485,3 +485,20 @@ def test_a_near_rt_request_beside_a_large_best_effort_prompt_meets_its_deadline(
     outputs = {o.request_id: o for o in drain(engine)}
     assert near.promised and outputs[near.request_id].deadline_met
     assert outputs[bulk.request_id].finish_reason == "length"  # best effort is still served, around the promise
+
+
+def test_best_effort_pauses_when_a_slowdown_puts_an_admitted_request_at_risk(tiny_gguf):
+    """Admitted beside 20 best-effort streams at the fitted speed; then every step runs 1.4x slower.
+    The bound slips past the deadline after the first slow step, and best effort sits out until it is safe."""
+    slow = {"factor": 1.0}
+    engine, _ = make_engine(tiny_gguf, slowdown=lambda: slow["factor"], max_num_seqs=32)
+    bulk = [engine.add_request(prompt(8, 700 + i), SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(20)]
+    while not all(s.in_decode for s in bulk):
+        engine.step()
+    near = engine.add_request(prompt(8, 7), SamplingParams(max_tokens=8, deadline_ms=560, ignore_eos=True))
+    assert near.promised
+    slow["factor"] = 1.4
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert outputs[near.request_id].deadline_met
+    assert engine.admission_stats()["best_effort_paused_steps"] > 0
+    assert all(outputs[s.request_id].finish_reason == "length" for s in bulk)  # paused, then finished

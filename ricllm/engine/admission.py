@@ -328,6 +328,17 @@ class AdmissionController:
     def _chunk(self) -> int:
         return self.config.best_effort_chunk
 
+    def promises_at_risk(self, now: float, running_best_effort: int) -> bool:
+        """Whether, at the measured speed now, some admitted request's bound passes its deadline
+        with the running best-effort sequences sharing the steps: then they pause (rescue)."""
+        if self.config.policy == "fcfs" or not self.admitted or running_best_effort == 0:
+            return False
+        ordered = sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
+        works = [work_of(s) for s in ordered]
+        bounds = finish_bounds(works, self.latency, self.token_budget, now, 0.0, running_best_effort, self._chunk)
+        margin = 1 + self.config.safety_margin
+        return any(now + (b - now) * margin > w.deadline for w, b in zip(works, bounds))
+
     def best_effort_prefill_allowance(self) -> int | None:
         """Prefill tokens best-effort sequences may add to the next step: the chunk the bound charges
         while admitted requests are in flight; None (no limit) when none is."""

@@ -568,6 +568,7 @@ class LLMEngine:
 
         base = self.admission.stats() if self.admission else {"policy": "off"}
         return {**base, "deadlines": dict(self.deadline_counts),
+                "best_effort_paused_steps": self.scheduler.num_paused_steps,
                 "slack_ms": {"p5": pct(0.05), "p50": pct(0.5), "p95": pct(0.95)},
                 "caps": getattr(self, "caps", None)}
 

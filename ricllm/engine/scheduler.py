@@ -73,6 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_waits = 0  # steps on which a waiting sequence could not get blocks
         self._best_effort_left: int | None = None  # best-effort prefill tokens the step may still take
+        self.num_paused_steps = 0  # steps best effort sat out so that admitted requests stay on time
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=Sequence.priority_key)
@@ -85,11 +86,17 @@ class Scheduler:
         chunks in priority order, then waiting sequences while budget, blocks and seats last.
 
         With a gate, the prefill tokens of a step are capped so that the running decodes keep
-        the pace their deadlines need (``gate.prefill_token_cap``).
+        the pace their deadlines need (``gate.prefill_token_cap``), and when an admitted request's
+        bound has slipped past its deadline (the machine slowed down) best-effort sequences sit the
+        step out: they are paused, not preempted, until the promises are safe again.
         """
         order = sorted(self.running, key=Sequence.priority_key)
         items: list[tuple[Sequence, int]] = []
         self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
+        if self.gate is not None and self.gate.promises_at_risk(now, self._running_best_effort()):
+            order = [s for s in order if s.promised]
+            self._best_effort_left = 0
+            self.num_paused_steps += 1
         budget, preempted = self._continue([s for s in order if s.in_decode], self.max_num_batched_tokens, items)
         prefilling = [s for s in order if not s.in_decode]
         if self.gate is not None and budget > 0 and (prefilling or self.waiting):
@@ -166,6 +173,8 @@ class Scheduler:
     def _best_effort_may_join(self, now: float) -> bool:
         if self.gate is None:
             return True
+        if self._best_effort_left == 0:  # paused for the promises this step
+            return False
         return self.gate.best_effort_may_join(now, self._running_best_effort())
 
     def _within_unreserved(self, seq: Sequence, num_new: int, hits=()) -> bool:
