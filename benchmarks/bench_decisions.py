@@ -142,7 +142,8 @@ def masking_cost(repeats: int, streams: tuple[int, ...] = (1, 8, 32), tokens: in
     prompts = [f"Describe cell {i} of the network." for i in range(max(streams))]
     per_step: dict[tuple, list[float]] = {}
     for constrained in (False, True):  # warm-up: first steps build kernels and caches
-        _decode_step_ms(llm, prompts[:2], SamplingParams(max_tokens=tokens, structured=FREE_TEXT if constrained else None))
+        warm_up = SamplingParams(max_tokens=tokens, structured=FREE_TEXT if constrained else None)
+        _decode_step_ms(llm, prompts[:2], warm_up)
     for _ in range(repeats):
         for n in streams:
             for temperature in (0.0, 0.8):
@@ -179,8 +180,8 @@ def _decode_step_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> flo
 
 
 def cpu_flags() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0] if Path("/proc/cpuinfo").exists() else ""
-    return "with AMX" if "amx_tile" in flags else "without AMX"
+    cpuinfo = Path("/proc/cpuinfo")
+    return "with AMX" if cpuinfo.exists() and "amx_tile" in cpuinfo.read_text() else "without AMX"
 
 
 def main() -> None:

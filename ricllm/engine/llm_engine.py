@@ -365,7 +365,7 @@ class LLMEngine:
         if masked_first:
             logits = self._mask_rows(logits, [ready[r] for r in masked_first], masked_first)
         tokens = self.runtime.sample(logits, params, generators)
-        refused = [r for r, s in enumerate(ready) if s.guide is not None and r not in masked_first
+        refused = [r for r, s in enumerate(ready) if s.guide is not None and _checkable_after(s.params)
                    and not s.guide.allows(tokens[r])]
         if refused:
             again = self._mask_rows(logits[refused], [ready[r] for r in refused], list(range(len(refused))))
