@@ -24,7 +24,7 @@ from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore
 from ricllm.engine.scheduler import ScheduledBatch, Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
-from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats
+from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats, SlowdownEvent
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
@@ -78,6 +78,7 @@ class LLMEngine:
         self._grammars = None  # a GrammarCompiler, built with the first constraint
         self._last_probe = -math.inf  # engine-clock time of the last latency probe
         self._slowed = False  # steps run at least SLOWDOWN_RATIO slower than the fit
+        self.slowdown_events: list[SlowdownEvent] = []  # when the detector said slow / back to speed
         self.admission = None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    jump_forward=config.jump_forward)
@@ -404,6 +405,7 @@ class LLMEngine:
         if slow == self._slowed:
             return
         self._slowed = slow
+        self.slowdown_events.append(SlowdownEvent(self.clock(), slow, correction))
         event = "sustained_slowdown" if slow else "slowdown_over"
         (log.warning if slow else log.info)(event, correction=round(correction, 3), threshold=SLOWDOWN_RATIO,
                                             window_steps=self.admission.latency.window)
@@ -569,6 +571,7 @@ class LLMEngine:
         base = self.admission.stats() if self.admission else {"policy": "off"}
         return {**base, "deadlines": dict(self.deadline_counts),
                 "best_effort_paused_steps": self.scheduler.num_paused_steps,
+                "slowdowns": [asdict(e) for e in self.slowdown_events],
                 "slack_ms": {"p5": pct(0.05), "p50": pct(0.5), "p95": pct(0.95)},
                 "caps": getattr(self, "caps", None)}
 

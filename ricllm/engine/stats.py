@@ -42,6 +42,16 @@ class LatencyStats:
 
 
 @dataclass(frozen=True)
+class SlowdownEvent:
+    """The slowdown detector changed its mind: steps run ``correction`` times the fit from ``time``
+    (engine clock) on, ``slow`` when that is at least the detector's threshold."""
+
+    time: float
+    slow: bool
+    correction: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine at one moment. ``latency`` is None without admission (no latency model)."""
 
