@@ -91,13 +91,18 @@ class StrictModel(BaseModel):
 class AdmissionConfig(StrictModel):
     """How requests are admitted, and the caps computed at start for the tightest deadline class."""
 
-    policy: Literal["off", "deadline", "fcfs"] = setting(
-        "off", "deadline: admit only what meets its deadline; fcfs: queue everything; off: refuse only what "
-        "can never fit", flag="admission")
+    policy: Literal["off", "deadline", "edf", "fcfs"] = setting(
+        "off", "deadline: admit only what meets its deadline, and keep that promise; edf: queue every request "
+        "(at most max_queue waiting), earliest deadline first; fcfs: the same, first come first served; off: "
+        "refuse only what can never fit", flag="admission")
     safety_margin: float = setting(0.1, "predicted times are inflated by this fraction before comparing",
                                    ge=0, lt=10)
-    max_queue: int = setting(256, "best-effort requests that may wait", ge=0)
-    abort_late: bool = setting(False, "abort a request once its deadline has passed (finish_reason 'deadline')")
+    max_queue: int = setting(256, "requests that may wait: best-effort ones under the deadline policy, every one "
+                                  "under edf and fcfs", ge=0)
+    on_late: Literal["finish", "abort", "end_early"] = setting(
+        "finish", "a request that cannot meet its deadline: finish (late, counted as missed); abort (once the "
+        "deadline has passed, finish_reason 'deadline'); end_early (answer on time with what it has, finish_reason "
+        "'deadline', before a step that would end past the deadline)")
     pace_prefill: bool = setting(True, "cap each step's prefill tokens so running deadline requests keep the "
                                        "per-token pace their deadlines need; never at the cost of a promise")
     degrade: bool = setting(False, "admit a request that cannot be served in full with max_tokens shrunk to "
@@ -108,6 +113,19 @@ class AdmissionConfig(StrictModel):
     tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
                                                  "computed for it at start (ms)", gt=0)
     tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_abort_late(cls, data: Any) -> Any:
+        """``abort_late`` (before ``on_late`` existed) still reads: true is ``on_late: abort``."""
+        if isinstance(data, dict) and "abort_late" in data:
+            data = dict(data)
+            abort = data.pop("abort_late")
+            if not isinstance(abort, bool):
+                raise ValueError(f"abort_late must be true or false (it is now on_late: abort), got {abort!r}")
+            if abort and data.setdefault("on_late", "abort") != "abort":
+                raise ValueError(f"abort_late: true contradicts on_late: {data['on_late']}; keep on_late only")
+        return data
 
 
 class EngineSettings(StrictModel):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from typing import Self
 
 # Spins for duty·period, sleeps the rest; exits when its parent is gone (a crashed run leaves no hog).
 _HOG_SOURCE = """
@@ -70,7 +71,7 @@ class CpuHog:
             child.wait()
         self._children = []
 
-    def __enter__(self) -> "CpuHog":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -135,7 +135,7 @@ def test_reservations_never_oversubscribe_and_admitted_requests_are_never_late(t
     admitted = [o for o in outputs if o.admitted]
     assert len(outputs) == 120 and 0 < len(admitted) < 120
     assert all(o.deadline_met for o in admitted), [o.request_id for o in admitted if not o.deadline_met]
-    assert engine.deadline_counts == {"met": len(admitted), "missed": 0}
+    assert engine.deadline_counts == {"met": len(admitted), "missed": 0, "ended_early": 0}
     assert engine.kv_cache_stats()["preemptions"] == 0
 
 
@@ -236,7 +236,7 @@ def test_caps_and_stats_are_computed_from_the_model(tiny_gguf):
     engine.add_request(prompt(10, 1), SamplingParams(max_tokens=4, deadline_ms=1, ignore_eos=True))
     drain(engine)
     stats = engine.admission_stats()
-    assert stats["rejected"] == {"DEADLINE_INFEASIBLE": 1} and stats["deadlines"] == {"met": 0, "missed": 0}
+    assert stats["rejected"] == {"DEADLINE_INFEASIBLE": 1} and stats["deadlines"] == {"met": 0, "missed": 0, "ended_early": 0}
 
 
 def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, monkeypatch):

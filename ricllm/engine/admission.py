@@ -61,22 +61,41 @@ def work_of(seq: Sequence) -> Work:
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id)
 
 
+@dataclass(frozen=True)
+class BestEffortLoad:
+    """Best-effort sequences that share every step with admitted work: how many, and the sum of
+    their final contexts (prompt + max_tokens), which their decode steps read."""
+
+    seqs: int = 0
+    context: int = 0
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> BestEffortLoad:
+        return cls(len(seqs), sum(s.num_prompt_tokens + s.params.max_tokens for s in seqs))
+
+    def plus(self, seq: Sequence) -> BestEffortLoad:
+        return BestEffortLoad(self.seqs + 1, self.context + seq.num_prompt_tokens + seq.params.max_tokens)
+
+
+NO_BEST_EFFORT = BestEffortLoad()
+
+
 def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now: float,
-                  busy_s: float = 0.0, extra_seqs: int = 0, best_effort_chunk: int = 0) -> list[float]:
+                  busy_s: float = 0.0, best_effort: BestEffortLoad = NO_BEST_EFFORT,
+                  best_effort_chunk: int = 0) -> list[float]:
     """Upper bounds on finish times, in the order of ``works`` (which must be EDF-sorted).
 
-    ``extra_seqs`` best-effort sequences share every step, and with them up to
+    ``best_effort`` sequences share every step at their final contexts, and with them up to
     ``best_effort_chunk`` prefill tokens a step, of at most ``C_KERNEL_PREFILL_WORK`` attention
     work (the scheduler holds them to that: ``best_effort_prefill_cap``); ``busy_s`` is what
     remains of the step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
     """
-    batch = len(works) + extra_seqs
-    context_max = sum(w.final_context for w in works) + extra_seqs * max(
-        (w.final_context for w in works), default=0)
+    batch = len(works) + best_effort.seqs
+    context_max = sum(w.final_context for w in works) + best_effort.context
     a, b, c, d, e, f = model.coefficients  # LatencyModel pads a shorter fit with zeros
     step = a + c * batch + d * context_max
-    if extra_seqs and best_effort_chunk:
+    if best_effort.seqs and best_effort_chunk:
         step += b * best_effort_chunk + e * C_KERNEL_PREFILL_WORK
     if model.roofline is not None:
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
@@ -92,7 +111,23 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     return bounds
 
 
+@dataclass
+class Rescue:
+    """What a step gives up so that admitted requests at risk stay on time: best-effort sequences
+    that sit it out, and, when that is not enough, prefill only for requests due by ``prefill_until``."""
+
+    paused: list[Sequence]
+    prefill_until: float | None = None
+
+
 class AdmissionController:
+    """Holds the promises: which deadline requests were admitted, the KV blocks reserved for them,
+    and the latency model their bounds are computed with.
+
+    ``best_effort`` arguments are the unpromised sequences running now (``BestEffortLoad``): they
+    share every step with admitted work, and the bound charges them.
+    """
+
     def __init__(self, config: AdmissionConfig, latency: LatencyModel, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int):
         self.config = config
@@ -106,18 +141,27 @@ class AdmissionController:
         self.counts: dict[str, int] = {"admitted": 0}
         self.paced_steps = 0  # steps whose prefill the pace cap shortened
 
+    @property
+    def promises(self) -> bool:
+        """Whether this policy admits against deadlines (else it only queues, up to ``max_queue``)."""
+        return self.config.policy == "deadline"
+
     # ------------------------------------------------------------ decision
 
-    def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int,
-               waiting_best_effort: int, busy_s: float = 0.0, best_effort_running: int = 0) -> Rejection | None:
+    def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
+               busy_s: float = 0.0, best_effort: list[Sequence] = ()) -> Rejection | None:
         """None to admit (and reserve), or the reason to refuse, with the numbers.
 
-        With ``degrade`` on, a request refused for its length, its memory or its time is admitted
-        instead with the largest ``max_tokens`` that passes (``seq.degradation`` says so), when its
-        prompt and one token pass.
+        A request promised a deadline is one with a deadline and a priority above ``best_effort``;
+        a ``best_effort`` request with a deadline is served as best effort (never promised, first
+        to pause), its deadline only orders it among best effort. With ``degrade`` on, a request
+        refused for its length, its memory or its time is admitted instead with the largest
+        ``max_tokens`` that passes (``seq.degradation`` says so), when its prompt and one token pass.
         """
         def judge():
-            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting_best_effort, busy_s, best_effort_running)
+            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s, load)
+
+        load = BestEffortLoad.of(best_effort)
 
         verdict = judge()
         if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
@@ -128,8 +172,8 @@ class AdmissionController:
         need, promise = verdict
         return self._admit(seq, need, promise)
 
-    def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting_best_effort: int,
-               busy_s: float, best_effort_running: int) -> Rejection | tuple[int, bool]:
+    def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
+               busy_s: float, best_effort: BestEffortLoad) -> Rejection | tuple[int, bool]:
         """The refusal, or ``(blocks to reserve, promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
@@ -145,19 +189,27 @@ class AdmissionController:
             return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but the budget holds "
                              f"{capacity} blocks besides {pinned_blocks} pinned",
                              dict(blocks_needed=need, blocks_capacity=capacity, pinned_blocks=pinned_blocks))
-        if seq.deadline is None or self.config.policy == "fcfs":
-            if seq.deadline is None and waiting_best_effort >= self.config.max_queue:
-                return Rejection("QUEUE_FULL", f"{waiting_best_effort} best-effort requests already wait "
-                                 f"(max_queue {self.config.max_queue})",
-                                 dict(waiting=waiting_best_effort, max_queue=self.config.max_queue))
-            return 0, False
+        if not self._promisable(seq):
+            return self._queue_full(waiting) or (0, False)
         free = capacity - self.reserved_blocks
         if need > free:
             return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
                              f"{capacity} are not reserved by admitted requests",
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
-        late = self._first_late(seq, now, busy_s, best_effort_running)
+        late = self._first_late(seq, now, busy_s, best_effort)
         return late if late is not None else (need, True)
+
+    def _promisable(self, seq: Sequence) -> bool:
+        return self.promises and seq.deadline is not None and seq.params.priority != "best_effort"
+
+    def _queue_full(self, waiting: list[Sequence]) -> Rejection | None:
+        """The queue bound: best-effort requests under the deadline policy, every request under edf and fcfs."""
+        queued = sum(1 for s in waiting if not s.promised)
+        if queued < self.config.max_queue:
+            return None
+        what = "best-effort requests" if self.promises else "requests"
+        return Rejection("QUEUE_FULL", f"{queued} {what} already wait (max_queue {self.config.max_queue})",
+                         dict(waiting=queued, max_queue=self.config.max_queue))
 
     def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool]:
         """Binary search for the largest ``max_tokens`` that passes (every check is monotone in it)."""
@@ -181,11 +233,12 @@ class AdmissionController:
         self._count("degraded")
         return verdict
 
-    def _first_late(self, seq: Sequence, now: float, busy_s: float, extra: int) -> Rejection | None:
-        candidates = sorted([*self.admitted.values(), seq], key=lambda s: (s.deadline, s.arrival_time))
+    def _first_late(self, seq: Sequence, now: float, busy_s: float, best_effort: BestEffortLoad) -> Rejection | None:
+        candidates = sorted([*self.admitted.values(), seq], key=_edf)
         works = [work_of(s) for s in candidates]
-        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, extra, self._chunk)
+        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, best_effort, self._chunk)
         margin = 1 + self.config.safety_margin
+        batch = len(works) + best_effort.seqs
         for w, bound in zip(works, bounds):
             predicted_ms = (bound - now) * margin * 1000
             slack_ms = (w.deadline - now) * 1000
@@ -194,17 +247,16 @@ class AdmissionController:
                 return Rejection(
                     "DEADLINE_INFEASIBLE",
                     f"predicted finish of {whose} is {predicted_ms:.1f} ms (with {self.config.safety_margin:.0%} "
-                    f"margin) > {slack_ms:.1f} ms left to its deadline; batch would be {len(works) + extra}, "
+                    f"margin) > {slack_ms:.1f} ms left to its deadline; batch would be {batch}, "
                     f"{w.decode_left} tokens to generate",
                     dict(predicted_ms=round(predicted_ms, 3), deadline_ms=round(slack_ms, 3),
-                         batch=len(works) + extra, request=w.request_id))
+                         batch=batch, request=w.request_id))
         return None
 
-    def predicted_finish(self, seq: Sequence, now: float, running_best_effort: int) -> float:
+    def predicted_finish(self, seq: Sequence, now: float, best_effort: list[Sequence]) -> float:
         """The bound on an admitted request's finish, as of ``now``, safety margin included."""
-        ordered = sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
-        bounds = finish_bounds([work_of(s) for s in ordered], self.latency, self.token_budget, now, 0.0,
-                               running_best_effort, self._chunk)
+        ordered = sorted(self.admitted.values(), key=_edf)
+        bounds = self._bounds(ordered, now, BestEffortLoad.of(best_effort))
         return now + (bounds[ordered.index(seq)] - now) * (1 + self.config.safety_margin)
 
     def reject(self, code: str, message: str, **numbers) -> Rejection:
@@ -259,18 +311,28 @@ class AdmissionController:
 
     # ------------------------------------------------------------ running
 
-    def best_effort_may_join(self, now: float, running_best_effort: int, busy_s: float = 0.0) -> bool:
-        """A waiting best-effort request may join the batch if no admitted promise breaks."""
-        if self.config.policy == "fcfs" or not self.admitted:
-            return True
-        works = [work_of(s) for s in sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))]
-        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, running_best_effort + 1,
-                               self._chunk)
+    def _bounds(self, ordered: list[Sequence], now: float, best_effort: BestEffortLoad,
+                busy_s: float = 0.0, token_budget: int | None = None) -> list[float]:
+        return finish_bounds([work_of(s) for s in ordered], self.latency, token_budget or self.token_budget, now,
+                             busy_s, best_effort, self._chunk)
+
+    def _late(self, now: float, best_effort: BestEffortLoad, busy_s: float = 0.0,
+              token_budget: int | None = None) -> list[Sequence]:
+        """Admitted requests whose bound, safety margin included, passes their deadline."""
+        ordered = sorted(self.admitted.values(), key=_edf)
+        bounds = self._bounds(ordered, now, best_effort, busy_s, token_budget)
         margin = 1 + self.config.safety_margin
-        return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
+        return [s for s, b in zip(ordered, bounds) if now + (b - now) * margin > s.deadline]
+
+    def best_effort_may_join(self, now: float, best_effort: list[Sequence], joining: Sequence,
+                             busy_s: float = 0.0) -> bool:
+        """A waiting best-effort request may join the batch if no admitted promise breaks."""
+        if not self.promises or not self.admitted:
+            return True
+        return not self._late(now, BestEffortLoad.of(best_effort).plus(joining), busy_s)
 
     def prefill_token_cap(self, now: float, decodes: list[Sequence], first_prefill: Sequence, budget: int,
-                          best_effort_running: int = 0) -> int:
+                          best_effort: list[Sequence] = ()) -> int:
         """Prefill tokens this step may carry so that running decodes keep their per-token pace.
 
         A decode with a deadline needs, from now on, one step per ``(deadline - now) / tokens
@@ -281,7 +343,7 @@ class AdmissionController:
         is raised to the smallest chunk with which ``finish_bounds`` still keeps every admitted
         deadline (the full budget if the bound has drifted past it).
         """
-        if not self.config.pace_prefill or self.config.policy == "fcfs":
+        if not self.config.pace_prefill or not self.promises:
             return budget
         paces = [(s.deadline - now) / max(s.params.max_tokens - s.num_output_tokens, 1)
                  for s in decodes if s.deadline is not None]
@@ -291,7 +353,7 @@ class AdmissionController:
         cap = self._largest_prefill_within(target_s, decodes, first_prefill, budget)
         if cap >= budget:
             return budget
-        cap = max(cap, self._smallest_chunk_keeping_promises(now, best_effort_running, cap, budget))
+        cap = max(cap, self._smallest_chunk_keeping_promises(now, BestEffortLoad.of(best_effort), cap, budget))
         self.paced_steps += cap < budget
         return cap
 
@@ -309,40 +371,38 @@ class AdmissionController:
             low, high = (middle, high) if step_s(middle) <= target_s else (low, middle - 1)
         return low
 
-    def _smallest_chunk_keeping_promises(self, now: float, extra: int, low: int, high: int) -> int:
+    def _smallest_chunk_keeping_promises(self, now: float, best_effort: BestEffortLoad, low: int, high: int) -> int:
         """Smallest chunk in [max(low, 1), high] with which every admitted request stays on time."""
-        works = [work_of(s) for s in sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))]
-        margin = 1 + self.config.safety_margin
-
-        def keeps(chunk: int) -> bool:
-            bounds = finish_bounds(works, self.latency, chunk, now, 0.0, extra, self._chunk)
-            return all(now + (b - now) * margin <= w.deadline for w, b in zip(works, bounds))
-
         low = max(low, 1)
         while low < high:
             middle = (low + high) // 2
-            low, high = (low, middle) if keeps(middle) else (middle + 1, high)
+            low, high = (low, middle) if not self._late(now, best_effort, token_budget=middle) else (middle + 1, high)
         return low
 
     @property
     def _chunk(self) -> int:
         return self.config.best_effort_chunk
 
-    def promises_at_risk(self, now: float, running_best_effort: int) -> bool:
-        """Whether, at the measured speed now, some admitted request's bound passes its deadline
-        with the running best-effort sequences sharing the steps: then they pause (rescue)."""
-        if self.config.policy == "fcfs" or not self.admitted or running_best_effort == 0:
-            return False
-        ordered = sorted(self.admitted.values(), key=lambda s: (s.deadline, s.arrival_time))
-        works = [work_of(s) for s in ordered]
-        bounds = finish_bounds(works, self.latency, self.token_budget, now, 0.0, running_best_effort, self._chunk)
-        margin = 1 + self.config.safety_margin
-        return any(now + (b - now) * margin > w.deadline for w, b in zip(works, bounds))
+    def rescue(self, now: float, best_effort: list[Sequence]) -> Rescue | None:
+        """None while every admitted request stays on time beside the running best effort, at the
+        speed measured now. Otherwise the rescue, in order: best-effort sequences sit the step out,
+        lowest priority first and only as many as needed (paused, not preempted); if even none
+        would do, prefill runs only for the requests at risk and those due before them."""
+        if not self.promises or not self.admitted or not self._late(now, BestEffortLoad.of(best_effort)):
+            return None
+        by_pause_order = sorted(best_effort, key=Sequence.priority_key, reverse=True)
+        low, high = 1, len(by_pause_order)  # pausing more never hurts: binary search the fewest
+        while low < high:
+            middle = (low + high) // 2
+            safe = not self._late(now, BestEffortLoad.of(by_pause_order[middle:]))
+            low, high = (low, middle) if safe else (middle + 1, high)
+        at_risk = self._late(now, BestEffortLoad.of(by_pause_order[high:]))
+        return Rescue(by_pause_order[:high], max((s.deadline for s in at_risk), default=None))
 
     def best_effort_prefill_allowance(self) -> int | None:
         """Prefill tokens best-effort sequences may add to the next step: the chunk the bound charges
         while admitted requests are in flight; None (no limit) when none is."""
-        if self.config.policy == "fcfs" or not self.admitted:
+        if not self.promises or not self.admitted:
             return None
         return self._chunk
 
@@ -364,3 +424,7 @@ class AdmissionController:
         self.reserved_blocks -= seq.reserved_blocks
         seq.reserved_blocks = 0
         self.admitted.pop(seq.request_id, None)
+
+
+def _edf(seq: Sequence) -> tuple:
+    return seq.deadline, seq.arrival_time

@@ -83,13 +83,19 @@ class LatencyModel:
         """Refine online from a measured step; record the relative error of the point estimate
         (the median-corrected prediction; the promise-making correction is a higher quantile)."""
         base = self.base(f)
-        point = base * (statistics.median(self.ratios) if self.ratios else 1.0)
+        point = base * self.typical_ratio
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
         if base > 0 and measured_s > 0:
             if self.ratios.maxlen != self.window:
                 self.ratios = deque(self.ratios, maxlen=self.window)
             self.ratios.append(measured_s / base)
             self.correction = self._ratio_quantile()
+
+    @property
+    def typical_ratio(self) -> float:
+        """The median measured / predicted ratio over the window: how much slower the typical step
+        runs than the fit (outliers, which the correction covers, do not move it)."""
+        return statistics.median(self.ratios) if self.ratios else 1.0
 
     def _ratio_quantile(self) -> float:
         ordered = sorted(self.ratios)

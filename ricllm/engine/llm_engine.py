@@ -37,7 +37,7 @@ from ricllm.units import format_bytes
 
 log = get_logger("ricllm.engine")
 PROBE_INTERVAL_S = 0.05  # an idle engine that refuses for time measures a probe step at most this often
-SLOWDOWN_RATIO = 1.25  # correction from which steps count as persistently slower than the calibration
+SLOWDOWN_RATIO = 1.25  # typical measured / predicted step time from which the machine counts as slowed down
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)  # unseeded sampled requests draw their seeds from it
         self.step_history: deque[StepRecord] = deque(maxlen=4096)
         self.num_steps = 0
-        self.deadline_counts = {"met": 0, "missed": 0}
+        self.deadline_counts = {"met": 0, "missed": 0, "ended_early": 0}  # ended_early: by on_late
         self.slack_ms: deque[float] = deque(maxlen=4096)  # deadline − finish, of finished deadline requests
         self._rejected: list[RequestOutput] = []
         self._grammars = None  # a GrammarCompiler, built with the first constraint
@@ -81,7 +81,8 @@ class LLMEngine:
         self.slowdown_events: list[SlowdownEvent] = []  # when the detector said slow / back to speed
         self.admission = None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   jump_forward=config.jump_forward)
+                                   jump_forward=config.jump_forward,
+                                   order="fcfs" if config.admission.policy == "fcfs" else "edf")
         if config.admission.policy != "off":
             self.admission = self._build_admission(latency_model)  # may calibrate: runs real steps first
             self.scheduler.gate = self.admission
@@ -217,10 +218,9 @@ class LLMEngine:
     def _admit(self, seq: Sequence, now: float):
         """Ask admission; on refusal finish the sequence as rejected and return the rejection."""
         pinned_blocks, pinned_hits = self._pinned_share(seq.token_ids)
-        waiting_best_effort = sum(1 for s in self.scheduler.waiting if not s.promised)
-        running_best_effort = sum(1 for s in self.scheduler.running if not s.promised)
-        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, waiting_best_effort,
-                                          best_effort_running=running_best_effort)
+        running_best_effort = [s for s in self.scheduler.running if not s.promised]
+        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
+                                          best_effort=running_best_effort)
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
             rejection = self.admission.reject(
@@ -326,9 +326,13 @@ class LLMEngine:
             self._check_stepping_thread()
         finished, self._rejected = self._rejected, []
         now = self.clock()
-        if self.admission is not None and self.admission.config.abort_late:
-            finished += self._abort_late(now)
+        on_late = self.admission.config.on_late if self.admission is not None else "finish"
+        if on_late != "finish":
+            finished += self._end_late(now)
         batch = self.scheduler.schedule(now)
+        if on_late == "end_early" and batch:
+            batch, ended = self._end_before_late_step(batch, now)
+            finished += ended
         if not batch:
             if self.scheduler.has_unfinished() and not finished:
                 raise RuntimeError("scheduler could not schedule any request: this is a bug in ricllm")
@@ -399,16 +403,19 @@ class LLMEngine:
 
     def _watch_slowdown(self) -> None:
         """Say when steps run persistently slower than the fit (a noisy neighbour, thermal limits),
-        and when that ends. Admission has already tightened: its bound scales with the correction."""
-        correction = self.admission.latency.correction
-        slow = correction >= SLOWDOWN_RATIO
+        and when that ends: the typical step (the median over the window, so a few slow steps are
+        not a slowdown) at least ``SLOWDOWN_RATIO`` times its prediction. Admission does not wait
+        for this: its bound scales with the correction, a high quantile, which rises within steps."""
+        latency = self.admission.latency
+        slow = latency.typical_ratio >= SLOWDOWN_RATIO and len(latency.ratios) >= latency.window // 2
         if slow == self._slowed:
             return
         self._slowed = slow
-        self.slowdown_events.append(SlowdownEvent(self.clock(), slow, correction))
+        self.slowdown_events.append(SlowdownEvent(self.clock(), slow, latency.typical_ratio, latency.correction))
         event = "sustained_slowdown" if slow else "slowdown_over"
-        (log.warning if slow else log.info)(event, correction=round(correction, 3), threshold=SLOWDOWN_RATIO,
-                                            window_steps=self.admission.latency.window)
+        (log.warning if slow else log.info)(event, typical_ratio=round(latency.typical_ratio, 3),
+                                            correction=round(latency.correction, 3), threshold=SLOWDOWN_RATIO,
+                                            window_steps=latency.window)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
         seq.finish_time = now
@@ -416,8 +423,8 @@ class LLMEngine:
         if self.admission is not None:
             self.admission.release(seq)
         if seq.deadline is not None:
-            met = now <= seq.deadline
-            self.deadline_counts["met" if met else "missed"] += 1
+            outcome = "missed" if now > seq.deadline else "ended_early" if reason == "deadline" else "met"
+            self.deadline_counts[outcome] += 1
             self.slack_ms.append((seq.deadline - now) * 1000)
         return self._output(seq)
 
@@ -436,10 +443,21 @@ class LLMEngine:
             self.admission.release(seq)
         return self._output(seq)
 
-    def _abort_late(self, now: float) -> list[RequestOutput]:
+    def _end_late(self, now: float) -> list[RequestOutput]:
+        """``on_late`` abort and end_early: requests whose deadline has passed end now."""
         late = [s for s in self.scheduler.running + self.scheduler.waiting
                 if s.deadline is not None and now > s.deadline]
         return [self._finish(s, "deadline", now) for s in late]
+
+    def _end_before_late_step(self, batch: ScheduledBatch, now: float) -> tuple[ScheduledBatch, list[RequestOutput]]:
+        """``on_late: end_early``: a request this step would carry past its deadline (at the speed
+        measured now) answers now instead, on time, with what it has (finish_reason "deadline")."""
+        step_end = now + self.admission.latency.predict(batch.features())
+        late = [s for s, _ in batch.items if s.deadline is not None and step_end > s.deadline]
+        if not late:
+            return batch, []
+        ended = [self._finish(s, "deadline", now) for s in late]
+        return ScheduledBatch([(s, n) for s, n in batch.items if not s.is_finished]), ended
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> str | None:
         """Add a sampled token (and what the answer's grammar then forces); the finish reason if it
@@ -483,7 +501,8 @@ class LLMEngine:
             return None if t is None else t - seq.arrival_time
 
         rejected = seq.finish_reason == "rejected"
-        met = None if seq.deadline is None or rejected else seq.finish_time <= seq.deadline
+        met = None if seq.deadline is None or rejected else (
+            seq.finish_time <= seq.deadline and seq.finish_reason != "deadline")  # an answer ended early is not met
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
@@ -539,7 +558,7 @@ class LLMEngine:
         seq = self.admission.admitted.get(request_id) if self.admission is not None else None
         if seq is None:
             return None
-        running_best_effort = sum(1 for s in self.scheduler.running if not s.promised)
+        running_best_effort = [s for s in self.scheduler.running if not s.promised]
         return self.admission.predicted_finish(seq, self.clock(), running_best_effort)
 
     def snapshot(self) -> EngineStats:
@@ -571,6 +590,7 @@ class LLMEngine:
         base = self.admission.stats() if self.admission else {"policy": "off"}
         return {**base, "deadlines": dict(self.deadline_counts),
                 "best_effort_paused_steps": self.scheduler.num_paused_steps,
+                "rescue_prefill_steps": self.scheduler.num_rescue_prefill_steps,
                 "slowdowns": [asdict(e) for e in self.slowdown_events],
                 "slack_ms": {"p5": pct(0.05), "p50": pct(0.5), "p95": pct(0.95)},
                 "caps": getattr(self, "caps", None)}

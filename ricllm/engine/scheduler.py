@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.engine.sequence import Sequence, SequenceStatus
 
+NEVER = float("inf")
+
 
 @dataclass(frozen=True)
 class StepFeatures:
@@ -62,8 +64,10 @@ class Scheduler:
     """``gate`` is the admission controller (None: plain continuous batching, everything FCFS)."""
 
     def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, gate=None,
-                 jump_forward: bool = True):
+                 jump_forward: bool = True, order: str = "edf"):
         self.jump_forward = jump_forward  # off: known output tokens (forced ones) are computed one per step
+        # edf: promised requests by deadline, then other deadlines, then best effort by arrival; fcfs: arrival
+        self.order_key = Sequence.arrival_key if order == "fcfs" else Sequence.priority_key
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,10 +77,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_waits = 0  # steps on which a waiting sequence could not get blocks
         self._best_effort_left: int | None = None  # best-effort prefill tokens the step may still take
-        self.num_paused_steps = 0  # steps best effort sat out so that admitted requests stay on time
+        self.num_paused_steps = 0  # steps some best effort sat out so that admitted requests stay on time
+        self.num_rescue_prefill_steps = 0  # steps whose prefill ran only for admitted requests at risk
+        self._prefill_until = NEVER  # during a rescue: only promised requests due by then prefill
 
     def add(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=Sequence.priority_key)
+        bisect.insort(self.waiting, seq, key=self.order_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,18 +93,14 @@ class Scheduler:
 
         With a gate, the prefill tokens of a step are capped so that the running decodes keep
         the pace their deadlines need (``gate.prefill_token_cap``), and when an admitted request's
-        bound has slipped past its deadline (the machine slowed down) best-effort sequences sit the
-        step out: they are paused, not preempted, until the promises are safe again.
+        bound has slipped past its deadline (the machine slowed down) the gate's rescue applies:
+        best-effort sequences sit the step out (paused, not preempted), and if that is not enough
+        only the requests at risk, and those due before them, prefill.
         """
-        order = sorted(self.running, key=Sequence.priority_key)
+        order = self._apply_rescue(sorted(self.running, key=self.order_key), now)
         items: list[tuple[Sequence, int]] = []
-        self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
-        if self.gate is not None and self.gate.promises_at_risk(now, self._running_best_effort()):
-            order = [s for s in order if s.promised]
-            self._best_effort_left = 0
-            self.num_paused_steps += 1
         budget, preempted = self._continue([s for s in order if s.in_decode], self.max_num_batched_tokens, items)
-        prefilling = [s for s in order if not s.in_decode]
+        prefilling = [s for s in order if not s.in_decode and self._may_prefill(s)]
         if self.gate is not None and budget > 0 and (prefilling or self.waiting):
             first = (prefilling or self.waiting)[0]
             budget = min(budget, self.gate.prefill_token_cap(now, [s for s, _ in items], first, budget,
@@ -107,6 +109,24 @@ class Scheduler:
         if not (preempted or more_preempted):
             items += self._schedule_waiting(budget, now)
         return ScheduledBatch(items)
+
+    def _apply_rescue(self, order: list[Sequence], now: float) -> list[Sequence]:
+        """Set the step's best-effort allowance; drop the sequences a rescue pauses from ``order``."""
+        self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
+        self._prefill_until = NEVER
+        rescue = self.gate.rescue(now, self._running_best_effort()) if self.gate is not None else None
+        if rescue is None:
+            return order
+        self._best_effort_left = 0  # nothing new from best effort while a promise is at risk
+        self.num_paused_steps += bool(rescue.paused)
+        if rescue.prefill_until is not None:
+            self._prefill_until = rescue.prefill_until
+            self.num_rescue_prefill_steps += 1
+        paused = set(rescue.paused)
+        return [s for s in order if s not in paused]
+
+    def _may_prefill(self, seq: Sequence) -> bool:
+        return not seq.promised or seq.deadline <= self._prefill_until
 
     def _continue(self, seqs: list[Sequence], budget: int, items: list) -> tuple[int, bool]:
         """Schedule running sequences in order while the budget lasts; appends to ``items``."""
@@ -143,14 +163,14 @@ class Scheduler:
         self._best_effort_left -= num_new
         return num_new
 
-    def _running_best_effort(self) -> int:
-        return sum(1 for s in self.running if not s.promised)
+    def _running_best_effort(self) -> list[Sequence]:
+        return [s for s in self.running if not s.promised]
 
     def _schedule_waiting(self, budget: int, now: float) -> list[tuple[Sequence, int]]:
         items: list[tuple[Sequence, int]] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.promised and not self._best_effort_may_join(now):
+            if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
             hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
             cached = len(hits) * self.cache.block_size
@@ -170,12 +190,12 @@ class Scheduler:
             budget -= num_new
         return items
 
-    def _best_effort_may_join(self, now: float) -> bool:
+    def _best_effort_may_join(self, seq: Sequence, now: float) -> bool:
         if self.gate is None:
             return True
-        if self._best_effort_left == 0:  # paused for the promises this step
+        if self._best_effort_left == 0:  # a rescue is on: best effort adds nothing this step
             return False
-        return self.gate.best_effort_may_join(now, self._running_best_effort())
+        return self.gate.best_effort_may_join(now, self._running_best_effort(), seq)
 
     def _within_unreserved(self, seq: Sequence, num_new: int, hits=()) -> bool:
         """Best effort may only take blocks that no admitted request has reserved."""

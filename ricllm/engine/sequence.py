@@ -79,7 +79,12 @@ class Sequence:
         return self.num_computed_tokens >= self.num_prompt_tokens and self.num_uncomputed_tokens == 1
 
     def priority_key(self) -> tuple:
-        """Earliest deadline first; best-effort requests after all deadlines, first come first served."""
+        """Promised (admitted) requests first, earliest deadline first; then unpromised ones with a
+        deadline, earliest first; then best-effort requests, first come first served."""
         if self.deadline is None:
-            return (1, self.arrival_time, 0.0)
-        return (0, self.deadline, self.arrival_time)
+            return (2, self.arrival_time, 0.0)
+        return (0 if self.promised else 1, self.deadline, self.arrival_time)
+
+    def arrival_key(self) -> tuple:
+        """First come first served."""
+        return (self.arrival_time,)

@@ -43,11 +43,13 @@ class LatencyStats:
 
 @dataclass(frozen=True)
 class SlowdownEvent:
-    """The slowdown detector changed its mind: steps run ``correction`` times the fit from ``time``
-    (engine clock) on, ``slow`` when that is at least the detector's threshold."""
+    """The slowdown detector changed its mind at ``time`` (engine clock): the typical step ran
+    ``typical_ratio`` times its prediction (``slow``: at least the detector's threshold), and
+    admission's correction (a high quantile of that ratio) was ``correction``."""
 
     time: float
     slow: bool
+    typical_ratio: float
     correction: float
 
 

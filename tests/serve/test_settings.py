@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from ricllm.cli.serve import settings_from_args
 from ricllm.config import AdmissionConfig
+from ricllm.serve.settings import SettingsError
 from ricllm.serve.settings import Controls, CurveControls, CurveOptions, SettingsError
 
 ROOT = Path(__file__).parents[2]
@@ -84,7 +85,7 @@ def test_the_byte_size_pattern_is_the_schemas():
     ({"log_json": 1}, "log_json"),
     ({"admission": {"policy": "deadline", "safety_margin": 0.1, "max_queue": 256, "priority": 1}},
      "admission.priority"),
-    ({"admission": {"policy": "edf", "safety_margin": 0.1, "max_queue": 256}}, "admission.policy"),
+    ({"admission": {"policy": "lifo", "safety_margin": 0.1, "max_queue": 256}}, "admission.policy"),
     ({"admission": {"policy": "deadline", "safety_margin": -0.1, "max_queue": 256}}, "admission.safety_margin"),
     ({"curve": {"enabled": True, "server_secret_key_file": None, "authorized_keys_dir": "/keys"}},
      "curve.server_secret_key_file"),
@@ -123,12 +124,22 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
 
 def test_only_flags_the_user_gave_override(tmp_path):
     config_file = descriptor_file(tmp_path, "config.json", block_size=32, enable_prefix_caching=False,
-                                  admission={"policy": "off", "abort_late": True})
+                                  admission={"policy": "off", "on_late": "abort", "max_queue": 7})
     settings = settings_from_args(parse("--config", str(config_file)), environ={})
     assert settings.controls.block_size == 32 and settings.controls.enable_prefix_caching is False
-    assert settings.controls.admission.abort_late is True
-    flagged = settings_from_args(parse("--config", str(config_file), "--prefix-caching", "--no-abort-late"), environ={})
-    assert flagged.controls.enable_prefix_caching is True and flagged.controls.admission.abort_late is False
+    assert settings.controls.admission.on_late == "abort"
+    flagged = settings_from_args(parse("--config", str(config_file), "--prefix-caching", "--on-late", "end_early"),
+                                 environ={})
+    assert flagged.controls.enable_prefix_caching is True and flagged.controls.admission.on_late == "end_early"
+    assert flagged.controls.admission.max_queue == 7  # not given as a flag: the file's
+
+
+def test_a_config_written_before_on_late_still_reads(tmp_path):
+    config_file = descriptor_file(tmp_path, "config.json", admission={"policy": "deadline", "abort_late": True})
+    assert settings_from_args(parse("--config", str(config_file)), environ={}).controls.admission.on_late == "abort"
+    contradiction = descriptor_file(tmp_path, "bad.json", admission={"abort_late": True, "on_late": "end_early"})
+    with pytest.raises(SettingsError, match="abort_late: true contradicts on_late: end_early"):
+        settings_from_args(parse("--config", str(contradiction)), environ={})
 
 
 def test_defaults_without_any_file():

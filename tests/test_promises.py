@@ -1,0 +1,236 @@
+"""Keeping every promise: queue policies without promises, priority, rescue, ending early, and
+admission on a clock that is not the latency model's own form (noise, overhead, a slower machine).
+
+Same deterministic clock as ``test_admission``: each step advances it by a function of what the
+step carried, chosen so the holes these tests guard against could make them fail.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ricllm import SamplingParams
+from ricllm.engine.admission import BestEffortLoad, Work, finish_bounds
+from ricllm.engine.latency_model import LatencyModel
+from tests.test_admission import (
+    drain,
+    make_engine,
+    poisson_arrivals,
+    prompt,
+    run_arrivals,
+    true_step_time,
+)
+
+
+def noisy_step_time(seed: int):
+    """Not the model's form: per-step noise (lognormal, 8%), 1 ms of Python overhead, and one step in 50
+    twice as long."""
+    rng = random.Random(seed)
+
+    def step_time(features, slowdown: float = 1.0) -> float:
+        tail = 2.0 if rng.random() < 0.02 else 1.0
+        return true_step_time(features, slowdown) * rng.lognormvariate(0.0, 0.08) * tail + 0.001 * slowdown
+
+    return step_time
+
+
+# ---------------------------------------------------------------- baselines: queues without promises
+
+def test_fcfs_serves_in_arrival_order_and_bounds_every_queued_request(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, policy="fcfs", max_queue=2, max_num_seqs=1, max_num_batched_tokens=32)
+    deadlines = [5000, 3000, 1000, 800]
+    seqs = [engine.add_request(prompt(40, i), SamplingParams(max_tokens=3, deadline_ms=d, ignore_eos=True))
+            for i, d in enumerate(deadlines)]
+    assert [s.rejection.code if s.rejection else None for s in seqs] == [None, None, "QUEUE_FULL", "QUEUE_FULL"]
+    assert "2 requests already wait (max_queue 2)" in seqs[2].rejection.message
+    assert not any(s.promised for s in seqs)  # fcfs queues, it does not promise
+    drain(engine)
+    served = [s for s in seqs if s.rejection is None]
+    assert sorted(served, key=lambda s: s.first_token_time) == served  # first come, first served
+
+
+def test_edf_queues_without_admission_and_serves_earliest_deadline_first(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, policy="edf", max_num_batched_tokens=32)
+    seqs = [engine.add_request(prompt(60, i), SamplingParams(max_tokens=4, deadline_ms=d, ignore_eos=True))
+            for i, d in enumerate([5000, 3000, 1])]  # 1 ms can never be met: edf queues it anyway
+    assert all(s.rejection is None and not s.promised for s in seqs)
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert [s.params.deadline_ms for s in sorted(seqs, key=lambda s: s.first_token_time)] == [1, 3000, 5000]
+    assert outputs[seqs[2].request_id].deadline_met is False
+
+
+def test_abort_drops_requests_already_late_waiting_or_running(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf, policy="fcfs", on_late="abort", max_num_seqs=1)
+    first = engine.add_request(prompt(10, 1), SamplingParams(max_tokens=40, deadline_ms=150, ignore_eos=True))
+    second = engine.add_request(prompt(10, 2), SamplingParams(max_tokens=4, deadline_ms=100, ignore_eos=True))
+    outputs = {o.request_id: o for o in drain(engine)}
+    for seq in (first, second):
+        out = outputs[seq.request_id]
+        assert out.finish_reason == "deadline" and out.deadline_met is False
+    assert len(outputs[first.request_id].token_ids) < 40 and outputs[second.request_id].token_ids == []
+    assert engine.deadline_counts["missed"] == 2
+
+
+# ---------------------------------------------------------------- priority is an input
+
+def test_a_best_effort_priority_with_a_deadline_is_served_but_never_promised(tiny_gguf):
+    engine, _ = make_engine(tiny_gguf)
+    low = engine.add_request(prompt(10, 1), SamplingParams(max_tokens=4, deadline_ms=1, priority="best_effort",
+                                                          ignore_eos=True))
+    high = engine.add_request(prompt(10, 2), SamplingParams(max_tokens=4, deadline_ms=900, ignore_eos=True))
+    assert low.rejection is None and not low.promised and low.reserved_blocks == 0  # no promise, no refusal
+    assert high.promised and high.params.priority == "near_rt"
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert outputs[low.request_id].finish_reason == "length" and outputs[high.request_id].deadline_met
+
+
+def test_rescue_pauses_the_fewest_best_effort_lowest_priority_first(tiny_gguf):
+    """A slowdown puts an admitted request at risk beside best effort; the rescue pauses only some of
+    the best effort, the plain best-effort requests (newest first) before the ones with a deadline."""
+    slow = {"factor": 1.0}
+    engine, _ = make_engine(tiny_gguf, slowdown=lambda: slow["factor"], max_num_seqs=32)
+    with_deadline = [engine.add_request(prompt(8, 800 + i), SamplingParams(
+        max_tokens=60, deadline_ms=60_000, priority="best_effort", ignore_eos=True)) for i in range(4)]
+    plain = [engine.add_request(prompt(8, 700 + i), SamplingParams(max_tokens=60, ignore_eos=True))
+             for i in range(16)]
+    while not all(s.in_decode for s in with_deadline + plain):
+        engine.step()
+    near = engine.add_request(prompt(8, 7), SamplingParams(max_tokens=8, deadline_ms=560, ignore_eos=True))
+    assert near.promised
+    slow["factor"] = 1.4
+    engine.step()  # the first slow step is measured: the correction rises
+    rescue = engine.admission.rescue(engine.clock(), engine.scheduler._running_best_effort())
+    assert rescue is not None and 0 < len(rescue.paused) < 20
+    paused = set(map(id, rescue.paused))
+    assert not any(id(s) in paused for s in with_deadline) or all(id(s) in paused for s in plain)
+    assert [s.arrival_time for s in rescue.paused] == sorted((s.arrival_time for s in rescue.paused), reverse=True)
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert outputs[near.request_id].deadline_met
+    assert all(outputs[s.request_id].finish_reason == "length" for s in with_deadline + plain)
+
+
+def test_when_pausing_is_not_enough_only_the_request_at_risk_prefills(tiny_gguf):
+    slow = {"factor": 1.0}
+    engine, clock = make_engine(tiny_gguf, slowdown=lambda: slow["factor"], max_num_batched_tokens=64)
+    urgent = engine.add_request(prompt(120, 1), SamplingParams(max_tokens=4, deadline_ms=250, ignore_eos=True))
+    later = engine.add_request(prompt(120, 2), SamplingParams(max_tokens=4, deadline_ms=5000, ignore_eos=True))
+    assert urgent.promised and later.promised
+    slow["factor"] = 3.0
+    engine.step()  # a 3x step: the bound of `urgent` passes its deadline
+    rescue = engine.admission.rescue(clock.now, [])
+    assert rescue is not None and rescue.paused == [] and rescue.prefill_until == urgent.deadline
+    batch = engine.scheduler.schedule(clock.now)
+    assert [s for s, _ in batch.items] == [urgent]  # `later` waits a step: its deadline is far
+    assert engine.admission_stats()["rescue_prefill_steps"] == 1
+
+
+# ---------------------------------------------------------------- ending early, by policy
+
+def test_end_early_answers_on_time_with_what_it_has_and_counts_it(tiny_gguf):
+    slow = {"factor": 1.0}
+    engine, _ = make_engine(tiny_gguf, slowdown=lambda: slow["factor"], on_late="end_early")
+    seq = engine.add_request(prompt(10, 1), SamplingParams(max_tokens=30, deadline_ms=400, ignore_eos=True))
+    assert seq.promised
+    engine.step()
+    slow["factor"] = 4.0  # far slower than any margin
+    [out] = drain(engine)
+    assert out.finish_reason == "deadline" and out.deadline_met is False
+    assert 0 < len(out.token_ids) < 30 and out.e2e_s <= 0.4  # on time, with the tokens it had
+    assert engine.deadline_counts == {"met": 0, "missed": 0, "ended_early": 1}
+
+
+def test_without_end_early_the_same_request_is_late_and_counted_missed(tiny_gguf):
+    slow = {"factor": 1.0}
+    engine, _ = make_engine(tiny_gguf, slowdown=lambda: slow["factor"])
+    engine.add_request(prompt(10, 1), SamplingParams(max_tokens=30, deadline_ms=400, ignore_eos=True))
+    engine.step()
+    slow["factor"] = 4.0
+    [out] = drain(engine)
+    assert out.finish_reason == "length" and out.deadline_met is False and out.e2e_s > 0.4
+    assert engine.deadline_counts["missed"] == 1
+
+
+# ---------------------------------------------------------------- the bound
+
+def test_the_bound_charges_best_effort_at_its_own_context():
+    model = LatencyModel([0.0, 0.0, 0.0, 1e-5, 0.0])  # only context is charged
+    work = Work(deadline=1.0, prefill_left=0, decode_left=10, final_context=100)
+    short = finish_bounds([work], model, 512, 0.0, best_effort=BestEffortLoad(1, 100))[0]
+    long = finish_bounds([work], model, 512, 0.0, best_effort=BestEffortLoad(1, 8000))[0]
+    assert short == pytest.approx(10 * 1e-5 * 200) and long == pytest.approx(10 * 1e-5 * 8100)
+
+
+def test_a_near_rt_request_beside_long_best_effort_contexts_meets_its_deadline(tiny_gguf):
+    """Best-effort decodes at 480-token contexts make every step read far more K/V than the admitted
+    request's own 80 tokens: the bound must charge them at their contexts."""
+    heavy_context = [0.004, 0.0001, 0.001, 1e-5, 0.0]
+
+    def step_time(features, slowdown=1.0):
+        a, b, c, d, _ = heavy_context
+        return a + b * features.num_prefill_tokens + c * features.num_decode_seqs + d * features.num_context_tokens
+
+    engine, _ = make_engine(tiny_gguf, step_time=step_time, max_num_seqs=16, max_num_batched_tokens=512,
+                            kv_cache_budget=512 * 16 * 512)  # 512 blocks
+    engine.admission.latency = LatencyModel(list(heavy_context))
+    bulk = [engine.add_request(prompt(440, 900 + i), SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(6)]
+    while not all(s.in_decode for s in bulk):
+        engine.step()
+    near = [engine.add_request(prompt(64, i), SamplingParams(max_tokens=4, deadline_ms=d, ignore_eos=True))
+            for i, d in enumerate([150, 250, 400])]  # 150 ms passes if best effort is charged at 80 tokens
+    outputs = {o.request_id: o for o in drain(engine)}
+    admitted = [s for s in near if s.promised]
+    assert admitted and all(outputs[s.request_id].deadline_met for s in admitted)
+
+
+# ---------------------------------------------------------------- drift on a clock that is not the model
+
+def test_a_slowdown_after_calibration_misses_only_inside_the_detector_window(tiny_gguf):
+    """Noisy steps (not the fit's form), near-RT requests and best-effort bulk; from the middle of the
+    run every step takes 1.5x. Requests admitted once the detector fired all meet their deadline; the
+    misses are among those admitted before it, while the machine was already slower, and are few."""
+    slow = {"factor": 1.0}
+    engine, clock = make_engine(tiny_gguf, slowdown=lambda: slow["factor"], step_time=noisy_step_time(5),
+                                safety_margin=0.1, max_num_seqs=32)
+    rng = random.Random(9)
+
+    def request(i):
+        if i % 4 == 3:
+            return prompt(rng.randint(100, 300), 2000 + i), SamplingParams(max_tokens=30, ignore_eos=True)
+        return prompt(rng.randint(10, 60), 1000 + i), SamplingParams(
+            max_tokens=rng.randint(2, 6), deadline_ms=rng.choice([150, 300, 500]), ignore_eos=True)
+
+    arrivals = poisson_arrivals(rng, 240, 0.06, clock.now, request)
+    slow_from = arrivals[120][0]
+    original_step = engine.step
+
+    def drifting_step():
+        if clock.now >= slow_from:
+            slow["factor"] = 1.5
+        return original_step()
+
+    engine.step = drifting_step
+    seqs_by_id = {}
+    original_add = engine.add_request
+
+    def recording_add(*args, **kwargs):
+        seq = original_add(*args, **kwargs)
+        seqs_by_id[seq.request_id] = seq
+        return seq
+
+    engine.add_request = recording_add
+    outputs = run_arrivals(engine, clock, arrivals)
+    detected = [e.time for e in engine.slowdown_events if e.slow]
+    assert detected and detected[0] >= slow_from  # said once the steps were slower, not before
+    reacted = detected[0]
+    promised = [o for o in outputs if seqs_by_id[o.request_id].promised]
+    after = [o for o in promised if seqs_by_id[o.request_id].arrival_time >= reacted]
+    in_window = [o for o in promised if seqs_by_id[o.request_id].arrival_time < reacted
+                 and seqs_by_id[o.request_id].finish_time >= slow_from]
+    assert len(after) > 25 and all(o.deadline_met for o in after)
+    before = [o for o in promised if o not in in_window and o not in after]
+    assert before and all(o.deadline_met for o in before)  # noise and overhead alone break no promise
+    misses = [o for o in in_window if not o.deadline_met]
+    assert len(misses) <= 3 and engine.deadline_counts["missed"] == len(misses)
+    assert reacted - slow_from < 1.0  # within half a window of slowed steps (~20 steps here)
