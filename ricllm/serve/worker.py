@@ -40,7 +40,6 @@ class _Pending:
     command: Command
     seq: Sequence
     internal_id: str
-    offset_s: float  # engine arrival − receipt: added to the engine's timings
     holdback: int  # characters kept back while streaming, so a stop string is never sent
     sent_tokens: int = 0
     sent_chars: int = 0
@@ -189,12 +188,12 @@ class Worker(EngineDriver):
         token_ids = self._prompt_tokens(request, template)
         params = self._sampling(request, command.received, constraint)
         internal_id = str(next(self._ids))
-        seq = self._add(request, token_ids, params, internal_id)
+        seq = self._add(request, token_ids, params, internal_id, command.received)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
             raise Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
         self.metrics.admission("degraded" if seq.degradation is not None else "admitted")
         holdback = max((len(s) for s in request.stop), default=1) - 1
-        pending = _Pending(command, seq, internal_id, max(seq.arrival_time - command.received, 0.0), holdback)
+        pending = _Pending(command, seq, internal_id, holdback)
         self._generates[command.key] = pending
         self._internal[internal_id] = pending
         self.outbox.put(command.identity, p.Accepted(id=request.id, predicted_ms=self._predicted_ms(pending),
@@ -255,7 +254,8 @@ class Worker(EngineDriver):
 
     def _sampling(self, request: p.GenerateRequest, received: float,
                   constraint: StructuredSpec | None) -> SamplingParams:
-        """The deadline is counted from receipt: the time spent queued here is taken off it."""
+        """The deadline counts from receipt (the engine is given it as the arrival); one that passed while
+        the request was queued here is refused at once."""
         from ricllm.sampling_params import SamplingParams, default_priority
 
         priority = request.priority or default_priority(request.deadline_ms)  # of the deadline as sent
@@ -266,7 +266,6 @@ class Worker(EngineDriver):
                 raise Refused("DEADLINE_INFEASIBLE", f"the deadline of {deadline_ms:.1f} ms passed while the "
                                f"request was queued ({waited_ms:.1f} ms)", deadline_ms=deadline_ms,
                                waited_ms=round(waited_ms, 3))
-            deadline_ms -= waited_ms
         try:
             return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
                                   structured=constraint)
@@ -274,7 +273,7 @@ class Worker(EngineDriver):
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
     def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
-             internal_id: str) -> Sequence:
+             internal_id: str, received: float) -> Sequence:
         engine = self.engine
         max_tokens = self._planned_tokens(params)
         total = len(token_ids) + max_tokens
@@ -284,7 +283,7 @@ class Worker(EngineDriver):
                            prompt_tokens=len(token_ids), max_tokens=max_tokens,
                            max_model_len=engine.max_model_len)
         try:
-            return engine.add_request(token_ids, params, request_id=internal_id)
+            return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received)
         except CapacityError as exc:  # admission off: can never fit the KV budget
             raise Refused("KV_BUDGET", str(exc), prompt_tokens=len(token_ids), max_tokens=params.max_tokens) from None
         except InvalidRequestError as exc:
@@ -355,7 +354,7 @@ class Worker(EngineDriver):
         self._internal.pop(pending.internal_id, None)
         if pending.request.stream:
             self._stream(pending, final=True)
-        timings = _timings(out, pending.offset_s)
+        timings = _timings(out)
         self.outbox.put(pending.command.identity, p.Result(
             id=pending.request.id, text=out.text, token_ids=out.token_ids,
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
@@ -527,14 +526,11 @@ class Worker(EngineDriver):
         self.metrics.publish(EngineSnapshot(self.engine.snapshot(), inbound=self.state.inbound.qsize()))
 
 
-def _timings(out: RequestOutput, offset_s: float) -> p.Timings:
-    """The engine's times count from its arrival; the protocol's from the server's receipt."""
-    def shifted(value: float | None) -> float | None:
-        return None if value is None else max(value + offset_s, 0.0)
-
-    e2e = shifted(out.e2e_s) or 0.0
-    queue_s = shifted(out.queue_s)
-    return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=shifted(out.ttft_s), e2e_s=e2e,
+def _timings(out: RequestOutput) -> p.Timings:
+    """The engine's times count from its arrival, which is the server's receipt."""
+    e2e = out.e2e_s or 0.0
+    queue_s = out.queue_s
+    return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=out.ttft_s, e2e_s=e2e,
                      tpot_s=out.tpot_s)
 
 
