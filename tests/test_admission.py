@@ -97,8 +97,8 @@ def test_infeasible_deadline_is_rejected_at_arrival_with_numbers(tiny_gguf):
     seq = engine.add_request(prompt(20, 1), SamplingParams(max_tokens=10, deadline_ms=30, ignore_eos=True))
     assert seq.finish_reason == "rejected" and seq.rejection.code == "DEADLINE_INFEASIBLE"
     numbers = seq.rejection.numbers
-    assert numbers["predicted_ms"] > numbers["deadline_ms"] == 30
-    assert "predicted finish of it is" in seq.rejection.message and "> 30.0 ms" in seq.rejection.message
+    assert numbers["bound_ms"] > numbers["deadline_ms"] == 30
+    assert "finish bound of it is" in seq.rejection.message and "> 30.0 ms" in seq.rejection.message
     [out] = drain(engine)
     assert not out.admitted and out.deadline_met is None and out.rejection.code == "DEADLINE_INFEASIBLE"
 
@@ -418,7 +418,7 @@ def test_degrade_admits_with_the_largest_max_tokens_that_meets_the_deadline(tiny
     assert seq.rejection is None and seq.promised
     d = seq.degradation
     assert (d.code, d.requested_max_tokens, d.granted_max_tokens) == ("DEADLINE_INFEASIBLE", 60, fits)
-    assert d.message.startswith(f"max_tokens 60 -> {fits}: predicted finish of it is")
+    assert d.message.startswith(f"max_tokens 60 -> {fits}: finish bound of it is")
     assert asked.max_tokens == 60  # the caller's params are not changed (they may be shared)
     [out] = drain(engine)
     assert out.admitted and out.deadline_met and out.finish_reason == "length"

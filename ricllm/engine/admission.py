@@ -240,20 +240,20 @@ class AdmissionController:
         margin = 1 + self.config.safety_margin
         batch = len(works) + best_effort.seqs
         for w, bound in zip(works, bounds):
-            predicted_ms = (bound - now) * margin * 1000
+            bound_ms = (bound - now) * margin * 1000
             slack_ms = (w.deadline - now) * 1000
-            if predicted_ms > slack_ms:
+            if bound_ms > slack_ms:
                 whose = "it" if w.request_id == seq.request_id else f"admitted request {w.request_id!r}"
                 return Rejection(
                     "DEADLINE_INFEASIBLE",
-                    f"predicted finish of {whose} is {predicted_ms:.1f} ms (with {self.config.safety_margin:.0%} "
+                    f"finish bound of {whose} is {bound_ms:.1f} ms (with {self.config.safety_margin:.0%} "
                     f"margin) > {slack_ms:.1f} ms left to its deadline; batch would be {batch}, "
                     f"{w.decode_left} tokens to generate",
-                    dict(predicted_ms=round(predicted_ms, 3), deadline_ms=round(slack_ms, 3),
+                    dict(bound_ms=round(bound_ms, 3), deadline_ms=round(slack_ms, 3),
                          batch=batch, request=w.request_id))
         return None
 
-    def predicted_finish(self, seq: Sequence, now: float, best_effort: list[Sequence]) -> float:
+    def finish_bound(self, seq: Sequence, now: float, best_effort: list[Sequence]) -> float:
         """The bound on an admitted request's finish, as of ``now``, safety margin included."""
         ordered = sorted(self.admitted.values(), key=_edf)
         bounds = self._bounds(ordered, now, BestEffortLoad.of(best_effort))

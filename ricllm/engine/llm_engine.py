@@ -552,14 +552,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------ what the engine promises and holds
 
-    def predicted_finish(self, request_id: str) -> float | None:
+    def finish_bound(self, request_id: str) -> float | None:
         """Admission's bound on an admitted request's finish (engine clock, safety margin included);
         None for a request without a promise. The same bound admission checked the request against."""
         seq = self.admission.admitted.get(request_id) if self.admission is not None else None
         if seq is None:
             return None
         running_best_effort = [s for s in self.scheduler.running if not s.promised]
-        return self.admission.predicted_finish(seq, self.clock(), running_best_effort)
+        return self.admission.finish_bound(seq, self.clock(), running_best_effort)
 
     def snapshot(self) -> EngineStats:
         """The engine's numbers now: the one place they are gathered (:mod:`ricllm.engine.stats`)."""

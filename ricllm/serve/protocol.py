@@ -214,12 +214,13 @@ class Degraded(_Strict):
 
 
 class Accepted(_Message):
-    """Non-final: the request passed admission. ``predicted_ms`` is the latency model's estimate;
+    """Non-final: the request passed admission. ``bound_ms`` is admission's bound on its end-to-end
+    time from receipt (safety margin included): what was promised, not an estimate;
     ``degraded`` is set when it was admitted with a smaller ``max_tokens`` (degrade policy)."""
 
     type: Literal["accepted"] = "accepted"
     id: RequestId
-    predicted_ms: Seconds | None = None
+    bound_ms: Seconds | None = None
     queue_position: Count | None = None
     degraded: Degraded | None = None
 

@@ -196,7 +196,7 @@ class Worker(EngineDriver):
         pending = _Pending(command, seq, internal_id, holdback)
         self._generates[command.key] = pending
         self._internal[internal_id] = pending
-        self.outbox.put(command.identity, p.Accepted(id=request.id, predicted_ms=self._predicted_ms(pending),
+        self.outbox.put(command.identity, p.Accepted(id=request.id, bound_ms=self._bound_ms(pending),
                                                      queue_position=self._queue_position(seq),
                                                      degraded=_degraded(seq.degradation)))
 
@@ -297,12 +297,12 @@ class Worker(EngineDriver):
         longest = self.engine.compile_structured(params.structured).max_tokens  # compiled already: cached
         return params.max_tokens if longest is None else min(params.max_tokens, longest)
 
-    def _predicted_ms(self, pending: _Pending) -> float | None:
+    def _bound_ms(self, pending: _Pending) -> float | None:
         """Admission's bound on this request's finish, from receipt, margin included (promised only)."""
         try:
-            finish = self.engine.predicted_finish(pending.seq.request_id)
+            finish = self.engine.finish_bound(pending.seq.request_id)
         except Exception:  # an estimate only: never let it fail an admitted request
-            log.exception("predicted_ms_failed")
+            log.exception("bound_ms_failed")
             return None
         return None if finish is None else round((finish - pending.command.received) * 1000, 3)
 

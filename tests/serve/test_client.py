@@ -140,7 +140,7 @@ class FakeServer:
         if text == "reject":
             return [Rejected(id=request.id, code="KV_BUDGET", message="needs 12000 tokens; the budget holds 11650",
                              numbers={"needed_tokens": 12000, "budget_tokens": 11650})]
-        replies: list[object] = [Accepted(id=request.id, predicted_ms=12.5, queue_position=0)]
+        replies: list[object] = [Accepted(id=request.id, bound_ms=12.5, queue_position=0)]
         if request.stream:
             replies += [Token(id=request.id, index=i, token_id=ord(c), text=c.upper()) for i, c in enumerate(text)]
         replies.append(Result(id=request.id, text=text.upper(), token_ids=[ord(c) for c in text],

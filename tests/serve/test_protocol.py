@@ -70,10 +70,10 @@ REQUESTS = [
 ]
 
 REPLIES = [
-    Accepted(id="g1", predicted_ms=180.5, queue_position=2),
+    Accepted(id="g1", bound_ms=180.5, queue_position=2),
     Accepted(id="g2"),
     Rejected(id="g1", code="DEADLINE_INFEASIBLE", message="predicted 412 ms > deadline 250 ms",
-             numbers={"predicted_ms": 412.0, "deadline_ms": 250, "queue_len": 3}),
+             numbers={"bound_ms": 412.0, "deadline_ms": 250, "queue_len": 3}),
     Rejected(id="g4", code="OUTPUT_TOO_SHORT", message="max_tokens 4 is shorter than the shortest complete answer",
              numbers={"max_tokens": 4, "shortest_answer_tokens": 12}),
     Token(id="g1", index=0, token_id=1234, text=" Yes"),
