@@ -9,16 +9,25 @@ A request with a deadline is admitted only if
 - time: an upper bound on every admitted request's finish time, this one included, stays
   inside its deadline (with a safety margin) when they run earliest-deadline-first.
 
-The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q`` (``LatencyModel``), request
-``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M) + decode_k``, where
-``P_k`` is the prefill of ``k`` and of everything ahead of it and ``M`` the per-step token
-budget. Every step carries at most all ``B`` sequences at their final contexts ``C_max``, and
-all pending prefill tokens are charged to everyone (later-deadline prefill chunks may share
-``k``'s steps), so
+The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by op]``
+(``LatencyModel``), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
++ decode_k``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it and ``M`` the
+per-step token budget. Every step carries at most all ``B`` sequences (best effort included) at
+their final contexts ``C_max``, and best effort at most ``best_effort_chunk`` prefill tokens; all
+pending prefill tokens are charged to everyone (later-deadline prefill chunks may share ``k``'s
+steps), so
 
-    finish_k <= now + busy + corr · (N_k · max(a + c·B + d·C_max, roofline(C_max)) + b·P_all + e·Q_all)
+    finish_k <= now + busy + corr · (N_k · max(a + c·B + d·C_max + b·chunk + e·W, roofline(C_max))
+                                     + b·P_all + e·Q_all + f·prefill_steps_k)
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
+
+The guarantee, exactly: if every step takes at most its fitted time × ``corr`` (the online
+correction, a high quantile of measured / predicted over recent steps), every admitted request
+finishes within its deadline, with ``safety_margin`` to spare. When steps run slower than that
+(a noisy neighbour), the correction rises within a few measured steps and every bound is
+re-checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
+prefill of requests due later; ``on_late`` decides what a request that still cannot make it does.
 
 Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for running decodes
 (never below the chunk the bound needs), and the opt-in ``degrade`` admits with the largest
