@@ -32,6 +32,11 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # gcc's default of 256 leaves AVX-512 half used
+# RICLLM_NO_AMX=1 builds without AMX tiles (a separate cached library): how an AMX machine measures the
+# path every CPU without AMX (AMD EPYC, older Xeons) takes
+AMX_DISABLED = os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
+if AMX_DISABLED and platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS += ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
 
 # the decoder stack's argument layout (csrc/cpu_decoder.c): pointers per layer (norm, 3 per projection:
 # weight, scales, offsets; norm, 3, 3; K and V caches), then the dims array in this order
@@ -46,6 +51,7 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,
     "ricllm_quant_gemm_supported": [_I],
+    "ricllm_quant_gemm_uses_amx": [],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
     "ricllm_decoder_stack": [_P] * 12 + [_F, _F],
     "ricllm_quant_rows": [_P, _P, _I, _P, _I, _I, _I, _P, _I],
@@ -125,3 +131,13 @@ def cpu_kernels_available() -> tuple[bool, str]:
     except (RuntimeError, OSError) as exc:
         return False, str(exc)
     return True, f"built at {lib._name}"
+
+
+def kernel_family() -> str:
+    """Which batched weight-only products run on this CPU: ``amx`` (tiles), ``avx512-bf16``,
+    ``avx512-vnni`` (8-bit only), or ``torch`` (the library's products cannot run here)."""
+    if not quant_gemm_available(8):
+        return "torch"
+    if library().ricllm_quant_gemm_uses_amx():
+        return "amx"
+    return "avx512-bf16" if quant_gemm_available(4) else "avx512-vnni"

@@ -6,7 +6,12 @@ where only torch is installed (the GPU check script runs so).
 
 from __future__ import annotations
 
+import os
+
 from ricllm.version import __version__
+
+if os.environ.get("RICLLM_NO_AMX", "") not in ("", "0"):  # torch's oneDNN too, not only ricllm's kernels
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "Template"]
 

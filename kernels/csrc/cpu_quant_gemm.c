@@ -552,3 +552,13 @@ int ricllm_quant_rows(const uint8_t *w, const uint16_t *scales, int bits, const 
     }
     return 0;
 }
+
+/* Whether the batched products run on AMX tiles here: built with AMX (not disabled at build time by
+ * RICLLM_NO_AMX) and granted by the kernel. */
+int ricllm_quant_gemm_uses_amx(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}

@@ -73,10 +73,19 @@ def cmd_info(args: argparse.Namespace) -> int:
         per_token = spec.kv_bytes_per_token(size)
         rows.append((f"KV bytes/token {label}", f"{per_token} B  (2·{spec.num_layers}·{spec.num_kv_heads}·"
                      f"{spec.head_dim}·{size}); full context {format_bytes(per_token * spec.max_position_embeddings)}"))
+    rows.append(("CPU kernels", _cpu_kernels()))
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return 0
+
+
+def _cpu_kernels() -> str:
+    """The batched products this CPU runs (building the C library once if needed)."""
+    from ricllm.kernels.cpu_library import AMX_DISABLED, kernel_family
+
+    family = kernel_family()
+    return f"{family} (AMX disabled by RICLLM_NO_AMX)" if AMX_DISABLED else family
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -48,6 +48,12 @@ class StepRecord:
     duration_s: float
 
 
+def _cpu_kernel_family() -> str:
+    from ricllm.kernels.cpu_library import kernel_family
+
+    return kernel_family()
+
+
 def _checkable_after(params: SamplingParams) -> bool:
     """Whether a constrained row may draw first and be checked after (no top-k, no top-p filter)."""
     return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
@@ -131,6 +137,7 @@ class LLMEngine:
                  device=str(self.runtime.device), threads=self.runtime.threads,
                  engine_cpus=format_cpu_list(self.config.engine_cpus) if self.config.engine_cpus else None,
                  weights=f"layers {self.runtime.weight_formats[0]}, head {self.runtime.weight_formats[1]}",
+                 cpu_kernels=_cpu_kernel_family() if str(self.runtime.device) == "cpu" else None,
                  weights_from=self.runtime.weights_source, attention_backend=self.runtime.attention_backend,
                  startup_s=round(self.startup_s, 2))
 
