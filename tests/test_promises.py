@@ -234,3 +234,21 @@ def test_a_slowdown_after_calibration_misses_only_inside_the_detector_window(tin
     misses = [o for o in in_window if not o.deadline_met]
     assert len(misses) <= 3 and engine.deadline_counts["missed"] == len(misses)
     assert reacted - slow_from < 1.0  # within half a window of slowed steps (~20 steps here)
+
+
+@pytest.mark.parametrize("fit_bias", [0.66, 1.0, 1.3])
+def test_the_detector_reads_slower_than_lately_whatever_the_fit_bias(fit_bias):
+    """A fit calibrated on a busier (0.66) or quieter (1.3) moment must neither hide a 1.5x slowdown
+    nor fire on its own; one that lasts past the horizon becomes the new normal."""
+    from ricllm.engine.slowdown import SlowdownDetector
+
+    detector = SlowdownDetector(horizon=200)
+    rng = random.Random(4)
+    changes = []
+    for step in range(600):
+        slow = 1.5 if 100 <= step else 1.0
+        if (change := detector.observe(fit_bias * slow * rng.uniform(0.97, 1.03))) is not None:
+            changes.append((step, change))
+    assert changes[0][1] is True and 100 <= changes[0][0] <= 101
+    assert changes[1][1] is False and 298 <= changes[1][0] <= 302  # 200 steps on, the slow level is normal
+    assert len(changes) == 2

@@ -24,6 +24,7 @@ from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore
 from ricllm.engine.scheduler import ScheduledBatch, Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
+from ricllm.engine.slowdown import SlowdownDetector
 from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats, SlowdownEvent
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
@@ -37,7 +38,6 @@ from ricllm.units import format_bytes
 
 log = get_logger("ricllm.engine")
 PROBE_INTERVAL_S = 0.05  # an idle engine that refuses for time measures a probe step at most this often
-SLOWDOWN_RATIO = 1.25  # typical measured / predicted step time from which the machine counts as slowed down
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self._grammars = None  # a GrammarCompiler, built with the first constraint
         self._last_probe = -math.inf  # engine-clock time of the last latency probe
-        self._slowed = False  # steps run at least SLOWDOWN_RATIO slower than the fit
+        self.slowdown_detector = SlowdownDetector()  # is the typical step slower than it has lately been?
         self.slowdown_events: list[SlowdownEvent] = []  # when the detector said slow / back to speed
         self.admission = None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
@@ -409,20 +409,22 @@ class LLMEngine:
             self._watch_slowdown()
 
     def _watch_slowdown(self) -> None:
-        """Say when steps run persistently slower than the fit (a noisy neighbour, thermal limits),
-        and when that ends: the typical step (the median over the window, so a few slow steps are
-        not a slowdown) at least ``SLOWDOWN_RATIO`` times its prediction. Admission does not wait
-        for this: its bound scales with the correction, a high quantile, which rises within steps."""
-        latency = self.admission.latency
-        slow = latency.typical_ratio >= SLOWDOWN_RATIO and len(latency.ratios) >= latency.window // 2
-        if slow == self._slowed:
+        """Say when steps run persistently slower than they lately did (a noisy neighbour, thermal
+        limits), and when that ends (``engine/slowdown.py``). Admission does not wait for this:
+        its bound scales with the correction, a high quantile, which rises within a few steps."""
+        latency, detector = self.admission.latency, self.slowdown_detector
+        if len(latency.ratios) < latency.window // 2:
             return
-        self._slowed = slow
-        self.slowdown_events.append(SlowdownEvent(self.clock(), slow, latency.typical_ratio, latency.correction))
-        event = "sustained_slowdown" if slow else "slowdown_over"
-        (log.warning if slow else log.info)(event, typical_ratio=round(latency.typical_ratio, 3),
-                                            correction=round(latency.correction, 3), threshold=SLOWDOWN_RATIO,
-                                            window_steps=latency.window)
+        changed = detector.observe(latency.typical_ratio)
+        if changed is None:
+            return
+        self.slowdown_events.append(SlowdownEvent(self.clock(), changed, detector.slowdown, latency.typical_ratio,
+                                                  latency.correction))
+        event = "sustained_slowdown" if changed else "slowdown_over"
+        (log.warning if changed else log.info)(event, slowdown=round(detector.slowdown, 3),
+                                               typical_ratio=round(latency.typical_ratio, 3),
+                                               correction=round(latency.correction, 3), threshold=detector.threshold,
+                                               window_steps=latency.window)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
         seq.finish_time = now

@@ -44,11 +44,13 @@ class LatencyStats:
 @dataclass(frozen=True)
 class SlowdownEvent:
     """The slowdown detector changed its mind at ``time`` (engine clock): the typical step ran
-    ``typical_ratio`` times its prediction (``slow``: at least the detector's threshold), and
-    admission's correction (a high quantile of that ratio) was ``correction``."""
+    ``slowdown`` times as long as in the quietest recent window (``slow``: at least the detector's
+    threshold), ``typical_ratio`` times its fitted prediction, and admission's correction (a high
+    quantile of that ratio) was ``correction``."""
 
     time: float
     slow: bool
+    slowdown: float
     typical_ratio: float
     correction: float
 
