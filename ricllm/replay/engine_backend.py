@@ -82,6 +82,32 @@ class InProcessBackend:
     async def sample(self) -> dict[str, Any]:
         return await _await(self.thread.call(self.sampler))
 
+    def fault_cpus(self) -> tuple[int, ...]:
+        """Where a fault phase's noisy neighbour spins: the engine's CPUs (``engine_cpus``, else this
+        process's)."""
+        import os
+
+        cpus = self.engine_kwargs.get("engine_cpus")
+        if cpus is None:
+            return tuple(sorted(os.sched_getaffinity(0)))
+        from ricllm.engine.affinity import parse_cpu_list
+
+        return parse_cpu_list(cpus)
+
+    @staticmethod
+    def slowdowns(info: dict[str, Any], t0: float) -> list[dict[str, Any]] | None:
+        """The slowdown detector's verdicts in replay seconds (the engine's clock is ``perf_counter``,
+        the replay's too); None without admission, which runs the detector."""
+        admission = info.get("admission") or {}
+        if admission.get("policy", "off") == "off" or "slowdowns" not in admission:
+            return None
+        def rounded(event: dict, key: str) -> float | None:
+            return None if event.get(key) is None else round(event[key], 4)
+
+        return [{"t_s": round(e["time"] - t0, 4), "slow": e["slow"], "slowdown": rounded(e, "slowdown"),
+                 "typical_ratio": rounded(e, "typical_ratio"), "correction": rounded(e, "correction")}
+                for e in admission["slowdowns"]]
+
     async def finish(self, interrupted: bool) -> dict[str, Any]:
         """Engine settings and final counters, then stop the thread; after Ctrl-C what still runs is
         ended first, so the thread stops at once (one killed mid-step at exit aborts the process)."""
@@ -165,6 +191,7 @@ class _EngineSampler:
         new = self._new_steps(engine.step_history)
         last = engine.step_history[-1].features if engine.step_history else None
         return {**timeline_sample(snap.kv_cache, snap.running, snap.waiting),
+                "latency_correction": snap.latency.correction if snap.latency is not None else None,
                 "steps": len(new), "step_ms_mean": 1000 * sum(r.duration_s for r in new) / len(new) if new else None,
                 "decode_seqs_mean": sum(r.features.num_decode_seqs for r in new) / len(new) if new else None,
                 "last_step_prefill_tokens": last.num_prefill_tokens if last else 0,

@@ -11,6 +11,7 @@ are checked here too, so nothing is found only minutes into a replay.
 from __future__ import annotations
 
 import importlib.resources
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from ricllm.errors import RicllmError
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.generator import GENERATED_KPIS, generate_trace
 from ricllm.replay.prompts import jinja_env, prompt_context
-from ricllm.replay.schema import SELECT_MODES, Scenario, Trigger
+from ricllm.replay.schema import SELECT_MODES, GeneratedTrace, Scenario, Trigger
 from ricllm.replay.templates import template_problems
 from ricllm.replay.traces import KpiRow, LoadedTrace, LoadStats, TraceSpec, load_trace
 
@@ -108,7 +109,13 @@ def _apply_override(data: dict, item: str) -> tuple[str, ...]:
 def load_scenario_trace(scenario: Scenario) -> LoadedTrace:
     """The trace rows: read the CSV through its mapping, or generate them (seeded) in memory."""
     if isinstance(scenario.trace, TraceSpec):
-        return load_trace(scenario.trace, scenario.base_dir)
+        trace = load_trace(scenario.trace, scenario.base_dir)
+        end = trace.rows[-1].time_s if trace.rows else 0.0
+        problems = fault_problems(scenario, end)
+        if problems:
+            where = "; ".join(f"{_field_path(loc)}: {message}" for loc, message, _ in problems)
+            raise ScenarioError(f"{scenario.path.name}: {where}")
+        return trace
     spec = scenario.trace.generator
     rows = generate_trace(spec.cells, spec.duration_s, spec.interval_s, spec.seed, spec.start,
                           day_length_s=spec.day_length_s, bursts_per_min=spec.bursts_per_min,
@@ -156,6 +163,33 @@ def cross_check(scenario: Scenario) -> list[Problem]:
         problems += template_problems(name, entry, scenario.base_dir, kpis)
     problems += _prompt_render_problems(scenario, kpis)
     problems += _engine_path_problems(scenario)
+    generated = scenario.trace.generator.duration_s if isinstance(scenario.trace, GeneratedTrace) else None
+    problems += fault_problems(scenario, generated)
+    return problems
+
+
+def fault_problems(scenario: Scenario, trace_end_s: float | None) -> list[Problem]:
+    """Each fault phase inside the replayed part of the trace (``pacing.start_s`` to its end, or
+    ``trace_end_s`` when the trace's end is known), and no two at once."""
+    pacing = scenario.pacing
+    ends = [e for e in (None if pacing.duration_s is None else pacing.start_s + pacing.duration_s, trace_end_s)
+            if e is not None]
+    end = min(ends) if ends else None
+    problems: list[Problem] = []
+    for i, phase in enumerate(scenario.faults):
+        if phase.start_s < pacing.start_s:
+            message = (f"starts at {phase.start_s:g} s, before the replay does "
+                       f"(pacing.start_s {pacing.start_s:g} s of trace time)")
+            problems.append((("faults", i, "start_s"), message, "x"))
+        if end is not None and phase.stop_s > end:
+            message = (f"stops at {phase.stop_s:g} s, after the replayed trace ends ({end:g} s of trace time); "
+                       "a phase lies within the replay")
+            problems.append((("faults", i, "stop_s"), message, "x"))
+    ordered = sorted(enumerate(scenario.faults), key=lambda item: item[1].start_s)
+    for (i, first), (j, second) in itertools.pairwise(ordered):
+        if second.start_s < first.stop_s:
+            message = f"overlaps faults[{i}] ({first.start_s:g}-{first.stop_s:g} s); one fault phase at a time"
+            problems.append((("faults", j, "start_s"), message, "x"))
     return problems
 
 

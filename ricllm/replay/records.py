@@ -77,6 +77,7 @@ class RequestRecord:
     valid: bool | None = None  # the answer satisfies its template's constraint; None: no constraint or no answer
     answer: Any = None  # the parsed answer object of a valid answer
     correct: bool | None = None  # every expected field equals the answer's; None: no expectation or no answer
+    reaction_window: int | None = None  # the fault phase admitted before the slowdown detector reacted to it
 
     @property
     def answered(self) -> bool:

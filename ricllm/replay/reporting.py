@@ -18,9 +18,11 @@ def build_report(scenario, overrides: list[str], trace, plan: list, result: Repl
                  endpoint: str | None, speed: float) -> dict[str, Any]:
     """Everything ``report.json`` holds (``docs/replay.md`` lists the fields)."""
     import ricllm
+    from ricllm.replay.fault_phases import fault_section
     from ricllm.replay.records import SCHEMA_VERSION, machine_info, records_to_json
     from ricllm.report.aggregate import aggregate, evaluate_targets
 
+    faults = fault_section(result.faults, result.slowdowns, result.records, result.timeline)  # marks the windows
     kv = _kv_peak(result)
     aggregates = aggregate(result.records, result.wall_s, list(scenario.classes), kv)
     targets = evaluate_targets(scenario.targets, aggregates)
@@ -37,6 +39,7 @@ def build_report(scenario, overrides: list[str], trace, plan: list, result: Repl
         "model": result.engine.get("model"),
         "machine": machine_info(),
         "trace": _trace_section(scenario, trace),
+        "faults": faults,
         "aggregates": aggregates, "targets": targets, "compliant": all(t["passed"] for t in targets),
         "timeline": result.timeline, "requests": records_to_json(result.records),
     }

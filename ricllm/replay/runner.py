@@ -37,13 +37,19 @@ class ReplayResult:
     sent_all: bool = True
     drain_timed_out: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    faults: list[dict[str, Any]] = field(default_factory=list)  # each fault phase as planned and as run
+    slowdowns: list[dict[str, Any]] | None = None  # the detector's verdicts, replay seconds; None: not measured
 
 
 class Replayer:
     """Sends the plan on schedule, samples the engine, collects the records."""
 
-    def __init__(self, scenario, plan: list, backend, progress: bool | None = None):
+    def __init__(self, scenario, plan: list, backend, progress: bool | None = None, speed: float | None = None):
+        from ricllm.replay.fault_phases import FaultSchedule
+
         self.scenario, self.plan, self.backend = scenario, plan, backend
+        cpus = backend.fault_cpus() if scenario.faults and hasattr(backend, "fault_cpus") else None
+        self.faults = FaultSchedule(scenario.faults, speed or scenario.pacing.speed, scenario.pacing.start_s, cpus)
         self.records: list = []
         self.timeline: list[dict[str, Any]] = []
         self.stop = asyncio.Event()
@@ -74,18 +80,25 @@ class Replayer:
                   f"({self.backend.mode}); Ctrl-C stops and still writes the report", file=sys.stderr, flush=True)
             self.t0 = time.perf_counter()
             sampler = asyncio.create_task(self._sample_loop())
+            faults = asyncio.create_task(self.faults.run(self.t0, self._sleep, self.stop)) if self.faults else None
             tasks = await self._send_all()
             timed_out = await self._drain(tasks)
             wall = time.perf_counter() - self.t0
-            sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
+            for task in (sampler, faults):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (sampler, faults) if t is not None), return_exceptions=True)
+            self.faults.stop_all()
             self._mark_outstanding(tasks)
             engine = await self.backend.finish(self.interrupted)
         finally:
+            self.faults.stop_all()  # a noisy neighbour never outlives the replay
             self.progress.close()
             self._remove_sigint(loop)
+        slowdowns = self.backend.slowdowns(engine, self.t0) if hasattr(self.backend, "slowdowns") else None
         return ReplayResult(self.records, self.timeline, templates, engine, wall, self.interrupted, self.max_lag,
-                            started_at, sent_all=len(self.records) == len(self.plan), drain_timed_out=timed_out)
+                            started_at, sent_all=len(self.records) == len(self.plan), drain_timed_out=timed_out,
+                            faults=self.faults.report(), slowdowns=slowdowns)
 
     def _install_sigint(self, loop: asyncio.AbstractEventLoop) -> None:
         try:

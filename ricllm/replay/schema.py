@@ -266,6 +266,28 @@ class DeadlineClass(_Strict):
         return self.priority or default_priority(self.deadline_ms)
 
 
+class FaultPhase(_Strict):
+    """A fault from ``start_s`` to ``stop_s`` of trace time, replayed on the requests' schedule
+    (``(t - pacing.start_s) / speed`` seconds after the start). ``cpu_hog``: a noisy neighbour, one
+    process per CPU of the engine spinning for ``duty`` of every ``period_ms`` (``ricllm.faults.CpuHog``)."""
+
+    kind: Literal["cpu_hog"]
+    name: str | None = None
+    start_s: float = Field(ge=0)
+    stop_s: float = Field(gt=0)
+    duty: float = Field(gt=0, le=1)
+    period_ms: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _stops_after_it_starts(self) -> FaultPhase:
+        if self.stop_s <= self.start_s:
+            raise ValueError(f"stop_s ({self.stop_s:g}) must be after start_s ({self.start_s:g})")
+        return self
+
+    def label(self, index: int) -> str:
+        return self.name or f"{self.kind} {index}"
+
+
 # An in-process replay promises deadlines, as a server does: the engine's own default (off) only refuses
 # what can never fit. The scenario's engine section goes over this profile.
 SCENARIO_PROFILE: dict[str, Any] = {"admission": {"policy": "deadline"}}
@@ -288,6 +310,7 @@ class Scenario(_Strict):
     prompts: Prompts = Prompts()
     classes: dict[str, DeadlineClass] = Field(min_length=1)
     engine: EngineSettings = Field(default_factory=EngineSettings)  # partly filled: what the file sets
+    faults: list[FaultPhase] = []
     targets: dict[str, list[Annotated[str, AfterValidator(_valid_target)]]] = {}
     _path: Path = PrivateAttr(default=Path("scenario.yaml"))
 

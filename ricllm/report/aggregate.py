@@ -80,6 +80,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         "output_tokens": sum(r.output_tokens or 0 for r in completed),
     }
     summary["prefix_cache_hit_rate"] = _ratio(summary["cached_tokens"], prompt)
+    summary.update(window_summary(records))
     summary.update(decision_summary(records, wall_s))
     for side in ("server", "client"):
         for latency in LATENCIES:
@@ -88,6 +89,21 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
             for q in PERCENTILES:
                 summary[f"{prefix}p{q}_{latency}"] = percentile(values, q)
     return summary
+
+
+def window_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Admitted requests inside a fault phase's reaction window (``reaction_window`` set: admitted
+    before the slowdown detector reacted) apart from the rest; without fault phases every admitted
+    request is outside, so ``met_of_admitted_outside_window`` is ``met_of_admitted``."""
+    from ricllm.replay.fault_phases import window_counts
+
+    inside = window_counts([r for r in records if r.admitted and r.reaction_window is not None])
+    outside = [r for r in records if r.admitted and r.reaction_window is None]
+    met_outside = sum(1 for r in outside if r.met)
+    return {"window_admitted": inside["admitted"], "window_met": inside["met"], "window_missed": inside["missed"],
+            "window_max_late_ms": inside["max_late_ms"], "admitted_outside_window": len(outside),
+            "missed_outside_window": len(outside) - met_outside,
+            "met_of_admitted_outside_window": _ratio(met_outside, len(outside))}
 
 
 def decision_summary(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
@@ -190,6 +206,8 @@ def fmt_value(metric: str, value: Any) -> str:
         return fmt_ms(value)
     if metric.endswith("_rps"):
         return fmt_rate(value)
+    if metric.endswith("_ms") and isinstance(value, (int, float)):
+        return f"{value:.1f} ms"
     if isinstance(value, float) and (metric.startswith(RATE_PREFIXES) or metric.endswith(("_rate", "_fraction"))):
         return fmt_pct(value)
     if isinstance(value, dict):

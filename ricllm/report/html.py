@@ -86,6 +86,42 @@ def targets_block(report: dict[str, Any]) -> str:
             f"<th>result</th></tr>{rows}</table>")
 
 
+WINDOW_METRICS = (
+    ("window_admitted", "admitted in a reaction window"), ("window_met", "met in the window"),
+    ("window_missed", "missed in the window"), ("window_max_late_ms", "latest miss in the window"),
+    ("admitted_outside_window", "admitted outside the windows"), ("missed_outside_window", "not met outside"),
+    ("met_of_admitted_outside_window", "met % of admitted outside"),
+)
+
+
+def faults_section(report: dict[str, Any]) -> list[str]:
+    """Each fault phase with the detector's reaction and its window; the window counts per class."""
+    from ricllm.report.terminal import detector_text
+
+    phases = (report.get("faults") or {}).get("phases") or []
+    if not phases:
+        return []
+    rows = []
+    for p in phases:
+        detector, window = p.get("detector"), p.get("window") or {}
+        ran = "never ran" if p.get("started_s") is None else f'{p["started_s"]:.2f}-{p.get("stopped_s") or 0:.2f} s'
+        rows.append([p["name"], f'{p["kind"]} duty {p["duty"]:g}', ",".join(map(str, p.get("cpus") or [])) or "all",
+                     f'{p["start_s"]:.1f}-{p["stop_s"]:.1f} s', ran,
+                     detector_text(detector) if detector else "",
+                     f'{window["start_s"]:.2f}-{window["end_s"]:.2f} s' if window else "",
+                     window.get("admitted", ""), window.get("met", ""), window.get("missed", ""),
+                     ", ".join(f"{v:.1f}" for v in window.get("late_ms", [])) or ("none" if window else "")])
+    header = ["phase", "fault", "CPUs", "planned", "ran", "slowdown detector", "reaction window", "admitted",
+              "met", "missed", "late by (ms)"]
+    scopes = {"overall": report["aggregates"]["overall"], **report["aggregates"]["classes"]}
+    counts = [[label, *(fmt_value(metric, s.get(metric)) for s in scopes.values())] for metric, label in WINDOW_METRICS]
+    note = ("A request is in a phase's reaction window when it was admitted before the slowdown detector first "
+            "said slow after the phase began (the phase's end if it never did) and was still unfinished when the "
+            "phase began; its misses are counted here, every other admitted request is held to its deadline.")
+    return ["<h2>Fault phases</h2>", f'<p class="meta">{escape(note)}</p>', _table(header, rows, left=7),
+            _table(["metric", *scopes], counts)]
+
+
 def _meta(report: dict[str, Any]) -> str:
     run, model, machine = report["run"], report.get("model") or {}, report.get("machine", {})
     where = run["mode"] + (f' ({run["endpoint"]})' if run.get("endpoint") else "")
@@ -108,6 +144,8 @@ def _requests_table(report: dict[str, Any]) -> str:
     columns = ("id", "entity", "trace_time_s", "deadline_class", "template", "status", "rejection_code",
                "server_ttft_s", "server_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
                "output_tokens", "met", "valid", "correct", "expected", "answer", "text")
+    if (report.get("faults") or {}).get("phases"):
+        columns = (*columns[:14], "reaction_window", *columns[14:])
     rows = [[_cell(r.get(c)) for c in columns] for r in report["requests"]]
     return (f'<details><summary>All {len(rows)} requests</summary>'
             f"{_table(list(columns), rows, left=2)}</details>")
@@ -130,6 +168,7 @@ def render_report(report: dict[str, Any], plots: dict[str, bytes]) -> str:
     sections = [
         f"<h1>ricllm replay: {escape(name)}</h1>", _meta(report),
         "<h2>Compliance</h2>", targets_block(report),
+        *faults_section(report),
         "<h2>Per deadline class</h2>", class_table(report["aggregates"]),
         *decisions_section(report, plots),
         "<h2>Latency against the deadline</h2>", _img(plots["latency_cdf"], "latency CDF"),

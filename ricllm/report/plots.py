@@ -133,10 +133,35 @@ def timeline(report: dict[str, Any]) -> bytes:
         event_ax.step(x, counts, where="post", color=colour, label=f"{name} per s")
     event_ax.set(xlabel="seconds since the replay started", ylabel="requests per s",
                  title="admissions (by send time), rejections, deadline misses (by finish time)")
+    corrections = [(s["t_s"], s["latency_correction"]) for s in samples if s.get("latency_correction") is not None]
+    if corrections and (report.get("faults") or {}).get("phases"):
+        twin = step_ax.twinx()
+        twin.plot(*zip(*corrections), color="C3", linewidth=1, label="latency correction (right)")
+        twin.set_ylabel("measured / fit")
+        _legend(twin, fontsize=7, loc="upper left")
+    _shade_faults((kv_ax, batch_ax, step_ax, event_ax), report)
     for ax in (kv_ax, batch_ax, step_ax, event_ax):
         ax.grid(alpha=0.3)
         _legend(ax, fontsize=7, loc="upper right")
     return _png(fig)
+
+
+def _shade_faults(axes, report: dict[str, Any]) -> None:
+    """Each fault phase shaded, its reaction window darker, where the detector said slow dashed."""
+    for phase in (report.get("faults") or {}).get("phases") or []:
+        start, stop, window = phase.get("started_s"), phase.get("stopped_s"), phase.get("window")
+        if start is None:
+            continue
+        for i, ax in enumerate(axes):
+            ax.axvspan(start, stop if stop is not None else start, color="#d62728", alpha=0.07,
+                       label=f"fault {phase['name']}" if i == 0 else None)
+            if window and window["end_s"] > window["start_s"]:
+                ax.axvspan(window["start_s"], window["end_s"], color="#d62728", alpha=0.18,
+                           label="reaction window" if i == 0 else None)
+            fired = (phase.get("detector") or {}).get("fired_s")
+            if fired is not None:
+                ax.axvline(fired, color="#d62728", linestyle="--", linewidth=0.8,
+                           label="detector: slow" if i == 0 else None)
 
 
 def _kv_lines(ax, samples: list[dict[str, Any]], suffix: str, style: str = "-") -> None:

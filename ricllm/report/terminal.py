@@ -11,6 +11,11 @@ SUMMARY_COLUMNS = (
     ("met_of_sent", "met % sent"), ("goodput_rps", "goodput"), ("p95_ttft_s", "TTFT p95"),
     ("p95_e2e_s", "E2E p95"), ("prefix_cache_hit_rate", "cache hit"),
 )
+WINDOW_COLUMNS = (
+    ("window_admitted", "in window"), ("window_met", "met"), ("window_missed", "missed"),
+    ("window_max_late_ms", "latest miss"), ("admitted_outside_window", "outside"),
+    ("missed_outside_window", "missed"), ("met_of_admitted_outside_window", "met % outside"),
+)
 DECISION_COLUMNS = (
     ("answered", "answered"), ("valid_of_answered", "valid % answ."), ("correct_of_answered", "correct % answ."),
     ("useful", "useful"), ("useful_of_sent", "useful % sent"), ("useful_goodput_rps", "useful goodput"),
@@ -39,6 +44,12 @@ def print_summary(report: dict[str, Any], console=None) -> None:
     if any(s.get("valid_of_answered") is not None for s in scopes.values()):
         console.print(_scope_table("decisions: valid, correct and useful (valid, correct, in time) answers",
                                    DECISION_COLUMNS, scopes))
+    phases = (report.get("faults") or {}).get("phases") or []
+    if phases:
+        for line in fault_lines(report):
+            console.print(line)
+        console.print(_scope_table("admitted before the slowdown detector reacted (in a reaction window) "
+                                   "and after", WINDOW_COLUMNS, scopes))
     overall = aggregates["overall"]
     if overall.get("rejected_by_reason"):
         console.print("rejected by reason: " + fmt_value("rejected_by_reason", overall["rejected_by_reason"]))
@@ -46,6 +57,54 @@ def print_summary(report: dict[str, Any], console=None) -> None:
         mark = "[green]pass[/green]" if target["passed"] else "[red]FAIL[/red]"
         console.print(f"{mark}  {target['scope']}: {target['target']} "
                       f"(measured {fmt_value(target['metric'], target['value'])})")
+
+
+def fault_lines(report: dict[str, Any]) -> list[str]:
+    """Each fault phase: what ran when, when the detector said slow, and its reaction window."""
+    faults = report.get("faults") or {}
+    lines = []
+    for phase in faults.get("phases") or []:
+        cpus = phase.get("cpus")
+        where = f" on CPUs {','.join(map(str, cpus))}" if cpus else ""
+        ran = (f"ran {phase['started_s']:.1f}-{phase['stopped_s']:.1f} s" if phase.get("started_s") is not None
+               and phase.get("stopped_s") is not None else "never ran")
+        lines.append(f"fault {phase['name']}: {phase['kind']} duty {phase['duty']:g}{where}, "
+                     f"{phase['start_s']:.1f}-{phase['stop_s']:.1f} s of the replay ({ran})")
+        detector, window = phase.get("detector"), phase.get("window")
+        if detector is None or window is None:
+            continue
+        lines.append("  detector: " + detector_text(detector))
+        late = f" (latest {window['max_late_ms']:.1f} ms late)" if window["missed"] else ""
+        lines.append(f"  reaction window {window['start_s']:.2f}-{window['end_s']:.2f} s: {window['admitted']} admitted, "
+                     f"{window['met']} met, {window['missed']} missed{late}")
+    return lines
+
+
+def detector_text(detector: dict[str, Any]) -> str:
+    """When the slowdown detector fired, at what correction, and the timeline's view of the phase."""
+    if not detector.get("measured"):
+        text = "not measured (over ZeroMQ, or without admission): the reaction window is the whole phase"
+    elif detector.get("already_slow"):
+        text = f"already said slow when the phase began ({_ratios(detector)})"
+    elif detector.get("fired_s") is None:
+        text = "did not fire during the phase: the reaction window is the whole phase"
+    else:
+        text = f"said slow {detector['reaction_ms']:.0f} ms after the start ({_ratios(detector)})"
+    extra = []
+    if detector.get("peak_correction") is not None:
+        extra.append(f"peak correction {detector['peak_correction']:.2f}")
+    if detector.get("step_slowdown") is not None:
+        extra.append(f"median step {detector['step_ms_before']:.1f} -> {detector['step_ms_during']:.1f} ms "
+                     f"({detector['step_slowdown']:.2f}x)")
+    return text + (f"; {', '.join(extra)}" if extra else "")
+
+
+def _ratios(detector: dict[str, Any]) -> str:
+    slowdown, typical = detector.get("slowdown"), detector.get("typical_ratio")
+    parts = [f"steps {slowdown:.2f}x the quietest recent ones" if slowdown is not None else None,
+             f"{typical:.2f}x the fit" if typical is not None else None,
+             f"admission's correction {detector['correction']:.2f}" if detector.get("correction") is not None else None]
+    return ", ".join(p for p in parts if p)
 
 
 def _scope_table(title: str, columns: tuple[tuple[str, str], ...], scopes: dict[str, dict[str, Any]]):
