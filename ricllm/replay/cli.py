@@ -29,7 +29,7 @@ def add_replay_subparser(sub: argparse._SubParsersAction) -> None:
     """``ricllm replay``: registered by ``ricllm.cli.build_parser``."""
     parser = sub.add_parser(
         "replay", help="replay a RAN KPI trace scenario against the engine and write a report",
-        description="Replay a scenario (a YAML file, or a bundled name: default, overload, templates): send its "
+        description="Replay a scenario (a YAML file, or a bundled name: default, overload, stress, templates): send its "
                     "requests on the trace's schedule, open loop, in-process or to a running `ricllm serve`, then "
                     "write report.json, report.html and plots. Exit status 1 when the scenario's compliance "
                     "targets are missed, 2 for a mistake in the scenario, 130 when interrupted.")
@@ -64,7 +64,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ScenarioError(f"{scenario.path.name}: no trigger fires on the {len(trace.rows)} rows of the trace "
                             "(in the pacing window): nothing to replay")
     backend = _backend(args, scenario, plan)
-    replayer = Replayer(scenario, plan, backend, progress=False if args.no_progress else None)
+    replayer = Replayer(scenario, plan, backend, progress=False if args.no_progress else None, speed=speed)
     result = asyncio.run(replayer.run())
     report = build_report(scenario, list(args.overrides), trace, plan, result, backend.mode, args.endpoint, speed)
     directory = Path(args.out) if args.out else _default_out(scenario.name, report["created_at"])
