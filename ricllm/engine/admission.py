@@ -72,18 +72,28 @@ def work_of(seq: Sequence) -> Work:
 
 @dataclass(frozen=True)
 class BestEffortLoad:
-    """Best-effort sequences that share every step with admitted work: how many, and the sum of
-    their final contexts (prompt + max_tokens), which their decode steps read."""
+    """Best-effort sequences that share every step with admitted work: how many, the sum of their
+    final contexts (prompt + max_tokens, which their decode steps read), and the longest final
+    context among those that may still bring prefill chunks (0: none may; a constrained answer's
+    forced tokens come as chunks too)."""
 
     seqs: int = 0
     context: int = 0
+    longest_pending: int = 0
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> BestEffortLoad:
-        return cls(len(seqs), sum(s.num_prompt_tokens + s.params.max_tokens for s in seqs))
+        pending = [_final_context(s) for s in seqs if not s.in_decode or s.guide is not None]
+        return cls(len(seqs), sum(map(_final_context, seqs)), max(pending, default=0))
 
-    def plus(self, seq: Sequence) -> BestEffortLoad:
-        return BestEffortLoad(self.seqs + 1, self.context + seq.num_prompt_tokens + seq.params.max_tokens)
+    def plus(self, joining: Sequence) -> BestEffortLoad:
+        """With a sequence that joins now: it has its prompt to prefill."""
+        context = _final_context(joining)
+        return BestEffortLoad(self.seqs + 1, self.context + context, max(self.longest_pending, context))
+
+
+def _final_context(seq: Sequence) -> int:
+    return seq.num_prompt_tokens + seq.params.max_tokens
 
 
 NO_BEST_EFFORT = BestEffortLoad()
@@ -94,18 +104,20 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
                   best_effort_chunk: int = 0) -> list[float]:
     """Upper bounds on finish times, in the order of ``works`` (which must be EDF-sorted).
 
-    ``best_effort`` sequences share every step at their final contexts, and with them up to
-    ``best_effort_chunk`` prefill tokens a step, of at most ``C_KERNEL_PREFILL_WORK`` attention
-    work (the scheduler holds them to that: ``best_effort_prefill_cap``); ``busy_s`` is what
-    remains of the step in flight. Every fitted term counts: a step that carries the admitted
+    ``best_effort`` sequences share every step at their final contexts, and while any of them may
+    still prefill, up to ``best_effort_chunk`` prefill tokens a step, of at most that many tokens
+    times the longest such context, and at most ``C_KERNEL_PREFILL_WORK``, of attention work (the
+    scheduler holds them to both: ``best_effort_prefill_cap``); ``busy_s`` is what remains of the
+    step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.final_context for w in works) + best_effort.context
     a, b, c, d, e, f = model.coefficients  # LatencyModel pads a shorter fit with zeros
     step = a + c * batch + d * context_max
-    if best_effort.seqs and best_effort_chunk:
-        step += b * best_effort_chunk + e * C_KERNEL_PREFILL_WORK
+    if best_effort.longest_pending and best_effort_chunk:
+        attention = min(best_effort_chunk * best_effort.longest_pending, C_KERNEL_PREFILL_WORK)
+        step += b * best_effort_chunk + e * attention
     if model.roofline is not None:
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
     prefill_all = sum(w.prefill_left for w in works)
@@ -416,13 +428,14 @@ class AdmissionController:
         return self._chunk
 
     @staticmethod
-    def best_effort_prefill_cap(start: int, tokens: int) -> int:
+    def best_effort_prefill_cap(start: int, tokens: int, work: int = C_KERNEL_PREFILL_WORK) -> int:
         """The largest chunk of at most ``tokens``, from position ``start``, whose attention work stays
-        within what the bound charges (``C_KERNEL_PREFILL_WORK``: the step stays one C call on a CPU)."""
+        within ``work``: what is left of the step's ``C_KERNEL_PREFILL_WORK``, all the bound charges
+        for best effort (and the step stays one C call on a CPU)."""
         low, high = 0, tokens
         while low < high:
             middle = (low + high + 1) // 2
-            low, high = (middle, high) if middle * (start + middle) <= C_KERNEL_PREFILL_WORK else (low, middle - 1)
+            low, high = (middle, high) if middle * (start + middle) <= work else (low, middle - 1)
         return low
 
     def outstanding_reservation(self) -> int:

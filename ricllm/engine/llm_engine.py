@@ -406,25 +406,26 @@ class LLMEngine:
         self.step_history.append(StepRecord(features, duration_s))
         if self.admission is not None:
             self.admission.latency.observe(features, duration_s)
-            self._watch_slowdown()
+            self._watch_slowdown(features, duration_s)
 
-    def _watch_slowdown(self) -> None:
+    def _watch_slowdown(self, features: StepFeatures, duration_s: float) -> None:
         """Say when steps run persistently slower than they lately did (a noisy neighbour, thermal
         limits), and when that ends (``engine/slowdown.py``). Admission does not wait for this:
         its bound scales with the correction, a high quantile, which rises within a few steps."""
         latency, detector = self.admission.latency, self.slowdown_detector
-        if len(latency.ratios) < latency.window // 2:
+        predicted = latency.base(features)
+        if predicted <= 0 or duration_s <= 0:
             return
-        changed = detector.observe(latency.typical_ratio)
+        changed = detector.observe(duration_s / predicted)
         if changed is None:
             return
-        self.slowdown_events.append(SlowdownEvent(self.clock(), changed, detector.slowdown, latency.typical_ratio,
+        self.slowdown_events.append(SlowdownEvent(self.clock(), changed, detector.slowdown, detector.typical,
                                                   latency.correction))
         event = "sustained_slowdown" if changed else "slowdown_over"
         (log.warning if changed else log.info)(event, slowdown=round(detector.slowdown, 3),
-                                               typical_ratio=round(latency.typical_ratio, 3),
+                                               typical_ratio=round(detector.typical, 3),
                                                correction=round(latency.correction, 3), threshold=detector.threshold,
-                                               window_steps=latency.window)
+                                               window_steps=detector.window)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
         seq.finish_time = now

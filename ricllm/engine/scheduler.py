@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.engine.sequence import Sequence, SequenceStatus
 
@@ -77,6 +78,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_waits = 0  # steps on which a waiting sequence could not get blocks
         self._best_effort_left: int | None = None  # best-effort prefill tokens the step may still take
+        self._best_effort_work_left = 0  # and the attention work (chunk x positions) they may still do
         self.num_paused_steps = 0  # steps some best effort sat out so that admitted requests stay on time
         self.num_rescue_prefill_steps = 0  # steps whose prefill ran only for admitted requests at risk
         self._prefill_until = NEVER  # during a rescue: only promised requests due by then prefill
@@ -113,6 +115,7 @@ class Scheduler:
     def _apply_rescue(self, order: list[Sequence], now: float) -> list[Sequence]:
         """Set the step's best-effort allowance; drop the sequences a rescue pauses from ``order``."""
         self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
+        self._best_effort_work_left = C_KERNEL_PREFILL_WORK
         self._prefill_until = NEVER
         rescue = self.gate.rescue(now, self._running_best_effort()) if self.gate is not None else None
         if rescue is None:
@@ -159,8 +162,10 @@ class Scheduler:
         and the attention work the admission bound charges for it (0: not this step)."""
         if seq.promised or self._best_effort_left is None or (num_new == 1 and seq.in_decode):
             return num_new
-        num_new = self.gate.best_effort_prefill_cap(start, min(num_new, self._best_effort_left))
+        num_new = self.gate.best_effort_prefill_cap(start, min(num_new, self._best_effort_left),
+                                                    self._best_effort_work_left)
         self._best_effort_left -= num_new
+        self._best_effort_work_left -= num_new * (start + num_new)
         return num_new
 
     def _running_best_effort(self) -> list[Sequence]:

@@ -1,47 +1,66 @@
 """The sustained-slowdown detector: is the machine slower now than it has been?
 
-It compares the typical step now (the median measured / predicted ratio over the latency model's
-window) with the quietest typical step of the recent past (the lowest such median over the last
+It compares the typical step now (the median measured / predicted ratio over the last ``window``
+steps) with the typical step of the recent past (a low quantile of those medians over the last
 ``horizon`` steps), not with the fit itself: a fit calibrated on a busier or quieter moment is
 off by a constant factor, which the online correction absorbs but which must not make the
-detector fire, or stay silent, on its own. A slowdown that lasts longer than ``horizon`` steps
-becomes the new normal (the correction keeps covering it; the detector says it is over).
+detector fire, or stay silent, on its own. The fit is also off by different factors for
+different kinds of steps, so the mix of traffic moves the typical ratio; a long window and a
+quantile baseline (not the quietest moment ever seen) keep such swings from reading as a
+slowdown. A slowdown that lasts most of ``horizon`` steps becomes the new normal (the
+correction keeps covering it; the detector says it is over).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class SlowdownDetector:
-    threshold: float = 1.25  # typical ratio now / quietest recent typical ratio
-    horizon: int = 1024  # steps the quiet baseline is remembered
+    threshold: float = 1.25  # typical ratio now / typical ratio of the recent past
+    window: int = 64  # steps whose median ratio is the typical step now
+    horizon: int = 2048  # steps of typical ratios the baseline is taken from
+    baseline_quantile: float = 0.2  # of those: the recent past's quieter moments, not its quietest
     slow: bool = False
-    _step: int = 0
-    _minima: deque = field(default_factory=deque, repr=False)  # (step, median): increasing medians
+    baseline: float = 1.0
+    _ratios: deque = field(default_factory=deque, repr=False)
+    _typicals: deque = field(default_factory=deque, repr=False)
+    _since_baseline: int = 0
 
-    def observe(self, typical_ratio: float) -> bool | None:
-        """Feed one step's typical ratio (once the window is full); the new state when it changes."""
-        self._step += 1
-        while self._minima and self._minima[-1][1] >= typical_ratio:
-            self._minima.pop()
-        self._minima.append((self._step, typical_ratio))
-        while self._minima[0][0] <= self._step - self.horizon:
-            self._minima.popleft()
-        slow = typical_ratio >= self.threshold * self.baseline
+    @property
+    def typical(self) -> float:
+        return statistics.median(self._ratios) if self._ratios else 1.0
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower the typical step is now than the recent past's."""
+        return self.typical / self.baseline
+
+    def observe(self, ratio: float) -> bool | None:
+        """Feed one step's measured / predicted ratio; the new state when it changes (else None).
+        Silent until the window is full."""
+        self._ratios.append(ratio)
+        if len(self._ratios) > self.window:
+            self._ratios.popleft()
+        if len(self._ratios) < self.window:
+            return None
+        self._remember(self.typical)
+        slow = self.slowdown >= self.threshold
         if slow == self.slow:
             return None
         self.slow = slow
         return slow
 
-    @property
-    def baseline(self) -> float:
-        """The quietest typical ratio over the last ``horizon`` steps."""
-        return self._minima[0][1] if self._minima else 1.0
-
-    @property
-    def slowdown(self) -> float:
-        """How much slower the typical step is now than the quiet baseline."""
-        return self._minima[-1][1] / self.baseline if self._minima else 1.0
+    def _remember(self, typical: float) -> None:
+        """Keep the typical ratio; refresh the baseline every eighth of a window (sorting is not free)."""
+        self._typicals.append(typical)
+        if len(self._typicals) > self.horizon:
+            self._typicals.popleft()
+        self._since_baseline -= 1
+        if self._since_baseline <= 0:
+            ordered = sorted(self._typicals)
+            self.baseline = ordered[int(self.baseline_quantile * (len(ordered) - 1))]
+            self._since_baseline = max(self.window // 8, 1)
