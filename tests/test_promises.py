@@ -281,3 +281,20 @@ def test_the_detector_does_not_take_a_changing_mix_of_steps_for_a_slowdown():
         if (change := detector.observe(bias * rng.lognormvariate(0, 0.1))) is not None:
             changes.append((step, change))
     assert changes == []
+
+
+def test_a_promise_takes_the_seat_of_best_effort_when_the_batch_is_full(tiny_gguf):
+    """Seats (max_num_seqs) full of best effort: the admitted request takes one (a best-effort
+    sequence is preempted, newest first) instead of waiting past its deadline."""
+    engine, _ = make_engine(tiny_gguf, max_num_seqs=2)
+    bulk = [engine.add_request(prompt(8, 600 + i), SamplingParams(max_tokens=200, ignore_eos=True)) for i in range(2)]
+    while not all(s.in_decode for s in bulk):
+        engine.step()
+    near = engine.add_request(prompt(8, 9), SamplingParams(max_tokens=4, deadline_ms=200, ignore_eos=True))
+    assert near.promised
+    engine.step()
+    assert near in engine.scheduler.running and len(engine.scheduler.running) == 2
+    assert engine.scheduler.num_preemptions == 1 and any(s in engine.scheduler.waiting for s in bulk)
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert outputs[near.request_id].deadline_met
+    assert all(outputs[s.request_id].finish_reason == "length" for s in bulk)

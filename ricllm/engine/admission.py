@@ -173,6 +173,8 @@ class AdmissionController:
                busy_s: float = 0.0, best_effort: list[Sequence] = ()) -> Rejection | None:
         """None to admit (and reserve), or the reason to refuse, with the numbers.
 
+        Running best effort does not count against a new promise: it shares steps only while every
+        promise holds with it, and the rescue pauses as much of it as a promise needs.
         A request promised a deadline is one with a deadline and a priority above ``best_effort``;
         a ``best_effort`` request with a deadline is served as best effort (never promised, first
         to pause), its deadline only orders it among best effort. With ``degrade`` on, a request
@@ -217,7 +219,8 @@ class AdmissionController:
             return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
                              f"{capacity} are not reserved by admitted requests",
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
-        late = self._first_late(seq, now, busy_s, best_effort)
+        # best effort does not count against a promise: the rescue pauses as much of it as a promise needs
+        late = self._first_late(seq, now, busy_s, NO_BEST_EFFORT)
         return late if late is not None else (need, True)
 
     def _promisable(self, seq: Sequence) -> bool:

@@ -99,6 +99,7 @@ class Scheduler:
         best-effort sequences sit the step out (paused, not preempted), and if that is not enough
         only the requests at risk, and those due before them, prefill.
         """
+        self._seat_promises()
         order = self._apply_rescue(sorted(self.running, key=self.order_key), now)
         items: list[tuple[Sequence, int]] = []
         budget, preempted = self._continue([s for s in order if s.in_decode], self.max_num_batched_tokens, items)
@@ -194,6 +195,17 @@ class Scheduler:
             items.append((seq, num_new))
             budget -= num_new
         return items
+
+    def _seat_promises(self) -> None:
+        """Promised sequences waiting for a seat (``max_num_seqs``) take those of best-effort ones,
+        preempted newest first, before the step is built: admission counted seats for promises only."""
+        promised_waiting = sum(1 for s in self.waiting if s.promised)
+        while promised_waiting and len(self.running) > self.max_num_seqs - promised_waiting:
+            victim = self._victim(exclude=set(), best_effort_only=True)
+            if victim is None:
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _best_effort_may_join(self, seq: Sequence, now: float) -> bool:
         if self.gate is None:
