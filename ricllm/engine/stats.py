@@ -44,7 +44,7 @@ class LatencyStats:
 @dataclass(frozen=True)
 class SlowdownEvent:
     """The slowdown detector changed its mind at ``time`` (engine clock): the typical step ran
-    ``slowdown`` times as long as in the quietest recent window (``slow``: at least the detector's
+    ``slowdown`` times as long as the recent past's typical step (``slow``: at least the detector's
     threshold), ``typical_ratio`` times its fitted prediction, and admission's correction (a high
     quantile of that ratio) was ``correction``."""
 

@@ -96,7 +96,7 @@ def reaction_windows(phases: list[dict[str, Any]], events: list[dict[str, Any]] 
     """Each phase with its ``detector`` reaction and its ``window`` (``start_s``, ``end_s``).
 
     ``events`` are the detector's verdicts in replay seconds, in time order (``t_s``, ``slow``,
-    ``slowdown``: the typical step against the quietest recent window, ``typical_ratio``: the median
+    ``slowdown``: the typical step against the recent past's (a low quantile of recent window medians), ``typical_ratio``: the median
     measured / predicted step time, ``correction``: admission's high quantile of that ratio); None
     when they could not be read (over ZeroMQ, or without admission)."""
     result = []

@@ -101,7 +101,7 @@ def detector_text(detector: dict[str, Any]) -> str:
 
 def _ratios(detector: dict[str, Any]) -> str:
     slowdown, typical = detector.get("slowdown"), detector.get("typical_ratio")
-    parts = [f"steps {slowdown:.2f}x the quietest recent ones" if slowdown is not None else None,
+    parts = [f"steps {slowdown:.2f}x the recent past's" if slowdown is not None else None,
              f"{typical:.2f}x the fit" if typical is not None else None,
              f"admission's correction {detector['correction']:.2f}" if detector.get("correction") is not None else None]
     return ", ".join(p for p in parts if p)
