@@ -170,7 +170,7 @@ class AdmissionController:
     # ------------------------------------------------------------ decision
 
     def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float = 0.0, best_effort: list[Sequence] = ()) -> Rejection | None:
+               busy_s: float = 0.0) -> Rejection | None:
         """None to admit (and reserve), or the reason to refuse, with the numbers.
 
         Running best effort does not count against a new promise: it shares steps only while every
@@ -182,9 +182,7 @@ class AdmissionController:
         ``max_tokens`` that passes (``seq.degradation`` says so), when its prompt and one token pass.
         """
         def judge():
-            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s, load)
-
-        load = BestEffortLoad.of(best_effort)
+            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s)
 
         verdict = judge()
         if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
@@ -196,7 +194,7 @@ class AdmissionController:
         return self._admit(seq, need, promise)
 
     def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float, best_effort: BestEffortLoad) -> Rejection | tuple[int, bool]:
+               busy_s: float) -> Rejection | tuple[int, bool]:
         """The refusal, or ``(blocks to reserve, promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
@@ -219,8 +217,7 @@ class AdmissionController:
             return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
                              f"{capacity} are not reserved by admitted requests",
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
-        # best effort does not count against a promise: the rescue pauses as much of it as a promise needs
-        late = self._first_late(seq, now, busy_s, NO_BEST_EFFORT)
+        late = self._first_late(seq, now, busy_s)  # without best effort: the rescue pauses what a promise needs
         return late if late is not None else (need, True)
 
     def _promisable(self, seq: Sequence) -> bool:
@@ -257,12 +254,12 @@ class AdmissionController:
         self._count("degraded")
         return verdict
 
-    def _first_late(self, seq: Sequence, now: float, busy_s: float, best_effort: BestEffortLoad) -> Rejection | None:
+    def _first_late(self, seq: Sequence, now: float, busy_s: float) -> Rejection | None:
         candidates = sorted([*self.admitted.values(), seq], key=_edf)
         works = [work_of(s) for s in candidates]
-        bounds = finish_bounds(works, self.latency, self.token_budget, now, busy_s, best_effort, self._chunk)
+        bounds = self._bounds(candidates, now, NO_BEST_EFFORT, busy_s)
         margin = 1 + self.config.safety_margin
-        batch = len(works) + best_effort.seqs
+        batch = len(works)
         for w, bound in zip(works, bounds):
             bound_ms = (bound - now) * margin * 1000
             slack_ms = (w.deadline - now) * 1000

@@ -225,9 +225,7 @@ class LLMEngine:
     def _admit(self, seq: Sequence, now: float):
         """Ask admission; on refusal finish the sequence as rejected and return the rejection."""
         pinned_blocks, pinned_hits = self._pinned_share(seq.token_ids)
-        running_best_effort = [s for s in self.scheduler.running if not s.promised]
-        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
-                                          best_effort=running_best_effort)
+        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting)
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
             rejection = self.admission.reject(
