@@ -110,6 +110,9 @@ class AdmissionConfig(StrictModel):
     best_effort_chunk: int = setting(32, "prefill tokens best-effort requests may add to a step while admitted "
                                          "deadline requests are in flight; the bound charges them to every step",
                                      ge=1)
+    stall_reserve_steps: int = setting(
+        1024, "every finish bound also reserves the worst single-step overrun of the prediction seen over this many "
+              "recent steps, so one stalled step cannot break a promise; 0: no reserve", ge=0)
     tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
                                                  "computed for it at start (ms)", gt=0)
     tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)

@@ -7,6 +7,7 @@ step carried, chosen so the holes these tests guard against could make them fail
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from ricllm import SamplingParams
 from ricllm.engine.admission import BestEffortLoad, Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.scheduler import StepFeatures
 from tests.test_admission import (
     drain,
     make_engine,
@@ -298,3 +300,87 @@ def test_a_promise_takes_the_seat_of_best_effort_when_the_batch_is_full(tiny_ggu
     outputs = {o.request_id: o for o in drain(engine)}
     assert outputs[near.request_id].deadline_met
     assert all(outputs[s.request_id].finish_reason == "length" for s in bulk)
+
+
+# ---------------------------------------------------------------- one stalled step
+
+def stalling_step_time(stalled: list, every: int = 20, stall_s: float = 0.03):
+    """The fit's own form, except that one step in ``every`` stalls ``stall_s`` longer (a neighbour's
+    burst, a page fault): the correction, a quantile over 32 steps, does not see it. Each stall's
+    step number goes to ``stalled``."""
+    steps = {"n": 0}
+
+    def step_time(features, slowdown: float = 1.0) -> float:
+        steps["n"] += 1
+        if steps["n"] % every != every // 2:
+            return true_step_time(features, slowdown)
+        stalled.append(steps["n"])
+        return true_step_time(features, slowdown) + stall_s
+
+    return step_time
+
+
+def short_requests_with_stalls(tiny_gguf, stall_reserve_steps: int, mean_gap_s: float = 0.01,
+                               deadline_ms: float = 80):
+    """Near-RT requests of two to four tokens (a few steps each, 80 ms deadlines); returns the
+    promised outputs that arrived after the first stall was measured, and the engine."""
+    stalled = []
+    engine, clock = make_engine(tiny_gguf, step_time=stalling_step_time(stalled), safety_margin=0.1,
+                                max_num_seqs=16, stall_reserve_steps=stall_reserve_steps)
+    rng = random.Random(3)
+    arrivals = poisson_arrivals(rng, 300, mean_gap_s, clock.now, lambda i: (
+        prompt(rng.randint(8, 40), 500 + i),
+        SamplingParams(max_tokens=rng.randint(2, 4), deadline_ms=deadline_ms, ignore_eos=True)))
+    seqs = {}
+    add = engine.add_request
+
+    def recording_add(*args, **kwargs):
+        seq = add(*args, **kwargs)
+        seqs[seq.request_id] = seq
+        return seq
+
+    engine.add_request = recording_add
+    first_stall = {}
+    step = engine.step
+
+    def watching_step():
+        out = step()
+        if stalled and "at" not in first_stall:
+            first_stall["at"] = clock.now
+        return out
+
+    engine.step = watching_step
+    outputs = run_arrivals(engine, clock, arrivals)
+    after = [o for o in outputs if seqs[o.request_id].promised and seqs[o.request_id].arrival_time > first_stall["at"]]
+    return after, engine
+
+
+def test_one_stalled_step_breaks_no_promise_once_a_stall_was_seen(tiny_gguf):
+    after, engine = short_requests_with_stalls(tiny_gguf, stall_reserve_steps=1024)
+    assert len(after) > 30 and all(o.deadline_met for o in after)
+    assert engine.admission.latency.stall_reserve == pytest.approx(0.03, rel=0.05)
+
+
+def test_without_the_stall_reserve_the_same_stalls_break_promises(tiny_gguf):
+    after, _ = short_requests_with_stalls(tiny_gguf, stall_reserve_steps=0)
+    assert sum(1 for o in after if not o.deadline_met) >= 3
+
+
+def test_the_bound_holds_the_worst_recent_overrun_once():
+    model = LatencyModel([0.01, 0.0, 0.0, 0.0, 0.0])
+    work = [Work(deadline=1.0, prefill_left=0, decode_left=3, final_context=10)]
+    for measured in (0.01, 0.04, 0.01):  # the second step runs 30 ms past its prediction
+        model.observe(StepFeatures(0, 1, 10), measured)
+    assert model.correction == 4.0 and model.stall_reserve == pytest.approx(0.03)
+    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 * 4.0 + 0.03)
+    model.keep_overruns(0)
+    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 * 4.0)
+
+
+def test_building_an_engine_takes_its_objects_out_of_the_garbage_collectors_walk(tiny_gguf):
+    """A full collection between two steps walks every tracked object (93 ms in bench_admission, past
+    a 100 ms deadline): the engine freezes what exists once it is built, the model included."""
+    gc.unfreeze()
+    engine, _ = make_engine(tiny_gguf)
+    assert gc.get_freeze_count() > 10_000
+    assert all(engine.runtime not in gc.get_objects(generation=g) for g in range(3))  # frozen: no generation holds it

@@ -18,13 +18,17 @@ pending prefill tokens are charged to everyone (later-deadline prefill chunks ma
 steps), so
 
     finish_k <= now + busy + corr · (N_k · max(a + c·B + d·C_max + b·chunk + e·W, roofline(C_max))
-                                     + b·P_all + e·Q_all + f·prefill_steps_k)
+                                     + b·P_all + e·Q_all + f·prefill_steps_k) + stall
+
+where ``stall`` is the worst amount by which one step overran its prediction over the last
+``stall_reserve_steps`` steps.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
 
 The guarantee, exactly: if every step takes at most its fitted time × ``corr`` (the online
-correction, a high quantile of measured / predicted over recent steps), every admitted request
-finishes within its deadline, with ``safety_margin`` to spare. When steps run slower than that
+correction, a high quantile of measured / predicted over recent steps), except at most one step
+per request that may run late by as much as the worst of the recent steps did, every admitted
+request finishes within its deadline, with ``safety_margin`` to spare. When steps run slower than that
 (a noisy neighbour), the correction rises within a few measured steps and every bound is
 re-checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
 prefill of requests due later; ``on_late`` decides what a request that still cannot make it does.
@@ -110,6 +114,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     scheduler holds them to both: ``best_effort_prefill_cap``); ``busy_s`` is what remains of the
     step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
+    Each bound also holds ``model.stall_reserve``: room for one step to run as late as the worst
+    recent one did.
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.final_context for w in works) + best_effort.context
@@ -128,7 +134,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         prefill_ahead += w.prefill_left
         prefill_steps = math.ceil(prefill_ahead / token_budget)
         steps = prefill_steps + w.decode_left
-        bounds.append(now + busy_s + model.correction * (steps * step + prefill_cost + f * prefill_steps))
+        bounds.append(now + busy_s + model.correction * (steps * step + prefill_cost + f * prefill_steps)
+                      + model.stall_reserve)
     return bounds
 
 
@@ -153,6 +160,7 @@ class AdmissionController:
                  max_num_batched_tokens: int, max_model_len: int):
         self.config = config
         self.latency = latency
+        latency.keep_overruns(config.stall_reserve_steps)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens

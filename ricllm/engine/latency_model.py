@@ -63,6 +63,7 @@ class LatencyModel:
     quantile: float = 0.9  # of those ratios: promises hold for all but the slowest tenth of steps
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     ratios: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
+    overruns: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)  # s past the prediction
 
     def __post_init__(self) -> None:
         if len(self.coefficients) > len(FEATURES):
@@ -81,8 +82,10 @@ class LatencyModel:
 
     def observe(self, f: StepFeatures, measured_s: float) -> None:
         """Refine online from a measured step; record the relative error of the point estimate
-        (the median-corrected prediction; the promise-making correction is a higher quantile)."""
+        (the median-corrected prediction; the promise-making correction is a higher quantile) and
+        how far the step ran past the prediction promises were made with."""
         base = self.base(f)
+        self.overruns.append(max(measured_s - base * self.correction, 0.0))
         point = base * self.typical_ratio
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
         if base > 0 and measured_s > 0:
@@ -90,6 +93,18 @@ class LatencyModel:
                 self.ratios = deque(self.ratios, maxlen=self.window)
             self.ratios.append(measured_s / base)
             self.correction = self._ratio_quantile()
+
+    @property
+    def stall_reserve(self) -> float:
+        """Seconds every bound sets aside for one stalled step: the worst overrun of the prediction
+        over the recent steps (``overruns``' window). The correction covers all but the slowest
+        tenth of steps in proportion; a request of three steps cannot absorb a single step that
+        runs 20 ms late (a neighbour's burst, a page fault) in a 10% margin, this reserve does."""
+        return max(self.overruns, default=0.0)
+
+    def keep_overruns(self, steps: int) -> None:
+        """Size the window ``stall_reserve`` looks at (0: no reserve)."""
+        self.overruns = deque(self.overruns, maxlen=steps)
 
     @property
     def typical_ratio(self) -> float:
