@@ -403,6 +403,7 @@ def summarize(run: Run) -> dict:
         "goodput": sum(1 for o in served if o.met) / run.seconds,
         "met_outside": sum(1 for o in outside if o.met), "served_outside": len(outside),
         "missed_outside": len(missed_out),
+        "misses_outside": [(o.cls, round(o.arrival - run.start, 2), round(o.late_ms, 1)) for o in missed_out],
         "worst_late_outside_ms": max((o.late_ms for o in missed_out), default=None),
         "in_window": sum(1 for o in served if inside(o)), "missed_inside": len(missed_in),
         "worst_late_inside_ms": max((o.late_ms for o in missed_in), default=None),
@@ -453,6 +454,7 @@ def aggregate(summaries: list[dict], ratios: list[float | None]) -> dict:
         "ratio": spread(ratios), "dropped": med("dropped"),
         "met_of_served_outside": sum(s["met_outside"] for s in summaries) / served_out if served_out else None,
         "missed_outside": sum(s["missed_outside"] for s in summaries),
+        "misses_outside": [m for s in summaries for m in s["misses_outside"]],
         "worst_late_outside_ms": max(worst_out, default=None),
         "in_window": sum(s["in_window"] for s in summaries),
         "missed_inside": sum(s["missed_inside"] for s in summaries),
@@ -490,6 +492,9 @@ def verdict(load: float, rows: dict[str, dict]) -> tuple[bool, str]:
         parts.append(f"goodput {ratio:.2f}x best baseline")
     misses = ours["missed_outside"]
     parts.append(f"{misses} admitted misses outside the window (need 0): {'ok' if misses == 0 else 'FAIL'}")
+    if misses:
+        parts.append("each (class, arrival s into its run, ms late): "
+                     + ", ".join(f"({c}, {t:g}, {late:g})" for c, t, late in ours["misses_outside"]))
     ok &= misses == 0
     return ok, "; ".join(parts)
 

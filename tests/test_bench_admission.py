@@ -67,6 +67,7 @@ def test_summary_with_slowdown_reports_misses_inside_the_window_apart():
     assert s["in_window"] == 2 and s["missed_inside"] == 2
     assert math.isclose(s["worst_late_inside_ms"], 100.0)
     assert s["missed_outside"] == 1 and math.isclose(s["worst_late_outside_ms"], 100.0)
+    assert s["misses_outside"] == [("rt100", 6.0, 100.0)]
     assert (s["met_outside"], s["served_outside"]) == (1, 2)
     assert math.isclose(s["reaction_ms"], 500.0) and s["detector_fired"]
 
@@ -85,7 +86,8 @@ def test_goodput_ratios_are_over_the_best_baseline():
 
 def summary(goodput: float, missed_outside: int = 0) -> dict:
     return {"sent": 10, "served": 8, "goodput": goodput, "dropped": 0, "met_outside": 8 - missed_outside,
-            "served_outside": 8, "missed_outside": missed_outside, "worst_late_outside_ms": 5.0 if missed_outside
+            "served_outside": 8, "missed_outside": missed_outside,
+            "misses_outside": [("rt100", 3.5, 5.0)] * missed_outside, "worst_late_outside_ms": 5.0 if missed_outside
             else None, "in_window": 0, "missed_inside": 0, "worst_late_inside_ms": None, "bulk_tokens_per_s": 10.0,
             "bulk_sent": 2, "bulk_served": 2, "reaction_ms": None, "detector_fired": False,
             "decision_p99_ms": None, "ratio_before": None, "ratio_end": None}
@@ -109,8 +111,9 @@ def test_verdict_at_low_and_high_load():
     assert ok, line  # 0.98x the best baseline, no misses outside
     ok, _ = bench.verdict(0.5, rows(three, [summary(10.5)] * 3, [summary(9.0)] * 3))
     assert not ok  # 0.93x
-    ok, _ = bench.verdict(1, rows([summary(9.8, 1)] * 3, [summary(10.0)] * 3, [summary(9.0)] * 3))
-    assert not ok  # misses outside the window
+    ok, line = bench.verdict(1, rows([summary(9.8, 1)] * 3, [summary(10.0)] * 3, [summary(9.0)] * 3))
+    assert not ok  # misses outside the window, each named
+    assert "3 admitted misses" in line and line.count("(rt100, 3.5, 5)") == 3
     ok, _ = bench.verdict(2, rows(three, [summary(9.8)] * 3, [summary(0.0)] * 3))
     assert not ok  # not above every baseline
     ok, line = bench.verdict(4, rows(three, [summary(0.0)] * 3, [summary(0.0)] * 3))
