@@ -446,7 +446,7 @@ def test_degrade_still_rejects_what_no_length_can_save(tiny_gguf):
     engine, _ = make_engine(tiny_gguf, degrade=True)
     seq = engine.add_request(prompt(20, 99), SamplingParams(max_tokens=8, deadline_ms=5))
     assert seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
-    assert seq.params.max_tokens == 8 and "8 tokens to generate" in seq.rejection.message
+    assert seq.params.max_tokens == 8 and "8 decode steps to run" in seq.rejection.message
     best_effort = [engine.add_request(prompt(10, 100 + i), SamplingParams(max_tokens=3)) for i in range(300)]
     assert best_effort[-1].rejection.code == "QUEUE_FULL"  # not a matter of length: never degraded
 

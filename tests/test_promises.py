@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -384,3 +385,28 @@ def test_building_an_engine_takes_its_objects_out_of_the_garbage_collectors_walk
     engine, _ = make_engine(tiny_gguf)
     assert gc.get_freeze_count() > 10_000
     assert all(engine.runtime not in gc.get_objects(generation=g) for g in range(3))  # frozen: no generation holds it
+
+
+# ---------------------------------------------------------------- a constrained answer's plan
+
+ACTION = {"json": {"type": "object", "properties": {"action": {"enum": ["offload", "hold", "restore", "escalate"]}},
+                   "required": ["action"], "additionalProperties": False}}
+
+
+def test_a_constrained_answer_is_planned_by_its_decisions_not_its_longest_answer(tiny_gguf):
+    """One decode step per token the grammar lets the model choose: the forced rest rides along.
+    Planned by its longest answer (every token a step) the same request is refused; planned by its
+    decisions it is admitted, and the fake clock (which charges forced tokens as prefill) confirms it."""
+    engine, _ = make_engine(tiny_gguf)
+    compiled = engine.compile_structured(ACTION)
+    assert compiled.max_decisions is not None and compiled.max_decisions * 4 <= compiled.max_tokens
+    params = SamplingParams(max_tokens=64, deadline_ms=120, structured=ACTION, temperature=1.0, seed=1)
+    seq = engine.add_request(prompt(20, 1), params)
+    assert seq.promised
+    [out] = drain(engine)
+    assert out.deadline_met and out.finish_reason == "stop"
+    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
+    refused = engine.add_request(prompt(20, 2), params)
+    assert refused.rejection.code == "DEADLINE_INFEASIBLE"
+    steps = refused.rejection.numbers["decode_steps"]  # every answer token after the forced start
+    assert steps >= 3 * compiled.max_decisions and f"{steps} decode steps to run" in refused.rejection.message

@@ -62,7 +62,10 @@ def test_a_constrained_answer_always_parses_and_matches_its_schema(llm, schema, 
     out = llm.generate([prompt], params)[0]
     assert out.finish_reason == "stop", (out.text, out.finish_reason)
     jsonschema.validate(json.loads(out.text), schema)
-    assert len(out.token_ids) <= llm.engine.compile_structured({"json": schema}).max_tokens
+    compiled = llm.engine.compile_structured({"json": schema})
+    assert len(out.token_ids) <= compiled.max_tokens
+    if compiled.max_decisions is not None:  # admission plans one step per decision
+        assert len(out.token_ids) - out.num_forced_tokens <= compiled.max_decisions
 
 
 def test_choices_and_regexes_are_obeyed_greedy_and_sampled(llm):
@@ -193,6 +196,21 @@ def test_admission_plans_with_the_longest_answer_not_a_larger_max_tokens(tiny_na
     llm = tiny(tiny_native_gguf, "native")
     seq = llm.engine.add_request("hello", SamplingParams(max_tokens=500, structured={"choice": ["yes", "no"]}))
     assert seq.params.max_tokens == len("yes") + 1  # three bytes, one token each at most, and the end
+
+
+def test_no_sampled_answer_takes_more_decisions_than_its_grammar_bound(llm):
+    compiled = llm.engine.compile_structured({"json": DECISION})
+    assert compiled.max_decisions is not None and compiled.max_decisions < compiled.max_tokens
+    outputs = llm.generate(["hello"] * 48, [SamplingParams(max_tokens=64, temperature=2.0, seed=seed,
+                                                           structured={"json": DECISION}) for seed in range(48)])
+    sampled = [len(o.token_ids) - o.num_forced_tokens for o in outputs]
+    assert all(o.finish_reason == "stop" for o in outputs) and max(sampled) <= compiled.max_decisions
+
+
+def test_free_text_has_no_decision_bound_and_plans_every_token(llm):
+    compiled = llm.engine.compile_structured({"json": {"type": "object", "properties": {
+        "reason": {"type": "string", "maxLength": 40}}, "required": ["reason"], "additionalProperties": False}})
+    assert compiled.max_tokens is not None and compiled.max_decisions is None
 
 
 def test_a_constrained_answer_cut_by_max_tokens_says_length(llm):

@@ -66,11 +66,14 @@ class Work:
 
 def work_of(seq: Sequence) -> Work:
     """Pinned prefix blocks are never recomputed, so they are not prefill work; an answer's forced
-    start is prefilled with the prompt, so it is."""
+    start is prefilled with the prompt, so it is. A constrained answer decodes one step per
+    sampling decision its grammar may still take (``decode_steps_left``); every other token it may
+    still get is forced, computed as chunks: prefill work."""
     prefill_tokens = seq.num_prompt_tokens + seq.num_forced_at_arrival
     prefill_left = max(prefill_tokens - max(seq.num_computed_tokens, seq.pinned_prefix_tokens), 0)
-    decode_left = seq.params.max_tokens - seq.num_output_tokens
-    return Work(seq.deadline, prefill_left, decode_left,
+    decode_left = seq.decode_steps_left
+    forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
+    return Work(seq.deadline, prefill_left + forced_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id)
 
 
@@ -277,9 +280,9 @@ class AdmissionController:
                     "DEADLINE_INFEASIBLE",
                     f"finish bound of {whose} is {bound_ms:.1f} ms (with {self.config.safety_margin:.0%} "
                     f"margin) > {slack_ms:.1f} ms left to its deadline; batch would be {batch}, "
-                    f"{w.decode_left} tokens to generate",
+                    f"{w.decode_left} decode steps to run",
                     dict(bound_ms=round(bound_ms, 3), deadline_ms=round(slack_ms, 3),
-                         batch=batch, request=w.request_id))
+                         batch=batch, request=w.request_id, decode_steps=w.decode_left))
         return None
 
     def finish_bound(self, seq: Sequence, now: float, best_effort: list[Sequence]) -> float:
@@ -374,7 +377,7 @@ class AdmissionController:
         """
         if not self.config.pace_prefill or not self.promises:
             return budget
-        paces = [(s.deadline - now) / max(s.params.max_tokens - s.num_output_tokens, 1)
+        paces = [(s.deadline - now) / max(s.decode_steps_left, 1)
                  for s in decodes if s.deadline is not None]
         if not paces:
             return budget

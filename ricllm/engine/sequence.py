@@ -71,6 +71,20 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled (the rest of the output the grammar forced)."""
+        return self.num_output_tokens - self.num_forced_tokens
+
+    @property
+    def decode_steps_left(self) -> int:
+        """Steps that may still sample a token for it: the tokens left to ``max_tokens``, and for a
+        constrained answer with a known bound no more than its grammar's most decisions left (forced
+        tokens ride in the step of the decision before them, computed as one chunk)."""
+        tokens_left = self.params.max_tokens - self.num_output_tokens
+        most = self.guide.grammar.max_decisions if self.guide is not None else None
+        return tokens_left if most is None else max(min(tokens_left, most - self.num_sampled_tokens), 0)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 
 from ricllm.errors import InvalidRequestError
 from ricllm.logging import get_logger
@@ -28,7 +29,8 @@ CACHE_SIZE = 256  # compiled grammars kept; a deployment has a handful of templa
 @dataclass(frozen=True)
 class CompiledGrammar:
     """``min_tokens``: the fewest tokens of a complete answer; ``max_tokens``: the most, its end
-    token included, or None when the constraint does not bound it."""
+    token included, or None when the constraint does not bound it; ``max_decisions``: the most
+    tokens any complete answer samples (the rest the grammar forces), or None when not known."""
 
     spec: StructuredSpec
     grammar: str
@@ -36,6 +38,7 @@ class CompiledGrammar:
     max_tokens: int | None
     fresh: llguidance.LLMatcher
     fresh_vocab_size: int  # the grammar's tokenizer's vocabulary: the width of its masks
+    max_decisions: int | None = None
 
     def new_matcher(self) -> llguidance.LLMatcher:
         return self.fresh.deep_copy()
@@ -80,10 +83,11 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured {spec.kind} cannot be compiled: {fresh.get_error()}")
         longest = bounds.longest_bytes(spec)
         compiled = CompiledGrammar(spec, grammar, self._fewest_tokens(bounds.shortest_answers(spec)),
-                                   None if longest is None else longest + 1, fresh, self.ll_tokenizer.vocab_size)
+                                   None if longest is None else longest + 1, fresh, self.ll_tokenizer.vocab_size,
+                                   most_decisions(fresh, self.ll_tokenizer) if longest is not None else None)
         self.num_compiled += 1
         log.info("grammar_compiled", kind=spec.kind, key=spec.key, min_tokens=compiled.min_tokens,
-                 max_tokens=compiled.max_tokens)
+                 max_tokens=compiled.max_tokens, max_decisions=compiled.max_decisions)
         return compiled
 
     def _fewest_tokens(self, answers: list[str] | None) -> int:
@@ -109,6 +113,52 @@ class GrammarCompiler:
             kept = frozenset(t for t in texts if t and "\ufffd" not in t)
             self._token_texts = (kept, max(len(t) for t in kept))
         return self._token_texts
+
+
+MAX_DECISION_STATES = 64  # answer prefixes walked for max_decisions (~0.3 ms each, on the request path for a new schema)
+MAX_BRANCHES = 512  # tokens allowed at one point beyond which the answer is free text: not explored
+
+
+def most_decisions(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokenizer) -> int | None:
+    """The most tokens any complete answer samples, the engine's way: after each sampled token the
+    grammar's forced tokens are appended without sampling, and the answer ends once the grammar
+    stops. A depth-first walk over every token the grammar allows, memoized on the answer's bytes
+    so far (the grammar's state is a function of them); None when the answers are too many to walk
+    (free text, wide ranges): admission then plans every answer token as a step."""
+    width = ll_tokenizer.vocab_size
+    words = np.zeros((width + 31) // 32, dtype=np.int32)
+    ends, memo = set(ll_tokenizer.eos_tokens), {}
+
+    def most_after(matcher: llguidance.LLMatcher, answer: bytes) -> int:
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            matcher.consume_tokens(forced)
+            answer += ll_tokenizer.decode_bytes(forced)
+        if matcher.is_stopped():
+            return 0
+        if answer not in memo:
+            memo[answer] = 1 + max(_each_allowed(matcher, answer), default=-1)
+        return memo[answer]
+
+    def _each_allowed(matcher: llguidance.LLMatcher, answer: bytes):
+        if len(memo) >= MAX_DECISION_STATES:
+            raise OverflowError
+        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:width])
+        if len(allowed) > MAX_BRANCHES:
+            raise OverflowError
+        for token in allowed.tolist():
+            if token in ends:
+                yield 0  # ending the answer is itself the last decision
+                continue
+            child = matcher.deep_copy()
+            child.consume_tokens([token])
+            yield most_after(child, answer + ll_tokenizer.decode_bytes([token]))
+
+    try:  # a request samples at least once, even when its arrival forced the whole answer
+        return max(most_after(fresh.deep_copy(), b""), 1)
+    except OverflowError:
+        return None
 
 
 def _grammar_text(spec: StructuredSpec) -> str:
