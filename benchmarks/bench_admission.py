@@ -454,7 +454,7 @@ def aggregate(summaries: list[dict], ratios: list[float | None]) -> dict:
         "ratio": spread(ratios), "dropped": med("dropped"),
         "met_of_served_outside": sum(s["met_outside"] for s in summaries) / served_out if served_out else None,
         "missed_outside": sum(s["missed_outside"] for s in summaries),
-        "misses_outside": [m for s in summaries for m in s["misses_outside"]],
+        "misses_outside": [(f"repeat {i + 1}", *m) for i, s in enumerate(summaries) for m in s["misses_outside"]],
         "worst_late_outside_ms": max(worst_out, default=None),
         "in_window": sum(s["in_window"] for s in summaries),
         "missed_inside": sum(s["missed_inside"] for s in summaries),
@@ -493,8 +493,8 @@ def verdict(load: float, rows: dict[str, dict]) -> tuple[bool, str]:
     misses = ours["missed_outside"]
     parts.append(f"{misses} admitted misses outside the window (need 0): {'ok' if misses == 0 else 'FAIL'}")
     if misses:
-        parts.append("each (class, arrival s into its run, ms late): "
-                     + ", ".join(f"({c}, {t:g}, {late:g})" for c, t, late in ours["misses_outside"]))
+        parts.append("each (repeat, class, arrival s into its run, ms late): "
+                     + ", ".join(f"({r}, {c}, {t:g}, {late:g})" for r, c, t, late in ours["misses_outside"]))
     ok &= misses == 0
     return ok, "; ".join(parts)
 

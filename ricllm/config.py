@@ -113,6 +113,9 @@ class AdmissionConfig(StrictModel):
     stall_reserve_steps: int = setting(
         1024, "every finish bound also reserves the worst single-step overrun of the prediction seen over this many "
               "recent steps, so one stalled step cannot break a promise; 0: no reserve", ge=0)
+    stall_reserve_max_ms: float = setting(
+        50.0, "the most the stall reserve holds (ms): a longer stall is the machine taken away, which the "
+              "online correction and the slowdown detector answer, not one slow step", ge=0)
     tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
                                                  "computed for it at start (ms)", gt=0)
     tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)

@@ -7,6 +7,7 @@ known function of what the step carried, so predictions and outcomes are exact.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
@@ -262,8 +263,9 @@ def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, m
 
 
 def test_a_fit_is_not_reused_after_the_kernels_or_the_packing_change(tiny_gguf, monkeypatch):
-    from ricllm.engine import calibration
     from ricllm.kernels import cpu_library
+
+    from ricllm.engine import calibration
 
     engine = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32"))
     assert engine.runtime.attention_backend == "cpu"
@@ -456,10 +458,15 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
     fits = _largest_admitted_max_tokens(tiny_gguf, token_ids, 150)
     longer = {"choice": ["x" * (fits + 5), "y" * (fits + 5)]}  # one token per letter in the tiny vocabulary
     engine, _ = make_engine(tiny_gguf, degrade=True)
-    assert engine.compile_structured(longer).min_tokens == fits + 5
+    compiled = engine.compile_structured(longer)
+    assert compiled.min_tokens == fits + 5
+    # every letter a decode step, as if the grammar forced nothing (here it forces all after the first)
+    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
+    shorter = {"choice": ["x" * (fits - 2), "y" * (fits - 2)]}
+    compiled = engine.compile_structured(shorter)
+    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
     seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=longer))
     assert seq.rejection is not None and seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
-    shorter = {"choice": ["x" * (fits - 2), "y" * (fits - 2)]}
     seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter))
     assert seq.rejection is None and seq.degradation is None  # the answer's own bound fits: nothing to shrink
     assert seq.params.max_tokens == fits - 1

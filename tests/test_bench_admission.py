@@ -113,7 +113,7 @@ def test_verdict_at_low_and_high_load():
     assert not ok  # 0.93x
     ok, line = bench.verdict(1, rows([summary(9.8, 1)] * 3, [summary(10.0)] * 3, [summary(9.0)] * 3))
     assert not ok  # misses outside the window, each named
-    assert "3 admitted misses" in line and line.count("(rt100, 3.5, 5)") == 3
+    assert "3 admitted misses" in line and "(repeat 3, rt100, 3.5, 5)" in line and line.count("rt100, 3.5, 5)") == 3
     ok, _ = bench.verdict(2, rows(three, [summary(9.8)] * 3, [summary(0.0)] * 3))
     assert not ok  # not above every baseline
     ok, line = bench.verdict(4, rows(three, [summary(0.0)] * 3, [summary(0.0)] * 3))

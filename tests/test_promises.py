@@ -374,7 +374,7 @@ def test_the_bound_holds_the_worst_recent_overrun_once():
         model.observe(StepFeatures(0, 1, 10), measured)
     assert model.correction == 4.0 and model.stall_reserve == pytest.approx(0.03)
     assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 * 4.0 + 0.03)
-    model.keep_overruns(0)
+    model.keep_overruns(0, cap_s=0.05)
     assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 * 4.0)
 
 
@@ -410,3 +410,12 @@ def test_a_constrained_answer_is_planned_by_its_decisions_not_its_longest_answer
     assert refused.rejection.code == "DEADLINE_INFEASIBLE"
     steps = refused.rejection.numbers["decode_steps"]  # every answer token after the forced start
     assert steps >= 3 * compiled.max_decisions and f"{steps} decode steps to run" in refused.rejection.message
+
+
+def test_a_stall_longer_than_the_cap_is_not_reserved_for_every_request():
+    """Five seconds lost once is the machine taken away: reserving it would refuse every request
+    for the whole window; the reserve stops at ``stall_reserve_max_ms``."""
+    model = LatencyModel([0.01, 0.0, 0.0, 0.0, 0.0])
+    model.keep_overruns(1024, cap_s=0.05)
+    model.observe(StepFeatures(0, 1, 10), 5.01)
+    assert model.stall_reserve == 0.05

@@ -21,13 +21,14 @@ steps), so
                                      + b·P_all + e·Q_all + f·prefill_steps_k) + stall
 
 where ``stall`` is the worst amount by which one step overran its prediction over the last
-``stall_reserve_steps`` steps.
+``stall_reserve_steps`` steps, at most ``stall_reserve_max_ms``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
 
 The guarantee, exactly: if every step takes at most its fitted time × ``corr`` (the online
 correction, a high quantile of measured / predicted over recent steps), except at most one step
-per request that may run late by as much as the worst of the recent steps did, every admitted
+per request that may run late by as much as the worst of the recent steps did (up to
+``stall_reserve_max_ms``), every admitted
 request finishes within its deadline, with ``safety_margin`` to spare. When steps run slower than that
 (a noisy neighbour), the correction rises within a few measured steps and every bound is
 re-checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
@@ -163,7 +164,7 @@ class AdmissionController:
                  max_num_batched_tokens: int, max_model_len: int):
         self.config = config
         self.latency = latency
-        latency.keep_overruns(config.stall_reserve_steps)
+        latency.keep_overruns(config.stall_reserve_steps, config.stall_reserve_max_ms / 1000)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens

@@ -94,17 +94,23 @@ class LatencyModel:
             self.ratios.append(measured_s / base)
             self.correction = self._ratio_quantile()
 
+    stall_cap: float = 0.05  # s: the most one step's stall is reserved for
+
     @property
     def stall_reserve(self) -> float:
         """Seconds every bound sets aside for one stalled step: the worst overrun of the prediction
-        over the recent steps (``overruns``' window). The correction covers all but the slowest
-        tenth of steps in proportion; a request of three steps cannot absorb a single step that
-        runs 20 ms late (a neighbour's burst, a page fault) in a 10% margin, this reserve does."""
-        return max(self.overruns, default=0.0)
+        over the recent steps (``overruns``' window), at most ``stall_cap``. The correction covers
+        all but the slowest tenth of steps in proportion; a request of three steps cannot absorb a
+        single step that runs 20 ms late (a neighbour's burst, a page fault) in a 10% margin, this
+        reserve does. A longer stall is the machine taken away, not one slow step: reserving it
+        would refuse every request for the whole window (a 5 s stall did, for about 50 s of idle
+        probes); the correction and the slowdown detector answer a machine that stays slow."""
+        return min(max(self.overruns, default=0.0), self.stall_cap)
 
-    def keep_overruns(self, steps: int) -> None:
-        """Size the window ``stall_reserve`` looks at (0: no reserve)."""
+    def keep_overruns(self, steps: int, cap_s: float) -> None:
+        """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""
         self.overruns = deque(self.overruns, maxlen=steps)
+        self.stall_cap = cap_s
 
     @property
     def typical_ratio(self) -> float:
