@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel (``csrc/cpu_paged_attention.c``; built by ``cpu_library``)."""
+"""The CPU attention kernels (``csrc/cpu_paged_attention.c``, ``csrc/cpu_prefill_attention.c``; built by
+``cpu_library``)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,29 @@ def cpu_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """``query [T, n_heads, d] -> [T, n_heads, d]``; each query attends causally within its
     sequence, reading K/V in place through the block table (same contract as
-    ``reference.paged_attention``: this step's K/V already stored)."""
+    ``reference.paged_attention``: this step's K/V already stored). The C side picks the kernel
+    (``ricllm_attention``): the blocked prefill kernel for steps with a long enough prompt chunk
+    in bf16, else the decode-shaped paged kernel."""
+    return _attend("ricllm_attention", query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+def cpu_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``cpu_paged_attention``'s contract, always in the blocked prefill kernel
+    (``csrc/cpu_prefill_attention.c``): bf16 products where the CPU has AVX-512 BF16, else fp32."""
+    return _attend("ricllm_prefill_attention", query, k_cache, v_cache, block_tables, query_start_loc,
+                   context_lens, scale)
+
+
+def _attend(entry: str, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale) -> torch.Tensor:
     if k_cache.dtype not in SUPPORTED_DTYPES or k_cache.device.type != "cpu":
         raise ValueError(f"the CPU attention kernel takes bf16 or fp32 caches on the CPU, got {k_cache.dtype} on {k_cache.device}")
     tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(context_lens)
     q = query if query.dtype == k_cache.dtype and query.is_contiguous() else query.to(k_cache.dtype).contiguous()
     out = torch.empty_like(q)
     _, block_size, n_kv, head_dim = k_cache.shape
-    code = library().ricllm_paged_attention(
+    code = getattr(library(), entry)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
         starts.data_ptr(), lens.data_ptr(), lens.shape[0], q.shape[1], n_kv, head_dim, block_size,
         tables.shape[1], scale, SUPPORTED_DTYPES[k_cache.dtype], torch.get_num_threads())

@@ -24,7 +24,7 @@ from ricllm.paths import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 IS_BF16_BY_NAME = {"bfloat16": 1, "float32": 0}  # the element types the kernels take: their is_bf16 flag
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c",
-           CSRC / "cpu_decoder.c")
+           CSRC / "cpu_decoder.c", CSRC / "cpu_prefill_attention.c")
 HEADERS = (CSRC / "cpu_common.h",)
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax
 # relies on -inf behaving as IEEE says.
@@ -47,6 +47,8 @@ DECODER_POINTERS_PER_LAYER = 16
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or a negative code)
     "ricllm_paged_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],
+    "ricllm_prefill_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],
+    "ricllm_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],
     "ricllm_add_rms_norm": [_P] * 4 + [_I, _I, _F, _I, _I],
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,

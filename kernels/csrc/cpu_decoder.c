@@ -23,11 +23,12 @@ int ricllm_rope_store(const void *qkv, void *q_out, const void *cos, const void 
                       void *k_cache, void *v_cache, int rows, int heads, int kv_heads, int head_dim,
                       int is_bf16, int cache_bf16, int num_threads);
 int ricllm_silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads);
-int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
-                           const int32_t *block_tables, const int32_t *query_start,
-                           const int32_t *context_lens, int batch, int heads, int kv_heads,
-                           int head_dim, int block_size, int table_width, float scale,
-                           int is_bf16, int num_threads);
+/* the paged kernel, or the blocked prefill kernel for steps with long prompts (cpu_prefill_attention.c) */
+int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int32_t *block_tables, const int32_t *query_start,
+                     const int32_t *context_lens, int batch, int heads, int kv_heads,
+                     int head_dim, int block_size, int table_width, float scale,
+                     int is_bf16, int num_threads);
 int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
                       int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads);
 
@@ -71,9 +72,9 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
                               scratch, threads));
         TRY(ricllm_rope_store(qkv, q, cos, sin, slots, (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads,
                               kv_heads, head_dim, is_bf16, is_bf16, threads));
-        TRY(ricllm_paged_attention(q, p[K_CACHE], p[V_CACHE], attn, block_tables, query_start, context_lens,
-                                   dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH],
-                                   scale, is_bf16, threads));
+        TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, block_tables, query_start, context_lens,
+                             dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH],
+                             scale, is_bf16, threads));
         TRY(ricllm_quant_gemm(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
                               scratch, threads));
         TRY(ricllm_add_rms_norm(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));

@@ -115,3 +115,52 @@ def test_a_large_prefill_beside_decodes_splits_sdpa_and_the_kernel(kernel, dtype
     assert err < TOLERANCE[dtype], f"max abs error {err:.2e}"
     meta.prefill_rows = meta.prefill_products = 10  # small prefill: all in the kernel
     assert c_kernel_attends(meta)
+
+
+@pytest.fixture(scope="module")
+def prefill_kernel(kernel):
+    from ricllm.kernels.cpu_attention import cpu_prefill_attention
+
+    return cpu_prefill_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 100, 512, 1000, 2048])
+def test_blocked_prefill_kernel_matches_the_reference_on_whole_prompts(prefill_kernel, length, dtype):
+    """Lengths around the 16-query blocks and 32-key chunks, up to a 2,048-token prompt (9:3 GQA)."""
+    check(prefill_kernel, *make_case([length], [length], n_heads=9, n_kv=3, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_prefill_kernel_sees_the_cached_prefix_of_a_chunk(prefill_kernel, dtype):
+    """A chunk after cached tokens: its query i sits at prefix + i and sees keys 0..prefix + i."""
+    check(prefill_kernel, *make_case([512], [2048], n_heads=9, n_kv=3, dtype=dtype))
+    check(prefill_kernel, *make_case([37], [37 + 301], n_heads=9, n_kv=3, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (9, 3), (4, 2), (8, 1)])
+def test_blocked_prefill_kernel_takes_several_sequences_and_gqa_groups(prefill_kernel, dtype, n_heads, n_kv):
+    """Sequences of different lengths (prompts, prefix chunks, decode tokens) in one call."""
+    check(prefill_kernel, *make_case([100, 1, 17, 64, 3], [100, 250, 80, 64, 3], n_heads=n_heads, n_kv=n_kv,
+                                     dtype=dtype))
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 128, 66])
+def test_blocked_prefill_kernel_head_dims_besides_64(prefill_kernel, head_dim):
+    """66 is no multiple of 16: the bf16 products then fall back to the fp32 path."""
+    for dtype in (torch.float32, torch.bfloat16):
+        check(prefill_kernel, *make_case([40, 9], [50, 90], head_dim=head_dim, n_heads=4, n_kv=2, dtype=dtype))
+
+
+def test_blocked_prefill_kernel_refuses_what_it_does_not_take(prefill_kernel):
+    query, k_cache, v_cache, meta = make_case([20], [20], n_heads=16, n_kv=1)
+    with pytest.raises(ValueError, match="at most 8 query heads per KV head"):
+        prefill_kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prompts_beside_decodes_in_the_kernel_the_c_side_picks(kernel, dtype):
+    """``cpu_paged_attention`` lets C pick the kernel (prefill-shaped for a bf16 step with a long
+    chunk): a 1,000-token prompt, a prefix chunk and decodes in one step match the reference."""
+    check(kernel, *make_case([1, 1000, 1, 200, 1], [40, 1000, 301, 700, 2000], n_heads=9, n_kv=3, dtype=dtype))

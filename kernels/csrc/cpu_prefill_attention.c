@@ -1,0 +1,389 @@
+/* Blocked attention for prefill steps: a block of query rows against the paged K/V, chunk by chunk.
+ *
+ * Why a second kernel: ``cpu_paged_attention.c`` is shaped for decode (few query rows, fp32 dot
+ * products); a long prompt's attention is compute-bound, and there it ran about 3x slower than
+ * torch's SDPA. Here each work item is (sequence, KV head, block of QB queries): its QB·G rows
+ * (G = query heads per KV head, which share K/V under GQA) see the keys in chunks of KC, with
+ *   S = (Q·Kᵀ)·scale,  causal mask by absolute position,  online softmax (fp32 running max, sum),
+ *   O = O·rescale + P·V.
+ * With AVX-512 BF16 both products are ``vdpbf16ps`` (bf16 pairs, fp32 accumulation): the K/V of
+ * every (sequence, KV head) is first packed once, per chunk, in the pair-interleaved layouts the
+ * instruction reads (K: [D/2][KC][2], V: [KC/2][D][2]), and P is rounded to bf16 (as SDPA's bf16
+ * path does). Without it (other CPUs, fp32 activations) the same blocking runs in fp32 on
+ * contiguous K/V copies, which the compiler vectorizes.
+ *
+ * Layouts and arguments: as ``ricllm_paged_attention`` (same contract, same results within bf16
+ * rounding): query j of sequence b sits at context_lens[b] - q_len + j and sees keys 0..that.
+ */
+#include "cpu_common.h"
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PREFILL_BF16_DOT 1
+#else
+#define PREFILL_BF16_DOT 0
+#endif
+
+#define QB 16                    /* queries per work item: each packed K/V chunk serves QB·G rows */
+#define KC 32                    /* keys per chunk: two 16-lane vectors of scores per row */
+#define RG 4                     /* rows per register tile */
+#define PF_MAX_G 8
+#define PF_MAX_D 128
+#define PF_MAX_ROWS (QB * PF_MAX_G)
+
+typedef struct {
+    int batch, heads, kv_heads, head_dim, block_size, table_width, group;
+    float scale;
+    const int32_t *block_tables, *query_start, *context_lens;
+    const int64_t *chunk_base;   /* first packed chunk of each sequence (per KV head: × kv_heads) */
+} PrefillShape;
+
+typedef struct { int seq, first; } QueryBlock;
+
+static int query_len(const PrefillShape *s, int b) { return s->query_start[b + 1] - s->query_start[b]; }
+
+static int64_t cache_index(const PrefillShape *s, int b, int kvh, int pos) {
+    const int32_t *table = s->block_tables + (int64_t)b * s->table_width;
+    const int64_t slot = (int64_t)table[pos / s->block_size] * s->block_size + pos % s->block_size;
+    return (slot * s->kv_heads + kvh) * s->head_dim;
+}
+
+/* Packed chunk c of (b, kvh): KC·D elements of K, then KC·D of V. */
+static int64_t chunk_offset(const PrefillShape *s, int b, int kvh, int c) {
+    return ((s->chunk_base[b] + c) * s->kv_heads + kvh) * 2 * (int64_t)KC * s->head_dim;
+}
+
+#if PREFILL_BF16_DOT
+static inline int use_bf16_dot(const PrefillShape *s, int is_bf16) { return is_bf16 && s->head_dim % 16 == 0; }
+#else
+static inline int use_bf16_dot(const PrefillShape *s, int is_bf16) { (void)s; (void)is_bf16; return 0; }
+#endif
+
+/* Pack keys [k0, k0+KC) of (b, kvh); keys past the context are zero (the causal mask hides them,
+ * and zeros keep 0·V finite). bf16 path: K as [D/2][KC] bf16 pairs, V as [KC/2][D] bf16 pairs;
+ * fp32 path: K and V as [KC][D] fp32 rows. */
+static void pack_chunk(const PrefillShape *s, int b, int kvh, int c, const void *kc, const void *vc,
+                       int is_bf16, void *packed) {
+    const int d = s->head_dim, k0 = c * KC, ctx = s->context_lens[b];
+    if (use_bf16_dot(s, is_bf16)) {
+        uint32_t *kp = packed;
+        uint16_t *vp = (uint16_t *)packed + (int64_t)KC * d;
+        for (int j = 0; j < KC; j++) {
+            const int64_t index = k0 + j < ctx ? cache_index(s, b, kvh, k0 + j) : -1;
+            const uint32_t *krow = index < 0 ? NULL : (const uint32_t *)((const uint16_t *)kc + index);
+            const uint16_t *vrow = index < 0 ? NULL : (const uint16_t *)vc + index;
+            for (int p = 0; p < d / 2; p++) kp[p * KC + j] = krow ? krow[p] : 0;
+            for (int i = 0; i < d; i++) vp[((j / 2) * d + i) * 2 + j % 2] = vrow ? vrow[i] : 0;
+        }
+        return;
+    }
+    float *kf = packed, *vf = (float *)packed + (int64_t)KC * d;
+    for (int j = 0; j < KC; j++) {
+        if (k0 + j >= ctx) {
+            memset(kf + (int64_t)j * d, 0, (size_t)d * sizeof(float));
+            memset(vf + (int64_t)j * d, 0, (size_t)d * sizeof(float));
+            continue;
+        }
+        const int64_t index = cache_index(s, b, kvh, k0 + j);
+        load_row(kc, index, d, is_bf16, kf + (int64_t)j * d);
+        load_row(vc, index, d, is_bf16, vf + (int64_t)j * d);
+    }
+}
+
+/* One work item's rows: r = query·G + g. ``last[r]`` is the last key position row r sees. */
+typedef struct {
+    int rows, keys;              /* keys: what the block's last query sees */
+    int last[PF_MAX_ROWS];
+    const void *q[PF_MAX_ROWS];  /* each row's query in the activations */
+    int64_t out[PF_MAX_ROWS];    /* each row's element index in the output */
+} Rows;
+
+static void block_rows(const PrefillShape *s, QueryBlock blk, int kvh, Rows *rows, const void *q, int is_bf16) {
+    const int q_len = query_len(s, blk.seq), n_q = q_len - blk.first < QB ? q_len - blk.first : QB;
+    const int first_pos = s->context_lens[blk.seq] - q_len + blk.first;
+    const size_t elt = is_bf16 ? 2 : 4;
+    rows->rows = n_q * s->group;
+    rows->keys = first_pos + n_q;
+    for (int r = 0; r < rows->rows; r++) {
+        const int query = s->query_start[blk.seq] + blk.first + r / s->group;
+        rows->out[r] = ((int64_t)query * s->heads + kvh * s->group + r % s->group) * s->head_dim;
+        rows->q[r] = (const char *)q + rows->out[r] * elt;
+        rows->last[r] = first_pos + r / s->group;
+    }
+}
+
+/* Online softmax over one chunk for one row: masks keys past ``visible``, turns the scores into
+ * unnormalised probabilities against the new running max, and returns the factor that rescales
+ * what the row accumulated before. */
+static inline float softmax_chunk(float *score, int visible, float *row_max, float *row_sum) {
+    float chunk_max = -INFINITY;
+    for (int j = 0; j < KC; j++) chunk_max = j < visible && score[j] > chunk_max ? score[j] : chunk_max;
+    const float new_max = chunk_max > *row_max ? chunk_max : *row_max;
+    const float rescale = exp_approx(*row_max - new_max);
+    float add = 0.0f;
+    for (int j = 0; j < KC; j++) {
+        score[j] = j < visible ? exp_approx(score[j] - new_max) : 0.0f;
+        add += score[j];
+    }
+    *row_sum = *row_sum * rescale + add;
+    *row_max = new_max;
+    return rescale;
+}
+
+#if PREFILL_BF16_DOT
+/* S[r][0:KC] = scale · Q[r]·Kᵀ for NR rows: each packed K pair-vector is loaded once for the tile. */
+static inline __attribute__((always_inline)) void scores_tile(const uint32_t *const *q, const int nr, int d,
+                                                              const uint32_t *kp, float scale, float *score) {
+    __m512 acc[RG][2];
+    for (int r = 0; r < RG; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int p = 0; p < d / 2; p++) {
+        const __m512bh k_lo = (__m512bh)_mm512_loadu_si512(kp + p * KC);
+        const __m512bh k_hi = (__m512bh)_mm512_loadu_si512(kp + p * KC + 16);
+        for (int r = 0; r < RG; r++) {
+            if (r >= nr) break;
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)q[r][p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qp, k_lo);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qp, k_hi);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int r = 0; r < nr; r++) {
+        _mm512_storeu_ps(score + r * KC, _mm512_mul_ps(acc[r][0], sv));
+        _mm512_storeu_ps(score + r * KC + 16, _mm512_mul_ps(acc[r][1], sv));
+    }
+}
+
+/* O[r][dims] = O[r][dims]·rescale[r] + P[r]·V for NR rows and NV 16-wide vectors of dims from ``i0``. */
+static inline __attribute__((always_inline)) void pv_tile(const uint32_t *p, const int nr, int d, int i0,
+                                                          const int nv, const uint32_t *vp, const float *rescale,
+                                                          float *o) {
+    __m512 acc[RG][4];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i0 + 16 * v), _mm512_set1_ps(rescale[r]));
+    for (int jp = 0; jp < KC / 2; jp++) {
+        __m512bh vv[4];
+        for (int v = 0; v < nv; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vp + jp * d + i0 + 16 * v);
+        for (int r = 0; r < RG; r++) {
+            if (r >= nr) break;
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)p[r * (KC / 2) + jp]);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pp, vv[v]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + r * d + i0 + 16 * v, acc[r][v]);
+}
+
+static inline __attribute__((always_inline)) void scores_rows(const uint32_t *const *q, int nr, int d, const uint32_t *kp, float scale, float *score) {
+    switch (nr) {
+    case 4: scores_tile(q, 4, d, kp, scale, score); break;
+    case 3: scores_tile(q, 3, d, kp, scale, score); break;
+    case 2: scores_tile(q, 2, d, kp, scale, score); break;
+    default: scores_tile(q, 1, d, kp, scale, score);
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_rows(const uint32_t *p, int nr, int d, const uint32_t *vp, const float *rescale, float *o) {
+    for (int i0 = 0; i0 < d; i0 += 64) {
+        const int nv = d - i0 >= 64 ? 4 : (d - i0) / 16;
+        if (nr == 4 && nv == 4) pv_tile(p, 4, d, i0, 4, vp, rescale, o);
+        else if (nv == 4) pv_tile(p, nr, d, i0, 4, vp, rescale, o);
+        else pv_tile(p, nr, d, i0, nv, vp, rescale, o);
+    }
+}
+
+/* exp_approx's polynomial on 16 lanes; 2^n by scalef. */
+static inline __m512 exp_approx_512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* softmax_chunk on vectors; writes the probabilities as bf16 pairs (what P·V's vdpbf16ps reads). */
+static inline float softmax_chunk_512(const float *score, int visible, float *row_max, float *row_sum, uint32_t *p) {
+    const __mmask16 lo = first_lanes(visible), hi = first_lanes(visible - 16);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 s_lo = _mm512_mask_loadu_ps(minus_inf, lo, score), s_hi = _mm512_mask_loadu_ps(minus_inf, hi, score + 16);
+    const float chunk_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
+    const float new_max = chunk_max > *row_max ? chunk_max : *row_max;
+    const float rescale = exp_approx(*row_max - new_max);
+    const __m512 m = _mm512_set1_ps(new_max);
+    const __m512 e_lo = _mm512_maskz_mov_ps(lo, exp_approx_512(_mm512_sub_ps(s_lo, m)));
+    const __m512 e_hi = _mm512_maskz_mov_ps(hi, exp_approx_512(_mm512_sub_ps(s_hi, m)));
+    *row_sum = *row_sum * rescale + _mm512_reduce_add_ps(_mm512_add_ps(e_lo, e_hi));
+    *row_max = new_max;
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e_hi, e_lo));
+    return rescale;
+}
+
+/* One chunk for every row of the block, bf16 products; ``d`` is a literal at the hot call site. */
+static inline __attribute__((always_inline)) void attend_chunk_bf16(
+        const PrefillShape *s, const Rows *rows, int k0, const void *packed, const int d, float *o,
+        float *row_max, float *row_sum) {
+    const uint32_t *kp = packed, *vp = (const uint32_t *)((const uint16_t *)packed + (int64_t)KC * d);
+    float score[RG * KC], rescale[RG];
+    uint32_t p[RG * KC / 2];
+    for (int r0 = 0; r0 < rows->rows; r0 += RG) {
+        const int nr = rows->rows - r0 < RG ? rows->rows - r0 : RG;
+        scores_rows((const uint32_t *const *)(rows->q + r0), nr, d, kp, s->scale, score);
+        for (int r = 0; r < nr; r++)
+            rescale[r] = softmax_chunk_512(score + r * KC, rows->last[r0 + r] - k0 + 1, row_max + r0 + r,
+                                           row_sum + r0 + r, p + r * (KC / 2));
+        pv_rows(p, nr, d, vp, rescale, o + (int64_t)r0 * d);
+    }
+}
+
+static void attend_chunk_bf16_any(const PrefillShape *s, const Rows *rows, int k0, const void *packed, float *o,
+                                  float *row_max, float *row_sum) {
+    if (s->head_dim == 64) attend_chunk_bf16(s, rows, k0, packed, 64, o, row_max, row_sum);
+    else attend_chunk_bf16(s, rows, k0, packed, s->head_dim, o, row_max, row_sum);
+}
+#endif
+
+/* One chunk for every row of the block, fp32 products (the portable path). */
+static void attend_chunk_f32(const PrefillShape *s, const Rows *rows, int k0, const void *packed,
+                             const float *qf, float *o, float *row_max, float *row_sum) {
+    const int d = s->head_dim;
+    const float *kf = packed, *vf = (const float *)packed + (int64_t)KC * d;
+    for (int r = 0; r < rows->rows; r++) {
+        float score[KC];
+        for (int j = 0; j < KC; j++) {
+            float dot = 0.0f;
+            for (int i = 0; i < d; i++) dot += qf[(int64_t)r * d + i] * kf[(int64_t)j * d + i];
+            score[j] = dot * s->scale;
+        }
+        const int visible = rows->last[r] - k0 + 1;
+        const float rescale = softmax_chunk(score, visible, row_max + r, row_sum + r);
+        float *out = o + (int64_t)r * d;
+        for (int i = 0; i < d; i++) out[i] *= rescale;
+        for (int j = 0; j < KC && j < visible; j++)
+            for (int i = 0; i < d; i++) out[i] += score[j] * vf[(int64_t)j * d + i];
+    }
+}
+
+/* A whole work item: every chunk up to the block's last query, then the normalised rows. */
+static void attend_block(const PrefillShape *s, QueryBlock blk, int kvh, const void *q, const void *packed_all,
+                         void *out, int is_bf16) {
+    const int d = s->head_dim;
+    const size_t elt = use_bf16_dot(s, is_bf16) ? 2 : 4;
+    Rows rows;
+    float o[PF_MAX_ROWS * PF_MAX_D], qf[PF_MAX_ROWS * PF_MAX_D], row_max[PF_MAX_ROWS], row_sum[PF_MAX_ROWS];
+    block_rows(s, blk, kvh, &rows, q, is_bf16);
+    for (int r = 0; r < rows.rows; r++) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+        if (!use_bf16_dot(s, is_bf16)) load_row(rows.q[r], 0, d, is_bf16, qf + (int64_t)r * d);
+    }
+    memset(o, 0, (size_t)rows.rows * d * sizeof(float));
+    for (int c = 0; c * KC < rows.keys; c++) {
+        const char *packed = (const char *)packed_all + chunk_offset(s, blk.seq, kvh, c) * elt;
+#if PREFILL_BF16_DOT
+        if (use_bf16_dot(s, is_bf16)) {
+            attend_chunk_bf16_any(s, &rows, c * KC, packed, o, row_max, row_sum);
+            continue;
+        }
+#endif
+        attend_chunk_f32(s, &rows, c * KC, packed, qf, o, row_max, row_sum);
+    }
+    for (int r = 0; r < rows.rows; r++) {
+        float *row = o + (int64_t)r * d;
+        const float inv = 1.0f / row_sum[r];
+        for (int i = 0; i < d; i++) row[i] *= inv;
+        store_row(out, rows.out[r], d, is_bf16, row);
+    }
+}
+
+/* Query blocks, longest context first so the dynamic schedule ends with the short items. */
+static QueryBlock *query_blocks(const PrefillShape *s, int *count) {
+    int n = 0;
+    for (int b = 0; b < s->batch; b++) n += (query_len(s, b) + QB - 1) / QB;
+    QueryBlock *blocks = malloc((size_t)(n > 0 ? n : 1) * sizeof(QueryBlock));
+    if (!blocks) return NULL;
+    int t = 0;
+    for (int b = 0; b < s->batch; b++)
+        for (int first = (query_len(s, b) - 1) / QB * QB; first >= 0; first -= QB) blocks[t++] = (QueryBlock){b, first};
+    *count = n;
+    return blocks;
+}
+
+/* Returns 0, or a negative code: -1 for a shape the kernel does not take (odd head_dim, more than
+ * 8 query heads per KV head, head_dim over 128), -2 when out of memory. */
+int ricllm_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                             const int32_t *block_tables, const int32_t *query_start,
+                             const int32_t *context_lens, int batch, int heads, int kv_heads,
+                             int head_dim, int block_size, int table_width, float scale,
+                             int is_bf16, int num_threads) {
+    if (heads % kv_heads != 0 || heads / kv_heads > PF_MAX_G || head_dim > PF_MAX_D || head_dim % 2 != 0) return -1;
+    int64_t *chunk_base = malloc((size_t)(batch + 1) * sizeof(int64_t));
+    if (!chunk_base) return -2;
+    chunk_base[0] = 0;
+    for (int b = 0; b < batch; b++) chunk_base[b + 1] = chunk_base[b] + (context_lens[b] + KC - 1) / KC;
+    PrefillShape s = {batch, heads, kv_heads, head_dim, block_size, table_width, heads / kv_heads, scale,
+                      block_tables, query_start, context_lens, chunk_base};
+    const size_t elt = use_bf16_dot(&s, is_bf16) ? 2 : 4;
+    const int64_t chunks = chunk_base[batch];
+    void *packed = malloc((size_t)(chunks > 0 ? chunks : 1) * kv_heads * 2 * KC * head_dim * elt);
+    int n_blocks = 0;
+    QueryBlock *blocks = query_blocks(&s, &n_blocks);
+    if (!packed || !blocks) { free(chunk_base); free(packed); free(blocks); return -2; }
+    int *chunk_seq = malloc((size_t)(chunks > 0 ? chunks : 1) * sizeof(int));
+    if (!chunk_seq) { free(chunk_base); free(packed); free(blocks); return -2; }
+    for (int b = 0; b < batch; b++)
+        for (int64_t c = chunk_base[b]; c < chunk_base[b + 1]; c++) chunk_seq[c] = b;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < chunks * kv_heads; item++) {
+            const int64_t chunk = item / kv_heads;
+            const int b = chunk_seq[chunk], kvh = (int)(item % kv_heads);
+            const int c = (int)(chunk - chunk_base[b]);
+            pack_chunk(&s, b, kvh, c, k_cache, v_cache, is_bf16,
+                       (char *)packed + chunk_offset(&s, b, kvh, c) * elt);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < n_blocks * kv_heads; item++)
+            attend_block(&s, blocks[item / kv_heads], item % kv_heads, q, packed, out, is_bf16);
+    }
+    free(chunk_seq);
+    free(chunk_base);
+    free(packed);
+    free(blocks);
+    return 0;
+}
+
+int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int32_t *block_tables, const int32_t *query_start,
+                           const int32_t *context_lens, int batch, int heads, int kv_heads,
+                           int head_dim, int block_size, int table_width, float scale,
+                           int is_bf16, int num_threads);
+
+/* Which kernel attends a step: this one once some sequence brings PREFILL_MIN_QUERIES query rows
+ * (a block of them then amortises packing its K/V) and the products run in bf16, else the
+ * decode-shaped paged kernel (its fp32 dot products beat this kernel's portable path, measured). */
+#define PREFILL_MIN_QUERIES 16
+int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
+                     int batch, int heads, int kv_heads, int head_dim, int block_size, int table_width,
+                     float scale, int is_bf16, int num_threads) {
+    int longest = 0;
+    for (int b = 0; b < batch; b++)
+        longest = query_start[b + 1] - query_start[b] > longest ? query_start[b + 1] - query_start[b] : longest;
+    const PrefillShape s = {.head_dim = head_dim};
+    const int prefill = longest >= PREFILL_MIN_QUERIES && use_bf16_dot(&s, is_bf16);
+    int (*kernel)(const void *, const void *, const void *, void *, const int32_t *, const int32_t *,
+                  const int32_t *, int, int, int, int, int, int, float, int, int) =
+        prefill ? ricllm_prefill_attention : ricllm_paged_attention;
+    return kernel(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads, kv_heads,
+                  head_dim, block_size, table_width, scale, is_bf16, num_threads);
+}
