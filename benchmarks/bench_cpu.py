@@ -5,6 +5,11 @@ Q4_1) and the same prompts, 2 threads everywhere (ricllm threads=2, llama.cpp
 n_threads=2, OMP_NUM_THREADS=2 in every child). Each engine configuration runs in its own
 subprocess, which prints one JSON line; this process collects them and prints the tables.
 
+Every configuration runs --repeats times (default 3), interleaved: repeat 1 of every
+configuration, then repeat 2 with the order rotated by one, and so on, so a slow minute of a
+shared machine lands on different configurations. Tables show the median [min–max] of the
+repeats; a ratio (ricllm / llama.cpp) is the median [min–max] of the per-repeat ratios.
+
 Measured, for every engine:
   1. one stream: a 256-token prompt, 128 new tokens, greedy, EOS ignored: decode tok/s;
   2. aggregate decode tok/s at 8, 16 and 32 streams (each stream its own 256-token prompt,
@@ -20,21 +25,32 @@ Measured, for every engine:
      converts the GGUF and writes the weight cache) and second start (reads that cache);
   5. peak RSS: VmHWM of the measuring child (its own peak), in MB (10^6 bytes). Not ru_maxrss:
      Linux carries the forking parent's peak into a child's ru_maxrss across exec, so every
-     child would read at least this script's own peak (it imports torch).
+     child would read at least this script's own peak (it imports torch);
+  6. the bandwidth roofline: this process sweeps 1 GiB read-only in 2 threads (numpy
+     reductions over two halves, best of 5) for the machine's read bandwidth B. One-stream
+     decode cannot beat B / (weight bytes read per token + KV bytes per context token * the
+     mean decode context); the table gives each configuration's fraction of that bound. Each
+     child counts its own weight bytes (ricllm: as its latency roofline does; llama.cpp: the
+     model's tensor bytes; HF: its parameters), the embedding table only where it is the head.
 
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
 native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
-llama.cpp runs in a child of the system python (llama-cpp-python is not in the venv).
+--no-amx and --ricllm-env set the ricllm children's environment (e.g. the C kernels without AMX,
+the path an AMD EPYC takes); each child reports the kernel family it ran.
+llama.cpp runs under this interpreter (llama-cpp-python from `bash scripts/setup.sh --bench`;
+--llamacpp-python picks another), twice: flash attention off and on; ricllm is compared with
+the better of the two per measurement.
 Prompts are fixed-seed random token ids in [100, vocab - 100), identical for every engine.
-The summary and ratios (ricllm / llama.cpp) are appended to benchmarks/RESULTS.md.
+The summary, ratios and issue 21's targets (PASS/FAIL) are appended to benchmarks/RESULTS.md.
 
-    python benchmarks/bench_cpu.py                      # full run (tens of minutes on 2 cores)
-    python benchmarks/bench_cpu.py --quick              # smoke test: tiny sizes, prints only
-    python benchmarks/bench_cpu.py [--configs int4:native int4:torch int8:native bf16:torch] [--skip-hf] [--skip-llamacpp] [--no-publish]
+    python benchmarks/bench_cpu.py                      # full run (an hour or more on 2 cores)
+    python benchmarks/bench_cpu.py --quick --repeats 1  # smoke test: tiny sizes, prints only
+    python benchmarks/bench_cpu.py [--configs int4:native int4:torch int8:native bf16:torch] [--repeats N]
+        [--no-amx] [--ricllm-env KEY=VALUE ...] [--skip-hf] [--skip-llamacpp] [--no-publish]
 
 This file is also the children's program (``--child measure|ready``, spec as JSON on stdin):
-its module level imports only the standard library, so the system python can run it.
+its module level imports only the standard library, so any python with llama-cpp-python runs it.
 """
 
 from __future__ import annotations
@@ -48,18 +64,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
 THREADS = 2
 KV_BUDGET = "256MiB"
-SYSTEM_PYTHON = "/root/.pyenv/versions/3.11.7/bin/python3"
 RESULT_MARK, READY_MARK = "BENCH_RESULT ", "BENCH_READY "
-FULL = dict(prompt_len=256, new_tokens=128, streams=[1, 8, 16, 32], prefill_len=512, prefill_repeats=3)
-QUICK = dict(prompt_len=32, new_tokens=8, streams=[1, 4], prefill_len=32, prefill_repeats=1)
-TARGETS = dict(one_stream=1.0, max_streams=2.0, prompt=3.0, ready_s=3.0, rss_mb=600.0)
+FULL = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 8, 16, 32], "prefill_len": 512, "prefill_repeats": 3}
+QUICK = {"prompt_len": 32, "new_tokens": 8, "streams": [1, 4], "prefill_len": 32, "prefill_repeats": 1}
+# issue 21's targets for ricllm's default (int4 native); ratios are ratios of medians
+TARGETS = {"decode_1_vs_llama": 2.0, "decode_1_roofline": 0.80, "decode_32_vs_llama": 3.0, "native_vs_torch": 1.0,
+           "prompt_vs_llama": 3.0, "peak_rss_mb": 480.0, "ready_cached_s": 0.44}
+CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+SETUP_HINT = "bash scripts/setup.sh --bench"
 
 
 def progress(message: str) -> None:
@@ -91,8 +112,19 @@ class RicllmEngine:
 
     def describe(self) -> dict:
         engine = self.llm.engine
-        return dict(formats=list(engine.runtime.weight_formats), weights_from=engine.runtime.weights_source,
-                    preemptions=self.preemptions, torch_imported="torch" in sys.modules)
+        return {"formats": list(engine.runtime.weight_formats), "weights_from": engine.runtime.weights_source,
+                "preemptions": self.preemptions, "torch_imported": "torch" in sys.modules}
+
+    def facts(self) -> dict:
+        """Read after the measurements: the roofline's bytes as ricllm's own latency roofline counts
+        them (its bandwidth copy is not used), and the kernel family under this child's env."""
+        from ricllm.kernels.cpu_library import kernel_family
+
+        from ricllm.engine.calibration import roofline_of
+
+        roofline = roofline_of(self.llm.engine)
+        return {"weight_bytes": roofline.weight_bytes, "kv_bytes_per_token": roofline.kv_bytes_per_token,
+                "kernel_family": kernel_family()}
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
         before = self.llm.kv_cache_stats()["preemptions"]
@@ -127,7 +159,18 @@ class HFEngine:
     def describe(self) -> dict:
         import transformers
 
-        return dict(version=transformers.__version__)
+        return {"version": transformers.__version__}
+
+    def facts(self) -> dict:
+        """Every parameter once (a tied head is the embedding); an untied embedding is only looked up."""
+        model, config = self.model, self.model.config
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        embedding = model.get_input_embeddings().weight
+        if embedding is not model.get_output_embeddings().weight:
+            weights -= embedding.numel() * embedding.element_size()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * embedding.element_size()
+        return {"weight_bytes": weights, "kv_bytes_per_token": kv_per_token}
 
     def _generate(self, prompts: list[list[int]], new_tokens: int) -> float:
         ids = self.torch.tensor(prompts)
@@ -159,15 +202,18 @@ class LlamaCppEngine:
         set_verbose(False)
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
-        self.model = llama_cpp.llama_model_load_from_file(spec["model"].encode(), llama_cpp.llama_model_default_params())
+        self.model = llama_cpp.llama_model_load_from_file(spec["model"].encode(),
+                                                          llama_cpp.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {spec['model']}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_batch = 512
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         streams = max(spec["streams"])
+        self.flash_attn = bool(spec["flash_attn"])
         self.decode_ctx = self._context(streams, spec["prompt_len"] + spec["new_tokens"])
-        self.context_params = dict(n_ctx=self.lib.llama_n_ctx(self.decode_ctx), n_seq_max=streams, n_batch=self.n_batch)
+        self.context_params = {"n_ctx": self.lib.llama_n_ctx(self.decode_ctx), "n_seq_max": streams,
+                               "n_batch": self.n_batch}
         self.prefill_ctx = None
         self.prefill_len = spec["prefill_len"]
 
@@ -178,6 +224,7 @@ class LlamaCppEngine:
         params.n_batch, params.n_ubatch = self.n_batch, self.n_batch
         params.n_threads = params.n_threads_batch = THREADS
         params.kv_unified = False  # one KV stream per sequence, as llama-batched-bench by default
+        set_flash_attention(self.lib, params, self.flash_attn)
         params.no_perf = True
         ctx = self.lib.llama_init_from_model(self.model, params)
         if not ctx:
@@ -185,7 +232,17 @@ class LlamaCppEngine:
         return ctx
 
     def describe(self) -> dict:
-        return dict(version=self.lib.__version__, context=self.context_params)
+        return {"version": self.lib.__version__, "context": self.context_params, "flash_attn": self.flash_attn}
+
+    def facts(self) -> dict:
+        """The build (CPU features, CMake flags) and the roofline's bytes: every tensor of the model
+        (SmolLM2 ties its head to token_embd, so that is read whole each step) and an f16 K and V."""
+        lib, model = self.lib, self.model
+        head_dim = lib.llama_model_n_embd(model) // lib.llama_model_n_head(model)
+        kv_per_token = 2 * 2 * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * head_dim
+        return {"weight_bytes": lib.llama_model_size(model), "kv_bytes_per_token": kv_per_token,
+                "system_info": lib.llama_print_system_info().decode().strip(),
+                "build_flags": llamacpp_build_flags(Path(lib.__file__).parent)}
 
     def _decode(self, ctx, entries: list[tuple[int, int, int, bool]]) -> list[int]:
         """Run (token, position, seq_id, wants_logits) entries; argmax of every requested row."""
@@ -231,6 +288,26 @@ class LlamaCppEngine:
         return time.perf_counter() - start
 
 
+def set_flash_attention(lib, params, on: bool) -> None:
+    """llama-cpp-python since 0.3.16 takes an enum ``flash_attn_type`` (its default is auto), older
+    ones a bool ``flash_attn``: either way, set it explicitly."""
+    if hasattr(params, "flash_attn_type"):
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    else:
+        params.flash_attn = on
+
+
+def llamacpp_build_flags(package: Path) -> str | None:
+    """The GGML_* CMake settings the installed llama.cpp was configured with, where the package kept
+    ggml's CMake config (it expands every GGML_ cache variable); None where it did not."""
+    for config in sorted(package.parent.glob("**/ggml-config.cmake")) + sorted(package.glob("**/ggml-config.cmake")):
+        flags = [line.strip()[4:-1] for line in config.read_text().splitlines()
+                 if line.strip().startswith("set(GGML_") and not line.strip().startswith("set(GGML_INCLUDE")]
+        if flags:
+            return f"{config}: " + "; ".join(flags)
+    return None
+
+
 ENGINES = {"ricllm": RicllmEngine, "hf": HFEngine, "llamacpp": LlamaCppEngine}
 
 
@@ -246,7 +323,9 @@ def measure(spec: dict) -> dict:
                  f"(prefill {first:.2f} s, total {total:.2f} s; stream 0 starts {engine.first_tokens[:4]})")
     prompt_tps = statistics.median(len(p) / engine.prefill(p) for p in spec["prefill_prompts"])
     progress(f"{spec['label']}: prompt {spec['prefill_len']} tokens: {prompt_tps:.0f} tok/s")
-    return dict(decode_tps=decode, prompt_tps=prompt_tps, peak_rss_mb=peak_rss_mb(), **engine.describe())
+    peak = peak_rss_mb()  # before facts(), which may allocate (ricllm's roofline copies 256 MB)
+    described = engine.describe()  # before facts(): whether the serving path imported torch
+    return dict(decode_tps=decode, prompt_tps=prompt_tps, peak_rss_mb=peak, **described, **engine.facts())
 
 
 def child_main(mode: str) -> None:
@@ -274,9 +353,20 @@ def workload_spec(model: Path, vocab: int, sizes: dict) -> dict:
                 prefill_prompts=random_prompts(sizes["prefill_repeats"], sizes["prefill_len"], vocab, seed=2000))
 
 
-def child_env(cache_dir: str | None = None) -> dict:
+@dataclass
+class Config:
+    """One engine configuration: what its children run, under which interpreter and extra env."""
+
+    label: str
+    engine: str  # a key of ENGINES
+    python: str
+    spec: dict = field(default_factory=dict)  # added to the workload spec
+    env: dict = field(default_factory=dict)  # added to its children's environment
+
+
+def child_env(extra: dict, cache_dir: str | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1",
-               TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
+               TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error", **extra)
     if cache_dir is not None:
         env["RICLLM_CACHE_DIR"] = cache_dir
     return env
@@ -311,42 +401,48 @@ def time_to_ready(python: str, spec: dict, env: dict, which: str) -> tuple[float
     return elapsed, info["rss_at_ready_mb"]
 
 
-def bench_config(python: str, spec: dict, cache_dir: str | None = None) -> dict | None:
-    """Time to ready (twice for ricllm: converting, then from the weight cache), then the measurements."""
-    env = child_env(cache_dir)
-    ready = dict(zip(("ready_s", "rss_first_start_mb"), time_to_ready(python, spec, env, "first start")))
-    ready["rss_at_ready_mb"] = ready["rss_first_start_mb"]
-    if spec["engine"] == "ricllm":
-        ready.update(zip(("ready_cached_s", "rss_at_ready_mb"), time_to_ready(python, spec, env, "weight cache")))
-    _, result = run_child(python, "measure", spec, env)
+def flatten(result: dict) -> dict:
+    """One repeat's numbers under flat keys (``decode_8``, ``prompt_tps``, ...), facts kept."""
+    flat = {k: v for k, v in result.items() if k != "decode_tps"}
+    flat.update({f"decode_{streams}": tps for streams, tps in result["decode_tps"].items()})
+    return flat
+
+
+def run_once(config: Config, base: dict) -> dict | None:
+    """One repeat of one configuration: time to ready (twice for ricllm: converting into an empty
+    cache, then from that cache), then the measurements; None if a child failed."""
+    spec = dict(base, **config.spec, engine=config.engine, label=config.label)
+    with tempfile.TemporaryDirectory(prefix="ricllm-bench-cache-") as cache_dir:
+        env = child_env(config.env, cache_dir if config.engine == "ricllm" else None)
+        ready = dict(zip(("ready_s", "rss_first_start_mb"), time_to_ready(config.python, spec, env, "first start")))
+        ready["rss_at_ready_mb"] = ready["rss_first_start_mb"]
+        if config.engine == "ricllm":
+            ready.update(zip(("ready_cached_s", "rss_at_ready_mb"),
+                             time_to_ready(config.python, spec, env, "weight cache")))
+        _, result = run_child(config.python, "measure", spec, env)
     if result is None:
         return None
-    progress(f"{spec['label']}: peak RSS {result['peak_rss_mb']:.0f} MB")
-    return dict(label=spec["label"], engine=spec["engine"], **ready, **result)
+    progress(f"{config.label}: peak RSS {result['peak_rss_mb']:.0f} MB")
+    return dict(ready, **flatten(result))
 
 
-def bench_ricllm(base: dict, weights: str, runtime: str, auto_formats: tuple[str, str]) -> dict | None:
-    spec = dict(base, engine="ricllm", weights=weights, runtime=runtime, label=f"ricllm {weights} {runtime}")
-    with tempfile.TemporaryDirectory(prefix="ricllm-bench-cache-") as cache_dir:
-        result = bench_config(sys.executable, spec, cache_dir)
-    if result is not None:
-        layers, head = result["formats"]
-        default = (layers, head) == auto_formats and runtime == "native"  # what LLM() runs on this CPU
-        result["label"] += f" ({layers} layers, {head} head{'; the default' if default else ''})"
-        result["is_default"] = default
-    return result
+def interleaved_order(configs: int, repeats: int) -> list[tuple[int, int]]:
+    """(repeat, configuration index) in run order: every configuration once per repeat, each
+    repeat's order rotated by one, so no configuration always runs first (or right after another)."""
+    return [(repeat, (repeat + i) % configs) for repeat in range(repeats) for i in range(configs)]
 
 
-def llamacpp_available(python: str) -> bool:
+def llamacpp_problem(python: str) -> str | None:
+    """Why llama.cpp cannot run under ``python`` (with how to fix it), or None."""
     try:
-        check = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
+        check = subprocess.run([python, "-c", "import llama_cpp"], check=False, capture_output=True, text=True)
         reason = (check.stderr.strip().splitlines() or [""])[-1] if check.returncode else None
     except OSError as error:
         reason = str(error)
-    if reason is not None:
-        progress(f"SKIP llama.cpp: `import llama_cpp` fails under {python} ({reason}); "
-                 f"install llama-cpp-python there or pass --llamacpp-python")
-    return reason is None
+    if reason is None:
+        return None
+    return (f"`import llama_cpp` fails under {python} ({reason}); install llama-cpp-python with "
+            f"`{SETUP_HINT}` (or pass --llamacpp-python)")
 
 
 def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
@@ -358,15 +454,203 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
     return checkpoint.spec.vocab_size, resolve_formats("auto", checkpoint.tensor_types(), packable=True)
 
 
-def run_all(args, model: Path, sizes: dict) -> list[dict]:
-    vocab, auto_formats = model_facts(model)
-    base = workload_spec(model, vocab, sizes)
-    results = [bench_ricllm(base, *config.split(":"), auto_formats) for config in args.configs]
-    if not args.skip_llamacpp and llamacpp_available(args.llamacpp_python):
-        results.append(bench_config(args.llamacpp_python, dict(base, engine="llamacpp", label="llama.cpp Q4_1")))
+def configurations(args, llamacpp_ok: bool) -> list[Config]:
+    """ricllm's configurations (with the --no-amx / --ricllm-env environment), then the peers."""
+    ricllm_env = dict(args.ricllm_env, **({"RICLLM_NO_AMX": "1"} if args.no_amx else {}))
+    configs = [Config(f"ricllm {weights} {runtime}", "ricllm", sys.executable, {"weights": weights, "runtime": runtime},
+                      ricllm_env) for weights, runtime in (c.split(":") for c in args.configs)]
+    if llamacpp_ok:
+        configs += [Config(f"llama.cpp, flash attention {'on' if on else 'off'}", "llamacpp", args.llamacpp_python,
+                           {"flash_attn": on}) for on in (False, True)]
     if not args.skip_hf:
-        results.append(bench_config(sys.executable, dict(base, engine="hf", label="HF transformers bf16")))
-    return [r for r in results if r is not None]
+        configs.append(Config("HF transformers bf16", "hf", sys.executable))
+    return configs
+
+
+def run_all(configs: list[Config], base: dict, repeats: int) -> dict[str, list[dict | None]]:
+    """Every configuration ``repeats`` times, interleaved; per label, one entry per repeat."""
+    runs: dict[str, list[dict | None]] = {c.label: [None] * repeats for c in configs}
+    for repeat, index in interleaved_order(len(configs), repeats):
+        config = configs[index]
+        progress(f"repeat {repeat + 1} of {repeats}: {config.label}")
+        runs[config.label][repeat] = run_once(config, base)
+    return runs
+
+
+def read_bandwidth(gib: int = 1, threads: int = THREADS, tries: int = 5) -> float:
+    """Bytes/s of a read-only sweep over ``gib`` GiB, split in ``threads`` parts each summed by its
+    own thread (numpy's reductions release the GIL); the best of ``tries``. The pages are written
+    once before, so the sweep reads resident memory."""
+    import numpy as np
+
+    data = np.ones((gib << 30) // 8, dtype=np.int64)
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    for _ in range(tries):
+        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+# ================================================================== summary (pure functions)
+
+@dataclass(frozen=True)
+class Stat:
+    """The median and range of one measurement over the repeats that produced it."""
+
+    median: float
+    low: float
+    high: float
+    count: int
+
+
+def stat(values: list[float | None]) -> Stat | None:
+    """Median [min–max] of the values present (a failed repeat is None); None if there are none."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return Stat(statistics.median(present), min(present), max(present), len(present))
+
+
+def per_repeat_ratios(ours: list[float | None], theirs: list[float | None]) -> list[float]:
+    """ours[i] / theirs[i] for every repeat i where both were measured."""
+    return [a / b for a, b in zip(ours, theirs, strict=True) if a is not None and b]
+
+
+def ratio_of_medians(ours: Stat | None, theirs: Stat | None) -> float | None:
+    return None if ours is None or theirs is None or not theirs.median else ours.median / theirs.median
+
+
+def scaled(value: Stat | None, factor: float) -> Stat | None:
+    if value is None:
+        return None
+    return Stat(value.median * factor, value.low * factor, value.high * factor, value.count)
+
+
+def mean_decode_context(prompt_len: int, new_tokens: int) -> float:
+    """Mean tokens attended over by the decode steps behind decode tok/s: step i (1 ≤ i < new) reads
+    the prompt and i generated tokens, so the mean is prompt + new / 2."""
+    return prompt_len + new_tokens / 2
+
+
+def roofline_tps(bandwidth: float, weight_bytes: float, kv_bytes_per_token: float, context: float) -> float:
+    """The one-stream decode bound: each token reads every weight once and the KV of its context."""
+    return bandwidth / (weight_bytes + kv_bytes_per_token * context)
+
+
+@dataclass
+class Series:
+    """One configuration's runs, one entry per repeat (None: a child of that repeat failed)."""
+
+    config: Config
+    runs: list[dict | None]
+    label: str = ""
+
+    def __post_init__(self):
+        self.label = self.label or self.config.label
+
+    def values(self, key: str) -> list[float | None]:
+        return [None if run is None else run.get(key) for run in self.runs]
+
+    def stat(self, key: str) -> Stat | None:
+        return stat(self.values(key))
+
+    def fact(self, key: str):
+        """What every repeat reports alike (formats, weight bytes, versions): the first present."""
+        return next((run[key] for run in self.runs if run is not None and key in run), None)
+
+
+def roofline_fraction(series: Series, bandwidth: float, sizes: dict) -> Stat | None:
+    """One-stream decode tok/s over this configuration's roofline (its own weight and KV bytes)."""
+    weight_bytes, kv_per_token = series.fact("weight_bytes"), series.fact("kv_bytes_per_token")
+    if weight_bytes is None or kv_per_token is None:
+        return None
+    context = mean_decode_context(sizes["prompt_len"], sizes["new_tokens"])
+    return scaled(series.stat("decode_1"), 1 / roofline_tps(bandwidth, weight_bytes, kv_per_token, context))
+
+
+def better_peer(peers: list[Series], key: str) -> Series | None:
+    """The peer configuration with the higher median for this (higher-is-better) measurement."""
+    measured = [p for p in peers if p.stat(key) is not None]
+    return max(measured, key=lambda p: p.stat(key).median, default=None)
+
+
+def ratio_stat(ours: Series, peer: Series | None, key: str) -> Stat | None:
+    """The median [min–max] of the per-repeat ratios ours / peer for one measurement."""
+    return None if peer is None else stat(per_repeat_ratios(ours.values(key), peer.values(key)))
+
+
+# ================================================================== verdicts (pure functions)
+
+@dataclass(frozen=True)
+class Check:
+    """One of issue 21's targets: ``value`` against ``target`` (at least, or at most)."""
+
+    name: str
+    value: float | None
+    target: float
+    at_least: bool
+    unit: str  # "×", "%" (value a fraction), " MB" or " s"
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.target if self.at_least else self.value <= self.target
+
+
+def fmt_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "–"
+    if unit == "%":
+        return f"{100 * value:.0f}%"
+    return f"{value:{'.0f' if unit == ' MB' else '.2f'}}{unit}"
+
+
+def check_line(check: Check) -> str:
+    """``- name: value (target ≥ x; detail): PASS|FAIL|not measured``."""
+    verdict = {None: "not measured", True: "PASS", False: "FAIL"}[check.passed]
+    target = f"target {'≥' if check.at_least else '≤'} {fmt_value(check.target, check.unit)}"
+    detail = f"; {check.detail}" if check.detail else ""
+    return f"- {check.name}: {fmt_value(check.value, check.unit)} ({target}{detail}): {verdict}"
+
+
+def vs_peer_check(name: str, ours: Series, peers: list[Series], key: str, target: float) -> Check:
+    peer = better_peer(peers, key)
+    value = ratio_of_medians(ours.stat(key), peer and peer.stat(key))
+    return Check(name, value, target, True, "×", f"vs {peer.label}" if peer else "llama.cpp not measured")
+
+
+def native_vs_torch_check(ours: Series, twin: Series | None, streams: list[int]) -> Check:
+    """The native runtime against the torch runtime on the same formats: the worst stream count."""
+    ratios = {s: ratio_of_medians(ours.stat(f"decode_{s}"), twin and twin.stat(f"decode_{s}")) for s in streams}
+    present = {s: r for s, r in ratios.items() if r is not None}
+    worst = min(present.values()) if len(present) == len(ratios) else None
+    detail = ", ".join(f"{s}: {r:.2f}×" for s, r in present.items()) or "the torch runtime was not measured"
+    return Check("decode, native ≥ torch runtime at every stream count (worst)", worst,
+                 TARGETS["native_vs_torch"], True, "×", detail)
+
+
+def issue_checks(ours: Series, twin: Series | None, peers: list[Series], bandwidth: float, sizes: dict) -> list[Check]:
+    """Issue 21's targets for ricllm's default configuration, as ratios of medians."""
+    fraction = roofline_fraction(ours, bandwidth, sizes)
+    rss, ready = ours.stat("peak_rss_mb"), ours.stat("ready_cached_s")
+    return [
+        vs_peer_check("decode, 1 stream vs llama.cpp", ours, peers, "decode_1", TARGETS["decode_1_vs_llama"]),
+        Check("decode, 1 stream: fraction of the roofline", fraction and fraction.median,
+              TARGETS["decode_1_roofline"], True, "%", f"{bandwidth / 1e9:.1f} GB/s read"),
+        vs_peer_check("decode, 32 streams vs llama.cpp", ours, peers, "decode_32", TARGETS["decode_32_vs_llama"]),
+        native_vs_torch_check(ours, twin, sizes["streams"]),
+        vs_peer_check(f"prompt ({sizes['prefill_len']} tokens) vs llama.cpp", ours, peers, "prompt_tps",
+                      TARGETS["prompt_vs_llama"]),
+        Check("peak RSS, whole run", rss and rss.median, TARGETS["peak_rss_mb"], False, " MB"),
+        Check("time to ready from the weight cache", ready and ready.median, TARGETS["ready_cached_s"], False, " s")]
 
 
 # ================================================================== report
@@ -375,113 +659,160 @@ def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
-def side_by_side(results: list[dict], sizes: dict) -> str:
-    lines = ["| measurement | " + " | ".join(r["label"] for r in results) + " |",
-             "|---|" + "---:|" * len(results)]
+def fmt_stat(value: Stat | None, spec: str = ".1f", suffix: str = "") -> str:
+    """``median [min–max]`` (the range left out when one repeat produced it)."""
+    if value is None:
+        return "–"
+    text = f"{value.median:{spec}}{suffix}"
+    return text if value.count == 1 else f"{text} [{value.low:{spec}}–{value.high:{spec}}]"
 
-    def add(name: str, values: list[str]) -> None:
-        lines.append(f"| {name} | " + " | ".join(values) + " |")
 
-    for s in sizes["streams"]:
-        name = "decode, 1 stream (tok/s)" if s == 1 else f"decode, {s} streams aggregate (tok/s)"
-        add(name, [fmt(r["decode_tps"].get(str(s))) for r in results])
-    add(f"prompt, {sizes['prefill_len']}-token prefill (tok/s)", [fmt(r["prompt_tps"], ".0f") for r in results])
-    add("time to ready, first start (s)", [fmt(r["ready_s"], ".2f") for r in results])
-    add("time to ready, from weight cache (s)", [fmt(r.get("ready_cached_s"), ".2f") for r in results])
-    add("peak RSS to ready, first start (MB; ricllm: converting)", [fmt(r.get("rss_first_start_mb"), ".0f")
-                                                                    for r in results])
-    add("RSS when ready (MB; ricllm: from weight cache)", [fmt(r["rss_at_ready_mb"], ".0f") for r in results])
-    add("peak RSS, whole run (MB)", [fmt(r["peak_rss_mb"], ".0f") for r in results])
+def label_series(configs: list[Config], runs: dict[str, list[dict | None]],
+                 auto_formats: tuple[str, str]) -> list[Series]:
+    """Series in configuration order; a ricllm label names the formats it ran and the default."""
+    series = [Series(c, runs[c.label]) for c in configs]
+    for s in series:
+        formats = s.fact("formats")
+        if s.config.engine == "ricllm" and formats:
+            default = tuple(formats) == tuple(auto_formats) and s.config.spec["runtime"] == "native"
+            s.label += f" ({formats[0]} layers, {formats[1]} head{'; the default' if default else ''})"
+            s.config.spec["is_default"] = default
+    return series
+
+
+def side_by_side(series: list[Series], sizes: dict, bandwidth: float) -> str:
+    lines = ["| measurement | " + " | ".join(s.label for s in series) + " |", "|---|" + "---:|" * len(series)]
+
+    def add(name: str, cells: list[str]) -> None:
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    for n in sizes["streams"]:
+        add("decode, 1 stream (tok/s)" if n == 1 else f"decode, {n} streams aggregate (tok/s)",
+            [fmt_stat(s.stat(f"decode_{n}")) for s in series])
+    add("decode, 1 stream: % of roofline", [fmt_stat(scaled(roofline_fraction(s, bandwidth, sizes), 100), ".0f", "%")
+                                             for s in series])
+    add(f"prompt, {sizes['prefill_len']}-token prefill (tok/s)",
+        [fmt_stat(s.stat("prompt_tps"), ".0f") for s in series])
+    for key, name, spec in (("ready_s", "time to ready, first start (s)", ".2f"),
+                            ("ready_cached_s", "time to ready, from weight cache (s)", ".2f"),
+                            ("rss_first_start_mb", "peak RSS to ready, first start (MB; ricllm: converting)", ".0f"),
+                            ("rss_at_ready_mb", "RSS when ready (MB; ricllm: from weight cache)", ".0f"),
+                            ("peak_rss_mb", "peak RSS, whole run (MB)", ".0f")):
+        add(name, [fmt_stat(s.stat(key), spec) for s in series])
+    add("weight bytes read per token (MB)", [fmt(s.fact("weight_bytes") and s.fact("weight_bytes") / 1e6, ".1f")
+                                             for s in series])
     return "\n".join(lines)
 
 
-def ratio_rows(ours: dict, llama: dict, sizes: dict) -> list[tuple[str, float, str]]:
-    """(measurement, ricllm / llama.cpp, the issue's target) rows."""
-    targets = {1: f"≥ {TARGETS['one_stream']:g}×", 32: f"≥ {TARGETS['max_streams']:g}×"}
-    rows = [(f"decode, {s} stream{'s' if s > 1 else ''}", ours["decode_tps"][str(s)] / llama["decode_tps"][str(s)],
-             targets.get(s, "–")) for s in sizes["streams"]]
-    rows.append((f"prompt ({sizes['prefill_len']} tokens)", ours["prompt_tps"] / llama["prompt_tps"],
-                 f"≥ {TARGETS['prompt']:g}×"))
-    return rows
-
-
-def ratio_table(results: list[dict], sizes: dict) -> str:
-    llama = next((r for r in results if r["engine"] == "llamacpp"), None)
-    ours = [r for r in results if r["engine"] == "ricllm"]
-    if llama is None or not ours:
+def ratio_table(ours: list[Series], peers: list[Series], sizes: dict) -> str:
+    """Per measurement: ricllm / the better llama.cpp configuration, median [min–max] of the per-repeat ratios."""
+    if not peers or not ours:
         return "No ratios: llama.cpp was not measured."
-    per_config = [ratio_rows(r, llama, sizes) for r in ours]
-    lines = ["| ricllm / llama.cpp | " + " | ".join(r["label"] for r in ours) + " | target (default formats) |",
+    lines = ["| ricllm / llama.cpp | " + " | ".join(s.label for s in ours) + " | llama.cpp reference |",
              "|---|" + "---:|" * len(ours) + "---|"]
-    for i, (name, _, target) in enumerate(per_config[0]):
-        lines.append(f"| {name} | " + " | ".join(f"{rows[i][1]:.2f}×" for rows in per_config) + f" | {target} |")
+    keys = [(f"decode_{n}", f"decode, {n} stream{'s' if n > 1 else ''}") for n in sizes["streams"]]
+    for key, name in keys + [("prompt_tps", f"prompt ({sizes['prefill_len']} tokens)")]:
+        peer = better_peer(peers, key)
+        cells = [fmt_stat(ratio_stat(s, peer, key), ".2f", "×") for s in ours]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {peer.label if peer else '–'} |")
     return "\n".join(lines)
 
 
-def verdict(ok: bool | None) -> str:
-    return "not measured" if ok is None else ("met" if ok else "MISSED")
-
-
-def target_checks(ours: dict, llama: dict | None) -> list[tuple[str, float | None, float, str, bool]]:
-    """(name, measured, target, unit, at least?) for the issue's targets; RSS is the whole run's peak."""
-    def vs_llama(value: float | None, reference: float | None) -> float | None:
-        return None if value is None or reference is None else value / reference
-
-    def decode(r: dict | None, streams: str) -> float | None:
-        return None if r is None else r["decode_tps"].get(streams)
-
-    return [
-        ("one-stream decode vs llama.cpp", vs_llama(decode(ours, "1"), decode(llama, "1")), TARGETS["one_stream"], "×", True),
-        ("32-stream aggregate decode vs llama.cpp", vs_llama(decode(ours, "32"), decode(llama, "32")),
-         TARGETS["max_streams"], "×", True),
-        ("prompt throughput vs llama.cpp", vs_llama(ours["prompt_tps"], llama and llama["prompt_tps"]),
-         TARGETS["prompt"], "×", True),
-        ("time to ready (from weight cache)", ours.get("ready_cached_s"), TARGETS["ready_s"], " s", False),
-        ("peak RSS", ours["peak_rss_mb"], TARGETS["rss_mb"], " MB", False)]
-
-
-def target_lines(results: list[dict]) -> str:
-    """The issue's targets against the default-format ricllm configuration."""
-    ours = next((r for r in results if r.get("is_default")), None)
+def target_lines(series: list[Series], bandwidth: float, sizes: dict) -> str:
+    """Issue 21's targets against the default-format ricllm configuration (int4 native)."""
+    ours = next((s for s in series if s.config.spec.get("is_default")), None)
     if ours is None:
-        return "Targets: not checked (the default-format configuration, int4 on a Q4_1 file, was not run)."
-    llama = next((r for r in results if r["engine"] == "llamacpp"), None)
-    lines = [f"Targets ({ours['label']}, {KV_BUDGET} KV):"]
-    for name, value, target, unit, at_least in target_checks(ours, llama):
-        ok = None if value is None else (value >= target if at_least else value <= target)
-        lines.append(f"- {name}: {fmt(value, '.0f' if unit == ' MB' else '.2f', unit)} (target {'≥' if at_least else '≤'} {target:g}{unit}): "
-                     f"{verdict(ok)}")
-    return "\n".join(lines)
+        return "Targets: not checked (the default configuration, int4 native on a Q4_1 file, was not run)."
+    twin = next((s for s in series if s.config.engine == "ricllm" and s.config.spec["runtime"] == "torch"
+                 and s.config.spec["weights"] == ours.config.spec["weights"]), None)
+    peers = [s for s in series if s.config.engine == "llamacpp"]
+    lines = [f"Targets of issue 21 ({ours.label}, {KV_BUDGET} KV; ratios of medians):"]
+    return "\n".join(lines + [check_line(c) for c in issue_checks(ours, twin, peers, bandwidth, sizes)])
 
 
-def notes(results: list[dict]) -> str:
+def cpu_flags() -> str:
+    """The CPU flags that decide which kernels run (ricllm's families, llama.cpp's paths)."""
+    try:
+        flags = next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown (no /proc/cpuinfo)"
+    return " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+
+
+def series_notes(s: Series) -> list[str]:
     lines = []
-    for r in results:
-        preempted = {s: n for s, n in (r.get("preemptions") or {}).items() if n}
-        if preempted:
-            lines.append(f"{r['label']}: KV preemptions (streams: count) {preempted} under the {KV_BUDGET} budget.")
-        if r["engine"] == "ricllm":
-            lines.append(f"{r['label']}: torch {'was' if r.get('torch_imported') else 'was not'} imported by the serving process.")
-        if r["engine"] == "llamacpp":
-            lines.append(f"llama.cpp: llama-cpp-python {r['version']}, decode context {r['context']} (llama.cpp "
-                         f"rounds each sequence's KV up to a multiple of 256 cells), one KV stream per sequence, "
-                         f"f16 KV, default flash-attention setting.")
-        if r["engine"] == "hf":
-            lines.append(f"HF: transformers {r['version']}, `generate` with min_new_tokens; its TTFT is a separate "
-                         f"1-token `generate`.")
-    return "\n".join(lines)
+    preempted = [{n: c for n, c in (run.get("preemptions") or {}).items() if c} for run in s.runs if run]
+    if any(preempted):
+        lines.append(f"{s.label}: KV preemptions per repeat (streams: count) {preempted} under the {KV_BUDGET} budget.")
+    failed = sum(run is None for run in s.runs)
+    if failed:
+        lines.append(f"{s.label}: {failed} of {len(s.runs)} repeats failed (their children's stderr is above).")
+    if s.config.engine == "ricllm":
+        env = " ".join(f"{k}={v}" for k, v in s.config.env.items()) or "none"
+        lines.append(f"{s.label}: kernel family {s.fact('kernel_family')} (extra env: {env}); torch "
+                     f"{'was' if s.fact('torch_imported') else 'was not'} imported by the serving process.")
+    if s.config.engine == "hf":
+        lines.append(f"HF: transformers {s.fact('version')}, `generate` with min_new_tokens; its TTFT is a separate "
+                     f"1-token `generate`.")
+    return lines
 
 
-def report(results: list[dict], sizes: dict, model: Path, append: bool) -> None:
-    from benchmarks.results import publish
+def llamacpp_notes(peers: list[Series], problem: str | None) -> list[str]:
+    """The peer's build: version, the CPU features it was built with, its CMake flags."""
+    if problem:
+        return [f"llama.cpp was not measured: {problem}."]
+    if not peers:
+        return []
+    peer = peers[0]
+    flags = peer.fact("build_flags") or "not recorded in the installed package: pip's defaults, GGML_NATIVE on"
+    return [(f"llama.cpp: llama-cpp-python {peer.fact('version')} under {peer.config.python}, decode context "
+            f"{peer.fact('context')} (llama.cpp rounds each sequence's KV up to a multiple of 256 cells), one KV "
+            f"stream per sequence, f16 KV; flash attention off and on, ricllm compared with the better per "
+            f"measurement."),
+            f"llama.cpp system info: {peer.fact('system_info')}", f"llama.cpp CMake flags: {flags}"]
 
-    body = "\n\n".join(part for part in (side_by_side(results, sizes), ratio_table(results, sizes),
-                                         target_lines(results), notes(results)) if part)
-    details = (f"Model: {model.name}. {sizes['prompt_len']}-token prompts, {sizes['new_tokens']} new tokens, "
-               f"greedy, EOS ignored; prompt throughput: one {sizes['prefill_len']}-token prompt "
-               f"(median of {sizes['prefill_repeats']}); ricllm KV budget {KV_BUDGET}; "
-               f"each configuration in its own process.")
+
+def roofline_note(bandwidth: float, sizes: dict) -> str:
+    context = mean_decode_context(sizes["prompt_len"], sizes["new_tokens"])
+    return (f"Roofline: {bandwidth / 1e9:.1f} GB/s read (1 GiB swept read-only by {THREADS} threads, best of 5); "
+            f"one-stream bound = bandwidth / (weight bytes + KV bytes per token × {context:g} tokens, the mean "
+            f"decode context). Weight bytes, counted by each child: ricllm as its latency roofline does "
+            f"(ricllm.engine.calibration.roofline_of: packed projections with their scales and offsets, norms, "
+            f"the head; the embedding only where it is the head), llama.cpp llama_model_size (every tensor; "
+            f"the tied head is token_embd), HF its parameters once each (bf16).")
+
+
+def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, problem: str | None, append: bool) -> None:
+    from benchmarks.results import machine, publish
+
+    ours = [s for s in series if s.config.engine == "ricllm"]
+    peers = [s for s in series if s.config.engine == "llamacpp"]
+    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(peers, problem)
+    body = "\n\n".join([side_by_side(series, sizes, bandwidth), ratio_table(ours, peers, sizes),
+                        target_lines(series, bandwidth, sizes), roofline_note(bandwidth, sizes), "\n".join(notes)])
+    repeats = max(len(s.runs) for s in series)
+    details = (f"CPU flags: {cpu_flags()}. Model: {model.name}. {sizes['prompt_len']}-token prompts, "
+               f"{sizes['new_tokens']} new tokens, greedy, EOS ignored; prompt throughput: one "
+               f"{sizes['prefill_len']}-token prompt (median of {sizes['prefill_repeats']}); ricllm KV budget "
+               f"{KV_BUDGET}; each configuration in its own process, {repeats} repeats interleaved: median "
+               f"[min–max]; ratios: median [min–max] of the per-repeat ratios.")
+    progress(f"machine: {machine()}")
     publish("CPU benchmark: ricllm vs llama.cpp vs HF", details, body, append=append)
+
+
+def env_pair(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` for --ricllm-env (argparse reports a malformed one as a usage error)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}")
+    return int(text)
 
 
 def parse_args() -> argparse.Namespace:
@@ -490,14 +821,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=["int4:native", "int4:torch", "int8:native", "bf16:torch"],
                         choices=[f"{w}:{r}" for w in ("auto", "int4", "int8", "bf16") for r in ("native", "torch")],
                         help="ricllm configurations, WEIGHTS:RUNTIME (bf16 runs on torch only; default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs of every configuration, interleaved (default: %(default)s; 1 for a smoke run)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (32-token prompts, 8 new "
                         "tokens, streams 1 and 4); never publishes")
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--skip-llamacpp", action="store_true")
-    parser.add_argument("--llamacpp-python", default=SYSTEM_PYTHON, help="interpreter with llama-cpp-python")
+    parser.add_argument("--no-amx", action="store_true", help="run the ricllm children with RICLLM_NO_AMX=1: "
+                        "ricllm's C kernels built without AMX, the path an AMD EPYC or an older Xeon takes")
+    parser.add_argument("--ricllm-env", type=env_pair, action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the ricllm children only (repeatable), e.g. a kernel cap")
+    parser.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="do not run llama.cpp")
+    parser.add_argument("--llamacpp-python", default=sys.executable,
+                        help=f"interpreter with llama-cpp-python (default: this one, %(default)s; `{SETUP_HINT}` "
+                             f"installs it)")
     parser.add_argument("--no-publish", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--child", choices=["measure", "ready"], help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.ricllm_env = dict(args.ricllm_env)
+    return args
 
 
 def main() -> None:
@@ -512,10 +853,18 @@ def main() -> None:
 
     model = Path(args.model).resolve() if args.model else default_model_path()
     sizes = QUICK if args.quick else FULL
-    results = run_all(args, model, sizes)
-    if not results:
-        sys.exit("no configuration produced results")
-    report(results, sizes, model, append=not (args.quick or args.no_publish))
+    problem = None if args.skip_llamacpp else llamacpp_problem(args.llamacpp_python)
+    if problem:
+        progress(f"SKIP llama.cpp: {problem}")
+    bandwidth = read_bandwidth()
+    progress(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    vocab, auto_formats = model_facts(model)
+    configs = configurations(args, llamacpp_ok=not args.skip_llamacpp and problem is None)
+    runs = run_all(configs, workload_spec(model, vocab, sizes), args.repeats)
+    series = [s for s in label_series(configs, runs, auto_formats) if any(s.runs)]
+    if not series:
+        sys.exit("no configuration produced results (see the children's errors above)")
+    report(series, sizes, model, bandwidth, problem, append=not (args.quick or args.no_publish))
 
 
 if __name__ == "__main__":

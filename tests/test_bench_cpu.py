@@ -1,0 +1,171 @@
+"""The summary math of benchmarks/bench_cpu.py on made-up repeats: medians and ranges, per-repeat
+ratios against the better llama.cpp configuration, the interleaving order, the bandwidth roofline
+and issue 21's verdict lines. No model, no engine, no child process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import benchmarks.bench_cpu as bench
+
+SIZES = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 32], "prefill_len": 512, "prefill_repeats": 3}
+
+
+def series(label: str, engine: str, runs: list[dict | None], **spec) -> bench.Series:
+    return bench.Series(bench.Config(label, engine, sys.executable, spec), runs)
+
+
+def run(decode_1: float, decode_32: float = 0.0, prompt: float = 0.0, **more) -> dict:
+    return {"decode_1": decode_1, "decode_32": decode_32, "prompt_tps": prompt, **more}
+
+
+def test_stat_is_the_median_and_range_of_the_repeats_that_ran():
+    assert bench.stat([3.0, None, 1.0, 2.0]) == bench.Stat(2.0, 1.0, 3.0, 3)
+    assert bench.stat([4.0, 1.0]) == bench.Stat(2.5, 1.0, 4.0, 2)
+    assert bench.stat([None, None]) is None
+
+
+def test_a_ratio_is_the_median_of_per_repeat_ratios_paired_by_repeat():
+    ours, theirs = [100.0, 200.0, 120.0, None], [50.0, 200.0, 40.0, 10.0]
+    assert bench.per_repeat_ratios(ours, theirs) == [2.0, 1.0, 3.0]  # the fourth repeat has no ricllm run
+    assert bench.stat(bench.per_repeat_ratios(ours, theirs)).median == 2.0
+    # not the ratio of the medians (120 / 45): a slow minute hits both sides of one repeat alike
+    assert bench.ratio_of_medians(bench.stat(ours), bench.stat(theirs)) == pytest.approx(120 / 45)
+
+
+def test_the_interleaving_runs_every_configuration_once_per_repeat_in_a_rotated_order():
+    order = bench.interleaved_order(configs=3, repeats=3)
+    assert order == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 0), (2, 2), (2, 0), (2, 1)]
+    assert [sorted(i for r, i in order if r == repeat) for repeat in range(3)] == [[0, 1, 2]] * 3
+    assert [order[3 * repeat][1] for repeat in range(3)] == [0, 1, 2]  # a different configuration first each time
+    assert bench.interleaved_order(configs=2, repeats=1) == [(0, 0), (0, 1)]
+
+
+def test_the_roofline_reads_every_weight_and_the_mean_decode_context_per_token():
+    assert bench.mean_decode_context(256, 128) == 320
+    # 90 MB of weights and 23040 B of KV per token at 320 tokens: 97.37 MB per token at 20 GB/s
+    assert bench.roofline_tps(20e9, 90e6, 23040, 320) == pytest.approx(20e9 / 97_372_800)
+    facts = {"weight_bytes": 90e6, "kv_bytes_per_token": 23040}
+    fast = series("ricllm", "ricllm", [run(154.0, **facts), run(102.7, **facts), run(205.4, **facts)])
+    fraction = bench.roofline_fraction(fast, 20e9, SIZES)
+    assert fraction.median == pytest.approx(154.0 * 97_372_800 / 20e9)  # 75%
+    assert fraction.low < fraction.median < fraction.high
+    assert bench.roofline_fraction(series("hf", "hf", [run(10.0)]), 20e9, SIZES) is None  # no bytes reported
+
+
+def test_ricllm_is_compared_with_the_better_llama_cpp_configuration_per_measurement():
+    fa_off = series("FA off", "llamacpp", [run(80.0, 190.0, 300.0), run(78.0, 192.0, 310.0)])
+    fa_on = series("FA on", "llamacpp", [run(70.0, 200.0, 320.0), run(72.0, 210.0, None)])
+    assert bench.better_peer([fa_off, fa_on], "decode_1") is fa_off
+    assert bench.better_peer([fa_off, fa_on], "decode_32") is fa_on
+    assert bench.better_peer([fa_off, fa_on], "prompt_tps") is fa_on  # 320 (one repeat) > 305
+    ours = series("ricllm", "ricllm", [run(160.0, 600.0, 2000.0), run(156.0, 630.0, 2100.0)])
+    assert bench.ratio_stat(ours, fa_off, "decode_1") == bench.Stat(2.0, 2.0, 2.0, 2)
+    assert bench.ratio_stat(ours, None, "decode_1") is None
+
+
+def test_a_verdict_line_says_pass_fail_or_not_measured_against_at_least_or_at_most():
+    assert bench.check_line(bench.Check("decode", 2.1, 2.0, True, "×", "vs FA on")) == \
+        "- decode: 2.10× (target ≥ 2.00×; vs FA on): PASS"
+    assert bench.check_line(bench.Check("rss", 480.0, 480.0, False, " MB")).endswith(": PASS")
+    assert bench.check_line(bench.Check("rss", 481.0, 480.0, False, " MB")) == "- rss: 481 MB (target ≤ 480 MB): FAIL"
+    assert bench.check_line(bench.Check("roofline", 0.62, 0.8, True, "%")) == \
+        "- roofline: 62% (target ≥ 80%): FAIL"
+    assert bench.check_line(bench.Check("decode", None, 3.0, True, "×")).endswith(": not measured")
+
+
+def default_and_twin(native_32: float = 620.0) -> tuple[bench.Series, bench.Series]:
+    facts = {"weight_bytes": 90e6, "kv_bytes_per_token": 23040, "peak_rss_mb": 470.0, "ready_cached_s": 0.40}
+    ours = series("int4 native", "ricllm", [run(160.0, native_32, 2100.0, **facts) for _ in range(3)],
+                  weights="int4", runtime="native")
+    twin = series("int4 torch", "ricllm", [run(150.0, 610.0, 3300.0) for _ in range(3)],
+                  weights="int4", runtime="torch")
+    return ours, twin
+
+
+def test_issue_21_targets_on_made_up_medians():
+    ours, twin = default_and_twin()
+    peers = [series("FA off", "llamacpp", [run(76.0, 190.0, 310.0)] * 3),
+             series("FA on", "llamacpp", [run(82.0, 200.0, 300.0)] * 3)]
+    checks = {c.name.split(":")[0].split(" (")[0]: c for c in bench.issue_checks(ours, twin, peers, 20e9, SIZES)}
+    one = checks["decode, 1 stream vs llama.cpp"]
+    assert one.value == pytest.approx(160 / 82) and one.detail == "vs FA on" and one.passed is False
+    assert checks["decode, 1 stream"].value == pytest.approx(160 * 97_372_800 / 20e9)  # the roofline line, 78%
+    assert checks["decode, 1 stream"].passed is False
+    assert checks["decode, 32 streams vs llama.cpp"].value == pytest.approx(3.1) and checks[
+        "decode, 32 streams vs llama.cpp"].passed
+    native = checks["decode, native ≥ torch runtime at every stream count"]
+    assert native.value == pytest.approx(620 / 610) and native.passed and native.detail == "1: 1.07×, 32: 1.02×"
+    prompt = checks["prompt"]
+    assert prompt.value == pytest.approx(2100 / 310) and prompt.detail == "vs FA off" and prompt.passed
+    assert checks["peak RSS, whole run"].passed and checks["time to ready from the weight cache"].passed
+
+
+def test_the_native_runtime_fails_its_target_when_one_stream_count_is_slower_than_torch():
+    ours, twin = default_and_twin(native_32=580.0)
+    check = bench.native_vs_torch_check(ours, twin, [1, 32])
+    assert check.value == pytest.approx(580 / 610) and check.passed is False
+    assert bench.native_vs_torch_check(ours, None, [1, 32]).passed is None
+
+
+def test_without_llama_cpp_every_peer_target_is_not_measured():
+    ours, twin = default_and_twin()
+    lines = [bench.check_line(c) for c in bench.issue_checks(ours, twin, [], 20e9, SIZES)]
+    assert sum(line.endswith("not measured") for line in lines) == 3
+    assert "llama.cpp not measured" in lines[0]
+
+
+def test_the_targets_are_checked_on_the_default_configuration_only():
+    configs = [bench.Config("ricllm int8 native", "ricllm", sys.executable, {"weights": "int8", "runtime": "native"}),
+               bench.Config("ricllm int4 native", "ricllm", sys.executable, {"weights": "int4", "runtime": "native"})]
+    runs = {"ricllm int8 native": [run(120.0, formats=["int8", "int8"], peak_rss_mb=900.0)],
+            "ricllm int4 native": [run(150.0, formats=["int4", "int8"], peak_rss_mb=470.0)]}
+    labelled = bench.label_series(configs, runs, auto_formats=("int4", "int8"))
+    assert labelled[1].label == "ricllm int4 native (int4 layers, int8 head; the default)"
+    assert labelled[0].label == "ricllm int8 native (int8 layers, int8 head)"
+    text = bench.target_lines(labelled, 20e9, SIZES)
+    assert "(ricllm int4 native (int4 layers" in text
+    assert "- peak RSS, whole run: 470 MB (target ≤ 480 MB): PASS" in text
+    assert "not checked" in bench.target_lines(labelled[:1], 20e9, SIZES)
+
+
+def test_a_table_cell_shows_the_median_and_the_range_of_several_repeats():
+    assert bench.fmt_stat(bench.Stat(140.0, 138.14, 142.3, 3)) == "140.0 [138.1–142.3]"
+    assert bench.fmt_stat(bench.Stat(1.84, 1.84, 1.84, 1), ".2f", "×") == "1.84×"
+    assert bench.fmt_stat(None) == "–"
+
+
+def test_the_llama_cpp_build_flags_come_from_its_installed_cmake_config(tmp_path):
+    package = tmp_path / "site-packages" / "llama_cpp"
+    (package / "lib" / "cmake" / "ggml").mkdir(parents=True)
+    assert bench.llamacpp_build_flags(package) is None
+    (package / "lib" / "cmake" / "ggml" / "ggml-config.cmake").write_text(
+        'set(GGML_NATIVE "ON")\nset(GGML_INCLUDE_DIR "/x")\nset(GGML_AVX512 "OFF")\ninclude(foo)\n')
+    flags = bench.llamacpp_build_flags(package)
+    assert flags.endswith(': GGML_NATIVE "ON"; GGML_AVX512 "OFF"')
+
+
+def test_ricllm_env_takes_key_value_pairs_and_rejects_anything_else():
+    assert bench.env_pair("RICLLM_CPU_KERNELS=avx2") == ("RICLLM_CPU_KERNELS", "avx2")
+    assert bench.env_pair("A=") == ("A", "")
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        bench.env_pair("RICLLM_NO_AMX")
+
+
+def test_the_benchmark_rejects_a_malformed_option_without_a_traceback():
+    result = subprocess.run([sys.executable, str(bench.THIS), "--ricllm-env", "oops", "--repeats", "1"],
+                            check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_setup_names_an_unknown_option_before_installing_anything():
+    setup = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
+    result = subprocess.run(["bash", str(setup), "--benchmark"], check=False, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "unknown option --benchmark" in result.stderr
