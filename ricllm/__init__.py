@@ -10,7 +10,10 @@ import os
 
 from ricllm.version import __version__
 
-if os.environ.get("RICLLM_NO_AMX", "") not in ("", "0"):  # torch's oneDNN too, not only ricllm's kernels
+# A cap below AMX applies to torch's oneDNN too, not only to ricllm's kernels. The avx2 cap leaves
+# oneDNN alone: below AVX-512 BF16 torch's dtype auto turns fp32, which packed weights refuse.
+if (os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
+        or os.environ.get("RICLLM_CPU_KERNELS", "").strip().lower() == "avx512"):
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "Template"]

@@ -1,4 +1,4 @@
-/* Weight-only 4-bit and 8-bit matrix products on AVX-512 (and AMX where the CPU has it).
+/* Weight-only 4-bit and 8-bit matrix products on AVX-512 (and AMX where the CPU has it) or AVX2.
  *
  * Why: at decode batch sizes a layer's product is ``[M, K] × [K, N]`` with M of 1 to 16, and
  * torch's weight-only kernels spend more time unpacking weights into floats than reading them.
@@ -9,11 +9,15 @@
  * run on the bf16 unit (``vdpbf16ps``, 32 products per instruction, accumulated in fp32), so
  * the only rounding is the fp32 accumulation's. A nibble becomes a bf16 number with one OR:
  * ``0x4300 | q`` is the bf16 pattern of 128 + q, exactly, so the kernel computes
- * Σ x·(128 + q) and folds the 128·Σx into the group's offset (c − 128·d). Three paths:
+ * Σ x·(128 + q) and folds the 128·Σx into the group's offset (c − 128·d). Paths:
  * 1-2 activation rows: dot products on AVX-512 BF16, four partial sums per output row;
+ * 3 rows and more without AMX: reused tiles, each (16 outputs, group) widened once into 16
+ * registers of bf16 pairs that every row of a panel of 64 multiplies (the same exact scaling);
  * 3-63 rows, where the CPU has AMX: one tile product per (16 rows, 16 outputs, group), with
  * the same exact per-group scaling; 64 rows and more (prefill chunks): AMX on weights
  * dequantized to bf16 (what a dense bf16 copy holds), accumulated over all of K in the tiles.
+ * AVX2 (x86-64-v3, no AVX-512): the same bf16-rounded activations in fp32 FMAs against weights
+ * widened once per (tile, group) into an L1 buffer; 8-bit as below, emulated (see HAVE_AVX2).
  * 8-bit (Q8_0's form, w = d·q, q in -127..127): activations are quantized to int8 per group of
  * 32 (as llama.cpp does) and each group's dot product runs on the integer unit (``vpdpbusd``,
  * 64 byte pairs per instruction). That unit wants one unsigned operand, so activations enter
@@ -39,6 +43,13 @@
 #else
 #define HAVE_BF16_DOT 0
 #endif
+/* AVX2 + FMA + F16C (x86-64-v3) where AVX-512's paths are not built: the ``avx2`` family */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !HAVE_BF16_DOT
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
 
 #define GROUP 32
 #define TILE 16
@@ -58,8 +69,10 @@
     default: KERNEL(8, __VA_ARGS__); break;                                                     \
     }
 
-/* Which widths run here: 8-bit needs AVX-512 VNNI, 4-bit AVX-512 BF16 as well. */
-int ricllm_quant_gemm_supported(int bits) { return bits == 8 ? HAVE_VNNI : bits == 4 ? HAVE_BF16_DOT : 0; }
+/* Which widths run here: both on AVX2 (x86-64-v3); built for AVX-512, 8-bit needs VNNI, 4-bit BF16 as well. */
+int ricllm_quant_gemm_supported(int bits) {
+    return bits == 8 ? HAVE_VNNI || HAVE_AVX2 : bits == 4 ? HAVE_BF16_DOT || HAVE_AVX2 : 0;
+}
 
 /* Per activation row and group: int8 values, their scale and the exact fp32 sum. */
 static void quantize_activations(const void *x, int rows, int k, int is_bf16, int8_t *xq, float *dx, float *sx) {
@@ -202,6 +215,44 @@ static inline __attribute__((always_inline)) void int4_tile(int rows, const uint
                                           _mm_add_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(t, 3)));
             _mm_storeu_ps(lane + 4 * q, sum);
         }
+        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+    }
+}
+
+/* 4-bit without AMX, 3+ rows: one (tile, panel of up to REUSED_PANEL activation rows). Each
+ * group's weights are widened ONCE into 16 registers of bf16 pairs (the AMX B-tile layout: lane
+ * r of register i holds k = 2i, 2i+1 of output row r), then every row of the panel passes them:
+ * 16 dot products with its pair of activations broadcast, into its total in an L1-resident buffer. */
+#define REUSED_MIN_ROWS 3
+#define REUSED_PANEL 64
+static void int4_tile_reused(const uint8_t *w, const uint16_t *scales, const uint16_t *xb, const float *sx, int rows,
+                             int k, int n, int tile, void *out, int is_bf16) {
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    __m512 totals[REUSED_PANEL];
+    for (int r = 0; r < rows; r++) totals[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i pairs[GROUP / 2];
+#pragma GCC unroll 16
+        for (int i = 0; i < GROUP / 2; i++) pairs[i] = int4_pairs(wt + (int64_t)g * group_bytes + i * TILE);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE)));
+        const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE + TILE)));
+        const __m512 offset = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f), c);  /* c − 128·d */
+        for (int r = 0; r < rows; r++) {
+            const int32_t *x_pairs = (const int32_t *)(xb + (int64_t)r * k + g * GROUP);
+            __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 16
+            for (int i = 0; i < GROUP / 2; i++)  /* four chains: the dot products' latency overlaps */
+                dot[i % 4] = _mm512_dpbf16_ps(dot[i % 4], (__m512bh)pairs[i], (__m512bh)_mm512_set1_epi32(x_pairs[i]));
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[0], dot[1]), _mm512_add_ps(dot[2], dot[3]));
+            totals[r] = _mm512_fmadd_ps(sum, d, totals[r]);
+            totals[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[(int64_t)r * groups + g]), totals[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lane[TILE];
+        _mm512_storeu_ps(lane, totals[r]);
         store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
     }
 }
@@ -469,6 +520,170 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
 }
 #endif
 
+#if HAVE_AVX2
+/* AVX2 (x86-64-v3: every AVX2 server). 4-bit: the activations stay bf16-rounded as on AVX-512 and
+ * are widened to fp32 once; each (tile, group) of weights is widened ONCE into an L1 buffer of
+ * fp32 q (16 outputs × 32 k, 2 KB), which every activation row of the panel then multiplies with
+ * FMAs: Σ x·q per output, then d·Σ x·q + c·Σ x, as the AVX-512 paths scale. 8-bit: int8 products
+ * as on VNNI, emulated with |w| · sign(x, w) (``maddubs``, never saturating: |w|, |x| ≤ 127) and
+ * pairwise sums (``madd``): integer-exact, so the results are the AVX-512 path's, bit for bit. */
+#define AVX2_PANEL 32     /* activation rows per pass over a tile's widened weights */
+#define AVX2_INT8_ROWS 4  /* activation rows sharing each loaded weight group (registers) */
+#define INT8_AVX2_DISPATCH(rows, ...)                                                           \
+    switch (rows) {                                                                             \
+    case 1: int8_tile_avx2(1, __VA_ARGS__); break;                                              \
+    case 2: int8_tile_avx2(2, __VA_ARGS__); break;                                              \
+    case 3: int8_tile_avx2(3, __VA_ARGS__); break;                                              \
+    default: int8_tile_avx2(4, __VA_ARGS__); break;                                             \
+    }
+
+/* Group weights as fp32: ``wf[k * 16 + r]`` = q of output row r at k. */
+static inline __attribute__((always_inline)) void int4_widen_avx2(const uint8_t *bytes, float *wf) {
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+#pragma GCC unroll 4
+    for (int i = 0; i < GROUP / 2; i++) {
+        const __m256i rows0to7 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i * TILE)));
+        const __m256i rows8to15 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i * TILE + 8)));
+        float *even = wf + 2 * i * TILE, *odd = even + TILE;
+        _mm256_store_ps(even, _mm256_cvtepi32_ps(_mm256_and_si256(rows0to7, nibble)));
+        _mm256_store_ps(even + 8, _mm256_cvtepi32_ps(_mm256_and_si256(rows8to15, nibble)));
+        _mm256_store_ps(odd, _mm256_cvtepi32_ps(_mm256_srli_epi32(rows0to7, 4)));
+        _mm256_store_ps(odd + 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(rows8to15, 4)));
+    }
+}
+
+/* Σ_k x[k]·q[k] of one activation row for the 16 outputs (low and high 8): eight FMA chains. */
+static inline __attribute__((always_inline)) void int4_dot_avx2(const float *wf, const float *xr, __m256 *low,
+                                                              __m256 *high) {
+    __m256 acc[4][2];
+    for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+    for (int kk = 0; kk < GROUP; kk++) {
+        const __m256 xk = _mm256_broadcast_ss(xr + kk);
+        acc[kk % 4][0] = _mm256_fmadd_ps(_mm256_load_ps(wf + kk * TILE), xk, acc[kk % 4][0]);
+        acc[kk % 4][1] = _mm256_fmadd_ps(_mm256_load_ps(wf + kk * TILE + 8), xk, acc[kk % 4][1]);
+    }
+    *low = _mm256_add_ps(_mm256_add_ps(acc[0][0], acc[1][0]), _mm256_add_ps(acc[2][0], acc[3][0]));
+    *high = _mm256_add_ps(_mm256_add_ps(acc[0][1], acc[1][1]), _mm256_add_ps(acc[2][1], acc[3][1]));
+}
+
+static void int4_tile_avx2(const uint8_t *w, const uint16_t *scales, const float *xf, const float *sx, int rows,
+                           int k, int n, int tile, void *out, int is_bf16) {
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    float wf[GROUP * TILE] __attribute__((aligned(32)));
+    __m256 totals[AVX2_PANEL][2];
+    for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        int4_widen_avx2(wt + (int64_t)g * group_bytes, wf);
+        const uint16_t *sg = st + (int64_t)g * 2 * TILE;
+        const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+        const __m256 c_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE)));
+        const __m256 c_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)));
+        for (int r = 0; r < rows; r++) {
+            __m256 low, high;
+            int4_dot_avx2(wf, xf + (int64_t)r * k + g * GROUP, &low, &high);
+            const __m256 row_sum = _mm256_set1_ps(sx[(int64_t)r * groups + g]);
+            totals[r][0] = _mm256_fmadd_ps(c_low, row_sum, _mm256_fmadd_ps(low, d_low, totals[r][0]));
+            totals[r][1] = _mm256_fmadd_ps(c_high, row_sum, _mm256_fmadd_ps(high, d_high, totals[r][1]));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lane[TILE];
+        _mm256_storeu_ps(lane, totals[r][0]);
+        _mm256_storeu_ps(lane + 8, totals[r][1]);
+        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+    }
+}
+
+static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
+                          int m, int k, int n, int is_bf16, int num_threads) {
+    float *xf = malloc((size_t)m * k * sizeof(float));  /* the bf16 activations widened once */
+    if (!xf) return -2;
+    for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(xb[i]);
+    const int tiles = n / TILE, panels = (m + AVX2_PANEL - 1) / AVX2_PANEL, groups = k / GROUP;
+    const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    for (int t = 0; t < tiles; t++)
+        for (int p = 0; p < panels; p++) {
+            const int first = p * AVX2_PANEL, rows = m - first < AVX2_PANEL ? m - first : AVX2_PANEL;
+            int4_tile_avx2(w, scales, xf + (int64_t)first * k, sx + (int64_t)first * groups, rows, k, n, t,
+                           (char *)out + first * out_row, is_bf16);
+        }
+    free(xf);
+    return 0;
+}
+
+/* Per dword lane: Σ of its 4 byte products w·x (both in -127..127). */
+static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i w, __m256i x) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* 8-bit: one (tile, block of up to AVX2_INT8_ROWS rows), the same sums and scaling as int8_tile. */
+static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const uint8_t *w, const uint16_t *scales,
+                                                               const int8_t *xq, const float *dx, int k, int n,
+                                                               int tile, void *out, int is_bf16) {
+    const int groups = k / GROUP, chunk_bytes = 8 * 64;
+    __m256 acc[AVX2_INT8_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t *wt = w + (int64_t)tile * groups * chunk_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = wt + (int64_t)g * chunk_bytes;
+        const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE)));
+        const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE + 8)));
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xg = (const int32_t *)(xq + (int64_t)r * k + g * GROUP);
+            __m256i dot_low = _mm256_setzero_si256(), dot_high = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int b = 0; b < 8; b++) {
+                const __m256i x = _mm256_set1_epi32(xg[b]);
+                dot_low = _mm256_add_epi32(dot_low, dot4_avx2(_mm256_loadu_si256((const __m256i *)(wg + b * 64)), x));
+                dot_high = _mm256_add_epi32(dot_high,
+                                            dot4_avx2(_mm256_loadu_si256((const __m256i *)(wg + b * 64 + 32)), x));
+            }
+            const __m256 row_scale = _mm256_set1_ps(dx[(int64_t)r * groups + g]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low), _mm256_mul_ps(d_low, row_scale), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), _mm256_mul_ps(d_high, row_scale), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lane[TILE];
+        _mm256_storeu_ps(lane, acc[r][0]);
+        _mm256_storeu_ps(lane + 8, acc[r][1]);
+        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+    }
+}
+#endif
+
+#if HAVE_BF16_DOT
+/* 4-bit on AVX-512 without AMX: per-row dot products for 1-2 rows, reused tiles from 3. */
+static void int4_gemm_avx512(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales,
+                             void *out, int m, int k, int n, int is_bf16, int num_threads) {
+    const int groups = k / GROUP, tiles = n / TILE;
+    const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
+    if (m >= REUSED_MIN_ROWS) {
+        const int panels = (m + REUSED_PANEL - 1) / REUSED_PANEL;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+        for (int t = 0; t < tiles; t++)
+            for (int p = 0; p < panels; p++) {
+                const int first = p * REUSED_PANEL, rows = m - first < REUSED_PANEL ? m - first : REUSED_PANEL;
+                int4_tile_reused(w, scales, xb + (int64_t)first * k, sx + (int64_t)first * groups, rows, k, n, t,
+                                 (char *)out + first * out_row, is_bf16);
+            }
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        if (m == 2) int4_tile(2, w, scales, xb, sx, k, n, t, out, is_bf16);
+        else int4_tile(1, w, scales, xb, sx, k, n, t, out, is_bf16);
+    }
+}
+#endif
+
 /* out[M, N] = x[M, K] · Wᵀ. ``scratch`` holds M·K bytes + 2·M·K/32 floats (8-bit) or
  * 2·M·K bytes + M·K/32 floats (4-bit). Returns -3 where the CPU lacks the instructions
  * (``ricllm_quant_gemm_supported``; the caller uses torch's kernels). */
@@ -476,47 +691,53 @@ int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, c
                       int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads) {
     if (k % GROUP != 0 || n % TILE != 0 || (bits != 4 && bits != 8)) return -1;
     if (!ricllm_quant_gemm_supported(bits)) return -3;
-    const int groups = k / GROUP, tiles = n / TILE, row_blocks = (m + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE;
+    const int groups = k / GROUP, tiles = n / TILE;
     const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
-#if HAVE_BF16_DOT
+#if HAVE_BF16_DOT || HAVE_AVX2
     if (bits == 4) {
         uint16_t *xb_scratch = scratch;
         float *sx = (float *)(xb_scratch + (int64_t)m * k);
         const uint16_t *xb = bf16_activations(x, m, k, is_bf16, xb_scratch, sx);
+#if HAVE_AVX2
+        return int4_gemm_avx2(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+#else
 #if HAVE_AMX
         if (m >= AMX_MIN_ROWS && amx_usable()) return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
 #endif
-        const int dot_blocks = (m + DOT_ROWS - 1) / DOT_ROWS;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-        for (int t = 0; t < tiles; t++)
-            for (int rb = 0; rb < dot_blocks; rb++) {
-                const int first = rb * DOT_ROWS;
-                const uint16_t *xr = xb + (int64_t)first * k;
-                const float *sr = sx + (int64_t)first * groups;
-                void *o = (char *)out + first * out_row;
-                if (m - first >= 2) int4_tile(2, w, scales, xr, sr, k, n, t, o, is_bf16);
-                else int4_tile(1, w, scales, xr, sr, k, n, t, o, is_bf16);
-            }
+        int4_gemm_avx512(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
         return 0;
+#endif
     }
 #endif
-#if HAVE_VNNI
+#if HAVE_VNNI || HAVE_AVX2
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
+#if HAVE_VNNI
+    const int rows_at_once = ROWS_AT_ONCE;
+#else
+    const int rows_at_once = AVX2_INT8_ROWS;
+    (void)offsets;  /* signed products need no correction */
+#endif
+    const int row_blocks = (m + rows_at_once - 1) / rows_at_once;
     /* tile-major: a tile's weights stay in L1 while every block of rows passes (the LM head's
      * 28 MB would otherwise stream from memory once per block) */
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int t = 0; t < tiles; t++)
         for (int rb = 0; rb < row_blocks; rb++) {
-            const int first = rb * ROWS_AT_ONCE, rows = m - first < ROWS_AT_ONCE ? m - first : ROWS_AT_ONCE;
+            const int first = rb * rows_at_once, rows = m - first < rows_at_once ? m - first : rows_at_once;
+#if HAVE_VNNI
             ROW_COUNT_DISPATCH(rows, int8_tile, w, scales, offsets, xq + (int64_t)first * k,
                                dx + (int64_t)first * groups, k, n, t, (char *)out + first * out_row, is_bf16);
+#else
+            INT8_AVX2_DISPATCH(rows, w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups, k, n, t,
+                               (char *)out + first * out_row, is_bf16);
+#endif
         }
     return 0;
 #else
     (void)x; (void)w; (void)scales; (void)offsets; (void)out; (void)is_bf16; (void)scratch; (void)num_threads;
-    (void)out_row; (void)groups; (void)tiles; (void)row_blocks;
+    (void)out_row; (void)groups; (void)tiles;
     return -3;
 #endif
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ricllm.cli.flags import add_settings_flags, add_structured_flags, given_settings, structured_from_args
@@ -82,10 +83,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _cpu_kernels() -> str:
     """The batched products this CPU runs (building the C library once if needed)."""
-    from ricllm.kernels.cpu_library import AMX_DISABLED, kernel_family
+    from ricllm.kernels.cpu_library import AMX_DISABLED, FAMILY_CAP_VARIABLE, family_cap, kernel_family
 
     family = kernel_family()
-    return f"{family} (AMX disabled by RICLLM_NO_AMX)" if AMX_DISABLED else family
+    if os.environ.get(FAMILY_CAP_VARIABLE, "").strip():
+        return f"{family}, capped at {family_cap()} by {FAMILY_CAP_VARIABLE}"
+    return f"{family}, AMX disabled by RICLLM_NO_AMX" if AMX_DISABLED else family
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
     if config.max_packed_rows is not None:
         return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
     if not (quant_gemm_available(4) and quant_gemm_available(8)):
-        return "ricllm's packed-weight kernels do not run here (they need a C compiler and AVX-512 BF16 and VNNI)"
+        return "ricllm's packed-weight kernels do not run here (they need a C compiler and an x86-64-v3 CPU: AVX2, FMA, F16C)"
     return _dense_weights_reason(config, model_path)
 
 

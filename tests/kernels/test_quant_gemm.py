@@ -1,0 +1,152 @@
+"""Weight-only int4/int8 products in every kernel family this CPU runs (amx, avx512, avx2): each one
+matches the torch reference at every row range its paths split on, both widths, bf16 and fp32
+activations; the family follows the CPU's flags and the cap (RICLLM_CPU_KERNELS, RICLLM_NO_AMX).
+
+The library is built once per process for one family, so the other families run this file's
+parity tests (and the runtimes' bit-identity test) again in a subprocess with the cap set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ricllm.kernels import cpu_library, cpu_quant
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = (1, 2, 3, 7, 8, 9, 16, 33, 64, 100)  # dot (1-2), reused tiles / AMX blocks (3-63), AMX dequantized (64+)
+BF16_OUT_TOL = 2 ** -8  # a bf16 output is rounded once (relative to the output's norm)
+FP32_OUT_TOL = 1e-5  # an fp32 output: only the accumulation order differs from the reference's
+needs_products = pytest.mark.skipif(not cpu_library.quant_gemm_available(8),
+                                    reason="ricllm's packed products do not run here (no x86-64-v3 CPU or no compiler)")
+
+SAPPHIRE_RAPIDS = cpu_library.FAMILIES["amx"][1] | {"amx_int8", "avx512_fp16"}
+ZEN4 = cpu_library.FAMILIES["avx512"][1] | {"avx512ifma", "sha_ni"}
+ZEN3 = cpu_library.FAMILIES["avx2"][1] | {"sha_ni", "vaes"}
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The 8-bit contract: activations quantized per group of 32 (amax/127, round half to even),
+    then exact products: only the fp32 accumulation rounds."""
+    groups = x.float().view(x.shape[0], -1, cpu_quant.GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    quantized = torch.round(groups * (1 / scale)) * scale
+    return F.linear(quantized.view_as(x).double(), weight.double()).float()
+
+
+AMX_DEQUANTIZED_ROWS = 64  # from here AMX multiplies weights dequantized to bf16, as a dense bf16 copy holds them
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """4-bit: activations rounded to bf16 (and on AMX from 64 rows the weights too), then exact
+    products; 8-bit: ``int8_reference``."""
+    if bits == 8:
+        return int8_reference(x, weight)
+    if x.shape[0] >= AMX_DEQUANTIZED_ROWS and cpu_library.kernel_family().startswith("amx"):
+        weight = weight.bfloat16()
+    return F.linear(x.bfloat16().double(), weight.double()).float()
+
+
+@needs_products
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_parity_with_the_torch_reference_at_every_row_range(bits, dtype):
+    weight = torch.randn(96, 3 * 32 * 3, generator=torch.Generator().manual_seed(bits)) * 0.05  # 9 groups: odd
+    packed, scales, offsets = (cpu_quant.pack_int4 if bits == 4 else cpu_quant.pack_int8)(weight)
+    exact = cpu_quant.unpack(packed, scales, offsets, bits)
+    tolerance = BF16_OUT_TOL if dtype == torch.bfloat16 else FP32_OUT_TOL
+    for rows in ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+        y = cpu_quant.quant_gemm(x, packed, scales, offsets, bits, weight.shape[0])
+        assert y.dtype == dtype
+        err = rel_err(y, reference(x, exact, bits))
+        assert err < tolerance, f"{cpu_library.kernel_family()}: {bits}-bit, {rows} rows, {dtype}: off by {err:.2e}"
+
+
+@needs_products
+def test_parity_breaks_when_a_scale_is_not_applied():
+    """The tolerance catches an offset off by one part in 256 (the kernels apply what is stored)."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 0.05
+    packed, scales, offsets = cpu_quant.pack_int4(weight)
+    exact = cpu_quant.unpack(packed, scales, offsets, 4)
+    scales[:, :, 1] *= 1 + 1 / 256
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        assert rel_err(cpu_quant.quant_gemm(x, packed, scales, offsets, 4, 32), reference(x, exact, 4)) > FP32_OUT_TOL
+
+
+def with_family(family: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RICLLM_CPU_KERNELS": family, "RICLLM_LOG_LEVEL": "warning"}
+    env.pop("RICLLM_NO_AMX", None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
+                          check=False)
+
+
+def runs_here(family: str) -> bool:
+    return cpu_library.IS_X86 and cpu_library.FAMILIES[family][1] <= cpu_library._cpu_flags()
+
+
+FAMILY_NAMES = {"amx": "amx", "avx512": "avx512-bf16", "avx2": "avx2"}
+
+
+@pytest.mark.parametrize("family", list(cpu_library.FAMILIES))
+def test_each_family_this_cpu_runs_matches_the_reference(family):
+    if not runs_here(family):
+        pytest.skip(f"this CPU lacks the {family} family's flags "
+                    f"({' '.join(sorted(cpu_library.FAMILIES[family][1] - cpu_library._cpu_flags()))})")
+    said = with_family(family, "-c", "from ricllm.kernels.cpu_library import kernel_family; print(kernel_family())")
+    assert said.stdout.startswith(FAMILY_NAMES[family] + " (int4: "), said.stdout + said.stderr[-2000:]
+    done = with_family(family, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "parity")
+    assert done.returncode == 0 and "5 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family", list(cpu_library.FAMILIES))
+def test_each_family_serves_both_runtimes_bit_identically(family):
+    """The runtimes' bit-identity test, rerun on each family (the native runtime serves on all)."""
+    if not runs_here(family):
+        pytest.skip(f"this CPU lacks the {family} family's flags")
+    done = with_family(family, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_native_runtime.py",
+                       "-k", "bit_identical or unchunked")
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags,cap,no_amx,expected", [
+    (SAPPHIRE_RAPIDS, "", "", "amx"),
+    (ZEN4, "", "", "avx512"),
+    (ZEN3, "", "", "avx2"),
+    (ZEN3 - {"fma"}, "", "", None),  # no x86-64-v3: the torch kernels serve
+    (SAPPHIRE_RAPIDS, "avx2", "", "avx2"),
+    (SAPPHIRE_RAPIDS, "avx512", "", "avx512"),
+    (SAPPHIRE_RAPIDS, "", "1", "avx512"),  # RICLLM_NO_AMX caps at avx512
+    (SAPPHIRE_RAPIDS, "avx2", "1", "avx2"),  # the lower cap wins
+    (ZEN3, "amx", "", "avx2"),  # a cap above the CPU: the CPU's best
+])
+def test_the_family_follows_the_cpu_flags_and_the_cap(monkeypatch, flags, cap, no_amx, expected):
+    monkeypatch.setattr(cpu_library, "IS_X86", True)
+    monkeypatch.setattr(cpu_library, "_cpu_flags", lambda: set(flags))
+    monkeypatch.setenv("RICLLM_CPU_KERNELS", cap)
+    monkeypatch.setattr(cpu_library, "AMX_DISABLED", bool(no_amx))
+    cpu_library.cpu_family.cache_clear()
+    try:
+        assert cpu_library.cpu_family() == expected
+    finally:
+        cpu_library.cpu_family.cache_clear()
+
+
+def test_a_cap_that_names_no_family_is_refused_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("RICLLM_CPU_KERNELS", "sse4")
+    cpu_library.cpu_family.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="sse4.*avx2, avx512, amx"):
+            cpu_library.cpu_family()
+    finally:
+        cpu_library.cpu_family.cache_clear()
