@@ -223,7 +223,9 @@ static inline __attribute__((always_inline)) void int4_tile(int rows, const uint
  * group's weights are widened ONCE into 16 registers of bf16 pairs (the AMX B-tile layout: lane
  * r of register i holds k = 2i, 2i+1 of output row r), then every row of the panel passes them:
  * 16 dot products with its pair of activations broadcast, into its total in an L1-resident buffer. */
-#define REUSED_MIN_ROWS 3
+#ifndef REUSED_MIN_ROWS
+#define REUSED_MIN_ROWS 3   /* from here on reused tiles beat the per-row dot products (measured) */
+#endif
 #define REUSED_PANEL 64
 static void int4_tile_reused(const uint8_t *w, const uint16_t *scales, const uint16_t *xb, const float *sx, int rows,
                              int k, int n, int tile, void *out, int is_bf16) {
@@ -676,11 +678,17 @@ static void int4_gemm_avx512(const uint16_t *xb, const float *sx, const uint8_t 
             }
         return;
     }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        if (m == 2) int4_tile(2, w, scales, xb, sx, k, n, t, out, is_bf16);
-        else int4_tile(1, w, scales, xb, sx, k, n, t, out, is_bf16);
-    }
+    const int dot_blocks = (m + DOT_ROWS - 1) / DOT_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    for (int t = 0; t < tiles; t++)
+        for (int rb = 0; rb < dot_blocks; rb++) {
+            const int first = rb * DOT_ROWS;
+            const uint16_t *xr = xb + (int64_t)first * k;
+            const float *sr = sx + (int64_t)first * groups;
+            void *o = (char *)out + first * out_row;
+            if (m - first >= 2) int4_tile(2, w, scales, xr, sr, k, n, t, o, is_bf16);
+            else int4_tile(1, w, scales, xr, sr, k, n, t, o, is_bf16);
+        }
 }
 #endif
 
