@@ -15,6 +15,14 @@ def cpu_kernel_available() -> tuple[bool, str]:
     return cpu_kernels_available()
 
 
+def prefill_kernel_beats_sdpa(dtype: torch.dtype) -> bool:
+    """Whether a large bf16 prefill attends faster in the C kernel than in SDPA here: where its
+    products run in AMX tiles (measured by ``benchmarks/bench_prefill_attention.py``: 1.9-3.7×
+    SDPA as the torch runtime calls it, 512-2048 tokens). Its AVX-512 vector products, and fp32
+    caches (the paged kernel), are slower than SDPA on long prompts."""
+    return dtype == torch.bfloat16 and bool(library().ricllm_prefill_attention_uses_amx())
+
+
 def _int32(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu":
         return t  # the common case, checked without dispatching a copy

@@ -476,6 +476,15 @@ static QueryBlock *query_blocks(const PrefillShape *s, int *count) {
     return blocks;
 }
 
+/* Whether bf16 prefill steps (head_dim 32 or 64) attend in AMX tiles here: built with AMX, granted by Linux. */
+int ricllm_prefill_attention_uses_amx(void) {
+#if PREFILL_AMX
+    return prefill_amx_usable();
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or a negative code: -1 for a shape the kernel does not take (odd head_dim, more than
  * 8 query heads per KV head, head_dim over 128), -2 when out of memory. */
 int ricllm_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,

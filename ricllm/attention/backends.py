@@ -2,8 +2,9 @@
 
 ``torch`` is the reference and runs anywhere; ``cpu`` is a C kernel (``ricllm.kernels``,
 built on first use) that reads K/V in place through the block tables in decode steps and small
-prefill steps (large prefills keep SDPA, which is faster where the work is compute-bound, while
-the decodes beside them stay in the C kernel); ``triton`` and ``cuda`` use
+prefill steps; large bf16 prefills too where its prefill kernel runs on AMX tiles (faster than
+SDPA there, measured), else they keep SDPA while the decodes beside them stay in the C kernel;
+``triton`` and ``cuda`` use
 the GPU decode kernels for decode-only steps and the reference (SDPA over the gathered cache)
 for prefill.
 """
@@ -39,12 +40,15 @@ class CpuKernelAttention:
 
     name = "cpu"
 
-    def __init__(self, dtype: torch.dtype):
-        from ricllm.kernels.cpu_attention import cpu_paged_attention
+    def __init__(self, dtype: torch.dtype, large_prefill_in_c: bool | None = None):
+        """``large_prefill_in_c``: attend steps beyond ``c_kernel_attends`` in C too (None: where
+        ``prefill_kernel_beats_sdpa``), else split them between SDPA and the C kernel."""
+        from ricllm.kernels.cpu_attention import cpu_paged_attention, prefill_kernel_beats_sdpa
         from ricllm.kernels.cpu_fused import CpuFusedOps
 
         self._attend = cpu_paged_attention
         self.fused_ops = CpuFusedOps(dtype)
+        self.large_prefill_in_c = prefill_kernel_beats_sdpa(dtype) if large_prefill_in_c is None else large_prefill_in_c
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
@@ -52,7 +56,7 @@ class CpuKernelAttention:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
-        if c_kernel_attends(meta):
+        if c_kernel_attends(meta) or self.large_prefill_in_c:
             # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
             return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                                 scale)

@@ -98,9 +98,11 @@ def test_fp16_cache_is_refused(kernel):
         kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.1)
 
 
+@pytest.mark.parametrize("large_prefill_in_c", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_large_prefill_beside_decodes_splits_sdpa_and_the_kernel(kernel, dtype):
-    """Decodes stay in the C kernel while a prefill too large for it goes to SDPA: same result."""
+def test_a_large_prefill_beside_decodes_splits_sdpa_and_the_kernel(kernel, dtype, large_prefill_in_c):
+    """Decodes stay in the C kernel while a prefill too large for the decode kernel goes to SDPA,
+    or the whole step to C (where its prefill kernel beats SDPA): same result."""
     from ricllm.attention.backends import C_KERNEL_PREFILL_ROWS, CpuKernelAttention, c_kernel_attends
 
     q_lens, ctx = [1, 1, 90, 1, 70, 1], [40, 301, 150, 7, 70, 512]
@@ -110,7 +112,7 @@ def test_a_large_prefill_beside_decodes_splits_sdpa_and_the_kernel(kernel, dtype
     (decode_rows, decode_meta), (prefill_rows, prefill_meta) = meta.split_decodes()
     assert decode_rows.tolist() == [0, 1, 92, 163] and prefill_meta.max_query_len == 90
     expected = paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
-    got = CpuKernelAttention(dtype).attend(query, k_cache, v_cache, meta, 0.125)
+    got = CpuKernelAttention(dtype, large_prefill_in_c).attend(query, k_cache, v_cache, meta, 0.125)
     err = (got.float() - expected).abs().max().item()
     assert err < TOLERANCE[dtype], f"max abs error {err:.2e}"
     meta.prefill_rows = meta.prefill_products = 10  # small prefill: all in the kernel
@@ -164,3 +166,14 @@ def test_long_prompts_beside_decodes_in_the_kernel_the_c_side_picks(kernel, dtyp
     """``cpu_paged_attention`` lets C pick the kernel (prefill-shaped for a bf16 step with a long
     chunk): a 1,000-token prompt, a prefix chunk and decodes in one step match the reference."""
     check(kernel, *make_case([1, 1000, 1, 200, 1], [40, 1000, 301, 700, 2000], n_heads=9, n_kv=3, dtype=dtype))
+
+
+def test_the_cpu_backend_attends_large_bf16_prefills_in_c_only_where_amx_runs_them(kernel):
+    """SDPA stays for fp32 caches, and for bf16 ones where the prefill kernel has no AMX tiles."""
+    from ricllm.kernels.cpu_library import library
+
+    from ricllm.attention.backends import CpuKernelAttention
+
+    amx = bool(library().ricllm_prefill_attention_uses_amx())
+    assert CpuKernelAttention(torch.bfloat16).large_prefill_in_c is amx
+    assert CpuKernelAttention(torch.float32).large_prefill_in_c is False
