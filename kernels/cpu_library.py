@@ -1,10 +1,16 @@
 """Builds and loads ricllm's CPU kernels (``csrc/cpu_*.c``) as one shared library.
 
-The C sources are compiled on first use with the system C compiler (``-O3 -march=native
--fopenmp``) into ``$RICLLM_CACHE_DIR/kernels/``, keyed by the sources, the flags and the CPU,
-so later starts only load the library (milliseconds). It links no torch headers, so the build
-takes about two seconds. Where there is no compiler, ``cpu_kernels_available()`` says why and
-the engine keeps the torch reference path.
+The C sources are compiled on first use with the system C compiler (``-O3 -fopenmp`` and one
+family's explicit instruction-set flags) into ``$RICLLM_CACHE_DIR/kernels/``, keyed by the
+sources, the flags and the CPU, so later starts only load the library (milliseconds). It links
+no torch headers, so the build takes about two seconds. Where there is no compiler,
+``cpu_kernels_available()`` says why and the engine keeps the torch reference path.
+
+Families (``FAMILIES``, ascending): ``avx2`` (x86-64-v3: every AVX2 server), ``avx512``
+(x86-64-v4 + BF16 + VNNI: Zen 4, Cooper Lake on), ``amx`` (``avx512`` + AMX tiles: Sapphire
+Rapids on). The best family whose flags /proc/cpuinfo lists is built and loaded: explicit flags,
+unlike ``-march=native``, are valid on every CPU with those flags. ``RICLLM_CPU_KERNELS`` caps
+the family (``RICLLM_NO_AMX=1`` caps it at ``avx512``), so one machine measures the others.
 """
 
 from __future__ import annotations
@@ -28,15 +34,24 @@ SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu
 HEADERS = (CSRC / "cpu_common.h",)
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax
 # relies on -inf behaving as IEEE says.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=c11"]
-if platform.machine() in ("x86_64", "AMD64"):
-    CFLAGS.append("-mprefer-vector-width=512")  # gcc's default of 256 leaves AVX-512 half used
-# RICLLM_NO_AMX=1 builds without AMX tiles (a separate cached library): how an AMX machine measures the
+IS_X86 = platform.machine() in ("x86_64", "AMD64")
+# x86 families, ascending: the compiler flags of each, and the /proc/cpuinfo flags its code needs
+_V3_CPU = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}  # x86-64-v3 (abm: lzcnt)
+_AVX512_FLAGS = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni",
+                 "-mprefer-vector-width=512"]  # gcc's default of 256 leaves AVX-512 half used
+_AVX512_CPU = _V3_CPU | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
+FAMILIES = {
+    "avx2": (["-march=x86-64-v3"], _V3_CPU),
+    "avx512": (_AVX512_FLAGS, _AVX512_CPU),
+    "amx": ([*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8"], _AVX512_CPU | {"amx_tile", "amx_bf16"}),
+}
+NATIVE_FLAGS = ["-march=native"]  # elsewhere (no x86 family runs): the C library without packed products
+FAMILY_CAP_VARIABLE = "RICLLM_CPU_KERNELS"
+# RICLLM_NO_AMX=1: the avx512 family (a separate cached library) on an AMX machine, how it measures the
 # path every CPU without AMX (AMD EPYC, older Xeons) takes
 AMX_DISABLED = os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
-if AMX_DISABLED and platform.machine() in ("x86_64", "AMD64"):
-    CFLAGS += ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
 
 # the decoder stack's argument layout (csrc/cpu_decoder.c): pointers per layer (norm, 3 per projection:
 # weight, scales, offsets; norm, 3, 3; K and V caches), then the dims array in this order
@@ -73,6 +88,44 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+
+
+def family_cap() -> str | None:
+    """The highest family allowed by the environment (``RICLLM_CPU_KERNELS``, else ``RICLLM_NO_AMX``),
+    None for no cap; RuntimeError naming the choices for a value that is no family."""
+    cap = os.environ.get(FAMILY_CAP_VARIABLE, "").strip().lower()
+    if cap and cap not in FAMILIES:
+        raise RuntimeError(f"{FAMILY_CAP_VARIABLE}={cap!r} names no kernel family (one of {', '.join(FAMILIES)})")
+    if AMX_DISABLED and cap in ("", "amx"):
+        return "avx512"
+    return cap or None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_family() -> str | None:
+    """The best family this CPU's flags allow under the cap (None: no x86 family runs here)."""
+    if not IS_X86:
+        return None
+    flags, names = _cpu_flags(), list(FAMILIES)
+    cap = family_cap()
+    allowed = names[:names.index(cap) + 1] if cap else names
+    return next((name for name in reversed(allowed) if FAMILIES[name][1] <= flags), None)
+
+
+def family_flags() -> list[str]:
+    """The compiler flags of the chosen family (``-mtune=native`` only tunes: valid everywhere)."""
+    family = cpu_family()
+    if family is None:
+        return list(NATIVE_FLAGS)
+    return [*FAMILIES[family][0], "-mtune=native"]
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -81,12 +134,13 @@ def library_identity(compiler: str | None = None) -> str:
     """A digest of what the library is built from (sources, compiler, flags, CPU): whatever is
     measured with these kernels (a latency fit) is stale once it changes."""
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler or _compiler() or "", *CFLAGS, _cpu_identity()]).encode())
+    flags = [*CFLAGS, *family_flags()]
+    key = hashlib.sha256("\0".join([*texts, compiler or _compiler() or "", *flags, _cpu_identity()]).encode())
     return key.hexdigest()[:16]
 
 
 def _library_path(compiler: str) -> Path:
-    return cache_dir() / "kernels" / f"ricllm_cpu-{library_identity(compiler)}.so"
+    return cache_dir() / "kernels" / f"ricllm_cpu-{cpu_family() or 'native'}-{library_identity(compiler)}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -94,8 +148,8 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        command = [compiler, *CFLAGS, f"-I{CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True)
+        command = [compiler, *CFLAGS, *family_flags(), f"-I{CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to build the CPU kernels: {result.stderr.strip()[-800:]}")
         os.replace(partial, target)
@@ -119,8 +173,8 @@ def library() -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=2)
 def quant_gemm_available(bits: int) -> bool:
-    """Whether this CPU runs the packed-weight products at ``bits`` (8: AVX-512 VNNI; 4: AVX-512
-    BF16 too) and the library builds here."""
+    """Whether this CPU runs the packed-weight products at ``bits`` (every x86 family: avx2 and up)
+    and the library builds here."""
     try:
         return bool(library().ricllm_quant_gemm_supported(bits))
     except (RuntimeError, OSError):
@@ -136,11 +190,20 @@ def cpu_kernels_available() -> tuple[bool, str]:
     return True, f"built at {lib._name}"
 
 
+# what each family runs for 4-bit products, by activation rows (csrc/cpu_quant_gemm.c)
+INT4_PATHS = {
+    "amx": "dot 1-2 rows, tiles 3-63, dequantized tiles 64+",
+    "avx512-bf16": "dot 1-2 rows, reused tiles 3+",
+    "avx2": "fp32 FMA on reused tiles",
+}
+
+
 def kernel_family() -> str:
-    """Which batched weight-only products run on this CPU: ``amx`` (tiles), ``avx512-bf16``,
-    ``avx512-vnni`` (8-bit only), or ``torch`` (the library's products cannot run here)."""
+    """Which batched weight-only products run on this CPU and the 4-bit path per row range, e.g.
+    ``avx512-bf16 (int4: dot 1-2 rows, reused tiles 3+)``; ``amx`` (built with AMX and granted by
+    the kernel), ``avx512-bf16``, ``avx2``, or ``torch`` (the library's products cannot run here)."""
     if not quant_gemm_available(8):
         return "torch"
-    if library().ricllm_quant_gemm_uses_amx():
-        return "amx"
-    return "avx512-bf16" if quant_gemm_available(4) else "avx512-vnni"
+    family = cpu_family()
+    name = "amx" if library().ricllm_quant_gemm_uses_amx() else "avx2" if family == "avx2" else "avx512-bf16"
+    return f"{name} (int4: {INT4_PATHS[name]})"
