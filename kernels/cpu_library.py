@@ -194,7 +194,7 @@ def cpu_kernels_available() -> tuple[bool, str]:
 INT4_PATHS = {
     "amx": "dot 1-2 rows, tiles 3-63, dequantized tiles 64+",
     "avx512-bf16": "dot 1-2 rows, reused tiles 3+",
-    "avx2": "fp32 FMA on reused tiles",
+    "avx2": "fp32 FMA, widened per use 1-2 rows, reused tiles 3+",
 }
 
 

@@ -16,8 +16,9 @@
  * 3-63 rows, where the CPU has AMX: one tile product per (16 rows, 16 outputs, group), with
  * the same exact per-group scaling; 64 rows and more (prefill chunks): AMX on weights
  * dequantized to bf16 (what a dense bf16 copy holds), accumulated over all of K in the tiles.
- * AVX2 (x86-64-v3, no AVX-512): the same bf16-rounded activations in fp32 FMAs against weights
- * widened once per (tile, group) into an L1 buffer; 8-bit as below, emulated (see HAVE_AVX2).
+ * AVX2 (x86-64-v3, no AVX-512): the same bf16-rounded activations in fp32 FMAs, against weights
+ * widened in registers per use for 1-2 rows, from 3 rows widened once per (tile, group) into an
+ * L1 buffer that every row reuses; 8-bit as below, emulated (see HAVE_AVX2).
  * 8-bit (Q8_0's form, w = d·q, q in -127..127): activations are quantized to int8 per group of
  * 32 (as llama.cpp does) and each group's dot product runs on the integer unit (``vpdpbusd``,
  * 64 byte pairs per instruction). That unit wants one unsigned operand, so activations enter
@@ -530,6 +531,9 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
  * as on VNNI, emulated with |w| · sign(x, w) (``maddubs``, never saturating: |w|, |x| ≤ 127) and
  * pairwise sums (``madd``): integer-exact, so the results are the AVX-512 path's, bit for bit. */
 #define AVX2_PANEL 32     /* activation rows per pass over a tile's widened weights */
+#ifndef AVX2_DOT_MAX_ROWS
+#define AVX2_DOT_MAX_ROWS 2  /* up to here the weights are widened in registers per use (measured) */
+#endif
 #define AVX2_INT8_ROWS 4  /* activation rows sharing each loaded weight group (registers) */
 #define INT8_AVX2_DISPATCH(rows, ...)                                                           \
     switch (rows) {                                                                             \
@@ -600,6 +604,60 @@ static void int4_tile_avx2(const uint8_t *w, const uint16_t *scales, const float
     }
 }
 
+/* 1-2 rows: each pair of k widened in registers and used at once (no L1 buffer round trip), four
+ * FMA chains per row; the same sums and scaling as int4_tile_avx2. */
+#define AVX2_DOT_ROWS 2
+static inline __attribute__((always_inline)) void int4_tile_avx2_dot(int rows, const uint8_t *w,
+                                                                   const uint16_t *scales, const float *xf,
+                                                                   const float *sx, int k, int n, int tile,
+                                                                   void *out, int is_bf16) {
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    __m256 totals[AVX2_DOT_ROWS][2];
+    for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *bytes = wt + (int64_t)g * group_bytes;
+        __m256 acc[AVX2_DOT_ROWS][4];  /* even k rows 0-7, 8-15; odd k rows 0-7, 8-15 */
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < GROUP / 2; i++) {
+            const __m256i rows0to7 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i * TILE)));
+            const __m256i rows8to15 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i * TILE + 8)));
+            const __m256 even_low = _mm256_cvtepi32_ps(_mm256_and_si256(rows0to7, nibble));
+            const __m256 even_high = _mm256_cvtepi32_ps(_mm256_and_si256(rows8to15, nibble));
+            const __m256 odd_low = _mm256_cvtepi32_ps(_mm256_srli_epi32(rows0to7, 4));
+            const __m256 odd_high = _mm256_cvtepi32_ps(_mm256_srli_epi32(rows8to15, 4));
+            for (int r = 0; r < rows; r++) {
+                const float *xr = xf + (int64_t)r * k + g * GROUP + 2 * i;
+                const __m256 x_even = _mm256_broadcast_ss(xr), x_odd = _mm256_broadcast_ss(xr + 1);
+                acc[r][0] = _mm256_fmadd_ps(even_low, x_even, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(even_high, x_even, acc[r][1]);
+                acc[r][2] = _mm256_fmadd_ps(odd_low, x_odd, acc[r][2]);
+                acc[r][3] = _mm256_fmadd_ps(odd_high, x_odd, acc[r][3]);
+            }
+        }
+        const uint16_t *sg = st + (int64_t)g * 2 * TILE;
+        const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+        const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+        const __m256 c_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE)));
+        const __m256 c_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)));
+        for (int r = 0; r < rows; r++) {
+            const __m256 row_sum = _mm256_set1_ps(sx[(int64_t)r * groups + g]);
+            const __m256 low = _mm256_add_ps(acc[r][0], acc[r][2]), high = _mm256_add_ps(acc[r][1], acc[r][3]);
+            totals[r][0] = _mm256_fmadd_ps(c_low, row_sum, _mm256_fmadd_ps(low, d_low, totals[r][0]));
+            totals[r][1] = _mm256_fmadd_ps(c_high, row_sum, _mm256_fmadd_ps(high, d_high, totals[r][1]));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lane[TILE];
+        _mm256_storeu_ps(lane, totals[r][0]);
+        _mm256_storeu_ps(lane + 8, totals[r][1]);
+        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+    }
+}
+
 static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
                           int m, int k, int n, int is_bf16, int num_threads) {
     float *xf = malloc((size_t)m * k * sizeof(float));  /* the bf16 activations widened once */
@@ -607,6 +665,15 @@ static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w,
     for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(xb[i]);
     const int tiles = n / TILE, panels = (m + AVX2_PANEL - 1) / AVX2_PANEL, groups = k / GROUP;
     const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
+    if (m <= AVX2_DOT_MAX_ROWS) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (m == 2) int4_tile_avx2_dot(2, w, scales, xf, sx, k, n, t, out, is_bf16);
+            else int4_tile_avx2_dot(1, w, scales, xf, sx, k, n, t, out, is_bf16);
+        }
+        free(xf);
+        return 0;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int t = 0; t < tiles; t++)
         for (int p = 0; p < panels; p++) {
