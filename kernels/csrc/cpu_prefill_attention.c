@@ -47,11 +47,14 @@ typedef struct {
     const int32_t *block_tables, *query_start, *context_lens;
     const int64_t *chunk_base;   /* first packed chunk of each sequence (per KV head: × kv_heads) */
     int amx;                     /* both products in AMX tiles (bf16, head_dim 32 or 64, tiles granted) */
+    int min_query_len;           /* sequences with fewer query rows are left to another kernel */
 } PrefillShape;
 
 typedef struct { int seq, first; } QueryBlock;
 
 static int query_len(const PrefillShape *s, int b) { return s->query_start[b + 1] - s->query_start[b]; }
+
+static int taken(const PrefillShape *s, int b) { return query_len(s, b) >= s->min_query_len; }
 
 static int64_t cache_index(const PrefillShape *s, int b, int kvh, int pos) {
     const int32_t *table = s->block_tables + (int64_t)b * s->table_width;
@@ -466,12 +469,13 @@ static void attend_block(const PrefillShape *s, QueryBlock blk, int kvh, const v
 /* Query blocks, longest context first so the dynamic schedule ends with the short items. */
 static QueryBlock *query_blocks(const PrefillShape *s, int *count) {
     int n = 0;
-    for (int b = 0; b < s->batch; b++) n += (query_len(s, b) + QB - 1) / QB;
+    for (int b = 0; b < s->batch; b++) n += taken(s, b) ? (query_len(s, b) + QB - 1) / QB : 0;
     QueryBlock *blocks = malloc((size_t)(n > 0 ? n : 1) * sizeof(QueryBlock));
     if (!blocks) return NULL;
     int t = 0;
     for (int b = 0; b < s->batch; b++)
-        for (int first = (query_len(s, b) - 1) / QB * QB; first >= 0; first -= QB) blocks[t++] = (QueryBlock){b, first};
+        for (int first = (query_len(s, b) - 1) / QB * QB; taken(s, b) && first >= 0; first -= QB)
+            blocks[t++] = (QueryBlock){b, first};
     *count = n;
     return blocks;
 }
@@ -485,20 +489,21 @@ int ricllm_prefill_attention_uses_amx(void) {
 #endif
 }
 
-/* Returns 0, or a negative code: -1 for a shape the kernel does not take (odd head_dim, more than
+/* The sequences of at least ``min_query_len`` queries (the others' rows are left as they are).
+ * Returns 0, or a negative code: -1 for a shape the kernel does not take (odd head_dim, more than
  * 8 query heads per KV head, head_dim over 128), -2 when out of memory. */
-int ricllm_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
-                             const int32_t *block_tables, const int32_t *query_start,
-                             const int32_t *context_lens, int batch, int heads, int kv_heads,
-                             int head_dim, int block_size, int table_width, float scale,
-                             int is_bf16, int num_threads) {
+static int prefill_attention_taking(const void *q, const void *k_cache, const void *v_cache, void *out,
+                                    const int32_t *block_tables, const int32_t *query_start,
+                                    const int32_t *context_lens, int batch, int heads, int kv_heads,
+                                    int head_dim, int block_size, int table_width, float scale,
+                                    int is_bf16, int num_threads, int min_query_len) {
     if (heads % kv_heads != 0 || heads / kv_heads > PF_MAX_G || head_dim > PF_MAX_D || head_dim % 2 != 0) return -1;
     int64_t *chunk_base = malloc((size_t)(batch + 1) * sizeof(int64_t));
     if (!chunk_base) return -2;
-    chunk_base[0] = 0;
-    for (int b = 0; b < batch; b++) chunk_base[b + 1] = chunk_base[b] + (context_lens[b] + KC - 1) / KC;
     PrefillShape s = {batch, heads, kv_heads, head_dim, block_size, table_width, heads / kv_heads, scale,
-                      block_tables, query_start, context_lens, chunk_base, 0};
+                      block_tables, query_start, context_lens, chunk_base, 0, min_query_len};
+    chunk_base[0] = 0;
+    for (int b = 0; b < batch; b++) chunk_base[b + 1] = chunk_base[b] + (taken(&s, b) ? (context_lens[b] + KC - 1) / KC : 0);
 #if PREFILL_AMX
     s.amx = use_bf16_dot(&s, is_bf16) && (head_dim == 32 || head_dim == 64) && prefill_amx_usable();
 #endif
@@ -533,15 +538,68 @@ int ricllm_prefill_attention(const void *q, const void *k_cache, const void *v_c
     return 0;
 }
 
+/* Every sequence of the batch (the contract of ricllm_paged_attention). */
+int ricllm_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                             const int32_t *block_tables, const int32_t *query_start,
+                             const int32_t *context_lens, int batch, int heads, int kv_heads,
+                             int head_dim, int block_size, int table_width, float scale,
+                             int is_bf16, int num_threads) {
+    return prefill_attention_taking(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads,
+                                    kv_heads, head_dim, block_size, table_width, scale, is_bf16, num_threads, 0);
+}
+
 int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                            const int32_t *block_tables, const int32_t *query_start,
                            const int32_t *context_lens, int batch, int heads, int kv_heads,
                            int head_dim, int block_size, int table_width, float scale,
                            int is_bf16, int num_threads);
 
-/* Which kernel attends a step: this one once some sequence brings PREFILL_MIN_QUERIES query rows
- * (a block of them then amortises packing its K/V) and the products run in bf16, else the
- * decode-shaped paged kernel (its fp32 dot products beat this kernel's portable path, measured). */
+/* The paged kernel on the sequences of fewer than ``below`` queries (the decodes beside a prompt
+ * chunk): their query rows, tables and lengths gathered into a batch of their own, their output
+ * rows scattered back. So this kernel never packs a decode's whole context for one query row. */
+static int paged_attention_below(const char *q, const void *k_cache, const void *v_cache, char *out,
+                                 const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
+                                 int batch, int heads, int kv_heads, int head_dim, int block_size, int table_width,
+                                 float scale, int is_bf16, int num_threads, int below) {
+    const size_t row = (size_t)heads * head_dim * (is_bf16 ? 2 : 4);
+    int n = 0, rows = 0;
+    for (int b = 0; b < batch; b++)
+        if (query_start[b + 1] - query_start[b] < below) n++, rows += query_start[b + 1] - query_start[b];
+    if (n == 0) return 0;
+    int32_t *starts = malloc((size_t)(n + 1) * 4), *lens = malloc((size_t)n * 4), *tables = malloc((size_t)n * table_width * 4);
+    char *q_part = malloc((size_t)rows * row), *out_part = malloc((size_t)rows * row);
+    int code = -2;
+    if (starts && lens && tables && q_part && out_part) {
+        starts[0] = 0;
+        for (int b = 0, i = 0; b < batch; b++) {
+            const int q_len = query_start[b + 1] - query_start[b];
+            if (q_len >= below) continue;
+            memcpy(tables + (int64_t)i * table_width, block_tables + (int64_t)b * table_width, (size_t)table_width * 4);
+            memcpy(q_part + starts[i] * row, q + query_start[b] * row, q_len * row);
+            lens[i] = context_lens[b];
+            starts[i + 1] = starts[i] + q_len;
+            i++;
+        }
+        code = ricllm_paged_attention(q_part, k_cache, v_cache, out_part, tables, starts, lens, n, heads, kv_heads,
+                                      head_dim, block_size, table_width, scale, is_bf16, num_threads);
+        for (int b = 0, i = 0; code == 0 && b < batch; b++)
+            if (query_start[b + 1] - query_start[b] < below) {
+                memcpy(out + query_start[b] * row, out_part + starts[i] * row, (starts[i + 1] - starts[i]) * row);
+                i++;
+            }
+    }
+    free(starts);
+    free(lens);
+    free(tables);
+    free(q_part);
+    free(out_part);
+    return code;
+}
+
+/* Which kernel attends a step: this one for the sequences that bring PREFILL_MIN_QUERIES query rows
+ * or more (a block of them then amortises packing its K/V) where the products run in bf16; the
+ * decode-shaped paged kernel for the rest, and for every sequence of fp32 steps (its fp32 dot
+ * products beat this kernel's portable path, measured). */
 #define PREFILL_MIN_QUERIES 16
 int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
@@ -551,10 +609,14 @@ int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, vo
     for (int b = 0; b < batch; b++)
         longest = query_start[b + 1] - query_start[b] > longest ? query_start[b + 1] - query_start[b] : longest;
     const PrefillShape s = {.head_dim = head_dim};
-    const int prefill = longest >= PREFILL_MIN_QUERIES && use_bf16_dot(&s, is_bf16);
-    int (*kernel)(const void *, const void *, const void *, void *, const int32_t *, const int32_t *,
-                  const int32_t *, int, int, int, int, int, int, float, int, int) =
-        prefill ? ricllm_prefill_attention : ricllm_paged_attention;
-    return kernel(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads, kv_heads,
-                  head_dim, block_size, table_width, scale, is_bf16, num_threads);
+    if (longest < PREFILL_MIN_QUERIES || !use_bf16_dot(&s, is_bf16))
+        return ricllm_paged_attention(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads,
+                                      kv_heads, head_dim, block_size, table_width, scale, is_bf16, num_threads);
+    const int code = prefill_attention_taking(q, k_cache, v_cache, out, block_tables, query_start, context_lens,
+                                              batch, heads, kv_heads, head_dim, block_size, table_width, scale,
+                                              is_bf16, num_threads, PREFILL_MIN_QUERIES);
+    if (code != 0) return code;
+    return paged_attention_below(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads,
+                                 kv_heads, head_dim, block_size, table_width, scale, is_bf16, num_threads,
+                                 PREFILL_MIN_QUERIES);
 }

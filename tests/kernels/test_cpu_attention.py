@@ -163,9 +163,10 @@ def test_blocked_prefill_kernel_refuses_what_it_does_not_take(prefill_kernel):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_prompts_beside_decodes_in_the_kernel_the_c_side_picks(kernel, dtype):
-    """``cpu_paged_attention`` lets C pick the kernel (prefill-shaped for a bf16 step with a long
-    chunk): a 1,000-token prompt, a prefix chunk and decodes in one step match the reference."""
-    check(kernel, *make_case([1, 1000, 1, 200, 1], [40, 1000, 301, 700, 2000], n_heads=9, n_kv=3, dtype=dtype))
+    """``cpu_paged_attention`` lets C pick the kernel per sequence (prefill-shaped for the chunks of
+    16+ queries of a bf16 step, the paged kernel for the rest, their rows gathered and scattered
+    back): a 1,000-token prompt, a prefix chunk, a short chunk and decodes in one step."""
+    check(kernel, *make_case([1, 1000, 1, 200, 5, 1], [40, 1000, 301, 700, 9, 2000], n_heads=9, n_kv=3, dtype=dtype))
 
 
 def test_the_cpu_backend_attends_large_bf16_prefills_in_c_only_where_amx_runs_them(kernel):
