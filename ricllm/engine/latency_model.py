@@ -6,7 +6,7 @@ P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk �
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
 term in P misses for long prompts), S = 1 for a step that runs its layers op by op from
 Python: on the CPU, decode steps and small prefill steps run as one C call, larger prefill
-steps (SDPA attention) op by op, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
+steps (attention in SDPA or the C prefill kernel) op by op, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
 is the floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep; online, a multiplicative
