@@ -202,8 +202,8 @@ class LlamaCppEngine:
         set_verbose(False)
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
-        self.model = llama_cpp.llama_model_load_from_file(spec["model"].encode(),
-                                                          llama_cpp.llama_model_default_params())
+        self.extra_buffers = spec.get("extra_buffers", True)
+        self.model = llama_cpp.llama_model_load_from_file(spec["model"].encode(), self._model_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {spec['model']}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
@@ -216,6 +216,14 @@ class LlamaCppEngine:
                                "n_batch": self.n_batch}
         self.prefill_ctx = None
         self.prefill_len = spec["prefill_len"]
+
+    def _model_params(self):
+        """llama.cpp's defaults; ``use_extra_bufts`` (its AMX and repacked-weight buffers) off only
+        where the parent's probe saw that path crash."""
+        params = self.lib.llama_model_default_params()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = self.extra_buffers
+        return params
 
     def _context(self, n_seq_max: int, tokens_per_seq: int):
         """A context with its own KV stream per sequence, each rounded up to 256 cells as llama.cpp does."""
@@ -232,7 +240,8 @@ class LlamaCppEngine:
         return ctx
 
     def describe(self) -> dict:
-        return {"version": self.lib.__version__, "context": self.context_params, "flash_attn": self.flash_attn}
+        return {"version": self.lib.__version__, "context": self.context_params, "flash_attn": self.flash_attn,
+                "extra_buffers": self.extra_buffers}
 
     def facts(self) -> dict:
         """The build (CPU features, CMake flags) and the roofline's bytes: every tensor of the model
@@ -297,14 +306,31 @@ def set_flash_attention(lib, params, on: bool) -> None:
         params.flash_attn = on
 
 
+GGML_SETTINGS = ("GGML_VERSION", "GGML_BUILD_COMMIT", "GGML_NATIVE", "GGML_CPU_ALL_VARIANTS", "GGML_BACKEND_DL",
+                 "GGML_OPENMP", "GGML_LLAMAFILE", "GGML_CPU_REPACK", "GGML_BLAS")
+GGML_ISA_PREFIXES = ("GGML_AVX", "GGML_AMX", "GGML_F16C", "GGML_FMA", "GGML_BMI2")  # forced on when not native
+
+
+def ggml_settings(config_text: str) -> dict[str, str]:
+    """Every ``set(GGML_NAME "value")`` of ggml's installed CMake config (it expands its cache)."""
+    settings = {}
+    for line in config_text.splitlines():
+        name, _, value = line.strip().removeprefix("set(").removesuffix(")").partition(" ")
+        if line.strip().startswith("set(GGML_") and value.startswith('"'):
+            settings[name] = value.strip('"')
+    return settings
+
+
 def llamacpp_build_flags(package: Path) -> str | None:
-    """The GGML_* CMake settings the installed llama.cpp was configured with, where the package kept
-    ggml's CMake config (it expands every GGML_ cache variable); None where it did not."""
-    for config in sorted(package.parent.glob("**/ggml-config.cmake")) + sorted(package.glob("**/ggml-config.cmake")):
-        flags = [line.strip()[4:-1] for line in config.read_text().splitlines()
-                 if line.strip().startswith("set(GGML_") and not line.strip().startswith("set(GGML_INCLUDE")]
-        if flags:
-            return f"{config}: " + "; ".join(flags)
+    """The CMake settings that decide llama.cpp's CPU code (native build, ISA flags forced on,
+    OpenMP, llamafile kernels, repacking), from the ggml config llama-cpp-python installs beside
+    its package; None where there is none."""
+    for config in (package.parent / "lib/cmake/ggml/ggml-config.cmake", package / "lib/cmake/ggml/ggml-config.cmake"):
+        if config.is_file():
+            settings = ggml_settings(config.read_text())
+            kept = [f"{k}={settings[k]}" for k in GGML_SETTINGS if k in settings]
+            forced = [f"{k}=ON" for k, v in settings.items() if k.startswith(GGML_ISA_PREFIXES) and v == "ON"]
+            return " ".join(kept + (forced or ["(no ISA flag forced on)"]))
     return None
 
 
@@ -334,6 +360,9 @@ def child_main(mode: str) -> None:
     if mode == "ready":
         engine = ENGINES[spec["engine"]](spec)
         print(READY_MARK + json.dumps(dict(engine.describe(), rss_at_ready_mb=peak_rss_mb())), flush=True)
+    elif mode == "probe":  # one short prefill and decode: does this engine's build run here at all?
+        ENGINES[spec["engine"]](spec).generate(spec["warmup"], 2)
+        print(RESULT_MARK + json.dumps({}), flush=True)
     else:
         print(RESULT_MARK + json.dumps(measure(spec)), flush=True)
 
@@ -445,6 +474,18 @@ def llamacpp_problem(python: str) -> str | None:
             f"`{SETUP_HINT}` (or pass --llamacpp-python)")
 
 
+def llamacpp_extra_buffers_run(python: str, base: dict) -> bool:
+    """Whether llama.cpp decodes with its extra buffer types (AMX tiles, repacked weights) on: a
+    native build of llama-cpp-python 0.3.36 on an AMX Xeon crashes in ggml_backend_amx_mul_mat on
+    the first prefill (SIGSEGV), so a short probe child tries them before the measured runs."""
+    spec = dict(base, engine="llamacpp", label="llama.cpp probe (extra buffers on)", flash_attn=False,
+                extra_buffers=True, streams=[1], decode_prompts={}, prefill_prompts=[])
+    _, result = run_child(python, "probe", spec, child_env({}))
+    if result is None:
+        progress("llama.cpp crashed with its extra buffer types (AMX / repacked weights) on: it runs without them")
+    return result is not None
+
+
 def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
     """(vocabulary size, what weights="auto" resolves to on this file), from its metadata."""
     from ricllm.model.formats import resolve_formats
@@ -454,14 +495,14 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
     return checkpoint.spec.vocab_size, resolve_formats("auto", checkpoint.tensor_types(), packable=True)
 
 
-def configurations(args, llamacpp_ok: bool) -> list[Config]:
+def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True) -> list[Config]:
     """ricllm's configurations (with the --no-amx / --ricllm-env environment), then the peers."""
     ricllm_env = dict(args.ricllm_env, **({"RICLLM_NO_AMX": "1"} if args.no_amx else {}))
     configs = [Config(f"ricllm {weights} {runtime}", "ricllm", sys.executable, {"weights": weights, "runtime": runtime},
                       ricllm_env) for weights, runtime in (c.split(":") for c in args.configs)]
     if llamacpp_ok:
         configs += [Config(f"llama.cpp, flash attention {'on' if on else 'off'}", "llamacpp", args.llamacpp_python,
-                           {"flash_attn": on}) for on in (False, True)]
+                           {"flash_attn": on, "extra_buffers": extra_buffers}) for on in (False, True)]
     if not args.skip_hf:
         configs.append(Config("HF transformers bf16", "hf", sys.executable))
     return configs
@@ -624,7 +665,8 @@ def check_line(check: Check) -> str:
 def vs_peer_check(name: str, ours: Series, peers: list[Series], key: str, target: float) -> Check:
     peer = better_peer(peers, key)
     value = ratio_of_medians(ours.stat(key), peer and peer.stat(key))
-    return Check(name, value, target, True, "×", f"vs {peer.label}" if peer else "llama.cpp not measured")
+    missing = "llama.cpp not measured" if not peers else "not measured at this size in this run"
+    return Check(name, value, target, True, "×", f"vs {peer.label}" if peer else missing)
 
 
 def native_vs_torch_check(ours: Series, twin: Series | None, streams: list[int]) -> Check:
@@ -770,7 +812,10 @@ def llamacpp_notes(peers: list[Series], problem: str | None) -> list[str]:
             f"{peer.fact('context')} (llama.cpp rounds each sequence's KV up to a multiple of 256 cells), one KV "
             f"stream per sequence, f16 KV; flash attention off and on, ricllm compared with the better per "
             f"measurement."),
-            f"llama.cpp system info: {peer.fact('system_info')}", f"llama.cpp CMake flags: {flags}"]
+            f"llama.cpp system info: {peer.fact('system_info')}", f"llama.cpp CMake flags: {flags}",
+            "llama.cpp extra buffer types (AMX tiles, repacked weights): " + (
+                "on (its default)" if peer.fact("extra_buffers") else
+                "OFF: a probe decode crashed with them on, so it ran its AVX-512/AVX2 path (use_extra_bufts=false)")]
 
 
 def roofline_note(bandwidth: float, sizes: dict) -> str:
@@ -783,21 +828,25 @@ def roofline_note(bandwidth: float, sizes: dict) -> str:
             f"the tied head is token_embd), HF its parameters once each (bf16).")
 
 
-def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, problem: str | None, append: bool) -> None:
-    from benchmarks.results import machine, publish
+def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, problem: str | None, failed: list[str],
+           append: bool) -> None:
+    from benchmarks.results import publish
 
     ours = [s for s in series if s.config.engine == "ricllm"]
     peers = [s for s in series if s.config.engine == "llamacpp"]
-    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(peers, problem)
+    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(peers, problem) + [
+        f"{label}: no repeat produced results (its children's errors are in the log)." for label in failed]
     body = "\n\n".join([side_by_side(series, sizes, bandwidth), ratio_table(ours, peers, sizes),
                         target_lines(series, bandwidth, sizes), roofline_note(bandwidth, sizes), "\n".join(notes)])
     repeats = max(len(s.runs) for s in series)
-    details = (f"CPU flags: {cpu_flags()}. Model: {model.name}. {sizes['prompt_len']}-token prompts, "
+    families = sorted({f"{s.fact('kernel_family')}" for s in ours}) or ["not run"]
+    details = (f"CPU flags: {cpu_flags()}. ricllm kernel family: {'; '.join(families)}. "
+               f"Model: {model.name}. {sizes['prompt_len']}-token prompts, "
                f"{sizes['new_tokens']} new tokens, greedy, EOS ignored; prompt throughput: one "
                f"{sizes['prefill_len']}-token prompt (median of {sizes['prefill_repeats']}); ricllm KV budget "
-               f"{KV_BUDGET}; each configuration in its own process, {repeats} repeats interleaved: median "
+               f"{KV_BUDGET}; each configuration in its own process, {repeats} repeat{'s' if repeats > 1 else ''} "
+               f"interleaved: median "
                f"[min–max]; ratios: median [min–max] of the per-repeat ratios.")
-    progress(f"machine: {machine()}")
     publish("CPU benchmark: ricllm vs llama.cpp vs HF", details, body, append=append)
 
 
@@ -835,7 +884,7 @@ def parse_args() -> argparse.Namespace:
                         help=f"interpreter with llama-cpp-python (default: this one, %(default)s; `{SETUP_HINT}` "
                              f"installs it)")
     parser.add_argument("--no-publish", action="store_true", help="print only; do not append to RESULTS.md")
-    parser.add_argument("--child", choices=["measure", "ready"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["measure", "ready", "probe"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.ricllm_env = dict(args.ricllm_env)
     return args
@@ -859,12 +908,16 @@ def main() -> None:
     bandwidth = read_bandwidth()
     progress(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     vocab, auto_formats = model_facts(model)
-    configs = configurations(args, llamacpp_ok=not args.skip_llamacpp and problem is None)
-    runs = run_all(configs, workload_spec(model, vocab, sizes), args.repeats)
-    series = [s for s in label_series(configs, runs, auto_formats) if any(s.runs)]
+    base = workload_spec(model, vocab, sizes)
+    llamacpp_ok = not args.skip_llamacpp and problem is None
+    extra_buffers = llamacpp_ok and llamacpp_extra_buffers_run(args.llamacpp_python, base)
+    configs = configurations(args, llamacpp_ok, extra_buffers)
+    runs = run_all(configs, base, args.repeats)
+    labelled = label_series(configs, runs, auto_formats)
+    series, failed = [s for s in labelled if any(s.runs)], [s.label for s in labelled if not any(s.runs)]
     if not series:
         sys.exit("no configuration produced results (see the children's errors above)")
-    report(series, sizes, model, bandwidth, problem, append=not (args.quick or args.no_publish))
+    report(series, sizes, model, bandwidth, problem, failed, append=not (args.quick or args.no_publish))
 
 
 if __name__ == "__main__":

@@ -114,6 +114,15 @@ def test_the_native_runtime_fails_its_target_when_one_stream_count_is_slower_tha
     assert bench.native_vs_torch_check(ours, None, [1, 32]).passed is None
 
 
+def test_a_stream_count_the_run_left_out_is_not_measured_rather_than_failed():
+    ours, twin = default_and_twin()
+    peers = [series("FA off", "llamacpp", [run(76.0, None, 310.0)] * 3)]
+    quick = dict(SIZES, streams=[1])
+    check = bench.vs_peer_check("decode, 32 streams vs llama.cpp", ours, peers, "decode_32", 3.0)
+    assert check.passed is None and check.detail == "not measured at this size in this run"
+    assert bench.native_vs_torch_check(ours, twin, quick["streams"]).passed is True
+
+
 def test_without_llama_cpp_every_peer_target_is_not_measured():
     ours, twin = default_and_twin()
     lines = [bench.check_line(c) for c in bench.issue_checks(ours, twin, [], 20e9, SIZES)]
@@ -143,12 +152,16 @@ def test_a_table_cell_shows_the_median_and_the_range_of_several_repeats():
 
 def test_the_llama_cpp_build_flags_come_from_its_installed_cmake_config(tmp_path):
     package = tmp_path / "site-packages" / "llama_cpp"
-    (package / "lib" / "cmake" / "ggml").mkdir(parents=True)
+    (package.parent / "lib" / "cmake" / "ggml").mkdir(parents=True)
     assert bench.llamacpp_build_flags(package) is None
-    (package / "lib" / "cmake" / "ggml" / "ggml-config.cmake").write_text(
-        'set(GGML_NATIVE "ON")\nset(GGML_INCLUDE_DIR "/x")\nset(GGML_AVX512 "OFF")\ninclude(foo)\n')
-    flags = bench.llamacpp_build_flags(package)
-    assert flags.endswith(': GGML_NATIVE "ON"; GGML_AVX512 "OFF"')
+    (package.parent / "lib" / "cmake" / "ggml" / "ggml-config.cmake").write_text(
+        'set(GGML_AVX512 "OFF")\nset(GGML_NATIVE "ON")\nset(GGML_INCLUDE_DIR "/x")\nset(GGML_OPENMP "ON")\n'
+        'include(foo)\nset(GGML_VERSION "0.25.3")\n')
+    expected = "GGML_VERSION=0.25.3 GGML_NATIVE=ON GGML_OPENMP=ON (no ISA flag forced on)"
+    assert bench.llamacpp_build_flags(package) == expected
+    (package.parent / "lib" / "cmake" / "ggml" / "ggml-config.cmake").write_text(
+        'set(GGML_NATIVE "OFF")\nset(GGML_AVX2 "ON")\nset(GGML_AVX512 "OFF")\nset(GGML_FMA "ON")\n')
+    assert bench.llamacpp_build_flags(package) == "GGML_NATIVE=OFF GGML_AVX2=ON GGML_FMA=ON"
 
 
 def test_ricllm_env_takes_key_value_pairs_and_rejects_anything_else():
