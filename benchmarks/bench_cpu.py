@@ -815,7 +815,8 @@ def llamacpp_notes(peers: list[Series], problem: str | None) -> list[str]:
             f"llama.cpp system info: {peer.fact('system_info')}", f"llama.cpp CMake flags: {flags}",
             "llama.cpp extra buffer types (AMX tiles, repacked weights): " + (
                 "on (its default)" if peer.fact("extra_buffers") else
-                "OFF: a probe decode crashed with them on, so it ran its AVX-512/AVX2 path (use_extra_bufts=false)")]
+                "OFF: a probe decode crashed with them on, so it ran its AVX-512/AVX2 path (use_extra_bufts=false); "
+                "ricllm without AMX (--no-amx) is the like-for-like comparison")]
 
 
 def roofline_note(bandwidth: float, sizes: dict) -> str:
