@@ -91,9 +91,9 @@ def run_family(family: str, args: argparse.Namespace) -> dict:
 
 
 def runnable_families() -> list[str]:
-    from ricllm.kernels.cpu_library import FAMILIES, _cpu_flags
+    from ricllm.kernels.cpu_library import FAMILIES, cpu_flags
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return [name for name, (_, needs) in FAMILIES.items() if needs <= flags]
 
 
@@ -127,12 +127,12 @@ def main() -> None:
     if args.child:
         print(MARK + json.dumps(measure_family(args.rows, args.repeats, args.threads)))
         return
-    from ricllm.kernels.cpu_library import _cpu_flags
+    from ricllm.kernels.cpu_library import cpu_flags
 
     from benchmarks.results import publish
 
     measured = {family: run_family(family, args) for family in args.families or runnable_families()}
-    simd = " ".join(sorted(f for f in _cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))))
+    simd = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))))
     details = (f"Per cell: C time (median), speedup torch/C as median [min-max] of {args.repeats} alternated "
                f"repeats, bf16 activations, {args.threads} threads. CPU flags: {simd}.\n")
     publish("Weight-only products per kernel family (bench_quant_gemm)", details, table(measured, args.rows),

@@ -88,7 +88,8 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -112,7 +113,7 @@ def cpu_family() -> str | None:
     """The best family this CPU's flags allow under the cap (None: no x86 family runs here)."""
     if not IS_X86:
         return None
-    flags, names = _cpu_flags(), list(FAMILIES)
+    flags, names = cpu_flags(), list(FAMILIES)
     cap = family_cap()
     allowed = names[:names.index(cap) + 1] if cap else names
     return next((name for name in reversed(allowed) if FAMILIES[name][1] <= flags), None)

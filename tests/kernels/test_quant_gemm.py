@@ -92,7 +92,7 @@ def with_family(family: str, *args: str, timeout: int = 900) -> subprocess.Compl
 
 
 def runs_here(family: str) -> bool:
-    return cpu_library.IS_X86 and cpu_library.FAMILIES[family][1] <= cpu_library._cpu_flags()
+    return cpu_library.IS_X86 and cpu_library.FAMILIES[family][1] <= cpu_library.cpu_flags()
 
 
 FAMILY_NAMES = {"amx": "amx", "avx512": "avx512-bf16", "avx2": "avx2"}
@@ -102,7 +102,7 @@ FAMILY_NAMES = {"amx": "amx", "avx512": "avx512-bf16", "avx2": "avx2"}
 def test_each_family_this_cpu_runs_matches_the_reference(family):
     if not runs_here(family):
         pytest.skip(f"this CPU lacks the {family} family's flags "
-                    f"({' '.join(sorted(cpu_library.FAMILIES[family][1] - cpu_library._cpu_flags()))})")
+                    f"({' '.join(sorted(cpu_library.FAMILIES[family][1] - cpu_library.cpu_flags()))})")
     said = with_family(family, "-c", "from ricllm.kernels.cpu_library import kernel_family; print(kernel_family())")
     assert said.stdout.startswith(FAMILY_NAMES[family] + " (int4: "), said.stdout + said.stderr[-2000:]
     done = with_family(family, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "parity")
@@ -132,7 +132,7 @@ def test_each_family_serves_both_runtimes_bit_identically(family):
 ])
 def test_the_family_follows_the_cpu_flags_and_the_cap(monkeypatch, flags, cap, no_amx, expected):
     monkeypatch.setattr(cpu_library, "IS_X86", True)
-    monkeypatch.setattr(cpu_library, "_cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: set(flags))
     monkeypatch.setenv("RICLLM_CPU_KERNELS", cap)
     monkeypatch.setattr(cpu_library, "AMX_DISABLED", bool(no_amx))
     cpu_library.cpu_family.cache_clear()
