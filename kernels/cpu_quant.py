@@ -1,12 +1,14 @@
-"""Weight-only int4/int8 products on AVX-512 (``csrc/cpu_quant_gemm.c``): pack, then multiply.
+"""Weight-only int4/int8 products on AVX-512, AMX or AVX2 (``csrc/cpu_quant_gemm.c``, one library per
+kernel family: ``cpu_library``): pack, then multiply. The layouts and results are the same in every family.
 
 The layouts are the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,
 fp16 scales per (row, group); 4-bit weights as 16 pairs of k per (tile, group), 8-bit ones as
 8 blocks of 4 k. ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
 group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``pack_int8``
 takes Q8_0's form ``w = d·q`` per group of 32. 4-bit products keep the activations in bf16
-(AVX-512 BF16 dot products); 8-bit ones quantize them to int8 per group of 32 inside the
-kernel, as llama.cpp does for the same products (AVX-512 VNNI).
+(AVX-512 BF16 dot products, AMX tiles, or fp32 FMAs on AVX2); 8-bit ones quantize them to int8
+per group of 32 inside the kernel, as llama.cpp does for the same products (AVX-512 VNNI, or
+AVX2's maddubs, bit for bit the same).
 """
 
 from __future__ import annotations
