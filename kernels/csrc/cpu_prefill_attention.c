@@ -10,8 +10,8 @@
  * every (sequence, KV head) is first packed once, per chunk, in the pair-interleaved layouts the
  * instruction reads (K: [D/2][KC][2], V: [KC/2][D][2]), and P is rounded to bf16 (as SDPA's bf16
  * path does). Where the library is built with AMX and Linux grants the tiles (head_dim 32 or 64),
- * both products are tile products instead, 16 rows at a time, from the same packed layouts: SDPA
- * does this too, and it is several times faster than the vector products. Without BF16 (other
+ * both products are tile products instead, 16 rows at a time, from the same packed layouts,
+ * several times faster than the vector products. Without BF16 (other
  * CPUs, fp32 activations) the same blocking runs in fp32 on contiguous K/V copies, which the
  * compiler vectorizes.
  *
