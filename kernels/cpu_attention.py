@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-
 from ricllm.kernels.cpu_library import cpu_kernels_available, library
 
 SUPPORTED_DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # element type -> the kernel's is_bf16 flag

@@ -102,7 +102,7 @@ def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = t
         raise ConfigError(f"attention backend 'cpu' runs on the CPU, but the engine runs on {device}")
     if device.type != "cuda":
         raise ConfigError(f"attention backend {name!r} needs a CUDA device, but the engine runs on {device}")
-    import ricllm.kernels as kernels
+    from ricllm import kernels
 
     if name in ("auto", "triton"):
         ok, reason = kernels.triton_available()

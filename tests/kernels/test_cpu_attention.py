@@ -109,7 +109,7 @@ def test_a_large_prefill_beside_decodes_splits_sdpa_and_the_kernel(kernel, dtype
     query, k_cache, v_cache, meta = make_case(q_lens, ctx, dtype=dtype, n_heads=9, n_kv=3)
     meta.prefill_rows, meta.prefill_products = 160, 90 * 150 + 70 * 70
     assert meta.prefill_rows > C_KERNEL_PREFILL_ROWS and not c_kernel_attends(meta)
-    (decode_rows, decode_meta), (prefill_rows, prefill_meta) = meta.split_decodes()
+    (decode_rows, _), (_, prefill_meta) = meta.split_decodes()
     assert decode_rows.tolist() == [0, 1, 92, 163] and prefill_meta.max_query_len == 90
     expected = paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     got = CpuKernelAttention(dtype, large_prefill_in_c).attend(query, k_cache, v_cache, meta, 0.125)
