@@ -458,6 +458,9 @@ static void attend_block(const PrefillShape *s, QueryBlock blk, int kvh, const v
 #endif
         attend_chunk_f32(s, &rows, c * KC, packed, qf, o, row_max, row_sum);
     }
+#if PREFILL_AMX
+    if (s->amx) _tile_release();  /* as the quantized products do: no tile state left for Linux to save */
+#endif
     for (int r = 0; r < rows.rows; r++) {
         float *row = o + (int64_t)r * d;
         const float inv = 1.0f / row_sum[r];
