@@ -600,10 +600,15 @@ static int paged_attention_below(const char *q, const void *k_cache, const void 
 }
 
 /* Which kernel attends a step: this one for the sequences that bring PREFILL_MIN_QUERIES query rows
- * or more (a block of them then amortises packing its K/V) where the products run in bf16; the
- * decode-shaped paged kernel for the rest, and for every sequence of fp32 steps (its fp32 dot
- * products beat this kernel's portable path, measured). */
-#define PREFILL_MIN_QUERIES 16
+ * or more where the products run in bf16; the decode-shaped paged kernel for the rest, and for every
+ * sequence of fp32 steps (its fp32 dot products beat this kernel's portable path, measured).
+ * 65, not 16: up to 64 rows (the small prefills the decoder stack serves in both runtimes) the paged
+ * kernel keeps what was computed before this kernel existed, bit for bit: a prompt's logits are then
+ * the same whether its prefix came from the cache (a short tail) or not, and the same in both
+ * runtimes. At 16 the two kernels' roundings (this one's P·V runs on bf16 probabilities) differed
+ * enough to flip SmolLM2's greedy answer to a 37-token chat prompt and to make a cached prompt
+ * decode differently from an uncached one (tests/test_smollm2.py, tests/test_structured.py). */
+#define PREFILL_MIN_QUERIES 65
 int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
                      int batch, int heads, int kv_heads, int head_dim, int block_size, int table_width,
