@@ -39,6 +39,20 @@ def noisy_step_time(seed: int):
     return step_time
 
 
+def record_sequences(engine) -> dict:
+    """Every sequence ``engine.add_request`` makes from now on, by request id."""
+    seqs = {}
+    add = engine.add_request
+
+    def recording_add(*args, **kwargs):
+        seq = add(*args, **kwargs)
+        seqs[seq.request_id] = seq
+        return seq
+
+    engine.add_request = recording_add
+    return seqs
+
+
 # ---------------------------------------------------------------- baselines: queues without promises
 
 def test_fcfs_serves_in_arrival_order_and_bounds_every_queued_request(tiny_gguf):
@@ -227,15 +241,7 @@ def test_a_slowdown_after_calibration_misses_only_inside_the_detector_window(tin
         return original_step()
 
     engine.step = drifting_step
-    seqs_by_id = {}
-    original_add = engine.add_request
-
-    def recording_add(*args, **kwargs):
-        seq = original_add(*args, **kwargs)
-        seqs_by_id[seq.request_id] = seq
-        return seq
-
-    engine.add_request = recording_add
+    seqs_by_id = record_sequences(engine)
     outputs = run_arrivals(engine, clock, arrivals)
     detected = [e.time for e in engine.slowdown_events if e.slow]
     assert detected and detected[0] >= slow_from  # said once the steps were slower, not before
@@ -332,15 +338,7 @@ def short_requests_with_stalls(tiny_gguf, stall_reserve_steps: int, mean_gap_s: 
     arrivals = poisson_arrivals(rng, 300, mean_gap_s, clock.now, lambda i: (
         prompt(rng.randint(8, 40), 500 + i),
         SamplingParams(max_tokens=rng.randint(2, 4), deadline_ms=deadline_ms, ignore_eos=True)))
-    seqs = {}
-    add = engine.add_request
-
-    def recording_add(*args, **kwargs):
-        seq = add(*args, **kwargs)
-        seqs[seq.request_id] = seq
-        return seq
-
-    engine.add_request = recording_add
+    seqs = record_sequences(engine)
     first_stall = {}
     step = engine.step
 

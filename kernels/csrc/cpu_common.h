@@ -95,4 +95,23 @@ static inline __attribute__((always_inline)) void store_row(void *base, int64_t 
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__linux__) && defined(_GNU_SOURCE)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux gives a process AMX's tile registers only once it asks (arch_prctl, once per process). */
+static inline int ricllm_amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* What LDTILECFG reads: palette 1, then per tile its bytes per row and its rows. */
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+#endif
+
 #endif

@@ -28,8 +28,6 @@
 #endif
 #if PREFILL_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define PREFILL_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #else
 #define PREFILL_AMX 0
 #endif
@@ -267,25 +265,13 @@ static void attend_chunk_bf16_any(const PrefillShape *s, const Rows *rows, int k
 #endif
 
 #if PREFILL_AMX
-/* Linux gives a process AMX's tile registers only once it asks (arch_prctl, once per process). */
-static int prefill_amx_usable(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} PrefillTileConfig;
 
 /* Eight tiles of 16 rows × 64 bytes (the intrinsics want literal numbers): tmm0/tmm1 = S for keys
  * 0-15/16-31 [16 rows, 16] fp32; tmm2 = A (Q rows × 32 dims, or P rows × 32 keys, bf16);
  * tmm3 = B (16 pairs of K dims, or of V keys); tmm4-7 = this chunk's P·V, 16 dims each. Set per
  * work item: other AMX code (oneDNN's, the quantized products) may have run on this thread. */
 static void prefill_tiles_configure(void) {
-    PrefillTileConfig config;
+    TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; t++) {
@@ -486,7 +472,7 @@ static QueryBlock *query_blocks(const PrefillShape *s, int *count) {
 /* Whether bf16 prefill steps (head_dim 32 or 64) attend in AMX tiles here: built with AMX, granted by Linux. */
 int ricllm_prefill_attention_uses_amx(void) {
 #if PREFILL_AMX
-    return prefill_amx_usable();
+    return ricllm_amx_usable();
 #else
     return 0;
 #endif
@@ -508,7 +494,7 @@ static int prefill_attention_taking(const void *q, const void *k_cache, const vo
     chunk_base[0] = 0;
     for (int b = 0; b < batch; b++) chunk_base[b + 1] = chunk_base[b] + (taken(&s, b) ? (context_lens[b] + KC - 1) / KC : 0);
 #if PREFILL_AMX
-    s.amx = use_bf16_dot(&s, is_bf16) && (head_dim == 32 || head_dim == 64) && prefill_amx_usable();
+    s.amx = use_bf16_dot(&s, is_bf16) && (head_dim == 32 || head_dim == 64) && ricllm_amx_usable();
 #endif
     const size_t elt = use_bf16_dot(&s, is_bf16) ? 2 : 4;
     const int64_t chunks = chunk_base[batch];

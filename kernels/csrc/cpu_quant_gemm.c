@@ -263,8 +263,6 @@ static void int4_tile_reused(const uint8_t *w, const uint16_t *scales, const uin
 
 #if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #else
 #define HAVE_AMX 0
 #endif
@@ -282,19 +280,6 @@ static void int4_tile_reused(const uint8_t *w, const uint16_t *scales, const uin
 #endif
 
 #if HAVE_AMX
-/* Linux gives a process AMX's tile registers only once it asks (arch_prctl, once per process). */
-static int amx_usable(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* Tiles (the intrinsics want literal numbers): two groups in flight, so one group's tile
  * product overlaps the other's store and scaling. tmm0/tmm3 = A, activations [rows, 32 k] bf16;
  * tmm1/tmm4 = B, a group's weights as 16 k pairs × 16 output rows; tmm2/tmm5 = C, [rows, 16] fp32. */
@@ -573,6 +558,17 @@ static inline __attribute__((always_inline)) void int4_dot_avx2(const float *wf,
     *high = _mm256_add_ps(_mm256_add_ps(acc[0][1], acc[1][1]), _mm256_add_ps(acc[2][1], acc[3][1]));
 }
 
+/* Each row's 16 outputs of the tile (two 8-lane totals) to its place in ``out``. */
+static inline __attribute__((always_inline)) void store_totals_avx2(const __m256 (*totals)[2], int rows, void *out,
+                                                                  int n, int tile, int is_bf16) {
+    for (int r = 0; r < rows; r++) {
+        float lane[TILE];
+        _mm256_storeu_ps(lane, totals[r][0]);
+        _mm256_storeu_ps(lane + 8, totals[r][1]);
+        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+    }
+}
+
 static void int4_tile_avx2(const uint8_t *w, const uint16_t *scales, const float *xf, const float *sx, int rows,
                            int k, int n, int tile, void *out, int is_bf16) {
     const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
@@ -596,12 +592,7 @@ static void int4_tile_avx2(const uint8_t *w, const uint16_t *scales, const float
             totals[r][1] = _mm256_fmadd_ps(c_high, row_sum, _mm256_fmadd_ps(high, d_high, totals[r][1]));
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float lane[TILE];
-        _mm256_storeu_ps(lane, totals[r][0]);
-        _mm256_storeu_ps(lane + 8, totals[r][1]);
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
-    }
+    store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
 }
 
 /* 1-2 rows: each pair of k widened in registers and used at once (no L1 buffer round trip), four
@@ -650,12 +641,7 @@ static inline __attribute__((always_inline)) void int4_tile_avx2_dot(int rows, c
             totals[r][1] = _mm256_fmadd_ps(c_high, row_sum, _mm256_fmadd_ps(high, d_high, totals[r][1]));
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float lane[TILE];
-        _mm256_storeu_ps(lane, totals[r][0]);
-        _mm256_storeu_ps(lane + 8, totals[r][1]);
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
-    }
+    store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
 }
 
 static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
@@ -777,7 +763,7 @@ int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, c
         return int4_gemm_avx2(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
 #else
 #if HAVE_AMX
-        if (m >= AMX_MIN_ROWS && amx_usable()) return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+        if (m >= AMX_MIN_ROWS && ricllm_amx_usable()) return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
 #endif
         int4_gemm_avx512(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
         return 0;
@@ -853,7 +839,7 @@ int ricllm_quant_rows(const uint8_t *w, const uint16_t *scales, int bits, const 
  * RICLLM_NO_AMX) and granted by the kernel. */
 int ricllm_quant_gemm_uses_amx(void) {
 #if HAVE_AMX
-    return amx_usable();
+    return ricllm_amx_usable();
 #else
     return 0;
 #endif
