@@ -558,6 +558,23 @@ static inline __attribute__((always_inline)) void int4_dot_avx2(const float *wf,
     *high = _mm256_add_ps(_mm256_add_ps(acc[0][1], acc[1][1]), _mm256_add_ps(acc[2][1], acc[3][1]));
 }
 
+/* A (tile, group)'s fp16 scales as fp32: d and c of outputs 0-7 and 8-15. */
+typedef struct { __m256 d_low, d_high, c_low, c_high; } GroupScales;
+
+static inline __attribute__((always_inline)) GroupScales group_scales_avx2(const uint16_t *sg) {
+    return (GroupScales){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8))),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE))),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)))};
+}
+
+/* totals += d·Σq·x + c·Σx for one row and group (``low``/``high``: Σq·x of outputs 0-7 / 8-15). */
+static inline __attribute__((always_inline)) void add_group_avx2(__m256 *totals, const GroupScales *gs, __m256 low,
+                                                               __m256 high, __m256 row_sum) {
+    totals[0] = _mm256_fmadd_ps(gs->c_low, row_sum, _mm256_fmadd_ps(low, gs->d_low, totals[0]));
+    totals[1] = _mm256_fmadd_ps(gs->c_high, row_sum, _mm256_fmadd_ps(high, gs->d_high, totals[1]));
+}
+
 /* Each row's 16 outputs of the tile (two 8-lane totals) to its place in ``out``. */
 static inline __attribute__((always_inline)) void store_totals_avx2(const __m256 (*totals)[2], int rows, void *out,
                                                                   int n, int tile, int is_bf16) {
@@ -579,17 +596,12 @@ static void int4_tile_avx2(const uint8_t *w, const uint16_t *scales, const float
     for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         int4_widen_avx2(wt + (int64_t)g * group_bytes, wf);
-        const uint16_t *sg = st + (int64_t)g * 2 * TILE;
-        const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
-        const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
-        const __m256 c_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE)));
-        const __m256 c_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)));
+        const GroupScales gs = group_scales_avx2(st + (int64_t)g * 2 * TILE);
         for (int r = 0; r < rows; r++) {
             __m256 low, high;
             int4_dot_avx2(wf, xf + (int64_t)r * k + g * GROUP, &low, &high);
             const __m256 row_sum = _mm256_set1_ps(sx[(int64_t)r * groups + g]);
-            totals[r][0] = _mm256_fmadd_ps(c_low, row_sum, _mm256_fmadd_ps(low, d_low, totals[r][0]));
-            totals[r][1] = _mm256_fmadd_ps(c_high, row_sum, _mm256_fmadd_ps(high, d_high, totals[r][1]));
+            add_group_avx2(totals[r], &gs, low, high, row_sum);
         }
     }
     store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
@@ -629,16 +641,11 @@ static inline __attribute__((always_inline)) void int4_tile_avx2_dot(int rows, c
                 acc[r][3] = _mm256_fmadd_ps(odd_high, x_odd, acc[r][3]);
             }
         }
-        const uint16_t *sg = st + (int64_t)g * 2 * TILE;
-        const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
-        const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
-        const __m256 c_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE)));
-        const __m256 c_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)));
+        const GroupScales gs = group_scales_avx2(st + (int64_t)g * 2 * TILE);
         for (int r = 0; r < rows; r++) {
             const __m256 row_sum = _mm256_set1_ps(sx[(int64_t)r * groups + g]);
             const __m256 low = _mm256_add_ps(acc[r][0], acc[r][2]), high = _mm256_add_ps(acc[r][1], acc[r][3]);
-            totals[r][0] = _mm256_fmadd_ps(c_low, row_sum, _mm256_fmadd_ps(low, d_low, totals[r][0]));
-            totals[r][1] = _mm256_fmadd_ps(c_high, row_sum, _mm256_fmadd_ps(high, d_high, totals[r][1]));
+            add_group_avx2(totals[r], &gs, low, high, row_sum);
         }
     }
     store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
