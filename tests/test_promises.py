@@ -417,3 +417,14 @@ def test_a_stall_longer_than_the_cap_is_not_reserved_for_every_request():
     model.keep_overruns(1024, cap_s=0.05)
     model.observe(StepFeatures(0, 1, 10), 5.01)
     assert model.stall_reserve == 0.05
+
+
+def test_the_reserve_forgets_a_stall_once_it_leaves_the_window():
+    model = LatencyModel([0.01, 0.0, 0.0, 0.0, 0.0])
+    model.keep_overruns(4, cap_s=1.0)
+    for measured in (0.03, 0.01, 0.015, 0.01):  # 20 ms, then 5 ms past the prediction
+        model.observe(StepFeatures(0, 1, 10), measured)
+        model.correction = 1.0  # hold the prediction still: only the overruns move
+    assert model.stall_reserve == pytest.approx(0.02)
+    model.observe(StepFeatures(0, 1, 10), 0.01)  # the 20 ms stall leaves the four-step window
+    assert model.stall_reserve == pytest.approx(0.005)

@@ -85,7 +85,7 @@ class LatencyModel:
         (the median-corrected prediction; the promise-making correction is a higher quantile) and
         how far the step ran past the prediction promises were made with."""
         base = self.base(f)
-        self.overruns.append(max(measured_s - base * self.correction, 0.0))
+        self._record_overrun(max(measured_s - base * self.correction, 0.0))
         point = base * self.typical_ratio
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
         if base > 0 and measured_s > 0:
@@ -95,6 +95,7 @@ class LatencyModel:
             self.correction = self._ratio_quantile()
 
     stall_cap: float = 0.05  # s: the most one step's stall is reserved for
+    _worst_overrun: float = field(default=0.0, repr=False)  # max(overruns), kept as they come and go
 
     @property
     def stall_reserve(self) -> float:
@@ -105,12 +106,25 @@ class LatencyModel:
         reserve does. A longer stall is the machine taken away, not one slow step: reserving it
         would refuse every request for the whole window (a 5 s stall did, for about 50 s of idle
         probes); the correction and the slowdown detector answer a machine that stays slow."""
-        return min(max(self.overruns, default=0.0), self.stall_cap)
+        return min(self._worst_overrun, self.stall_cap)
 
     def keep_overruns(self, steps: int, cap_s: float) -> None:
         """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""
         self.overruns = deque(self.overruns, maxlen=steps)
+        self._worst_overrun = max(self.overruns, default=0.0)
         self.stall_cap = cap_s
+
+    def _record_overrun(self, overrun: float) -> None:
+        """Keep the window's worst at hand: every bound reads it (several times a step, at every
+        arrival); it is recomputed only when the worst one leaves the window."""
+        if self.overruns.maxlen == 0:
+            return
+        leaving = self.overruns[0] if len(self.overruns) == self.overruns.maxlen else None
+        self.overruns.append(overrun)
+        if leaving is not None and leaving >= self._worst_overrun:
+            self._worst_overrun = max(self.overruns)
+        else:
+            self._worst_overrun = max(self._worst_overrun, overrun)
 
     @property
     def typical_ratio(self) -> float:
