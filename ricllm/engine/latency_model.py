@@ -64,6 +64,8 @@ class LatencyModel:
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     ratios: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
     overruns: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)  # s past the prediction
+    stall_cap: float = 0.05  # s: the most one step's stall is reserved for
+    _worst_overrun: float = field(default=0.0, init=False, repr=False)  # max(overruns), kept as they come and go
 
     def __post_init__(self) -> None:
         if len(self.coefficients) > len(FEATURES):
@@ -93,9 +95,6 @@ class LatencyModel:
                 self.ratios = deque(self.ratios, maxlen=self.window)
             self.ratios.append(measured_s / base)
             self.correction = self._ratio_quantile()
-
-    stall_cap: float = 0.05  # s: the most one step's stall is reserved for
-    _worst_overrun: float = field(default=0.0, repr=False)  # max(overruns), kept as they come and go
 
     @property
     def stall_reserve(self) -> float:
