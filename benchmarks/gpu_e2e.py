@@ -14,6 +14,7 @@ import torch
 from ricllm.attention.backends import select_backend
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.cache.kv_cache import KVCache, plan_cache
+from ricllm.cache.kv_format import kv_format
 from ricllm.model.llama import LlamaModel
 from ricllm.model.spec import ModelSpec
 
@@ -67,7 +68,7 @@ def decode_throughput(backend_name: str, batch: int, prompt_len: int, steps: int
     model = random_model(backend_name, dtype, device)
     blocks_per_seq = -(-(prompt_len + steps + 1) // block_size)
     budget = SMOLLM2.kv_bytes_per_token(2) * block_size * blocks_per_seq * batch
-    cache = KVCache(SMOLLM2, plan_cache(SMOLLM2, budget, block_size, dtype.itemsize), dtype, device)
+    cache = KVCache(SMOLLM2, plan_cache(SMOLLM2, budget, block_size, kv_format("auto", str(dtype))), dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, SMOLLM2.vocab_size, (batch * prompt_len,), generator=gen, device=device)
     positions, meta = step_metadata([prompt_len] * batch, [prompt_len] * batch, block_size, blocks_per_seq, device)

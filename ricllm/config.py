@@ -151,6 +151,10 @@ class EngineSettings(StrictModel):
         None, "cap on prompt + output tokens; null: the model's context")
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = setting(
         "auto", "activations and KV cache; auto: bfloat16 where the hardware has it, else float32")
+    kv_cache_dtype: Literal["auto", "int8"] = setting(
+        "auto", "KV cache element type, one per engine: auto = the activations' (dtype); int8 = one byte per "
+                "element plus an fp32 scale per (token, KV head) row, 1.9x the tokens per byte for head_dim 64, "
+                "approximate (benchmarks/bench_kv_quality.py measures what it changes)")
     device: Annotated[str, StringConstraints(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = setting(
         "auto", "auto, cpu or cuda[:N]")
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = setting(

@@ -34,6 +34,9 @@ class PlanError(ConfigError):
 
 
 KV_DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# integer KV rows carry a scale each: one fp32 per (token, KV head) row of d_h elements, as ricllm's
+# int8 cache stores it (ricllm.cache.kv_format); fp8 e4m3 is taken with one scale per tensor
+KV_ROW_SCALE_BYTES: dict[str, float] = {"int8": 4, "int4": 4}
 WHAT_IF_KV_DTYPES = ("fp16", "fp8", "int8", "int4")
 CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -60,6 +63,12 @@ NAMED_SHAPES: dict[str, ModelSpec] = {
 
 
 # ---------------------------------------------------------------- the equation
+
+
+def kv_element_bytes(kv_dtype: str, spec: ModelSpec) -> float:
+    """``b`` of the equation for a KV element type: its bytes, plus its row's scale spread over the row
+    (int8 with d_h = 64: 1 + 4/64 = 1.0625 B), so that ``2·L·n_kv·d_h·b`` is the real size."""
+    return KV_DTYPE_BYTES[kv_dtype] + KV_ROW_SCALE_BYTES.get(kv_dtype, 0) / spec.head_dim
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_bytes: float) -> float:
@@ -234,7 +243,7 @@ def _what_ifs(spec: ModelSpec, kv_bytes: float, budget: Budget, reference_contex
     variants = [("MHA (n_kv = heads)", spec.num_heads, kv_bytes),
                 (f"{kind} (as is)", spec.num_kv_heads, kv_bytes),
                 ("MQA (n_kv = 1)", 1, kv_bytes)]
-    variants += [(f"KV {name}", spec.num_kv_heads, KV_DTYPE_BYTES[name]) for name in WHAT_IF_KV_DTYPES]
+    variants += [(f"KV {name}", spec.num_kv_heads, kv_element_bytes(name, spec)) for name in WHAT_IF_KV_DTYPES]
     rows = []
     for label, kv_heads, b in variants:
         variant = replace(spec, num_kv_heads=kv_heads)
@@ -361,11 +370,11 @@ def _what_ifs_text(p: Plan) -> list[str]:
     ref = format_context(p.reference_context)
     lines = ["", f"what-ifs (same weights and KV memory; max tokens: all sequences together; "
                  f"max batch at reference context {ref})",
-             f"{'variant':<20}{'n_kv':>5}{'b':>6}  {'bytes/token':<36}{'max tokens':>14}{f'max batch @{ref}':>20}"]
+             f"{'variant':<20}{'n_kv':>5}{'b':>8}  {'bytes/token':<36}{'max tokens':>14}{f'max batch @{ref}':>20}"]
     for w in p.what_ifs:
         per_token = f"{w.bytes_per_token:,.0f} B = {format_size(w.bytes_per_token)}"
         batch = f"{w.max_batch.value:,} ({w.max_batch.bound_by})"
-        lines.append(f"{w.label:<20}{w.num_kv_heads:>5}{w.kv_bytes:>6g}  {per_token:<36}{w.max_tokens:>14,}"
+        lines.append(f"{w.label:<20}{w.num_kv_heads:>5}{w.kv_bytes:>8g}  {per_token:<36}{w.max_tokens:>14,}"
                      f"{batch:>20}")
     return lines
 
@@ -492,7 +501,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     contexts, batches = _parse_counts(args.contexts, "--contexts"), _parse_counts(args.batches, "--batches")
     spec, weights, source = resolve_model(args.model, per_param)
     result = plan(spec, memory, reserved, bandwidth, args.deadline_ms / 1e3, args.tokens,
-                  KV_DTYPE_BYTES[args.kv_dtype], weights, weights_source=source,
+                  kv_element_bytes(args.kv_dtype, spec), weights, weights_source=source,
                   contexts=contexts or CONTEXTS, batches=batches or BATCHES,
                   max_context=args.max_context, reference_context=args.ref_context)
     print(json.dumps(plan_to_json(result), indent=2) if args.json else render_text(result))
@@ -515,7 +524,8 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--deadline-ms", type=float, default=500.0, help="time for one answer (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per answer (default: %(default)s)")
     p.add_argument("--kv-dtype", choices=list(KV_DTYPE_BYTES), default="fp16",
-                   help="KV cache element type (default: %(default)s)")
+                   help="KV cache element type; int8 and int4 include a 4-byte scale per row of d_h elements, "
+                        "as ricllm's int8 cache stores it (default: %(default)s)")
     p.add_argument("--weight-bytes", default=None,
                    help="bytes per parameter (e.g. 2, 0.5 or fp16, int4); default: 2 for named shapes, "
                         "the file size on disk for a checkpoint")

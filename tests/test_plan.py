@@ -158,8 +158,10 @@ def test_what_ifs_scale_with_kv_heads_and_kv_width():
     assert gqa == 131_072
     assert rows["MHA (n_kv = heads)"].bytes_per_token == (32 / 8) * gqa == 524_288
     assert rows["MQA (n_kv = 1)"].bytes_per_token == gqa / 8
-    assert rows["KV int4"].bytes_per_token == rows["KV fp16"].bytes_per_token / 4 == 32_768
-    assert rows["KV fp8"].bytes_per_token == rows["KV int8"].bytes_per_token == gqa / 2
+    assert rows["KV fp8"].bytes_per_token == gqa / 2
+    # integer rows carry one fp32 scale per (token, KV head): 2·32·8·4 = 2,048 B per token on top
+    assert rows["KV int8"].bytes_per_token == gqa / 2 + 2 * 32 * 8 * 4 == 67_584
+    assert rows["KV int4"].bytes_per_token == rows["KV fp16"].bytes_per_token / 4 + 2 * 32 * 8 * 4 == 34_816
     for w in p.what_ifs:
         assert w.max_tokens == int(p.budget.available_bytes // w.bytes_per_token)
         kv_at_ref = w.bytes_per_token * p.reference_context * w.max_batch.value
@@ -249,7 +251,7 @@ def test_cli_json_carries_the_numbers():
     at_128k = {c["batch"]: c for c in data["grid"] if c["context"] == 131_072}
     assert at_128k[1]["kv_bytes"] == 40 * GiB and at_128k[1]["status"] == "ok"  # 42.9 GB ≤ 45.5 GB left
     assert at_128k[2]["status"] == "mem"
-    assert {w["label"]: w["bytes_per_token"] for w in data["what_ifs"]}["KV int4"] == 81_920
+    assert {w["label"]: w["bytes_per_token"] for w in data["what_ifs"]}["KV int4"] == 81_920 + 2 * 80 * 8 * 4  # + a 4-byte scale per row
     assert len(data["max_batch_per_context"]) == 9 and "lower bound" in data["time_model"]
 
 

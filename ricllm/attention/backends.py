@@ -91,7 +91,8 @@ class KernelAttention:
 
 def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.float32):
     """``auto`` picks Triton on CUDA (when importable), the C kernel on the CPU (when it builds
-    and takes the cache dtype), and the torch reference otherwise."""
+    and takes the cache dtype), and the torch reference otherwise. ``cache_dtype`` ``uint8`` is an
+    int8 cache (rows with their scales: ``ricllm.cache.kv_format``)."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "torch":
@@ -102,6 +103,11 @@ def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = t
         raise ConfigError(f"attention backend 'cpu' runs on the CPU, but the engine runs on {device}")
     if device.type != "cuda":
         raise ConfigError(f"attention backend {name!r} needs a CUDA device, but the engine runs on {device}")
+    if cache_dtype == torch.uint8:
+        if name != "auto":
+            raise ConfigError(f"attention backend {name!r} reads bf16/fp16/fp32 caches, not kv_cache_dtype int8; "
+                              "use attention_backend torch (the reference reads int8) or kv_cache_dtype auto")
+        return TorchAttention()
     from ricllm import kernels
 
     if name in ("auto", "triton"):
@@ -120,7 +126,8 @@ def _cpu_backend(name: str, cache_dtype: torch.dtype):
     from ricllm.kernels.cpu_attention import SUPPORTED_DTYPES, cpu_kernel_available
 
     if cache_dtype not in SUPPORTED_DTYPES:
-        reason = f"the CPU kernel takes bfloat16 or float32 caches, not {str(cache_dtype).removeprefix('torch.')}"
+        kind = "kv_cache_dtype int8" if cache_dtype == torch.uint8 else str(cache_dtype).removeprefix("torch.")
+        reason = f"the CPU kernel takes {' or '.join(_dtype_names(SUPPORTED_DTYPES))} caches, not {kind}"
     else:
         ok, reason = cpu_kernel_available()
         if ok:
@@ -131,3 +138,7 @@ def _cpu_backend(name: str, cache_dtype: torch.dtype):
 
     get_logger("ricllm.attention").warning("cpu_attention_kernel_unavailable", reason=reason, fallback="torch")
     return TorchAttention()
+
+
+def _dtype_names(dtypes) -> list[str]:
+    return ["int8 (kv_cache_dtype)" if d == torch.uint8 else str(d).removeprefix("torch.") for d in dtypes]

@@ -1,7 +1,8 @@
 """Torch reference attention over the paged cache: runs on CPU and CUDA, the oracle for kernels.
 
-Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]``.
-GQA: query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``.
+Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]``, or
+``uint8 [..., head_dim + 4]`` int8 rows with their scales (``ricllm.cache.kv_format``): written
+quantized, read dequantized. GQA: query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ricllm.attention.metadata import AttentionMetadata
+from ricllm.cache.kv_format import dequantize_rows, quantize_rows
 
 
 def store_kv(
@@ -20,12 +22,21 @@ def store_kv(
 
     ``has_padding=False`` promises there are none and saves a device sync per layer.
     """
-    n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    n_kv, row = k_cache.shape[2], k_cache.shape[3]
     if has_padding:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_cache.view(-1, n_kv, row).index_copy_(0, slot_mapping, _as_rows(key, k_cache.dtype))
+    v_cache.view(-1, n_kv, row).index_copy_(0, slot_mapping, _as_rows(value, v_cache.dtype))
+
+
+def _as_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    return quantize_rows(x) if cache_dtype == torch.uint8 else x.to(cache_dtype)
+
+
+def _as_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows in the query's type (int8 rows dequantized)."""
+    return dequantize_rows(rows, dtype) if rows.dtype == torch.uint8 else rows.to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int,
@@ -76,8 +87,8 @@ def paged_decode_attention(
         max_context_len = int(context_lens.max())
     if slot_index is None:
         slot_index = gather_slot_index(block_tables, k_cache.shape[1], max_context_len)
-    keys = gather_kv(k_cache, block_tables, max_context_len, slot_index).to(query.dtype).transpose(1, 2)
-    values = gather_kv(v_cache, block_tables, max_context_len, slot_index).to(query.dtype).transpose(1, 2)
+    keys = _as_values(gather_kv(k_cache, block_tables, max_context_len, slot_index), query.dtype).transpose(1, 2)
+    values = _as_values(gather_kv(v_cache, block_tables, max_context_len, slot_index), query.dtype).transpose(1, 2)
     if visible is None:
         visible = decode_mask(context_lens, max_context_len)
     out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=visible,
@@ -131,8 +142,8 @@ def paged_attention(
     batch, max_q = meta.num_seqs, meta.max_query_len
     q = query.new_zeros(batch * max_q, n_heads, head_dim).index_copy_(0, flat_index, query)
     q = q.view(batch, max_q, n_heads, head_dim).transpose(1, 2)
-    keys = gather_kv(k_cache, meta.block_tables, meta.max_context_len, slot_index).to(query.dtype).transpose(1, 2)
-    values = gather_kv(v_cache, meta.block_tables, meta.max_context_len, slot_index).to(query.dtype).transpose(1, 2)
+    keys, values = (_as_values(gather_kv(cache, meta.block_tables, meta.max_context_len, slot_index),
+                               query.dtype).transpose(1, 2) for cache in (k_cache, v_cache))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(batch * max_q, n_heads, head_dim)
     return out.index_select(0, flat_index)

@@ -1,6 +1,6 @@
 """The KV store: one K and one V tensor per layer, allocated once from the byte budget.
 
-    bytes_per_block = 2 · L · block_size · n_kv · d_h · dtype_bytes
+    bytes_per_block = 2 · L · block_size · n_kv · (d_h · b + s)     (s: an int8 row's scale, else 0)
     num_blocks      = budget // bytes_per_block
 
 These tensors are the only KV storage the engine ever holds; nothing grows after start-up.
@@ -8,13 +8,13 @@ These tensors are the only KV storage the engine ever holds; nothing grows after
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import mmap
-
 import numpy as np
 
+from ricllm.cache.kv_format import KVFormat
 from ricllm.errors import ConfigError
 from ricllm.model.spec import ModelSpec
 from ricllm.units import format_bytes
@@ -31,6 +31,7 @@ class CacheGeometry:
     block_size: int
     bytes_per_block: int
     budget_bytes: int
+    kv_format: KVFormat
 
     @property
     def num_tokens(self) -> int:
@@ -41,23 +42,29 @@ class CacheGeometry:
         return self.num_blocks * self.bytes_per_block
 
 
-def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, dtype_bytes: int) -> CacheGeometry:
-    """Blocks that fit the budget (``dtype_bytes`` per element); an error when not even one does."""
+def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, kv_format: KVFormat) -> CacheGeometry:
+    """Blocks of ``kv_format`` rows that fit the budget; an error when not even one does."""
     if block_size < 1:
         raise ConfigError(f"block_size must be at least 1, got {block_size}")
-    bytes_per_block = spec.kv_bytes_per_token(dtype_bytes) * block_size
+    bytes_per_block = kv_format.bytes_per_token(spec) * block_size
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
             f"kv_cache_budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below one block: "
-            f"a block of {block_size} tokens needs {bytes_per_block} B "
-            f"(2·L·block_size·n_kv·d_h·b = 2·{spec.num_layers}·{block_size}·{spec.num_kv_heads}·"
-            f"{spec.head_dim}·{dtype_bytes})")
-    return CacheGeometry(num_blocks, block_size, bytes_per_block, budget_bytes)
+            f"a block of {block_size} {kv_format.name} tokens needs {bytes_per_block} B "
+            f"(block_size·{kv_format.equation(spec)} = {block_size}·{kv_format.bytes_per_token(spec)})")
+    return CacheGeometry(num_blocks, block_size, bytes_per_block, budget_bytes, kv_format)
+
+
+def cache_shape(spec: ModelSpec, geometry: CacheGeometry) -> tuple[int, int, int, int]:
+    """One layer's K (or V): ``[num_blocks, block_size, n_kv, d_h]``, or ``d_h + 4`` bytes per int8 row."""
+    last = geometry.kv_format.row_bytes(spec.head_dim) if geometry.kv_format.quantized else spec.head_dim
+    return geometry.num_blocks, geometry.block_size, spec.num_kv_heads, last
 
 
 class KVCache:
-    """``layers[i] = (k, v)``, each ``[num_blocks, block_size, n_kv_heads, head_dim]``.
+    """``layers[i] = (k, v)``, each ``[num_blocks, block_size, n_kv_heads, head_dim]`` in ``dtype``, or
+    raw bytes ``uint8 [..., head_dim + 4]`` for an int8 pool (``ricllm.cache.kv_format``).
 
     The whole budget is allocated and zeroed at start. The pages are resident from then on, so a
     node short of memory fails at start rather than under load. Zeros, not garbage, sit in the
@@ -67,7 +74,8 @@ class KVCache:
     def __init__(self, spec: ModelSpec, geometry: CacheGeometry, dtype: torch.dtype, device: torch.device):
         import torch
 
-        shape = (geometry.num_blocks, geometry.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = cache_shape(spec, geometry)
+        dtype = torch.uint8 if geometry.kv_format.quantized else dtype
         self.geometry = geometry
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -80,15 +88,16 @@ class KVCache:
 
 class NativeKVCache:
     """The native runtime's store: the same shapes and invariants as ``KVCache``, one numpy array
-    for the whole pool (bf16 as uint16 bit patterns), ``layers[i] = (k, v)`` views into it.
+    for the whole pool (bf16 as uint16 bit patterns, int8 rows as bytes), ``layers[i] = (k, v)``
+    views into it.
     Every page is written at start (``np.zeros`` alone would leave them unmapped until a step
     touches them), so a node short of memory fails at start here too. One byte per page does
     it: the pages come zeroed from the system (filling them all again takes twice as long)."""
 
     def __init__(self, spec: ModelSpec, geometry: CacheGeometry):
-        shape = (geometry.num_blocks, geometry.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = cache_shape(spec, geometry)
         self.geometry = geometry
-        self.pool = np.zeros((spec.num_layers, 2, *shape), dtype=np.uint16)
+        self.pool = np.zeros((spec.num_layers, 2, *shape), dtype=np.uint8 if geometry.kv_format.quantized else np.uint16)
         self.pool.reshape(-1).view(np.uint8)[::PAGE_BYTES] = 0
         self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(spec.num_layers)]
 

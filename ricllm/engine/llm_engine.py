@@ -136,9 +136,10 @@ class LLMEngine:
         per_token = g.bytes_per_block // g.block_size
         log.info(
             "kv_cache_allocated",
-            equation="M_KV = 2*L*n*n_kv*d_h*b*B",
+            equation="M_KV = 2*L*n*n_kv*(d_h*b+s)*B",
             layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            dtype=str(self.runtime.dtype).removeprefix("torch."),
+            dtype=str(self.runtime.dtype).removeprefix("torch."), kv_cache_dtype=g.kv_format.name,
+            scale_bytes_per_row=g.kv_format.scale_bytes,
             bytes_per_token=per_token, block_size=g.block_size, bytes_per_block=g.bytes_per_block,
             num_blocks=g.num_blocks, num_tokens=g.num_tokens, budget=format_bytes(g.budget_bytes),
             allocated=format_bytes(self.kv_cache.total_bytes()), max_model_len=self.max_model_len,
@@ -631,4 +632,5 @@ class LLMEngine:
             pinned_blocks=self.cache.num_pinned_blocks, peak_used_blocks=self.cache.peak_used_blocks,
             prefix_cache_queries_tokens=self.cache.prefix_queries_tokens,
             prefix_cache_hits_tokens=self.cache.prefix_hits_tokens,
-            preemptions=self.scheduler.num_preemptions, waits=self.scheduler.num_waits)
+            preemptions=self.scheduler.num_preemptions, waits=self.scheduler.num_waits,
+            kv_cache_dtype=g.kv_format.name)

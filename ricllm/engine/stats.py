@@ -17,7 +17,7 @@ class KVCacheStats:
 
     num_blocks: int
     block_size: int
-    bytes_per_block: int
+    bytes_per_block: int  # 2·L·block_size·n_kv·(d_h·b + s): int8 rows count their scales
     budget_bytes: int
     allocated_bytes: int
     used_blocks: int
@@ -29,6 +29,7 @@ class KVCacheStats:
     prefix_cache_hits_tokens: int
     preemptions: int
     waits: int
+    kv_cache_dtype: str = "bfloat16"  # the pool's element type: the activations' or "int8"
 
 
 @dataclass(frozen=True)

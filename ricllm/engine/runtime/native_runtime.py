@@ -18,13 +18,12 @@ import time
 from pathlib import Path
 
 from ricllm.cache.kv_cache import NativeKVCache, plan_cache
+from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
 from ricllm.engine.runtime import numpy_sampler
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
 from ricllm.model.native_convert import load_weights
-
-BF16_BYTES = 2
 
 
 def default_threads(config: EngineConfig) -> int:
@@ -50,7 +49,8 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     weights, source, entry = load_weights(config, model_path)
     load_s = time.perf_counter() - started
     model = NativeModel(weights, threads)
-    geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size, BF16_BYTES)
+    geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size,
+                          kv_format(config.kv_cache_dtype, "bfloat16"))
     kv_cache = NativeKVCache(weights.spec, geometry)
     return Runtime(
         name="native", why="the C decoder stack serves this model whole", spec=weights.spec,

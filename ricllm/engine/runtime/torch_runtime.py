@@ -10,6 +10,7 @@ import torch
 
 from ricllm.attention.backends import select_backend
 from ricllm.cache.kv_cache import KVCache, plan_cache
+from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.model_runner import ModelRunner
@@ -27,7 +28,8 @@ class LoadedModel:
 
     def __init__(self, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype):
         self.config, self.model_path, self.device, self.dtype = config, model_path, device, dtype
-        backend = select_backend(config.attention_backend, device, dtype)
+        quantized_kv = kv_format(config.kv_cache_dtype, str(dtype)).quantized
+        backend = select_backend(config.attention_backend, device, torch.uint8 if quantized_kv else dtype)
         self.attention_backend = backend.name
         self.weight_cache_entry = None
         if config.weight_cache:
@@ -89,7 +91,8 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
     loaded = LoadedModel(config, model_path, device, dtype)
     load_s = time.perf_counter() - started
     loaded.model.enable_decoder_stack()
-    geometry = plan_cache(loaded.spec, config.kv_cache_budget, config.block_size, dtype.itemsize)
+    geometry = plan_cache(loaded.spec, config.kv_cache_budget, config.block_size,
+                          kv_format(config.kv_cache_dtype, str(dtype)))
     kv_cache = KVCache(loaded.spec, geometry, dtype, device)
     return Runtime(
         name="torch", why=why, spec=loaded.spec, tokenizer=loaded.tokenizer, model=loaded.model,
