@@ -155,6 +155,12 @@ class EngineSettings(StrictModel):
         "auto", "KV cache element type, one per engine: auto = the activations' (dtype); int8 = one byte per "
                 "element plus an fp32 scale per (token, KV head) row, 1.9x the tokens per byte for head_dim 64, "
                 "approximate (benchmarks/bench_kv_quality.py measures what it changes)")
+    kv_window: Annotated[int, Field(ge=1)] | None = setting(
+        None, "keep only the K/V of each request's last kv_window tokens (plus its first kv_sinks): blocks "
+              "leaving the window return to the pool and each query sees only those keys; null: exact, every "
+              "token kept. A request may set its own (SamplingParams.kv_window, 0: exact)")
+    kv_sinks: int = setting(4, "first tokens of each windowed request kept visible (attention sinks); cover a "
+                               "pinned template's length to keep it in view", ge=0)
     device: Annotated[str, StringConstraints(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = setting(
         "auto", "auto, cpu or cuda[:N]")
     attention_backend: Literal["auto", "torch", "cpu", "triton", "cuda"] = setting(

@@ -42,6 +42,8 @@ class SamplingParams:
     deadline_ms: float | None = None  # from arrival at the engine, on the engine's clock; None = best effort
     priority: str | None = None  # near_rt, non_rt or best_effort; derived from deadline_ms when None
     structured: StructuredSpec | dict[str, Any] | None = None
+    kv_window: int | None = None  # keep only the last kv_window tokens' K/V; None: the engine's; 0: exact
+    kv_sinks: int | None = None  # first tokens kept with a window; None: the engine's kv_sinks
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +65,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        for name in ("kv_window", "kv_sinks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise InvalidRequestError(f"{name} must be an integer >= 0 (or null: the engine's), got {value!r}")
         self._validate_deadline()
 
     def _validate_deadline(self) -> None:

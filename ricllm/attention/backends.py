@@ -56,6 +56,8 @@ class CpuKernelAttention:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
+        if meta.kv_windows is not None:  # the C kernels read every key: windowed steps take the reference
+            return reference.paged_attention(q, k_cache, v_cache, meta, scale)
         if c_kernel_attends(meta) or self.large_prefill_in_c:
             # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
             return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
@@ -83,7 +85,7 @@ class KernelAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if not meta.is_decode_only:
+        if not meta.is_decode_only or meta.kv_windows is not None:
             return reference.paged_attention(q, k_cache, v_cache, meta, scale)
         return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                             meta.max_context_len)

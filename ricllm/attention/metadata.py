@@ -25,7 +25,11 @@ class AttentionMetadata:
     query_start_loc: ``[B + 1]`` int32, cumulative query lengths.
     context_lens: ``[B]`` int32, tokens each sequence can attend to after this step's write.
     block_tables: ``[B, max_blocks]`` int32, physical block ids; unused entries are 0
-        (never read, since positions past ``context_lens`` are masked).
+        (never read, since positions past ``context_lens`` are masked), evicted ones -1 (never
+        read either: outside the sequence's window).
+    kv_sinks, kv_windows: ``[B]`` int32 when some sequence of the step keeps a sink + window
+        cache (``ricllm.cache.kv_window``): query ``p`` sees key ``j <= p`` iff ``j < sinks`` or
+        ``j > p - window``; window 0 is an exact sequence. None when every sequence is exact.
     """
 
     slot_mapping: torch.Tensor
@@ -35,6 +39,8 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     has_padding: bool = False  # some slot_mapping entries are -1 (CUDA-graph style padded batches)
+    kv_sinks: torch.Tensor | None = None
+    kv_windows: torch.Tensor | None = None
     # the prefill part of the step: sequences with more than one query row (decodes have one)
     prefill_rows: int = 0  # Σ their query lengths
     prefill_products: int = 0  # Σ their query length × context length: the attention work of prefill

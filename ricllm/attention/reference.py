@@ -54,14 +54,23 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: 
 def gather_slot_index(block_tables: torch.Tensor, block_size: int, max_context_len: int) -> torch.Tensor:
     """Flat cache slot of every position ``[B, max_context_len]``, read through the block table."""
     positions = torch.arange(max_context_len, device=block_tables.device)
-    blocks = block_tables.long()[:, positions // block_size]
+    blocks = block_tables.long()[:, positions // block_size].clamp_(min=0)  # evicted (-1): masked, read block 0
     return blocks * block_size + positions % block_size
 
 
-def decode_mask(context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
-    """``[B, 1, 1, max_context_len]``: True where a position holds K/V of the sequence."""
+def decode_mask(context_lens: torch.Tensor, max_context_len: int, kv_sinks: torch.Tensor | None = None,
+                kv_windows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 1, 1, max_context_len]``: True where a position holds K/V the sequence's query sees."""
     positions = torch.arange(max_context_len, device=context_lens.device)
-    return (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    mask = positions[None, :] < context_lens[:, None]
+    if kv_windows is not None:
+        mask &= in_window(positions[None, :], (context_lens - 1)[:, None], kv_sinks[:, None], kv_windows[:, None])
+    return mask[:, None, None, :]
+
+
+def in_window(key: torch.Tensor, query: torch.Tensor, sinks: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Sink + window visibility (``ricllm.cache.kv_window``), broadcast; window 0: every key."""
+    return (windows == 0) | (key < sinks) | (key > query - windows)
 
 
 def _cached_slot_index(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
@@ -116,6 +125,9 @@ def _padded_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch
     q_pos = (ctx - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
     k_pos = torch.arange(meta.max_context_len, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
+    if meta.kv_windows is not None:
+        sinks, windows = (t.to(device).long()[:, None, None] for t in (meta.kv_sinks, meta.kv_windows))
+        mask &= in_window(k_pos[None, None, :], q_pos[:, :, None], sinks, windows)
     is_pad_row = torch.arange(max_q, device=device)[None, :] >= q_lens[:, None]
     mask[:, :, 0] |= is_pad_row
     meta.scratch["padded_layout"] = (flat_index, mask[:, None])
@@ -134,7 +146,8 @@ def paged_attention(
     if meta.is_decode_only:
         visible = meta.scratch.get("decode_mask")
         if visible is None:
-            visible = meta.scratch["decode_mask"] = decode_mask(meta.context_lens, meta.max_context_len)
+            visible = meta.scratch["decode_mask"] = decode_mask(meta.context_lens, meta.max_context_len,
+                                                                meta.kv_sinks, meta.kv_windows)
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                       meta.max_context_len, slot_index, visible)
     n_tokens, n_heads, head_dim = query.shape

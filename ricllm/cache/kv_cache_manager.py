@@ -6,6 +6,10 @@ the prefix cache has one reference per holder. Only full blocks are ever shared.
 The prefix hit of a prompt is capped at ``num_tokens - 1`` tokens (rounded down to whole
 blocks): the last token is always recomputed, because its logits are what the first output
 token is sampled from, and logits are not cached.
+
+A windowed sequence (``ricllm.cache.kv_window``) drops its reference on each block that no later
+query of it can see; its table keeps the entry as ``EVICTED``, so positions still index blocks.
+Dropping a reference frees nothing that another holder (a pin, another sequence) still holds.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ricllm.cache.block_pool import Block, BlockPool, hash_block
+from ricllm.cache.kv_window import EVICTED
 from ricllm.engine.sequence import Sequence
 
 
@@ -112,20 +117,41 @@ class KVCacheManager:
         for i in range(len(seq.block_hashes), num_full):
             chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hash_block(parent, chunk)
-            self.pool.register(self.pool.blocks[seq.block_table[i]], parent, chunk)
+            if seq.block_table[i] != EVICTED:
+                self.pool.register(self.pool.blocks[seq.block_table[i]], parent, chunk)
             seq.block_hashes.append(parent)
+
+    def evict_outside_window(self, seq: Sequence) -> int:
+        """Release the blocks its window no longer shows any later query (after ``cache_full_blocks``,
+        so they stay findable by their hashes); returns how many went."""
+        if seq.kv_window is None:
+            return 0
+        gone, evictable = 0, seq.kv_window.evictable(seq.num_computed_tokens, self.block_size)
+        # the evicted entries are always the front of this range (it only grows): start past them
+        for i in range(evictable.start + seq.num_evicted_blocks, evictable.stop):
+            if seq.block_table[i] != EVICTED:
+                self.pool.release(self.pool.blocks[seq.block_table[i]])
+                seq.block_table[i] = EVICTED
+                gone += 1
+        seq.num_evicted_blocks += gone
+        return gone
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first (tails are evicted before heads)."""
         for block_id in reversed(seq.block_table):
-            self.pool.release(self.pool.blocks[block_id])
+            if block_id != EVICTED:
+                self.pool.release(self.pool.blocks[block_id])
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_evicted_blocks = 0
 
     # ------------------------------------------------------------ pins
 
     def pin(self, seq: Sequence, handle: PinHandle) -> None:
         """Keep the sequence's full prompt blocks resident under ``handle`` (call before ``free``)."""
+        if seq.num_evicted_blocks:
+            raise ValueError(f"request {seq.request_id} evicted part of its prompt (kv_window): a pinned "
+                             "template keeps its whole prompt, so it must run without a window")
         num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // self.block_size
         for block_id in seq.block_table[:num_full]:
             self.pool.acquire(self.pool.blocks[block_id])

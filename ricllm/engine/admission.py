@@ -1,7 +1,8 @@
 """Deadline-aware admission: decide at arrival, in well under a millisecond, and keep the promise.
 
 A request with a deadline is admitted only if
-- memory: its worst case, ``ceil((prompt + max_tokens) / block_size)`` blocks less the full
+- memory: its worst case, ``ceil((prompt + max_tokens) / block_size)`` blocks (for a windowed
+  request, no more than its window keeps at once: ``KVWindow.max_blocks``) less the full
   blocks it shares with pinned prefixes, fits beside what every admitted deadline request has
   reserved (pinned blocks excluded). An admitted request therefore never waits for memory and is
   never preempted; best-effort requests use only capacity nobody reserved, and are the ones
@@ -215,7 +216,7 @@ class AdmissionController:
                              f"{total} tokens exceeds the context of {self.max_model_len} tokens",
                              dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                   max_model_len=self.max_model_len))
-        need = -(-total // self.block_size) - pinned_hits
+        need = seq.most_blocks(self.block_size, self.token_budget) - self._pinned_held(seq, pinned_hits)
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
         if need > capacity:
@@ -231,6 +232,13 @@ class AdmissionController:
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
         late = self._first_late(seq, now, busy_s)  # without best effort: the rescue pauses what a promise needs
         return late if late is not None else (need, True)
+
+    def _pinned_held(self, seq: Sequence, pinned_hits: int) -> int:
+        """Of its worst case, the pinned blocks: all its pinned hits, or for a windowed request those
+        in its sinks (a window moves past the others, which stay pinned and cost it nothing)."""
+        if seq.kv_window is None:
+            return pinned_hits
+        return min(pinned_hits, -(-seq.kv_window.sinks // self.block_size))
 
     def _promisable(self, seq: Sequence) -> bool:
         return self.promises and seq.deadline is not None and seq.params.priority != "best_effort"
@@ -452,7 +460,7 @@ class AdmissionController:
 
     def outstanding_reservation(self) -> int:
         """Blocks reserved by admitted requests but not yet allocated to them."""
-        return sum(max(s.reserved_blocks - len(s.block_table), 0) for s in self.admitted.values())
+        return sum(max(s.reserved_blocks - s.num_held_blocks, 0) for s in self.admitted.values())
 
     def release(self, seq: Sequence) -> None:
         self.reserved_blocks -= seq.reserved_blocks

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
+from ricllm.cache.kv_window import KVWindow, most_blocks, window_of
 from ricllm.config import EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.affinity import format_cpu_list, pin_current_thread
@@ -170,7 +171,17 @@ class LLMEngine:
             raise CapacityError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the model's context of {self.max_model_len} tokens")
-        self._check_fits_budget(prompt_token_ids, total)
+        self._check_fits_budget(prompt_token_ids, total, self.kv_window_of(params))
+
+    def kv_window_of(self, params: SamplingParams) -> KVWindow | None:
+        """The request's sink + window retention: its own, else the engine's (None: exact)."""
+        window = self.config.kv_window if params.kv_window is None else params.kv_window
+        sinks = self.config.kv_sinks if params.kv_sinks is None else params.kv_sinks
+        kv_window = window_of(sinks, window)
+        if kv_window is not None and not self.runtime.reads_kv_window:
+            raise InvalidRequestError(f"kv_window {window}: the {self.runtime.name} runtime keeps every token's "
+                                      "K/V (its kernels do not read a windowed cache); use runtime 'torch'")
+        return kv_window
 
     def _pinned_share(self, prompt_token_ids: list[int]) -> tuple[int, int]:
         """(blocks pinned in all, leading full blocks of this prompt that are pinned)."""
@@ -178,9 +189,10 @@ class LLMEngine:
         shared = sum(1 for b in self.cache.find_cached_prefix(prompt_token_ids) if b.block_id in pinned_ids)
         return len(pinned_ids), shared
 
-    def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int) -> None:
+    def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int, kv_window: KVWindow | None) -> None:
         pinned, shared = self._pinned_share(prompt_token_ids)
-        needed = self.cache.blocks_for_tokens(total_tokens) - shared
+        needed = most_blocks(total_tokens, kv_window, self.config.block_size, self.config.max_num_batched_tokens)
+        needed -= shared if kv_window is None else min(shared, -(-kv_window.sinks // self.config.block_size))
         available = self.kv_cache.geometry.num_blocks - pinned
         if needed > available:
             bs = self.config.block_size
@@ -207,7 +219,8 @@ class LLMEngine:
         arrival = now if arrival_time is None else min(arrival_time, now)
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text,
-                       pin_on_finish=pin_on_finish, arrival_time=arrival, guide=guide)
+                       pin_on_finish=pin_on_finish, arrival_time=arrival, guide=guide,
+                       kv_window=None if pin_on_finish is not None else self.kv_window_of(params))
         if guide is not None and self._bound_by_grammar(seq, now) is not None:
             return seq
         self.validate(token_ids, seq.params)
@@ -368,6 +381,7 @@ class LLMEngine:
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
             self.cache.cache_full_blocks(seq)
+            self.cache.evict_outside_window(seq)
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
         tokens = self._sample(logits, ready)
         now = self.clock()

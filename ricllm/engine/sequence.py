@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ricllm.cache.kv_window import KVWindow, most_blocks
 from ricllm.sampling_params import SamplingParams
 
 
@@ -32,8 +33,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # EVICTED (-1) where a window let a block go
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
+    kv_window: KVWindow | None = None  # sink + window retention; None: every token's K/V kept
+    num_evicted_blocks: int = 0  # block_table entries the window let go
     finish_reason: str | None = None
     output_text: str = ""
     detokenizer: object = None
@@ -65,6 +68,16 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks this sequence holds a reference on (its table less what its window evicted)."""
+        return len(self.block_table) - self.num_evicted_blocks
+
+    def most_blocks(self, block_size: int, chunk: int) -> int:
+        """The most blocks it can hold at once, prompt + ``max_tokens`` computed in steps of up to
+        ``chunk`` tokens: every block, or for a windowed sequence what its window keeps resident."""
+        return most_blocks(self.num_prompt_tokens + self.params.max_tokens, self.kv_window, block_size, chunk)
 
     @property
     def num_uncomputed_tokens(self) -> int:

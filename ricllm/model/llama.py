@@ -215,7 +215,8 @@ class LlamaModel(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm."""
         x, delta = self.embed(input_ids), None
         rope_cos_sin = self.rope(positions, x.dtype)
-        if self.decoder_stack is not None and self.decoder_stack.accepts(x, c_kernel_attends(meta)):
+        if self.decoder_stack is not None and self.decoder_stack.accepts(x, c_kernel_attends(meta)
+                                                                         and meta.kv_windows is None):
             return self.decoder_stack(x, *rope_cos_sin, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta)

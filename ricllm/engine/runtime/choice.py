@@ -36,6 +36,8 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
         return f"attention backend {config.attention_backend!r}: the native runtime attends in its C kernel"
     if config.kv_cache_dtype != "auto" and not native_kv_cache_dtype_supported(config.kv_cache_dtype):
         return f"kv_cache_dtype {config.kv_cache_dtype!r}: the native runtime's C kernels read bf16 caches here"
+    if config.kv_window is not None:
+        return "kv_window: the native runtime's C kernels read every token's K/V"
     if config.max_packed_rows is not None:
         return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
     if not (quant_gemm_available(4) and quant_gemm_available(8)):

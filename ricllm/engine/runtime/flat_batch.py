@@ -22,6 +22,8 @@ class FlatBatch:
     max_query_len: int
     prefill_rows: int
     prefill_products: int
+    kv_sinks: list[int] | None = None  # per sequence, when one of them keeps a window (window 0: exact)
+    kv_windows: list[int] | None = None
 
 
 def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
@@ -41,11 +43,14 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
     seqs = [seq for seq, _ in batch.items]
     width = max(len(s.block_table) for s in seqs)
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    windowed = any(s.kv_window is not None for s in seqs)
     return FlatBatch(
         input_ids, positions, slots, starts, context_lens, tables, logits_rows,
         max_query_len=max(n for _, n in batch.items),
         prefill_rows=sum(n for _, n in batch.items if n > 1),
-        prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1))
+        prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1),
+        kv_sinks=[s.kv_window.sinks if s.kv_window else 0 for s in seqs] if windowed else None,
+        kv_windows=[s.kv_window.window if s.kv_window else 0 for s in seqs] if windowed else None)
 
 
 def _slots(seq: Sequence, start: int, end: int, block_size: int) -> list[int]:

@@ -30,6 +30,8 @@ class ModelRunner:
             max_context_len=max(flat.context_lens),
             prefill_rows=flat.prefill_rows,
             prefill_products=flat.prefill_products,
+            kv_sinks=None if flat.kv_sinks is None else self._tensor(flat.kv_sinks, torch.int32),
+            kv_windows=None if flat.kv_windows is None else self._tensor(flat.kv_windows, torch.int32),
         )
         return (self._tensor(flat.input_ids, torch.int64), self._tensor(flat.positions, torch.int64), meta,
                 flat.logits_rows)

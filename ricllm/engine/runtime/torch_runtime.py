@@ -99,4 +99,5 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
         kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample, mask=mask,
         new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
-        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s)
+        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,
+        reads_kv_window=True)

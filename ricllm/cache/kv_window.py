@@ -1,0 +1,63 @@
+"""Sink + window retention: a sequence keeps the K/V of its first ``sinks`` tokens and its last
+``window``; the blocks in between go back to the pool as it advances.
+
+Attention is defined per query, not by what happens to be resident: the query at position ``p``
+sees key ``j`` iff ``j <= p`` and (``j < sinks`` or ``j > p - window``). So the answer does not
+depend on how a prompt was chunked or what else ran in the batch, and a block may go as soon as no
+later query can see it: every later query sits at ``p >= num_computed``, so a block entirely
+inside ``[sinks, num_computed - window + 1)`` is never read again.
+
+Positions stay the tokens' own (RoPE as computed, no re-rotation as in StreamingLLM): a block's
+K/V is then the same whether or not its neighbours were evicted, so prefix-cache hashes stay
+valid and recomputation after a preemption reproduces it exactly. The price is that a windowed
+sequence still ends at ``max_model_len``; re-rotation buys unbounded length, which a RIC answer of
+a few dozen tokens does not need.
+
+Memory: during a step that computes ``c`` tokens, the keys ``[p0 - window + 1, p0 + c)`` of its
+first query ``p0`` must be resident, ``n = window + c - 1`` keys spanning at most
+``(n - 2) // block_size + 2`` blocks, besides ``ceil(sinks / block_size)`` sink blocks.
+That is the most a windowed sequence ever holds (``max_blocks``): S + W + one chunk + two partial
+blocks, which admission reserves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EVICTED = -1  # a block_table entry whose block went back to the pool (attention never reads it)
+
+
+@dataclass(frozen=True)
+class KVWindow:
+    sinks: int
+    window: int
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.sinks < 0:
+            raise ValueError(f"a KV window keeps at least 1 recent token and no negative sinks, got "
+                             f"window {self.window}, sinks {self.sinks}")
+
+    def evictable(self, num_computed: int, block_size: int) -> range:
+        """Block indices that no later query reads: entirely past the sinks and before the window."""
+        first = -(-self.sinks // block_size)
+        end = max(num_computed - self.window + 1, 0) // block_size
+        return range(first, max(first, end))
+
+    def max_blocks(self, chunk: int, block_size: int) -> int:
+        """The most blocks the sequence holds at once when steps compute up to ``chunk`` tokens."""
+        keys = self.window + chunk - 1
+        return -(-self.sinks // block_size) + (keys - 2) // block_size + 2
+
+    def visible(self, key: int, query: int) -> bool:
+        return key <= query and (key < self.sinks or key > query - self.window)
+
+
+def most_blocks(total_tokens: int, window: KVWindow | None, block_size: int, chunk: int) -> int:
+    """Blocks a sequence of ``total_tokens`` holds at most: all of them, or what its window keeps."""
+    every = -(-total_tokens // block_size)
+    return every if window is None else min(every, window.max_blocks(chunk, block_size))
+
+
+def window_of(sinks: int | None, window: int | None) -> KVWindow | None:
+    """A request's window (None or 0: exact, every token kept)."""
+    return KVWindow(sinks or 0, window) if window else None
