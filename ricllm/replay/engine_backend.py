@@ -66,7 +66,8 @@ class InProcessBackend:
         template = self.templates.get(planned.template)
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
                                 ignore_eos=spec.ignore_eos, deadline_ms=spec.deadline_ms,
-                                priority=spec.resolved_priority(), structured=template.structured if template else None)
+                                priority=spec.resolved_priority(), structured=template.structured if template else None,
+                                kv_window=spec.kv_window, kv_sinks=spec.kv_sinks)
         first: dict[str, float] = {}
         sent = time.perf_counter()
         record.sent_s = sent - t0

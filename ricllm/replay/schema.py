@@ -260,6 +260,9 @@ class DeadlineClass(_Strict):
     priority: Literal["near_rt", "non_rt", "best_effort"] | None = None
     temperature: float = Field(0.0, ge=0)
     ignore_eos: bool = False
+    # sink + window KV retention for this class (ricllm.cache.kv_window); None: the engine's, 0: exact
+    kv_window: int | None = Field(None, ge=0)
+    kv_sinks: int | None = Field(None, ge=0)
 
     def resolved_priority(self) -> str:
         """As ``SamplingParams`` derives it, so the in-process and ZeroMQ paths agree."""

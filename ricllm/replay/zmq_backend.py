@@ -66,7 +66,8 @@ class ZmqBackend:
         from ricllm.client import RejectedError, ServerError
 
         options = dict(max_tokens=spec.max_tokens, temperature=spec.temperature, ignore_eos=spec.ignore_eos,
-                       deadline_ms=spec.deadline_ms, priority=spec.resolved_priority())
+                       deadline_ms=spec.deadline_ms, priority=spec.resolved_priority(),
+                       kv_window=spec.kv_window, kv_sinks=spec.kv_sinks)
         if planned.template is not None:
             options["template_id"] = self.template_ids[planned.template]
         messages = [{"role": "user", "content": planned.user_prompt}]

@@ -125,6 +125,8 @@ class GenerateRequest(_Message):
     ignore_eos: bool = False
     deadline_ms: float | None = Field(None, gt=0)
     priority: Priority | None = None  # None: derived from deadline_ms (ricllm.sampling_params.default_priority)
+    kv_window: int | None = Field(None, ge=0)  # keep only the last kv_window tokens' K/V; None: the engine's; 0: exact
+    kv_sinks: int | None = Field(None, ge=0)  # first tokens kept with a window; None: the engine's
     stream: bool = False
     structured: Structured | None = None
 
@@ -139,7 +141,7 @@ class GenerateRequest(_Message):
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one-to-one onto ``ricllm.SamplingParams``."""
         names = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-                 "ignore_eos")
+                 "ignore_eos", "kv_window", "kv_sinks")
         return {name: getattr(self, name) for name in names}
 
 

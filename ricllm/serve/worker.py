@@ -267,8 +267,10 @@ class Worker(EngineDriver):
                                f"request was queued ({waited_ms:.1f} ms)", deadline_ms=deadline_ms,
                                waited_ms=round(waited_ms, 3))
         try:
-            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
-                                  structured=constraint)
+            params = SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
+                                    structured=constraint)
+            self.engine.kv_window_of(params)  # a window this runtime cannot honour is the request's field
+            return params
         except InvalidRequestError as exc:
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 

@@ -455,3 +455,25 @@ def test_a_choice_template_over_zeromq(serve, decisions_replayed, tmp_path, caps
     assert main(["replay", str(bad), "--endpoint", serve, "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "template 'congestion': the server refused it:" in err and "cannot be compiled" in err, err
+
+
+def test_a_class_chooses_its_kv_window_for_every_request_of_it(tiny_gguf, fit_file, tmp_path, monkeypatch):
+    from ricllm.engine.llm_engine import LLMEngine
+
+    windows = []
+    original = LLMEngine.add_request
+
+    def spy(self, prompt, params, *args, **kwargs):
+        seq = original(self, prompt, params, *args, **kwargs)
+        windows.append((params.max_tokens, seq.kv_window))
+        return seq
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = scenario_file(tmp_path, tiny_gguf, fit_file, speed=8.0,
+                         extra_classes="  windowed: {deadline_ms: 4000, max_tokens: 5, weight: 2, kv_window: 16,"
+                                       " kv_sinks: 2}\n")
+    main(["replay", str(path), "--out", str(tmp_path / "report"), "--no-progress"])
+    windowed = [w for tokens, w in windows if tokens == 5]
+    assert windowed and all(w is not None and (w.sinks, w.window) == (2, 16) for w in windowed)
+    assert all(w is None for tokens, w in windows if tokens != 5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgpack
@@ -9,14 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ricllm.sampling_params import SamplingParams
 from ricllm.serve import protocol
 from ricllm.serve.protocol import (
     PROTOCOL_VERSION,
     REPLY_TYPES,
     REQUEST_TYPES,
     Accepted,
-    CancelRequest,
     Cancelled,
+    CancelRequest,
     ChatMessage,
     ErrorReply,
     GenerateRequest,
@@ -274,7 +276,8 @@ def test_error_becomes_a_reply():
 def test_sampling_kwargs_match_sampling_params_fields():
     kwargs = REQUESTS[0].sampling_kwargs()
     assert kwargs == {"max_tokens": 64, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 7,
-                      "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True}
+                      "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True, "kv_window": None, "kv_sinks": None}
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def test_models_reject_bad_values_at_construction_too():

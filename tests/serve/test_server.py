@@ -320,6 +320,20 @@ def test_bad_fields_are_validation_errors(server):
     assert prio.code == "VALIDATION" and "deadline_ms" in prio.message
 
 
+def test_a_request_chooses_its_kv_window_over_zeromq(server):
+    dealer = Dealer(server.endpoint)
+    try:
+        dealer.send(generate("windowed", token_ids=list(range(3, 103)), max_tokens=6, ignore_eos=True,
+                             kv_window=24, kv_sinks=2))
+        windowed = dealer.until_final("windowed", 30)[-1]
+        dealer.send(generate("negative", prompt="x", kv_window=-3))
+        [negative] = dealer.until_final("negative")
+    finally:
+        dealer.close()
+    assert windowed.type == "result" and len(windowed.token_ids) == 6
+    assert negative.code == "VALIDATION" and "kv_window" in negative.message
+
+
 def test_duplicate_id_in_flight_is_refused(server):
     dealer = Dealer(server.endpoint)
     try:
