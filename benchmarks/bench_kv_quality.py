@@ -38,16 +38,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_decisions import judge, template_cases  # noqa: E402
-from benchmarks.results import publish  # noqa: E402
-from ricllm import LLM, SamplingParams  # noqa: E402
-from ricllm.cache.kv_cache import plan_cache  # noqa: E402
-from ricllm.cache.kv_format import kv_format  # noqa: E402
-from ricllm.cache.kv_window import KVWindow, most_blocks  # noqa: E402
-from ricllm.engine.scheduler import ScheduledBatch  # noqa: E402
-from ricllm.engine.sequence import Sequence  # noqa: E402
-from ricllm.replay.loading import load_scenario, load_scenario_trace  # noqa: E402
-from ricllm.replay.templates import answer_check, scenario_policies, scenario_templates  # noqa: E402
+from benchmarks.bench_decisions import judge, template_cases
+from benchmarks.results import publish
+from ricllm import LLM, SamplingParams
+from ricllm.cache.kv_cache import plan_cache
+from ricllm.cache.kv_format import kv_format
+from ricllm.cache.kv_window import KVWindow, most_blocks
+from ricllm.engine.scheduler import ScheduledBatch
+from ricllm.engine.sequence import Sequence
+from ricllm.replay.loading import load_scenario, load_scenario_trace
+from ricllm.replay.templates import answer_check, scenario_policies, scenario_templates
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
@@ -241,17 +241,17 @@ def render(args, all_modes, retrieval, forced, decisions, floor, memory, scenari
         ppl = math.exp(-lp.mean().item())
         lines.append(f"| {m.label} | {(b == best).float().mean().item():.2%} | {ppl:.3f} | {ppl / base - 1:+.2%} |")
     moved, total = changed(floor, decisions[exact])
-    lines += [f"\nDecisions ({args.scenario}: {', '.join(cases)}; {total} requests, constrained, with the "
-              "worked examples):\n", "| mode | answers changed vs exact (batched) | policy accuracy |",
+    lines += [(f"\nDecisions ({args.scenario}: {', '.join(cases)}; {total} requests, constrained, with the "
+               "worked examples):\n"), "| mode | answers changed vs exact (batched) | policy accuracy |",
               "|---|---:|---:|",
-              f"| noise floor: exact, one request at a time | {moved} of {total} ({moved / total:.1%}) | "
-              f"{accuracy(scenario, floor, cases):.1%} |"]
+              (f"| noise floor: exact, one request at a time | {moved} of {total} ({moved / total:.1%}) | "
+               f"{accuracy(scenario, floor, cases):.1%} |")]
     for m in all_modes:
         moved, total = changed(decisions[m.label], decisions[exact])
         lines.append(f"| {m.label} | {moved} of {total} ({moved / total:.1%}) | "
                      f"{accuracy(scenario, decisions[m.label], cases):.1%} |")
-    lines += [f"\nMemory ({BUDGET} KV budget; concurrent sequences = blocks / the most a sequence holds, "
-              "windows at the engine's chunk):\n",
+    lines += [(f"\nMemory ({BUDGET} KV budget; concurrent sequences = blocks / the most a sequence holds, "
+               "windows at the engine's chunk):\n"),
               "| mode | bytes per token | tokens per MiB | tokens in the budget | seqs @1K | seqs @4K | seqs @8K |",
               "|---|---:|---:|---:|---:|---:|---:|", *memory]
     return "\n".join(lines)
