@@ -14,7 +14,9 @@ import torch
 from ricllm.kernels.cpu_library import library
 
 IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
-
+# a KV cache's type code (csrc/cpu_common.h): the activations' flag, or int8 rows + scale (raw bytes)
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+INT8_ROW_EXTRA = 4  # an int8 row's fp32 scale, after its head_dim bytes
 
 
 def _reject(what: str) -> None:
@@ -50,20 +52,21 @@ class CpuFusedOps:
         """Rotate q and k of ``qkv [T, (H + 2·KVH)·D]`` by ``cos``/``sin [T, D]``; write k and v
         to the cache at ``slot_mapping`` (``-1``: skipped); return q ``[T, H, D]``."""
         rows, width = qkv.shape
-        _, _, kv_heads, head_dim = k_cache.shape
+        _, _, kv_heads, row = k_cache.shape
+        head_dim = row - INT8_ROW_EXTRA if k_cache.dtype == torch.uint8 else row
         if not qkv.is_contiguous() or qkv.dtype != self.dtype or width != (num_heads + 2 * kv_heads) * head_dim:
             _reject(f"rope_store takes a contiguous {self.dtype} qkv of width (heads + 2 kv_heads) head_dim")
         if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == self.dtype
                 and cos.numel() == sin.numel() == rows * head_dim):
             _reject("cos and sin must be contiguous [T, head_dim] in the activation dtype")
-        if k_cache.dtype not in IS_BF16 or v_cache.dtype != k_cache.dtype:
-            _reject("the cache must be bf16 or fp32")
+        if k_cache.dtype not in CACHE_TYPES or v_cache.dtype != k_cache.dtype:
+            _reject("the cache must be bf16, fp32, or int8 rows (uint8)")
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape[0] != rows:
             _reject("slot_mapping must be contiguous int64 [T]")
         q = qkv.new_empty(rows, num_heads, head_dim)
         self._lib.ricllm_rope_store(qkv.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows,
-                                    num_heads, kv_heads, head_dim, self._is_bf16, IS_BF16[k_cache.dtype],
+                                    num_heads, kv_heads, head_dim, self._is_bf16, CACHE_TYPES[k_cache.dtype],
                                     torch.get_num_threads())
         return q
 

@@ -95,6 +95,49 @@ static inline __attribute__((always_inline)) void store_row(void *base, int64_t 
     }
 }
 
+/* A KV cache's element type (ricllm/cache/kv_format.py): the activations' (fp32 or bf16, whose
+ * codes are their is_bf16 flag), or int8 rows: d signed bytes, then the row's fp32 scale
+ * max|x| / 127, one row of d + 4 bytes per (token, KV head). */
+enum { CACHE_FP32 = 0, CACHE_BF16 = 1, CACHE_INT8 = 2 };
+#define INT8_ROW_EXTRA 4
+
+static inline int64_t int8_row_bytes(int d) { return (int64_t)d + INT8_ROW_EXTRA; }
+
+/* Row ``row`` (slot · kv_heads + head) of an int8 cache from fp32 values: round half to even
+ * (lrintf in the default rounding mode), as ``kv_format.quantize_rows`` does. */
+static inline void store_int8_row(void *cache, int64_t row, int d, const float *x) {
+    int8_t *dst = (int8_t *)cache + row * int8_row_bytes(d);
+    float amax = 0.0f;
+    for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int i = 0; i < d; i++) {
+        const long q = lrintf(x[i] * inverse);
+        dst[i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+    }
+    memcpy(dst + d, &scale, sizeof scale);
+}
+
+/* Row ``row`` of an int8 cache as fp32 values, q · scale. */
+static inline __attribute__((always_inline)) void load_int8_row(const void *cache, int64_t row, int d, float *dst) {
+    const int8_t *src = (const int8_t *)cache + row * int8_row_bytes(d);
+    float scale;
+    memcpy(&scale, src + d, sizeof scale);
+    for (int i = 0; i < d; i++) dst[i] = (float)src[i] * scale;
+}
+
+/* Row ``row`` (slot · kv_heads + head) of a cache of any type, as fp32. */
+static inline __attribute__((always_inline)) void load_cache_row(const void *cache, int64_t row, int d,
+                                                                 int cache_type, float *dst) {
+    if (cache_type == CACHE_INT8) load_int8_row(cache, row, d, dst);
+    else load_row(cache, row * d, d, cache_type, dst);
+}
+
+static inline __attribute__((always_inline)) void store_cache_row(void *cache, int64_t row, int d, int cache_type,
+                                                                  const float *src) {
+    if (cache_type == CACHE_INT8) store_int8_row(cache, row, d, src);
+    else store_row(cache, row * d, d, cache_type, src);
+}
+
 #if defined(__AMX_TILE__) && defined(__linux__) && defined(_GNU_SOURCE)
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -55,7 +55,7 @@ INLINE void rope_head(float *x, const float *cos, const float *sin, int d, const
 
 INLINE void rope_store_row(const void *qkv, void *q_out, const void *cos, const void *sin, int64_t slot,
                            void *k_cache, void *v_cache, int t, int heads, int kv_heads, int d,
-                           const int bf, int cache_bf16) {
+                           const int bf, int cache_type) {
     float c[d], s[d], x[d];
     load_row(cos, (int64_t)t * d, d, bf, c);
     load_row(sin, (int64_t)t * d, d, bf, s);
@@ -67,25 +67,26 @@ INLINE void rope_store_row(const void *qkv, void *q_out, const void *cos, const 
     }
     if (slot < 0) return;
     for (int h = 0; h < kv_heads; h++) {
-        const int64_t dst = (slot * kv_heads + h) * d;
+        const int64_t dst = slot * kv_heads + h;
         load_row(qkv, row + (int64_t)(heads + h) * d, d, bf, x);
         rope_head(x, c, s, d, bf);
-        store_row(k_cache, dst, d, cache_bf16, x);
+        store_cache_row(k_cache, dst, d, cache_type, x);
         load_row(qkv, row + (int64_t)(heads + kv_heads + h) * d, d, bf, x);
-        store_row(v_cache, dst, d, cache_bf16, x);
+        store_cache_row(v_cache, dst, d, cache_type, x);
     }
 }
 
 /* From the fused projection ``qkv [T, (H + 2·KVH)·D]``: q rotated into ``q_out [T, H, D]``;
- * k rotated and v as is, written to their cache slots (``slots[t] < 0``: padding, skipped).
+ * k rotated and v as is, written to their cache slots (``slots[t] < 0``: padding, skipped) in
+ * the cache's type (``cache_type``: CACHE_FP32, CACHE_BF16, or CACHE_INT8 rows with their scale).
  * ``cos``/``sin`` are ``[T, D]`` in the activation type, already gathered per position. */
 int ricllm_rope_store(const void *qkv, void *q_out, const void *cos, const void *sin, const int64_t *slots,
                       void *k_cache, void *v_cache, int rows, int heads, int kv_heads, int head_dim,
-                      int is_bf16, int cache_bf16, int num_threads) {
+                      int is_bf16, int cache_type, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int t = 0; t < rows; t++)
         DISPATCH(is_bf16, rope_store_row(qkv, q_out, cos, sin, slots[t], k_cache, v_cache, t, heads, kv_heads,
-                                         head_dim, bf, cache_bf16));
+                                         head_dim, bf, cache_type));
     return 0;
 }
 

@@ -72,6 +72,25 @@ def test_rope_store_matches_apply_rope_then_store_kv(ops_for, dtype, heads, kv_h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_writes_int8_rows_as_the_reference_quantizes_them(ops_for, dtype):
+    rows, heads, kv_heads, head_dim, block_size = 29, 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen) * 4).to(dtype)
+    qkv[5, heads * head_dim:(heads + 1) * head_dim] = 0  # an all-zero key row: scale 0, zeros back
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(32 * block_size, generator=gen)[:rows]
+    slots[2] = -1
+    caches = [torch.zeros(32, block_size, kv_heads, head_dim + 4, dtype=torch.uint8) for _ in range(4)]
+    q, k, v = qkv.view(rows, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=1)
+    store_kv(apply_rope(k, cos[:, None], sin[:, None]), v, caches[0], caches[1], slots, has_padding=True)
+    ops_for(dtype).rope_store(qkv, cos, sin, slots, caches[2], caches[3], heads)
+    # the same bytes: C's lrintf and torch.round both round half to even, on the same fp32 products
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2].view(-1, kv_heads, head_dim + 4)[slots[slots >= 0]].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_writes_a_bf16_cache_from_fp32_activations(ops_for, dtype):
     qkv = torch.randn(3, (2 + 2) * 32)
     cos, sin = torch.ones(3, 32), torch.zeros(3, 32)  # the identity rotation
