@@ -187,7 +187,8 @@ class EngineSettings(StrictModel):
         None, "CPU threads; null: one per engine_cpus CPU, else OMP_NUM_THREADS, else the physical cores")
     # ricllm.engine.affinity says why the other threads keep off these CPUs
     engine_cpus: CpuList | None = setting(
-        None, "CPUs the engine computes on (Linux), as a list or a cpulist such as '0-3,6'; the server's "
+        None, "CPUs the engine computes on (Linux), as a list or a cpulist such as '0-3,6', counted from 0 "
+              "within the CPUs the process may run on (its affinity mask, e.g. a pod's cpuset); the server's "
               "socket, HTTP and ZeroMQ threads then run on the other CPUs. null: unpinned", metavar="LIST")
     runtime: Literal["auto", "native", "torch"] = setting(
         "auto", "native: numpy and ricllm's C kernels, no torch in the process; torch: the torch model, every "
@@ -204,7 +205,7 @@ class EngineConfig(EngineSettings):
     """The settings the engine runs with, checked once: ``EngineConfig(model=..., admission="deadline")``.
 
     Unlike the files and flags it comes from, it holds resolved values: ``kv_cache_budget`` in bytes,
-    ``engine_cpus`` as a sorted tuple of CPUs this process may use.
+    ``engine_cpus`` as a sorted tuple of the CPU numbers it names (see ``ricllm.engine.affinity``).
     """
 
     def __init__(self, **values: Any) -> None:

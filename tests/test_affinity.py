@@ -34,20 +34,48 @@ def test_a_bad_cpu_list_is_named(spec, message):
         parse_cpu_list(spec)
 
 
-def test_a_cpu_the_process_may_not_use_is_refused_with_the_ones_it_may():
-    missing = max(ALLOWED) + 1
+def test_a_cpu_beyond_the_ones_the_process_may_use_is_refused_with_those():
+    beyond = len(ALLOWED)
     with pytest.raises(ConfigError) as refused:
-        EngineConfig(engine_cpus=[missing])
-    assert str(refused.value) == (f"engine_cpus: CPU {missing} is not available to this process "
-                                  f"(it may use {format_cpu_list(ALLOWED)})")
+        EngineConfig(engine_cpus=[beyond])
+    assert str(refused.value) == (f"engine_cpus: {beyond} is beyond the {len(ALLOWED)} CPUs this process may run "
+                                  f"on (engine_cpus counts them from 0: give numbers in "
+                                  f"{format_cpu_list(range(len(ALLOWED)))}; they are CPUs "
+                                  f"{format_cpu_list(ALLOWED)} here)")
+
+
+@pytest.mark.parametrize(("mask", "spec", "cpus"), [
+    ({12, 13, 14, 15}, "0-2", (12, 13, 14)),  # a Guaranteed pod's cpuset under the static CPU manager
+    ({12, 13, 14, 15}, "3", (15,)),
+    ({0, 1, 2, 3}, "1-3", (1, 2, 3)),  # every CPU of the machine: the same as absolute numbers
+    ({2, 5, 7, 11}, [3, 1], (5, 11)),  # counted in sorted order, holes and all
+])
+def test_engine_cpus_count_within_the_affinity_mask(monkeypatch, mask, spec, cpus):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
+    assert EngineConfig(engine_cpus=spec).engine_cpus == cpus
+
+
+def test_engine_cpus_past_the_cpuset_are_refused_with_the_cpuset(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {12, 13, 14, 15})
+    with pytest.raises(ConfigError) as refused:
+        EngineConfig(engine_cpus="2-5")
+    assert str(refused.value) == ("engine_cpus: 4, 5 are beyond the 4 CPUs this process may run on (engine_cpus "
+                                  "counts them from 0: give numbers in 0-3; they are CPUs 12-15 here)")
+
+
+def test_the_service_threads_get_the_rest_of_the_cpuset(monkeypatch):
+    from ricllm.engine.affinity import other_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {12, 13, 14, 15})
+    assert other_cpus(EngineConfig(engine_cpus="1-3").engine_cpus) == {12}
 
 
 def test_the_cli_refuses_an_unavailable_cpu_without_a_traceback(tiny_gguf):
-    missing = max(ALLOWED) + 1
+    beyond = len(ALLOWED)
     done = subprocess.run([sys.executable, "-m", "ricllm.cli", "generate", "hi", "--model", str(tiny_gguf),
-                           "--engine-cpus", str(missing)], capture_output=True, text=True, timeout=120)
+                           "--engine-cpus", str(beyond)], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert f"CPU {missing} is not available to this process" in done.stderr
+    assert f"engine_cpus: {beyond} is beyond the {len(ALLOWED)} CPUs this process may run on" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -57,12 +85,12 @@ def test_the_engine_thread_computes_on_its_cpus_with_a_thread_each(tiny_native_g
 
     before = os.sched_getaffinity(0)
     config = EngineConfig(model=str(tiny_native_gguf), kv_cache_budget="2MiB", weights="int4", runtime="native",
-                          weight_cache=False, engine_cpus=str(min(ALLOWED)))  # native: torch's global thread count untouched
+                          weight_cache=False, engine_cpus=str(len(ALLOWED) - 1))  # native: torch's threads untouched
     worker = EngineThread(config)
     try:
         out = worker.submit([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=60)
         assert len(out.token_ids) == 2
-        assert worker.call(lambda engine: os.sched_getaffinity(0)).result(timeout=10) == {min(ALLOWED)}
+        assert worker.call(lambda engine: os.sched_getaffinity(0)).result(timeout=10) == {max(ALLOWED)}
         assert worker.engine.runtime.threads == 1
     finally:
         worker.stop()

@@ -7,6 +7,12 @@ whole step. With the engine on CPUs of its own and the server's other threads on
 two stop competing (benchmarks/RESULTS.md, protocol overhead). Linux only: it uses
 ``sched_setaffinity``, which pins the calling thread; threads it starts later (OpenMP's
 workers) inherit its CPUs.
+
+``engine_cpus`` counts within the CPUs the process may run on (``os.sched_getaffinity``, sorted):
+``"0-2"`` is the first three of them, whichever CPUs those are. A Guaranteed Kubernetes pod under
+the static CPU manager gets a cpuset the node picks (say 12-15), so a descriptor written before
+deployment cannot name absolute CPUs; counted this way, the same controls hold on any node. Where
+the process may use every CPU of the machine (no taskset, no cpuset) the two readings agree.
 """
 
 from __future__ import annotations
@@ -66,14 +72,17 @@ def allowed_cpus() -> set[int]:
 
 
 def check_engine_cpus(spec: str | Iterable[int]) -> tuple[int, ...]:
-    """Parsed, and each CPU one this process may use; else a ConfigError that lists those."""
-    cpus = parse_cpu_list(spec)
-    allowed = allowed_cpus()
-    outside = [cpu for cpu in cpus if cpu not in allowed]
-    if outside:
-        raise ConfigError(f"engine_cpus: CPU {', '.join(map(str, outside))} is not available to this process "
-                          f"(it may use {format_cpu_list(allowed)})")
-    return cpus
+    """The CPUs ``spec`` names, counted from 0 within the CPUs this process may run on, as the
+    sorted CPU numbers the kernel knows them by; else a ConfigError naming the count and those CPUs."""
+    indices = parse_cpu_list(spec)
+    allowed = sorted(allowed_cpus())
+    beyond = [index for index in indices if index >= len(allowed)]
+    if beyond:
+        listed, span = ", ".join(map(str, beyond)), format_cpu_list(range(len(allowed)))
+        raise ConfigError(f"engine_cpus: {listed} {'is' if len(beyond) == 1 else 'are'} beyond the {len(allowed)} "
+                          f"CPUs this process may run on (engine_cpus counts them from 0: give numbers in "
+                          f"{span}; they are CPUs {format_cpu_list(allowed)} here)")
+    return tuple(allowed[index] for index in indices)
 
 
 def format_cpu_list(cpus: Iterable[int]) -> str:

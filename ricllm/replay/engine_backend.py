@@ -91,9 +91,9 @@ class InProcessBackend:
         cpus = self.engine_kwargs.get("engine_cpus")
         if cpus is None:
             return tuple(sorted(os.sched_getaffinity(0)))
-        from ricllm.engine.affinity import parse_cpu_list
+        from ricllm.engine.affinity import check_engine_cpus
 
-        return parse_cpu_list(cpus)
+        return check_engine_cpus(cpus)  # counted within this process's CPUs, as the engine reads them
 
     @staticmethod
     def slowdowns(info: dict[str, Any], t0: float) -> list[dict[str, Any]] | None:
