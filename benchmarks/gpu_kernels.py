@@ -6,13 +6,15 @@ Imports only torch, triton, ``ricllm.attention.reference`` and ``kernels`` (the 
 package), so it runs on a bare GPU machine without the project's other dependencies.
 
 1. Correctness on large shapes against the torch reference: Triton one-pass and split-K in fp16
-   and bf16, ``store_kv``, and the CUDA C++ kernel when it builds (a failed build is reported and
-   the run goes on).
+   and bf16, on int8 caches (``kv_cache_dtype="int8"``: the same uint8 pool in both) and with sink +
+   window retention (evicted blocks' table entries -1), ``store_kv`` (exact and int8), and the CUDA
+   C++ kernel when it builds (a failed build is reported and the run goes on).
 2. Speed, fp16 cache, block size 16, SmolLM2 (9 q / 3 kv heads x 64) and Llama-3-8B (32 / 8 x 128)
    head shapes, batch 1..256 x context 512..32768: kernel time (median of CUDA-graph replays timed
    with CUDA events), bytes that must move (K/V of every context token + q + out), and that as a
    fraction of the device-to-device copy bandwidth measured first (bytes read + written by a 1 GiB
-   copy), next to the torch paged reference and SDPA on contiguous K/V.
+   copy), next to Triton on an int8 cache of the same shape (its own bytes: d + 4 per row), the
+   torch paged reference and SDPA on contiguous K/V.
 
 ``--dry-run`` runs every step on CPU through the Triton interpreter at tiny sizes (no file is
 written unless ``--out`` is given): it checks imports, shapes and the report, not speed.
@@ -123,7 +125,8 @@ class Problem:
         return self.query.shape[-1] ** -0.5
 
     def bytes_moved(self) -> int:
-        """K and V of every context token, plus q read and out written (the decode floor)."""
+        """K and V of every context token, plus q read and out written (the decode floor).
+        An int8 cache's rows are ``uint8 [d + 4]``: their bytes, scales included."""
         _, _, n_kv, head_dim = self.k_cache.shape
         kv = 2 * int(self.context_lens.sum()) * n_kv * head_dim * self.k_cache.element_size()
         return kv + 2 * self.query.numel() * self.query.element_size()
@@ -141,6 +144,37 @@ def make_problem(shape: HeadShape, contexts: list[int], dtype: torch.dtype, devi
     query = torch.randn(batch, shape.n_heads, shape.head_dim, dtype=dtype, device=device)
     lens = torch.tensor(contexts, dtype=torch.int32, device=device)
     return Problem(query, k_cache, v_cache, tables.to(torch.int32).contiguous(), lens, max(contexts))
+
+
+def random_int8_cache(like: torch.Tensor) -> torch.Tensor:
+    """An int8 pool (``ricllm.cache.kv_format`` rows: d int8 values, then an fp32 scale) shaped like
+    ``like``, drawn directly: quantizing a large fp16 pool would need an fp32 copy of it."""
+    *rows, head_dim = like.shape
+    values = torch.randint(-127, 128, (*rows, head_dim), dtype=torch.int8, device=like.device)
+    scales = torch.rand(*rows, 1, device=like.device) * 0.05
+    return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
+
+
+def as_int8(p: Problem, reference: types.ModuleType) -> Problem:
+    """The problem with its K/V quantized into int8 pools (the reference's ``quantize_rows``)."""
+    k_cache, v_cache = (reference.quantize_rows(cache) for cache in (p.k_cache, p.v_cache))
+    return Problem(p.query, k_cache, v_cache, p.block_tables, p.context_lens, p.max_context_len)
+
+
+def windowed(p: Problem, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (sinks, window) per sequence, a quarter of them exact (window 0), and the block table
+    with the blocks that no query sees set to -1, as after eviction (``KVWindow.evictable``)."""
+    batch = p.context_lens.shape[0]
+    sinks = torch.randint(0, 9, (batch,), generator=gen)
+    windows = torch.randint(1, max(2, p.max_context_len // 2), (batch,), generator=gen)
+    windows[::4] = 0
+    tables = p.block_tables.clone()
+    for row, (ctx, s, w) in enumerate(zip(p.context_lens.tolist(), sinks.tolist(), windows.tolist())):
+        first, end = -(-s // BLOCK_SIZE), max(ctx - w, 0) // BLOCK_SIZE  # blocks entirely before key ctx - w
+        if w and end > first:
+            tables[row, first:end] = -1
+    device = p.query.device
+    return sinks.to(device, torch.int32), windows.to(device, torch.int32), tables
 
 
 # ------------------------------------------------------------------------------------------
@@ -269,9 +303,10 @@ def check_correctness(kernels: Kernels, settings: Settings) -> list[str]:
                 failures += not ok
                 lines.append(f"| {shape.name} | {str(dtype)[6:]} | {name} | {err:.2e} | "
                              f"{'PASS' if ok else 'FAIL'} |")
-        store_ok = _check_store_kv(kernels, shape, settings)
-        failures += not store_ok
-        lines.append(f"| {shape.name} | float16 | store_kv (exact) | - | {'PASS' if store_ok else 'FAIL'} |")
+        for cache in ("exact", "int8"):
+            store_ok = _check_store_kv(kernels, shape, settings, cache == "int8")
+            failures += not store_ok
+            lines.append(f"| {shape.name} | float16 | store_kv ({cache}) | - | {'PASS' if store_ok else 'FAIL'} |")
     header = ["| heads | dtype | kernel | rel. error | result |", "|---|---|---|---|---|"]
     print("\n".join(header + lines))
     print(f"correctness: {'all passed' if failures == 0 else f'{failures} FAILED'}")
@@ -289,12 +324,38 @@ def _decode_errors(kernels: Kernels, p: Problem) -> list[tuple[str, float]]:
     for name, (fn, splits) in runs.items():
         out = fn(*args, max_context_len=p.max_context_len, num_splits=splits)
         results.append((name, relative_error(out, expected)))
+    return results + _triton_variant_errors(kernels, p)
+
+
+def _triton_variant_errors(kernels: Kernels, p: Problem) -> list[tuple[str, float]]:
+    """Triton on int8 caches and with sink + window retention, each against the reference on the
+    same pool and mask (so only the kernel's arithmetic is measured, not quantization)."""
+    reference, decode = kernels.reference, kernels.triton.paged_decode_attention
+    sinks, windows, tables = windowed(p, torch.Generator().manual_seed(1))
+    visible = reference.decode_mask(p.context_lens, p.max_context_len, sinks, windows)
+    results = []
+    for label, q in (("", p), ("int8 ", as_int8(p, reference))):
+        for splits in (1, None):
+            exact = (q.query, q.k_cache, q.v_cache, q.block_tables, q.context_lens, q.scale)
+            cut = (q.query, q.k_cache, q.v_cache, tables, q.context_lens, q.scale)
+            name = f"splits={splits or 'auto'}"
+            if label:
+                out = decode(*exact, max_context_len=q.max_context_len, num_splits=splits)
+                expected = reference.paged_decode_attention(*exact, q.max_context_len)
+                results.append((f"triton int8 {name}", relative_error(out, expected)))
+            out = decode(*cut, max_context_len=q.max_context_len, num_splits=splits, kv_sinks=sinks,
+                         kv_windows=windows)
+            expected = reference.paged_decode_attention(*cut, q.max_context_len, visible=visible)
+            results.append((f"triton {label}window {name}", relative_error(out, expected)))
     return results
 
 
-def _check_store_kv(kernels: Kernels, shape: HeadShape, settings: Settings) -> bool:
-    """Triton store_kv equals the reference bit for bit, padding slots (-1) skipped."""
+def _check_store_kv(kernels: Kernels, shape: HeadShape, settings: Settings, int8: bool = False) -> bool:
+    """Triton store_kv equals the reference bit for bit, padding slots (-1) skipped; ``int8``: into
+    int8 pools (quantized as ``quantize_rows``, ties to even)."""
     p = make_problem(shape, [BLOCK_SIZE * 4] * 2, torch.float16, settings.device)
+    if int8:
+        p = as_int8(p, kernels.reference)
     n_tokens = 64 if not settings.dry_run else 8
     slots = torch.randperm(p.k_cache.shape[0] * BLOCK_SIZE, device=settings.device)[:n_tokens]
     slots[::5] = -1
@@ -312,8 +373,8 @@ def _check_store_kv(kernels: Kernels, shape: HeadShape, settings: Settings) -> b
 
 SPEED_HEADER = [
     "| heads | batch | context | splits | MB moved | triton µs | triton % copy | triton 1-pass µs "
-    "| cuda µs | cuda % copy | torch paged µs | SDPA contiguous µs |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| cuda µs | cuda % copy | int8 MB moved | triton int8 µs | int8 % copy | torch paged µs | SDPA contiguous µs |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -334,7 +395,7 @@ def benchmark_speed(kernels: Kernels, settings: Settings, copy_bw: float) -> lis
 def _speed_row(kernels: Kernels, settings: Settings, copy_bw: float, shape: HeadShape,
                batch: int, context: int) -> str:
     kv_bytes = 2 * batch * context * shape.n_kv * shape.head_dim * 2
-    if kv_bytes > 0.4 * _free_bytes(settings):
+    if kv_bytes * (1 + (shape.head_dim + 4) / (2 * shape.head_dim)) > 0.4 * _free_bytes(settings):  # + int8
         return f"| {shape.name} | {batch} | {context} | - | {kv_bytes / 1e6:.0f} | skipped: does not fit |"
     p = make_problem(shape, [context] * batch, torch.float16, settings.device)
     args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
@@ -354,7 +415,18 @@ def _speed_row(kernels: Kernels, settings: Settings, copy_bw: float, shape: Head
         cuda = (f"{t_cuda:.1f}", pct(t_cuda))
     return (f"| {shape.name} | {batch} | {context} | {splits} | {p.bytes_moved() / 1e6:.1f} "
             f"| {t_triton:.1f} | {pct(t_triton)} | {t_one:.1f} | {cuda[0]} | {cuda[1]} "
+            f"| {_time_int8(kernels, settings, copy_bw, p, splits)} "
             f"| {_time_reference(kernels, settings, p)} | {_time_sdpa(settings, p)} |")
+
+
+def _time_int8(kernels: Kernels, settings: Settings, copy_bw: float, p: Problem, splits: int) -> str:
+    """Three cells: the int8 pool's bytes moved, Triton's time on it and that as % of copy bandwidth."""
+    q = Problem(p.query, random_int8_cache(p.k_cache), random_int8_cache(p.v_cache), p.block_tables,
+                p.context_lens, p.max_context_len)
+    args = (q.query, q.k_cache, q.v_cache, q.block_tables, q.context_lens, q.scale)
+    us = median_time_us(lambda: kernels.triton.paged_decode_attention(
+        *args, max_context_len=q.max_context_len, num_splits=splits), settings)
+    return f"{q.bytes_moved() / 1e6:.1f} | {us:.1f} | {100 * q.bytes_moved() / (us * 1e-6) / copy_bw:.0f}%"
 
 
 def _time_reference(kernels: Kernels, settings: Settings, p: Problem) -> str:
@@ -532,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tune:
         steps.append(("Triton tuning sweep", lambda: tune(kernels, settings, copy_bw)))
     if not args.skip_speed:
-        steps.append(("Decode speed (fp16 cache, block size 16)",
+        steps.append(("Decode speed (fp16 and int8 caches, block size 16)",
                       lambda: benchmark_speed(kernels, settings, copy_bw)))
     steps.append(("End to end", lambda: end_to_end(args)))
     sections = [(title, run_step(title, step, settings)) for title, step in steps]

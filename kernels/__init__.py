@@ -61,7 +61,8 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
-    """Write ``key/value: [T, n_kv, d]`` into cache slots ``slot_mapping`` (int64, ``-1`` = skip)."""
+    """Write ``key/value: [T, n_kv, d]`` into cache slots ``slot_mapping`` (int64, ``-1`` = skip);
+    a ``uint8`` cache gets int8 rows with their scales (``ricllm.cache.kv_format``)."""
     _triton_module().store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -69,15 +70,17 @@ def paged_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
     max_context_len: int | None = None, num_splits: int | None = None,
+    kv_sinks: torch.Tensor | None = None, kv_windows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query [B, n_heads, d] -> [B, n_heads, d]`` (query dtype).
 
     ``num_splits``: context splits (split-K); ``None`` picks by batch size and SM count, 1 is
-    the one-pass kernel.
+    the one-pass kernel. ``kv_sinks``/``kv_windows`` (``[B]`` int32, both or neither): sink +
+    window retention, keys outside a query's sinks and window are neither seen nor read.
     """
     return _triton_module().paged_decode_attention(
         query, k_cache, v_cache, block_tables, context_lens, scale,
-        max_context_len=max_context_len, num_splits=num_splits)
+        max_context_len=max_context_len, num_splits=num_splits, kv_sinks=kv_sinks, kv_windows=kv_windows)
 
 
 __all__ = ["paged_decode_attention", "store_kv", "triton_available"]

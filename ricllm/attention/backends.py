@@ -6,7 +6,8 @@ prefill steps; large bf16 prefills too where its prefill kernel runs on AMX tile
 SDPA there, measured), else they keep SDPA while the decodes beside them stay in the C kernel;
 ``triton`` and ``cuda`` use
 the GPU decode kernels for decode-only steps and the reference (SDPA over the gathered cache)
-for prefill.
+for prefill. The Triton kernels also take int8 caches and sink + window retention; the CUDA
+kernel reads exact bf16/fp16/fp32 caches only and leaves windowed steps to the reference.
 """
 
 from __future__ import annotations
@@ -76,17 +77,26 @@ class CpuKernelAttention:
 
 
 class KernelAttention:
-    """GPU kernels for the bandwidth-bound decode; prefill stays on SDPA."""
+    """GPU kernels for the bandwidth-bound decode; prefill stays on SDPA.
 
-    def __init__(self, name: str, store_kv, decode):
+    ``windowed_decode``: ``decode`` takes ``kv_sinks``/``kv_windows`` (the Triton kernel); without
+    it, windowed decode steps take the reference, which masks what the kernel would read.
+    """
+
+    def __init__(self, name: str, store_kv, decode, windowed_decode: bool = False):
         self.name = name
         self._store_kv = store_kv
         self._decode = decode
+        self.windowed_decode = windowed_decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if not meta.is_decode_only or meta.kv_windows is not None:
+        windowed = meta.kv_windows is not None
+        if not meta.is_decode_only or (windowed and not self.windowed_decode):
             return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        if windowed:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                meta.max_context_len, kv_sinks=meta.kv_sinks, kv_windows=meta.kv_windows)
         return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                             meta.max_context_len)
 
@@ -94,7 +104,8 @@ class KernelAttention:
 def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.float32):
     """``auto`` picks Triton on CUDA (when importable), the C kernel on the CPU (when it builds
     and takes the cache dtype), and the torch reference otherwise. ``cache_dtype`` ``uint8`` is an
-    int8 cache (rows with their scales: ``ricllm.cache.kv_format``)."""
+    int8 cache (rows with their scales: ``ricllm.cache.kv_format``): Triton and the reference read
+    it, the CUDA kernel does not."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "torch":
@@ -105,17 +116,15 @@ def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = t
         raise ConfigError(f"attention backend 'cpu' runs on the CPU, but the engine runs on {device}")
     if device.type != "cuda":
         raise ConfigError(f"attention backend {name!r} needs a CUDA device, but the engine runs on {device}")
-    if cache_dtype == torch.uint8:
-        if name != "auto":
-            raise ConfigError(f"attention backend {name!r} reads bf16/fp16/fp32 caches, not kv_cache_dtype int8; "
-                              "use attention_backend torch (the reference reads int8) or kv_cache_dtype auto")
-        return TorchAttention()
+    if name == "cuda" and cache_dtype == torch.uint8:
+        raise ConfigError("attention backend 'cuda' reads bf16/fp16/fp32 caches, not kv_cache_dtype int8; "
+                          "use attention_backend triton or torch (both read int8) or kv_cache_dtype auto")
     from ricllm import kernels
 
     if name in ("auto", "triton"):
         ok, reason = kernels.triton_available()
         if ok:
-            return KernelAttention("triton", kernels.store_kv, kernels.paged_decode_attention)
+            return KernelAttention("triton", kernels.store_kv, kernels.paged_decode_attention, windowed_decode=True)
         if name == "triton":
             raise ConfigError(f"attention backend 'triton' is not available: {reason}")
         return TorchAttention()

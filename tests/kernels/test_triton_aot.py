@@ -35,10 +35,16 @@ def test_every_kernel_compiles_for_sm90_without_spills(variants: list[dict]) -> 
 
 
 def test_decode_pipelines_16_byte_loads(variants: list[dict]) -> None:
-    for variant in (v for v in variants if v["kernel"] == "decode"):
+    """Exact caches only: an int8 row of ``head_dim + 4`` bytes is 4-byte aligned, not 16."""
+    exact = [v for v in variants if v["kernel"] == "decode" and v["cache"] != "int8"]
+    assert any(v["windowed"] for v in exact)
+    for variant in exact:
         assert variant["cp_async_16"] > 0, variant
 
 
 def test_half_precision_decode_uses_tensor_cores(variants: list[dict]) -> None:
-    for variant in (v for v in variants if v["kernel"] == "decode" and v["dtype"] != "fp32"):
+    """fp16/bf16 queries, on exact caches and on int8 rows dequantized to the query's type."""
+    half = [v for v in variants if v["kernel"] == "decode" and v["dtype"] != "fp32"]
+    assert any(v["cache"] == "int8" for v in half)
+    for variant in half:
         assert variant["mma"] > 0, variant

@@ -31,8 +31,10 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 
 def compile_kernel(fn, pointers: dict[str, str], floats: set[str], constexprs: dict,
-                   num_warps: int, num_stages: int = 2):
-    """Compile ``fn`` for Hopper with pointers and strides marked 16-divisible, as the JIT does."""
+                   num_warps: int, num_stages: int = 2, odd_strides: frozenset[str] = frozenset(),
+                   **options):
+    """Compile ``fn`` for Hopper with pointers and strides marked 16-divisible, as the JIT does
+    (except ``odd_strides``: an int8 row of ``head_dim + 4`` bytes is only 4-divisible)."""
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -41,10 +43,10 @@ def compile_kernel(fn, pointers: dict[str, str], floats: set[str], constexprs: d
             signature[name] = pointers[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-        if name in pointers or name.startswith("stride_"):
+        if name in pointers or (name.startswith("stride_") and name not in odd_strides):
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def summary(compiled, **labels) -> dict:
@@ -62,16 +64,24 @@ def summary(compiled, **labels) -> dict:
             "mma": ptx.count("mma.sync")}
 
 
-def decode_variant(dtype: str, head_dim: int, block_size: int, split: bool) -> dict:
+def decode_variant(dtype: str, head_dim: int, block_size: int, split: bool, cache: str = "",
+                   windowed: bool = False) -> dict:
+    """``cache``: the cache's element type when not the query's (``"int8"``: uint8 rows + scales)."""
     config = td.DEFAULT_CONFIG
     out = "fp32" if split else dtype
-    pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
-                "table_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": f"*{out}", "lse_ptr": f"*{out}"}
+    quantized = cache == "int8"
+    cache_ty = "u8" if quantized else (cache or dtype)
+    pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{cache_ty}", "v_cache_ptr": f"*{cache_ty}",
+                "table_ptr": "*i32", "ctx_ptr": "*i32", "sinks_ptr": "*i32", "windows_ptr": "*i32",
+                "out_ptr": f"*{out}", "lse_ptr": f"*{out}"}
     constexprs = dict(BLOCK_SIZE=block_size, TILE=block_size * max(1, config.tile_tokens // block_size),
                       HEAD_DIM=head_dim, GROUP_PAD=16, D_PAD=head_dim, SPLIT=split,
-                      FP32_DOT=dtype == "fp32", NUM_STAGES=config.num_stages)
-    kernel = compile_kernel(td._decode_kernel, pointers, {"qk_scale"}, constexprs, config.num_warps)
-    return summary(kernel, kernel="decode", dtype=dtype, head_dim=head_dim, block_size=block_size, split=split)
+                      FP32_DOT=dtype == "fp32", NUM_STAGES=config.num_stages,
+                      QUANTIZED=quantized, WINDOWED=windowed)
+    kernel = compile_kernel(td._decode_kernel, pointers, {"qk_scale"}, constexprs, config.num_warps,
+                            odd_strides=frozenset({"stride_ch"} if quantized else ()))
+    return summary(kernel, kernel="decode", dtype=dtype, cache=cache or dtype, windowed=windowed,
+                   head_dim=head_dim, block_size=block_size, split=split)
 
 
 def merge_variant() -> dict:
@@ -81,19 +91,26 @@ def merge_variant() -> dict:
     return summary(kernel, kernel="merge")
 
 
-def store_variant() -> dict:
-    pointers = {name: "*fp16" for name in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+def store_variant(cache: str = "fp16") -> dict:
+    quantized = cache == "int8"
+    pointers = {name: "*fp16" for name in ("key_ptr", "value_ptr")}
+    pointers |= {name: "*u8" if quantized else "*fp16" for name in ("k_cache_ptr", "v_cache_ptr")}
     pointers["slot_ptr"] = "*i64"
     kernel = compile_kernel(td._store_kv_kernel, pointers, set(),
-                            dict(BLOCK_SIZE=16, HEAD_DIM=128, KV_PAD=8, D_PAD=128), num_warps=4)
-    return summary(kernel, kernel="store_kv")
+                            dict(BLOCK_SIZE=16, HEAD_DIM=128, KV_PAD=8, D_PAD=128, QUANTIZED=quantized),
+                            num_warps=4, odd_strides=frozenset({"stride_ch"} if quantized else ()),
+                            enable_fp_fusion=False)  # as store_kv launches it
+    return summary(kernel, kernel="store_kv", cache=cache)
 
 
 def main() -> None:
     variants = [decode_variant(d, h, b, s) for d, h, b, s in [
         ("fp16", 128, 16, False), ("fp16", 128, 16, True), ("fp16", 64, 32, False),
         ("bf16", 128, 16, True), ("fp32", 64, 16, False)]]
-    for result in [*variants, merge_variant(), store_variant()]:
+    variants += [decode_variant("bf16", 64, 16, True, cache="int8"), decode_variant("fp32", 64, 16, False, "int8"),
+                 decode_variant("fp16", 128, 16, True, windowed=True),
+                 decode_variant("bf16", 64, 16, False, cache="int8", windowed=True)]
+    for result in [*variants, merge_variant(), store_variant(), store_variant("int8")]:
         print(json.dumps(result))
 
 
