@@ -1,11 +1,34 @@
-/* Paged attention for the CPU: every query of a flat batch (prefill chunks and decode tokens)
+/* Paged attention for the CPU, shaped for decode and short chunks: every query of a flat batch
  * against its sequence's K/V, read in place through the block table.
  *
  * Why a kernel: the torch path first gathers each sequence's K/V into a contiguous copy, then
- * runs SDPA (which repeats K/V per query head under GQA). On a CPU that copy costs more than
- * the attention itself. Here one work item is (sequence, KV head, tile of up to QT queries): it
- * reads each K/V row once for all QT·G query rows of the tile (G = query heads per KV head),
- * with an online softmax in fp32, so the bytes read per step are the context's K/V, once.
+ * runs SDPA (which repeats K/V per query head under GQA); on a CPU that copy costs more than the
+ * attention itself. Here one work item is (sequence, KV head, tile of up to QT queries, range of
+ * keys): it reads each K/V row once for all QT·G query rows of the tile (G = query heads per KV
+ * head), with an online softmax in fp32 (running max and sum), so a step reads the context's K/V
+ * once. Steps with a chunk of 65+ queries go to cpu_prefill_attention.c instead.
+ *
+ * Decode does little arithmetic per K/V byte, so the vector path (AVX-512 or AVX2, W fp32 lanes)
+ * is built to spend few instructions per key and to keep no fp32 copy of K/V (the previous
+ * version converted each row into ~96 KB of stack buffers and summed every dot product
+ * horizontally; 32 decodes of 320 keys ran at a third of the memory bandwidth):
+ *  - a bf16 value is the top half of an fp32 one, so 2W bf16 (one vector load) become two fp32
+ *    vectors by a shift and a mask, the even elements and the odd ones, right where they are
+ *    used. Rows are held in that "pair order" throughout (Q, K, V, the accumulators; fp32 rows in
+ *    their own order), which changes no dot product, and put back in order only when the output
+ *    row is written;
+ *  - the rows of one query that share a KV head (G under GQA, in blocks of at most RB_MAX, so
+ *    their partial sums fit the registers) take each K and V row from one load: scores as W-lane
+ *    partial sums per key, folded as they come into one vector of W keys' scores by a
+ *    transposing add tree (not a horizontal sum per dot product), the online softmax on those
+ *    vectors, and P·V as fp32 FMAs. The probabilities stay fp32: bf16 probabilities flip greedy
+ *    answers (see cpu_prefill_attention.c), and vdpbf16ps for Q·K measured slower than
+ *    convert-and-FMA on Sapphire Rapids (two cycles an instruction);
+ *  - block-table lookups walk the blocks (no division per key), nothing is zeroed per chunk (a
+ *    chunk's tail points at a zero row and is masked), and the work item's state is its rows.
+ * Software prefetch of the next chunk measured slower than the hardware prefetchers.
+ * Other CPUs, and head dims that are no multiple of 2W, take the portable path: the same
+ * algorithm in plain C through fp32 row buffers, which the compiler vectorizes.
  *
  * Layouts (row-major):
  *   q, out        [T, H, D]                  activations, same element type as the cache
@@ -19,9 +42,9 @@
 #include "cpu_common.h"
 
 #define QT 8          /* queries per work item: K/V rows are reused across them */
-#define KT 32         /* keys per softmax chunk */
 #define MAX_G 8       /* query heads per KV head (GQA ratios 1 to 8) */
-#define MAX_D 128     /* head_dim; keeps a work item's buffers (~100 KB) on the stack */
+#define MAX_D 128     /* head_dim */
+#define MAX_ROWS (QT * MAX_G)
 
 typedef struct {
     int batch, heads, kv_heads, head_dim, block_size, table_width;
@@ -34,109 +57,439 @@ typedef struct { int seq, first; } Tile;
 /* Partial softmax state of one row over a range of keys: running max, sum and unnormalised output. */
 typedef struct { float max, sum; } RowState;
 
-/* Keys [key_begin, key_end) of one (sequence, KV head, query tile), every K/V row loaded once for
- * all rows r = query·G + g of the tile. Leaves each row's unnormalised output in acc_out[r] and
- * its (max, sum) in state[r]. ``d`` is a literal at the hot call sites, so the inner loops unroll
- * and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_range(
-        const Shape *s, Tile tile, int kvh, int key_begin, int key_end, const void *q,
-        const void *kc, const void *vc, int is_bf16, const int d, float *acc_out, RowState *state) {
-    const int g_per_kv = s->heads / s->kv_heads;
-    const int q_begin = s->query_start[tile.seq], q_len = s->query_start[tile.seq + 1] - q_begin;
-    const int n_q = q_len - tile.first < QT ? q_len - tile.first : QT;
-    const int rows = n_q * g_per_kv;
-    const int first_pos = s->context_lens[tile.seq] - q_len + tile.first;
-    const int32_t *table = s->block_tables + (int64_t)tile.seq * s->table_width;
-    float qf[QT * MAX_G][MAX_D], acc[QT * MAX_G][MAX_D], key[KT][MAX_D], val[KT][MAX_D];
-    float score[QT * MAX_G][KT], row_max[QT * MAX_G], row_sum[QT * MAX_G];
+/* What a work item needs to know of its tile. */
+typedef struct {
+    int rows, g_per_kv, q_begin, first_pos;
+    const int32_t *table;
+} TileInfo;
 
-    for (int r = 0; r < rows; r++) {
-        int query = q_begin + tile.first + r / g_per_kv, head = kvh * g_per_kv + r % g_per_kv;
-        load_row(q, ((int64_t)query * s->heads + head) * d, d, is_bf16, qf[r]);
-        for (int i = 0; i < d; i++) qf[r][i] *= s->scale;
-        for (int i = 0; i < d; i++) acc[r][i] = 0.0f;
+static TileInfo tile_info(const Shape *s, Tile tile) {
+    const int q_begin = s->query_start[tile.seq], q_len = s->query_start[tile.seq + 1] - q_begin;
+    const int n_q = q_len - tile.first < QT ? q_len - tile.first : QT, g = s->heads / s->kv_heads;
+    return (TileInfo){n_q * g, g, q_begin + tile.first, s->context_lens[tile.seq] - q_len + tile.first,
+                      s->block_tables + (int64_t)tile.seq * s->table_width};
+}
+
+static inline int64_t q_index(const Shape *s, TileInfo ti, int kvh, int r) {  /* row r of a tile: q/out element */
+    return ((int64_t)(ti.q_begin + r / ti.g_per_kv) * s->heads + kvh * ti.g_per_kv + r % ti.g_per_kv) * s->head_dim;
+}
+
+/* Walks a sequence's keys through its block table: the (token, KV head) row of each key, in the
+ * units K/V rows are indexed by, without a division per key. */
+typedef struct { const int32_t *table; int block, offset, block_size, kv_heads, kvh; } KeyWalk;
+
+static inline KeyWalk key_walk(const Shape *s, const int32_t *table, int kvh, int pos) {
+    return (KeyWalk){table, pos / s->block_size, pos % s->block_size, s->block_size, s->kv_heads, kvh};
+}
+
+static inline int64_t key_walk_next(KeyWalk *w) {  /* the current key's row, then step to the next key */
+    const int64_t row = ((int64_t)w->table[w->block] * w->block_size + w->offset) * w->kv_heads + w->kvh;
+    if (++w->offset == w->block_size) w->offset = 0, w->block++;
+    return row;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Vector path: W fp32 lanes, rows in pair order (see the header).
+ */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define W 16
+#define RB_MAX 4      /* rows whose products share each K/V load: registers for their partial sums */
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vmul _mm512_mul_ps
+#define vmax _mm512_max_ps
+#define vfma _mm512_fmadd_ps                 /* a·b + c */
+#define vfnma _mm512_fnmadd_ps               /* c - a·b */
+#define vunpacklo _mm512_unpacklo_ps
+#define vunpackhi _mm512_unpackhi_ps
+#define vshuffle _mm512_shuffle_ps
+#define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vreduce_max _mm512_reduce_max_ps
+#define vreduce_add _mm512_reduce_add_ps
+#define iload(p) _mm512_loadu_si512((const void *)(p))
+#define istore(p, x) _mm512_storeu_si512((void *)(p), x)
+#define iset1 _mm512_set1_epi32
+#define iadd _mm512_add_epi32
+#define iand _mm512_and_si512
+#define ior _mm512_or_si512
+#define ishl _mm512_slli_epi32
+#define ishr _mm512_srli_epi32
+#define as_f _mm512_castsi512_ps
+#define as_i _mm512_castps_si512
+#define f_to_i _mm512_cvtps_epi32
+
+/* x in lanes below n, fill above */
+static inline vf vfirst(vf x, int n, vf fill) {
+    return _mm512_mask_blend_ps(n >= W ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1), fill, x);
+}
+
+/* The last levels of the transposing add tree (see block_scores): u[n] holds, per 128-bit lane,
+ * keys 4n..4n+3 summed within that lane; the result, lane j: key j summed over the lanes. */
+static inline vf fold_quads(const vf u[W / 4]) {
+    const vf w0 = vadd(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const vf w1 = vadd(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return vadd(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define W 8
+#define RB_MAX 3
+typedef __m256 vf;
+typedef __m256i vi;
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vmul _mm256_mul_ps
+#define vmax _mm256_max_ps
+#define vfma _mm256_fmadd_ps
+#define vfnma _mm256_fnmadd_ps
+#define vunpacklo _mm256_unpacklo_ps
+#define vunpackhi _mm256_unpackhi_ps
+#define vshuffle _mm256_shuffle_ps
+#define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define iload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define istore(p, x) _mm256_storeu_si256((__m256i *)(p), x)
+#define iset1 _mm256_set1_epi32
+#define iadd _mm256_add_epi32
+#define iand _mm256_and_si256
+#define ior _mm256_or_si256
+#define ishl _mm256_slli_epi32
+#define ishr _mm256_srli_epi32
+#define as_f _mm256_castsi256_ps
+#define as_i _mm256_castps_si256
+#define f_to_i _mm256_cvtps_epi32
+
+static inline vf vfirst(vf x, int n, vf fill) {
+    const vi lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_blendv_ps(fill, x, as_f(_mm256_cmpgt_epi32(iset1(n), lane)));
+}
+
+static inline float vreduce_max(vf x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float vreduce_add(vf x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline vf fold_quads(const vf u[W / 4]) {
+    return vadd(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+#else
+#define W 0           /* no vector path: every shape takes the portable one */
+#endif
+
+#if W
+#define KT (2 * W)    /* keys per softmax chunk: two vectors of scores per row */
+
+static const float zero_row[MAX_D] __attribute__((aligned(64)));  /* stands in past a chunk's last key */
+
+/* exp_approx (cpu_common.h) on W lanes. */
+static inline vf vexp(vf x) {
+    x = vmax(x, vset1(-87.0f));
+    const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vf r = vfnma(n, vset1(0.693359375f), x);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vf p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vfma(vmul(p, r), r, vadd(r, vset1(1.0f)));
+    return vmul(p, as_f(ishl(iadd(f_to_i(n), iset1(127)), 23)));
+}
+
+/* Elements [2W·c, 2W·c + 2W) of a row as two fp32 vectors in pair order. Every K/V row is read
+ * through here: another cache element type (int8 with a scale per (token, head) row) is one more
+ * case, which must give the activations' order. */
+static inline __attribute__((always_inline)) void read_pair(const void *row, int c, int is_bf16, vf *lo, vf *hi) {
+    if (is_bf16) {  /* lane k holds elements 2k (low half) and 2k + 1 (high half) */
+        const vi x = iload((const uint16_t *)row + 2 * W * c);
+        *lo = as_f(ishl(x, 16));
+        *hi = as_f(iand(x, iset1((int)0xFFFF0000u)));
+    } else {
+        *lo = vload((const float *)row + 2 * W * c);
+        *hi = vload((const float *)row + 2 * W * c + W);
+    }
+}
+
+/* read_pair's inverse, rounding to bf16 to nearest even (as f32_to_bf16). */
+static inline void write_pair(void *row, int c, int is_bf16, vf lo, vf hi) {
+    if (is_bf16) {
+        const vi one = iset1(1), half = iset1(0x7FFF);
+        const vi l = iadd(as_i(lo), iadd(half, iand(ishr(as_i(lo), 16), one)));
+        const vi h = iadd(as_i(hi), iadd(half, iand(ishr(as_i(hi), 16), one)));
+        istore((uint16_t *)row + 2 * W * c, ior(ishr(l, 16), iand(h, iset1((int)0xFFFF0000u))));
+    } else {
+        vstore((float *)row + 2 * W * c, lo);
+        vstore((float *)row + 2 * W * c + W, hi);
+    }
+}
+
+/* The W-lane partial dot products of rb query rows (qf: fp32, pair order, scaled) with one key. */
+static inline __attribute__((always_inline)) void key_dots(const float *qf, const void *krow, int is_bf16,
+                                                           const int d, const int rb, vf dot[RB_MAX]) {
+    for (int r = 0; r < rb; r++) dot[r] = vzero();
+    for (int c = 0; c < d / (2 * W); c++) {
+        vf lo, hi;
+        read_pair(krow, c, is_bf16, &lo, &hi);
+        for (int r = 0; r < rb; r++) {
+            const float *qr = qf + r * d + 2 * W * c;
+            dot[r] = vfma(vload(qr + W), hi, vfma(vload(qr), lo, dot[r]));
+        }
+    }
+}
+
+/* The scores of rb rows against ``halves`` vectors of W keys: per key a W-lane partial dot
+ * product, folded as they come by a transposing add tree (a horizontal sum per dot product
+ * would cost as much as the product), so a K row is read once for the rb rows and few partial
+ * sums are live at a time. */
+static inline __attribute__((always_inline)) void block_scores(const float *qf, const void *const *krow, int halves,
+                                                               int is_bf16, const int d, const int rb,
+                                                               vf score[RB_MAX][KT / W]) {
+    for (int h = 0; h < halves; h++) {
+        vf u[RB_MAX][W / 4];
+        for (int n = 0; n < W / 4; n++) {
+            vf t[RB_MAX][2];
+            for (int m = 0; m < 2; m++) {
+                vf a[RB_MAX], b[RB_MAX];
+                const int j = h * W + 4 * n + 2 * m;
+                key_dots(qf, krow[j], is_bf16, d, rb, a);
+                key_dots(qf, krow[j + 1], is_bf16, d, rb, b);
+                /* per 128-bit lane: keys a, b interleaved, lanes 0+2 and 1+3 summed */
+                for (int r = 0; r < rb; r++) t[r][m] = vadd(vunpacklo(a[r], b[r]), vunpackhi(a[r], b[r]));
+            }
+            for (int r = 0; r < rb; r++)  /* per 128-bit lane: keys 4n..4n+3, summed within the lane */
+                u[r][n] = vadd(vshuffle(t[r][0], t[r][1], 0x44), vshuffle(t[r][0], t[r][1], 0xEE));
+        }
+        for (int r = 0; r < rb; r++) score[r][h] = fold_quads(u[r]);
+    }
+}
+
+/* The online softmax over one chunk's scores of a row (lanes from ``visible`` on masked): returns
+ * the factor the row's output so far is rescaled by, leaves the probabilities in prob. */
+static inline __attribute__((always_inline)) float softmax_chunk(vf score[KT / W], int visible, float *row_max,
+                                                                 float *row_sum, float *prob) {
+    vf m = vset1(-INFINITY);
+    for (int h = 0; h < KT / W; h++) m = vmax(m, score[h] = vfirst(score[h], visible - h * W, vset1(-INFINITY)));
+    const float chunk_max = vreduce_max(m);
+    const float new_max = chunk_max > *row_max ? chunk_max : *row_max;
+    /* exp_approx(0) is exactly 1: no exp on the (serial) path where the max stands, the usual case */
+    const float rescale = new_max > *row_max ? exp_approx(*row_max - new_max) : 1.0f;
+    vf sum = vzero();
+    for (int h = 0; h < KT / W; h++) {
+        const vf e = vfirst(vexp(vadd(score[h], vset1(-new_max))), visible - h * W, vzero());
+        sum = vadd(sum, e);
+        vstore(prob + h * W, e);
+    }
+    *row_sum = *row_sum * rescale + vreduce_add(sum);
+    *row_max = new_max;
+    return rescale;
+}
+
+/* One chunk for rb rows of one query (they see the same keys): scores, softmax, and
+ * O = O·rescale + P·V with the probabilities in fp32, each V row read once for the rb rows. */
+static inline __attribute__((always_inline)) void attend_chunk(
+        const float *qf, const void *const *krow, const void *const *vrow, int visible, int is_bf16,
+        const int d, const int rb, float *acc, float *row_max, float *row_sum) {
+    vf score[RB_MAX][KT / W];
+    float prob[RB_MAX][KT] __attribute__((aligned(64))), rescale[RB_MAX];
+    const int halves = visible > W ? 2 : 1;
+    block_scores(qf, krow, halves, is_bf16, d, rb, score);
+    for (int r = 0; r < rb; r++) {
+        if (halves == 1) score[r][1] = vset1(-INFINITY);
+        rescale[r] = softmax_chunk(score[r], visible, &row_max[r], &row_sum[r], prob[r]);
+    }
+    for (int c = 0; c < d / (2 * W); c++) {
+        vf lo[RB_MAX], hi[RB_MAX];
+        for (int r = 0; r < rb; r++) {
+            lo[r] = vmul(vload(acc + r * d + 2 * W * c), vset1(rescale[r]));
+            hi[r] = vmul(vload(acc + r * d + 2 * W * c + W), vset1(rescale[r]));
+        }
+        for (int j = 0; j < visible; j++) {
+            vf v_lo, v_hi;
+            read_pair(vrow[j], c, is_bf16, &v_lo, &v_hi);
+            for (int r = 0; r < rb; r++) {
+                const vf p = vset1(prob[r][j]);
+                lo[r] = vfma(p, v_lo, lo[r]);
+                hi[r] = vfma(p, v_hi, hi[r]);
+            }
+        }
+        for (int r = 0; r < rb; r++) {
+            vstore(acc + r * d + 2 * W * c, lo[r]);
+            vstore(acc + r * d + 2 * W * c + W, hi[r]);
+        }
+    }
+}
+
+/* rb and d literal: every loop over a block's rows and a row's vectors unrolls, and the partial
+ * sums stay in registers. */
+#define ATTEND_CHUNK_RB(D)                                                                           \
+    switch (rb) {                                                                                    \
+    case 1: attend_chunk(qf, krow, vrow, visible, is_bf16, D, 1, acc, row_max, row_sum); return;     \
+    case 2: attend_chunk(qf, krow, vrow, visible, is_bf16, D, 2, acc, row_max, row_sum); return;     \
+    case 3: attend_chunk(qf, krow, vrow, visible, is_bf16, D, 3, acc, row_max, row_sum); return;     \
+    default: attend_chunk(qf, krow, vrow, visible, is_bf16, D, RB_MAX, acc, row_max, row_sum); return; \
+    }
+static void attend_chunk_any(const float *qf, const void *const *krow, const void *const *vrow, int visible,
+                             int is_bf16, int d, int rb, float *acc, float *row_max, float *row_sum) {
+    if (d == 64) ATTEND_CHUNK_RB(64)
+    if (d == 128) ATTEND_CHUNK_RB(128)
+    ATTEND_CHUNK_RB(d)
+}
+
+/* Keys [key_begin, key_end) of one (tile, KV head). Leaves each row's unnormalised output in
+ * acc[r] (pair order) and its (max, sum) in state[r]. The G rows of a query are attended in
+ * blocks of at most RB_MAX. */
+static void attend_vec(const Shape *s, Tile tile, int kvh, int key_begin, int key_end, const void *q,
+                       const void *kc, const void *vc, int is_bf16, float *acc, RowState *state) {
+    const TileInfo ti = tile_info(s, tile);
+    const int d = s->head_dim, g = ti.g_per_kv, elem = is_bf16 ? 2 : 4;
+    const int blocks = (g + RB_MAX - 1) / RB_MAX;
+    float qf[MAX_ROWS * MAX_D] __attribute__((aligned(64)));
+    float row_max[MAX_ROWS], row_sum[MAX_ROWS];
+    const void *krow[KT], *vrow[KT];
+
+    for (int r = 0; r < ti.rows; r++) {
+        const void *row = (const char *)q + q_index(s, ti, kvh, r) * elem;
+        for (int c = 0; c < d / (2 * W); c++) {
+            vf lo, hi;
+            read_pair(row, c, is_bf16, &lo, &hi);
+            vstore(qf + r * d + 2 * W * c, vmul(lo, vset1(s->scale)));
+            vstore(qf + r * d + 2 * W * c + W, vmul(hi, vset1(s->scale)));
+        }
+        for (int i = 0; i < d; i += W) vstore(acc + r * d + i, vzero());
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
     }
+    KeyWalk walk = key_walk(s, ti.table, kvh, key_begin);
     for (int k0 = key_begin; k0 < key_end; k0 += KT) {
         const int kn = key_end - k0 < KT ? key_end - k0 : KT;
-        for (int j = 0; j < KT; j++) {
-            if (j >= kn) {  /* zero the tail so the fixed-width score loop reads defined values */
-                for (int i = 0; i < d; i++) key[j][i] = 0.0f;
-                continue;
+        for (int j = 0; j < KT; j++) {  /* past the last key: a zero row, scored and then masked */
+            const int64_t index = j < kn ? key_walk_next(&walk) * d * elem : -1;
+            krow[j] = index < 0 ? (const void *)zero_row : (const char *)kc + index;
+            vrow[j] = index < 0 ? (const void *)zero_row : (const char *)vc + index;
+        }
+        for (int query = 0; query < ti.rows / g; query++) {
+            const int visible = ti.first_pos + query - k0 + 1 < kn ? ti.first_pos + query - k0 + 1 : kn;  /* causal */
+            if (visible <= 0) continue;
+            for (int b = 0, r = query * g; b < blocks; b++) {  /* even blocks: 8 rows -> 4 + 4 or 3 + 3 + 2 */
+                const int rb = (query * g + g - r + blocks - b - 1) / (blocks - b);
+                attend_chunk_any(qf + r * d, krow, vrow, visible, is_bf16, d, rb, acc + r * d, row_max + r, row_sum + r);
+                r += rb;
             }
-            int pos = k0 + j;
-            int64_t slot = (int64_t)table[pos / s->block_size] * s->block_size + pos % s->block_size;
-            int64_t index = (slot * s->kv_heads + kvh) * d;
+        }
+    }
+    for (int r = 0; r < ti.rows; r++) state[r] = (RowState){row_max[r], row_sum[r]};
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Portable path: rows in their own order, one key row at a time through fp32 buffers.
+ */
+#define PKT 32        /* keys per softmax chunk */
+
+static inline __attribute__((always_inline)) void attend_portable(
+        const Shape *s, Tile tile, int kvh, int key_begin, int key_end, const void *q,
+        const void *kc, const void *vc, int is_bf16, const int d, float *acc, RowState *state) {
+    const TileInfo ti = tile_info(s, tile);
+    float qf[MAX_ROWS * MAX_D], key[PKT][MAX_D], val[PKT][MAX_D];
+    float score[MAX_ROWS][PKT], row_max[MAX_ROWS], row_sum[MAX_ROWS];
+
+    for (int r = 0; r < ti.rows; r++) {
+        const int64_t index = q_index(s, ti, kvh, r);
+        load_row(q, index, d, is_bf16, qf + r * d);
+        for (int i = 0; i < d; i++) qf[r * d + i] *= s->scale;
+        for (int i = 0; i < d; i++) acc[r * d + i] = 0.0f;
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    KeyWalk walk = key_walk(s, ti.table, kvh, key_begin);
+    for (int k0 = key_begin; k0 < key_end; k0 += PKT) {
+        const int kn = key_end - k0 < PKT ? key_end - k0 : PKT;
+        for (int j = 0; j < kn; j++) {
+            const int64_t index = key_walk_next(&walk) * d;
             load_row(kc, index, d, is_bf16, key[j]);
             load_row(vc, index, d, is_bf16, val[j]);
         }
-        /* scores of every row of the tile against the chunk: S = Q·Kᵀ, vectorized along the keys */
-        for (int j = 0; j < KT; j++)
-            for (int r = 0; r < rows; r++) {
-                float dot = 0.0f;
-                for (int i = 0; i < d; i++) dot += qf[r][i] * key[j][i];
-                score[r][j] = dot;
-            }
-        for (int r = 0; r < rows; r++) {
-            const int last = first_pos + r / g_per_kv;      /* causal: this row sees keys <= last */
+        for (int r = 0; r < ti.rows; r++) {
+            const int last = ti.first_pos + r / ti.g_per_kv;
             const int visible = last - k0 + 1 < kn ? last - k0 + 1 : kn;
             if (visible <= 0) continue;
             float chunk_max = -INFINITY;
-            for (int j = 0; j < KT; j++) chunk_max = j < visible && score[r][j] > chunk_max ? score[r][j] : chunk_max;
+            for (int j = 0; j < visible; j++) {
+                float dot = 0.0f;
+                for (int i = 0; i < d; i++) dot += qf[r * d + i] * key[j][i];
+                score[r][j] = dot;
+                chunk_max = dot > chunk_max ? dot : chunk_max;
+            }
             const float new_max = chunk_max > row_max[r] ? chunk_max : row_max[r];
             const float rescale = exp_approx(row_max[r] - new_max);
             float add = 0.0f;
-            for (int j = 0; j < KT; j++) {
-                const float e = exp_approx(score[r][j] - new_max);
-                score[r][j] = j < visible ? e : 0.0f;
-                add += score[r][j];
-            }
+            for (int j = 0; j < visible; j++) add += score[r][j] = exp_approx(score[r][j] - new_max);
             row_sum[r] = row_sum[r] * rescale + add;
-            float out[MAX_D];
-            for (int i = 0; i < d; i++) out[i] = acc[r][i] * rescale;
-            for (int j = 0; j < visible; j++) {
-                const float p = score[r][j];
-                for (int i = 0; i < d; i++) out[i] += p * val[j][i];
-            }
-            for (int i = 0; i < d; i++) acc[r][i] = out[i];
             row_max[r] = new_max;
+            float *ar = acc + r * d;
+            for (int i = 0; i < d; i++) ar[i] *= rescale;
+            for (int j = 0; j < visible; j++)
+                for (int i = 0; i < d; i++) ar[i] += score[r][j] * val[j][i];
         }
     }
-    for (int r = 0; r < rows; r++) {
-        for (int i = 0; i < d; i++) acc_out[(int64_t)r * d + i] = acc[r][i];
-        state[r] = (RowState){row_max[r], row_sum[r]};
-    }
+    for (int r = 0; r < ti.rows; r++) state[r] = (RowState){row_max[r], row_sum[r]};
 }
 
-static void attend_range_any(const Shape *s, Tile tile, int kvh, int key_begin, int key_end,
-                             const void *q, const void *kc, const void *vc, int is_bf16,
-                             float *acc_out, RowState *state) {
+/* Whether head_dim takes the vector path (whose rows are then in pair order). */
+static inline int vector_path(int head_dim) {
+#if W
+    return head_dim % (2 * W) == 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+static void attend_range(const Shape *s, Tile tile, int kvh, int key_begin, int key_end, const void *q,
+                         const void *kc, const void *vc, int is_bf16, float *acc, RowState *state) {
+#if W
+    if (vector_path(s->head_dim)) {
+        attend_vec(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, acc, state);
+        return;
+    }
+#endif
     switch (s->head_dim) {
-    case 64: attend_range(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, 64, acc_out, state); break;
-    case 128: attend_range(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, 128, acc_out, state); break;
-    default: attend_range(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, s->head_dim, acc_out, state);
+    case 64: attend_portable(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, 64, acc, state); break;
+    case 128: attend_portable(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, 128, acc, state); break;
+    default: attend_portable(s, tile, kvh, key_begin, key_end, q, kc, vc, is_bf16, s->head_dim, acc, state);
     }
 }
 
-static int tile_rows(const Shape *s, Tile tile) {
-    int q_len = s->query_start[tile.seq + 1] - s->query_start[tile.seq];
-    return (q_len - tile.first < QT ? q_len - tile.first : QT) * (s->heads / s->kv_heads);
-}
+static int tile_rows(const Shape *s, Tile tile) { return tile_info(s, tile).rows; }
 
 static int tile_keys(const Shape *s, Tile tile) {  /* keys seen by the tile's last query */
-    int q_len = s->query_start[tile.seq + 1] - s->query_start[tile.seq];
-    int n_q = q_len - tile.first < QT ? q_len - tile.first : QT;
-    return s->context_lens[tile.seq] - q_len + tile.first + n_q;
+    const TileInfo ti = tile_info(s, tile);
+    return ti.first_pos + ti.rows / ti.g_per_kv;
 }
 
 /* Merge the partial states of the splits of one (tile, KV head) and write the output rows. */
 static void merge_and_store(const Shape *s, Tile tile, int kvh, int splits, int64_t split_stride,
                             const float *acc, const RowState *state, void *out, int is_bf16) {
-    const int d = s->head_dim, rows = tile_rows(s, tile), g_per_kv = s->heads / s->kv_heads;
-    const int q_begin = s->query_start[tile.seq];
-    for (int r = 0; r < rows; r++) {
-        float m = -INFINITY, total = 0.0f, row[MAX_D];
+    const int d = s->head_dim;
+    const TileInfo ti = tile_info(s, tile);
+    for (int r = 0; r < ti.rows; r++) {
+        float m = -INFINITY, total = 0.0f, row[MAX_D] __attribute__((aligned(64)));
         for (int p = 0; p < splits; p++) m = state[p * split_stride + r].max > m ? state[p * split_stride + r].max : m;
         for (int i = 0; i < d; i++) row[i] = 0.0f;
         for (int p = 0; p < splits; p++) {
@@ -148,8 +501,15 @@ static void merge_and_store(const Shape *s, Tile tile, int kvh, int splits, int6
             for (int i = 0; i < d; i++) row[i] += w * a[i];
         }
         for (int i = 0; i < d; i++) row[i] /= total;
-        int query = q_begin + tile.first + r / g_per_kv, head = kvh * g_per_kv + r % g_per_kv;
-        store_row(out, ((int64_t)query * s->heads + head) * d, d, is_bf16, row);
+        const int64_t index = q_index(s, ti, kvh, r);
+#if W
+        if (vector_path(d)) {
+            void *dst = (char *)out + index * (is_bf16 ? 2 : 4);
+            for (int c = 0; c < d / (2 * W); c++) write_pair(dst, c, is_bf16, vload(row + 2 * W * c), vload(row + 2 * W * c + W));
+            continue;
+        }
+#endif
+        store_row(out, index, d, is_bf16, row);
     }
 }
 
@@ -196,8 +556,8 @@ int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cac
             const int keys = tile_keys(&s, tile);
             const int begin = (int)((int64_t)keys * split / splits), end = (int)((int64_t)keys * (split + 1) / splits);
             const int64_t slot = ((int64_t)base * splits + split) * split_stride;
-            attend_range_any(&s, tile, base % kv_heads, begin, end, q, k_cache, v_cache, is_bf16,
-                             acc + slot * head_dim, state + slot);
+            attend_range(&s, tile, base % kv_heads, begin, end, q, k_cache, v_cache, is_bf16,
+                         acc + slot * head_dim, state + slot);
         }
 #pragma omp for schedule(dynamic, 4)
         for (int base = 0; base < base_items; base++) {

@@ -61,6 +61,13 @@ def test_gqa_ratios_one_three_eight(kernel, n_heads, n_kv):
     check(kernel, *make_case([1, 1, 5], [40, 129, 70], n_heads=n_heads, n_kv=n_kv))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads", [5, 6, 7])
+def test_gqa_groups_split_into_row_blocks(kernel, n_heads, dtype):
+    """Groups larger than the vector path's row block are attended in uneven blocks (7 -> 4 + 3)."""
+    check(kernel, *make_case([1, 1, 12], [40, 129, 70], n_heads=n_heads, n_kv=1, dtype=dtype))
+
+
 def test_prefill_chunks_and_decode_tokens_in_one_batch(kernel):
     """Causal within each sequence: a chunk's query j sees keys up to its own position only."""
     check(kernel, *make_case([1, 33, 6, 17], [100, 33, 300, 17]))
