@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
+from ricllm.kernels.cpu_fused import CACHE_TYPES
 from ricllm.kernels.decoder_stack_call import DecoderStackCall, layer_addresses
 
 IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
@@ -62,8 +62,8 @@ class CpuDecoderStack:
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._caches is kv_caches:
             return
-        if any(k.dtype != self.dtype or v.dtype != self.dtype for k, v in kv_caches):
-            raise ValueError(f"the decoder stack needs a {self.dtype} KV cache")
+        if any(k.dtype not in (self.dtype, torch.uint8) or v.dtype != k.dtype for k, v in kv_caches):
+            raise ValueError(f"the decoder stack needs a {self.dtype} or int8 (uint8 rows) KV cache")
 
         def packed(p: PackedProjection) -> tuple[int, int, int]:
             return p.weight.data_ptr(), p.scales.data_ptr(), p.offsets.data_ptr()
@@ -73,7 +73,8 @@ class CpuDecoderStack:
             addresses += layer_addresses(layer.attn_norm.data_ptr(), packed(layer.qkv), packed(layer.o_proj),
                                          layer.ffn_norm.data_ptr(), packed(layer.gate_up), packed(layer.down),
                                          k.data_ptr(), v.data_ptr())
-        self._call.bind(addresses, block_size=kv_caches[0][0].shape[1])
+        k_cache = kv_caches[0][0]
+        self._call.bind(addresses, block_size=k_cache.shape[1], cache_type=CACHE_TYPES[k_cache.dtype])
         self._caches = kv_caches
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -82,8 +83,9 @@ class CpuDecoderStack:
         residual stream and overwritten. Writes this step's K/V into the cache."""
         self._bind(kv_caches)
         tables, starts, lens = meta.block_tables, meta.query_start_loc, meta.context_lens
+        windowed = [] if meta.kv_windows is None else [(meta.kv_sinks, torch.int32), (meta.kv_windows, torch.int32)]
         for t, dtype in ((tables, torch.int32), (starts, torch.int32), (lens, torch.int32),
-                         (meta.slot_mapping, torch.int64)):
+                         (meta.slot_mapping, torch.int64), *windowed):
             if t.dtype != dtype or not t.is_contiguous():
                 raise ValueError("the decoder stack takes the runner's contiguous int32/int64 metadata")
         x = x.contiguous()
@@ -91,5 +93,6 @@ class CpuDecoderStack:
         self._call(x.data_ptr(), out.data_ptr(), self._final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                    meta.slot_mapping.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
                    rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1],
-                   threads=torch.get_num_threads())
+                   threads=torch.get_num_threads(), sinks=windowed[0][0].data_ptr() if windowed else None,
+                   windows=windowed[1][0].data_ptr() if windowed else None)
         return out

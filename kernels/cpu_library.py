@@ -56,14 +56,15 @@ AMX_DISABLED = os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
 # the decoder stack's argument layout (csrc/cpu_decoder.c): pointers per layer (norm, 3 per projection:
 # weight, scales, offsets; norm, 3, 3; K and V caches), then the dims array in this order
 DECODER_DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",
-                     "block_size", "is_bf16", "num_threads")
+                     "block_size", "is_bf16", "num_threads", "cache_type")
 DECODER_POINTERS_PER_LAYER = 16
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or a negative code)
-    "ricllm_paged_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],
-    "ricllm_prefill_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],
-    "ricllm_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I],
+    # ..., scale, is_bf16, cache_type, sinks, windows (NULL: exact), num_threads
+    "ricllm_paged_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I, _P, _P, _I],
+    "ricllm_prefill_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I, _P, _P, _I],
+    "ricllm_attention": [_P] * 7 + [_I] * 6 + [_F, _I, _I, _P, _P, _I],
     "ricllm_prefill_attention_uses_amx": [],
     "ricllm_add_rms_norm": [_P] * 4 + [_I, _I, _F, _I, _I],
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
@@ -71,7 +72,7 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_quant_gemm_supported": [_I],
     "ricllm_quant_gemm_uses_amx": [],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
-    "ricllm_decoder_stack": [_P] * 12 + [_F, _F],
+    "ricllm_decoder_stack": [_P] * 14 + [_F, _F],
     "ricllm_quant_rows": [_P, _P, _I, _P, _I, _I, _I, _P, _I],
     "ricllm_decoder_stack_dims": [],
     "ricllm_decoder_stack_layer_pointers": [],

@@ -37,16 +37,20 @@ class DecoderStackCall:
         for name, value in values.items():
             self._dims[DECODER_DIM_NAMES.index(name)] = value
 
-    def bind(self, addresses: list[int], block_size: int) -> None:
-        """Every layer's weight and K/V addresses (``layer_addresses``, layer after layer)."""
+    def bind(self, addresses: list[int], block_size: int, cache_type: int) -> None:
+        """Every layer's weight and K/V addresses (``layer_addresses``, layer after layer), and the
+        caches' type code (``CACHE_TYPES``: the activations' flag, or 2 for int8 rows)."""
         self._pointers = (ctypes.c_void_p * len(addresses))(*addresses)
-        self._set(block_size=block_size)
+        self._set(block_size=block_size, cache_type=cache_type)
 
     def __call__(self, x: int, out: int, final_norm: int, cos: int, sin: int, slots: int, tables: int, starts: int,
-                 lens: int, *, rows: int, batch: int, table_width: int, threads: int) -> None:
-        """Run the stack: int64 ``slots``, int32 ``tables``/``starts``/``lens``, all contiguous."""
+                 lens: int, *, rows: int, batch: int, table_width: int, threads: int, sinks: int | None = None,
+                 windows: int | None = None) -> None:
+        """Run the stack: int64 ``slots``, int32 ``tables``/``starts``/``lens``, all contiguous;
+        ``sinks``/``windows``: int32 per sequence when a sequence of the step keeps a KV window."""
         self._set(rows=rows, batch=batch, table_width=table_width, num_threads=threads)
         code = self._lib.ricllm_decoder_stack(x, out, self._pointers, self._bits, final_norm, cos, sin, slots,
-                                              tables, starts, lens, self._dims, self.eps, self.scale)
+                                              tables, starts, lens, sinks, windows, self._dims, self.eps,
+                                              self.scale)
         if code != 0:
             raise RuntimeError(f"the CPU decoder stack failed (code {code})")

@@ -116,6 +116,27 @@ def test_int8_greedy_tokens_mostly_match_the_exact_cache(tiny_gguf):
     assert sum(a == b for a, b in pairs) / len(pairs) >= 0.8
 
 
-def test_a_kernel_that_reads_only_exact_caches_is_refused_by_name(tiny_gguf):
-    with pytest.raises(ConfigError, match="kv_cache_dtype int8"):
-        LLM(str(tiny_gguf), dtype="float32", kv_cache_dtype="int8", attention_backend="cpu")
+@pytest.mark.parametrize("settings", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int8", "kv_window": 24}])
+def test_both_runtimes_compute_the_same_bits_on_an_int8_cache(tiny_native_gguf, settings):
+    """The native runtime and the torch runtime's C decoder stack store and read int8 rows (and
+    windows) with the same kernels: the same logits, bit for bit, where both run the stack."""
+    from tests.recorder import LogitsRecorder
+
+    prompts = random_prompts(300, (3, 17, 40, 64), seed=2)
+    recorded = []
+    for runtime in ("native", "torch"):
+        llm = LLM(str(tiny_native_gguf), weights="int4", runtime=runtime, kv_cache_budget="4MiB", weight_cache=False,
+                  max_num_batched_tokens=64, **settings)
+        assert llm.engine.runtime.name == runtime and llm.kv_cache_stats()["kv_cache_dtype"] == "int8"
+        recorder = LogitsRecorder(llm.engine)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        recorded.append([recorder.stacked(o.request_id)[1] for o in outs])
+    for ours, theirs in zip(*recorded):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_cuda_kernel_refuses_an_int8_cache_by_name():
+    from ricllm.attention.backends import select_backend
+
+    with pytest.raises(ConfigError, match="attention backend 'cuda' reads bf16/fp16/fp32 caches, not kv_cache_dtype"):
+        select_backend("cuda", torch.device("cuda"), torch.uint8)

@@ -21,14 +21,15 @@ int ricllm_add_rms_norm(void *x, const void *delta, const void *weight, void *ou
                         float eps, int is_bf16, int num_threads);
 int ricllm_rope_store(const void *qkv, void *q_out, const void *cos, const void *sin, const int64_t *slots,
                       void *k_cache, void *v_cache, int rows, int heads, int kv_heads, int head_dim,
-                      int is_bf16, int cache_bf16, int num_threads);
+                      int is_bf16, int cache_type, int num_threads);
 int ricllm_silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads);
 /* the paged kernel, or the blocked prefill kernel for steps with long prompts (cpu_prefill_attention.c) */
 int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int32_t *block_tables, const int32_t *query_start,
                      const int32_t *context_lens, int batch, int heads, int kv_heads,
                      int head_dim, int block_size, int table_width, float scale,
-                     int is_bf16, int num_threads);
+                     int is_bf16, int cache_type, const int32_t *sinks, const int32_t *windows,
+                     int num_threads);
 int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
                       int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads);
 
@@ -39,18 +40,20 @@ enum { ATTN_NORM, QKV_W, QKV_S, QKV_O, O_W, O_S, O_O, FFN_NORM, GU_W, GU_S, GU_O
 enum { QKV, O, GATE_UP, DOWN, PROJECTIONS };  /* ``bits`` holds PROJECTIONS per layer */
 /* ``dims``, in this order */
 enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BATCH, TABLE_WIDTH, BLOCK_SIZE, IS_BF16,
-       NUM_THREADS, DIMS };
+       NUM_THREADS, CACHE_TYPE, DIMS };
 
 int ricllm_decoder_stack_dims(void) { return DIMS; }
 int ricllm_decoder_stack_layer_pointers(void) { return LAYER_POINTERS; }
 
 #define TRY(call) do { code = (call); if (code != 0) goto done; } while (0)
 
-/* Returns 0, or the first failing kernel's code (-2: out of memory). */
+/* Returns 0, or the first failing kernel's code (-2: out of memory). ``sinks``/``windows``: per
+ * sequence sink + window retention, NULL when no sequence of the step keeps one (cpu_paged_attention.c);
+ * dims[CACHE_TYPE]: the K/V caches' type (cpu_common.h). */
 int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, const int32_t *bits,
                          const void *final_norm, const void *cos, const void *sin, const int64_t *slots,
                          const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
-                         const int32_t *dims, float eps, float scale) {
+                         const int32_t *sinks, const int32_t *windows, const int32_t *dims, float eps, float scale) {
     const int rows = dims[ROWS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int head_dim = dims[HEAD_DIM], inter = dims[INTER], is_bf16 = dims[IS_BF16], threads = dims[NUM_THREADS];
     const int q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
@@ -71,10 +74,10 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
         TRY(ricllm_quant_gemm(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
                               scratch, threads));
         TRY(ricllm_rope_store(qkv, q, cos, sin, slots, (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads,
-                              kv_heads, head_dim, is_bf16, is_bf16, threads));
+                              kv_heads, head_dim, is_bf16, dims[CACHE_TYPE], threads));
         TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, block_tables, query_start, context_lens,
                              dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH],
-                             scale, is_bf16, threads));
+                             scale, is_bf16, dims[CACHE_TYPE], sinks, windows, threads));
         TRY(ricllm_quant_gemm(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
                               scratch, threads));
         TRY(ricllm_add_rms_norm(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));

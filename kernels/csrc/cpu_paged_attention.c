@@ -30,14 +30,21 @@
  * Other CPUs, and head dims that are no multiple of 2W, take the portable path: the same
  * algorithm in plain C through fp32 row buffers, which the compiler vectorizes.
  *
+ * int8 caches (cache_type CACHE_INT8: a row is D int8 values and its fp32 scale, cpu_common.h) are
+ * widened to fp32 in registers the same way and scaled there. Sink + window retention (``sinks``,
+ * ``windows``: per sequence, NULL when no sequence of the step has one; ricllm/cache/kv_window.py):
+ * query p sees key j iff j < sinks or j > p - window, so a work item walks two segments of keys,
+ * the sinks and the window, and never touches the blocks in between (their table entries are -1).
+ *
  * Layouts (row-major):
- *   q, out        [T, H, D]                  activations, same element type as the cache
- *   k/v cache     [num_blocks, BS, KVH, D]
+ *   q, out        [T, H, D]                  activations (bf16 or fp32)
+ *   k/v cache     [num_blocks, BS, KVH, D]   the activations' type, or int8 rows of D + 4 bytes
  *   block_tables  [B, table_width] int32
  *   query_start   [B + 1] int32               sequence b owns queries query_start[b]..[b+1]
  *   context_lens  [B] int32                   query j of b sits at context_len - q_len + j
  *                                             and sees keys 0..that position.
- * Element types: bf16 (uint16 bit patterns) or fp32, chosen by the entry point.
+ * Element types: bf16 (uint16 bit patterns) or fp32 activations (is_bf16), and the cache's
+ * (cache_type: the activations' code, or CACHE_INT8), chosen by the entry point.
  */
 #include "cpu_common.h"
 
@@ -50,7 +57,35 @@ typedef struct {
     int batch, heads, kv_heads, head_dim, block_size, table_width;
     float scale;
     const int32_t *block_tables, *query_start, *context_lens;
+    int cache_type;
+    int64_t row_bytes;                /* one (token, KV head) row of the cache */
+    const int32_t *sinks, *windows;   /* per sequence, or NULL: every key is kept */
 } Shape;
+
+/* The keys a tile's queries may see within [key_begin, key_end), as at most two segments of
+ * positions: the sinks, and the window of its first query (the windows of later queries start
+ * later: masked per row, ``visible_from``). Without a window, one segment: the whole range. */
+typedef struct { int begin[2], end[2], windowed[2], count, window; } Segments;
+
+static Segments segments(const Shape *s, int seq, int first_pos, int key_begin, int key_end) {
+    const int window = s->windows ? s->windows[seq] : 0;
+    if (window <= 0) return (Segments){{key_begin, 0}, {key_end, 0}, {0, 0}, key_begin < key_end, 0};
+    const int sinks = s->sinks[seq], low = first_pos - window + 1;
+    Segments g = {{0, 0}, {0, 0}, {0, 0}, 0, window};
+    const int sink_end = key_end < sinks ? key_end : sinks;
+    if (key_begin < sink_end) g.begin[g.count] = key_begin, g.end[g.count++] = sink_end;
+    int from = key_begin > sinks ? key_begin : sinks;
+    from = from > low ? from : low;
+    if (from < key_end) g.begin[g.count] = from, g.end[g.count] = key_end, g.windowed[g.count++] = 1;
+    return g;
+}
+
+/* The first lane of a chunk (keys from k0, in segment ``seg``) that the query at position p sees. */
+static inline int visible_from(const Segments *g, int seg, int p, int k0) {
+    if (!g->windowed[seg]) return 0;
+    const int lo = p - g->window + 1 - k0;
+    return lo > 0 ? lo : 0;
+}
 
 typedef struct { int seq, first; } Tile;
 
@@ -123,6 +158,12 @@ typedef __m512i vi;
 #define as_f _mm512_castsi512_ps
 #define as_i _mm512_castps_si512
 #define f_to_i _mm512_cvtps_epi32
+#define i_to_f _mm512_cvtepi32_ps
+#define israi _mm512_srai_epi32
+/* 2W int8 values as int16, lane k of the 32-bit view holding elements 2k (low) and 2k + 1 (high) */
+#define widen_int8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+/* W int8 values as int32, in order */
+#define widen_int8_run(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 
 /* x in lanes below n, fill above */
 static inline vf vfirst(vf x, int n, vf fill) {
@@ -166,6 +207,10 @@ typedef __m256i vi;
 #define as_f _mm256_castsi256_ps
 #define as_i _mm256_castps_si256
 #define f_to_i _mm256_cvtps_epi32
+#define i_to_f _mm256_cvtepi32_ps
+#define israi _mm256_srai_epi32
+#define widen_int8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define widen_int8_run(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 
 static inline vf vfirst(vf x, int n, vf fill) {
     const vi lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -226,6 +271,31 @@ static inline __attribute__((always_inline)) void read_pair(const void *row, int
     }
 }
 
+/* An int8 cache read beside fp32 activations: rows in their own order (halves), not pair order. */
+#define INT8_IN_ORDER (CACHE_INT8 + 1)
+
+/* read_pair for a K or V row of the cache, in the activations' order: int8 rows widen in registers
+ * (beside bf16 activations by a sign-extending shift pair, as bf16 pairs are split; beside fp32
+ * ones in order, INT8_IN_ORDER) and are scaled by their row's scale. */
+static inline __attribute__((always_inline)) void read_kv_pair(const void *row, int c, int kv_type, const int d,
+                                                               vf *lo, vf *hi) {
+    if (kv_type != CACHE_INT8 && kv_type != INT8_IN_ORDER) {
+        read_pair(row, c, kv_type, lo, hi);
+        return;
+    }
+    float scale;
+    memcpy(&scale, (const int8_t *)row + d, sizeof scale);
+    const int8_t *at = (const int8_t *)row + 2 * W * c;
+    if (kv_type == INT8_IN_ORDER) {
+        *lo = vmul(i_to_f(widen_int8_run(at)), vset1(scale));
+        *hi = vmul(i_to_f(widen_int8_run(at + W)), vset1(scale));
+        return;
+    }
+    const vi x = widen_int8(at);
+    *lo = vmul(i_to_f(israi(ishl(x, 16), 16)), vset1(scale));
+    *hi = vmul(i_to_f(israi(x, 16)), vset1(scale));
+}
+
 /* read_pair's inverse, rounding to bf16 to nearest even (as f32_to_bf16). */
 static inline void write_pair(void *row, int c, int is_bf16, vf lo, vf hi) {
     if (is_bf16) {
@@ -240,12 +310,12 @@ static inline void write_pair(void *row, int c, int is_bf16, vf lo, vf hi) {
 }
 
 /* The W-lane partial dot products of rb query rows (qf: fp32, pair order, scaled) with one key. */
-static inline __attribute__((always_inline)) void key_dots(const float *qf, const void *krow, int is_bf16,
+static inline __attribute__((always_inline)) void key_dots(const float *qf, const void *krow, int kv_type,
                                                            const int d, const int rb, vf dot[RB_MAX]) {
     for (int r = 0; r < rb; r++) dot[r] = vzero();
     for (int c = 0; c < d / (2 * W); c++) {
         vf lo, hi;
-        read_pair(krow, c, is_bf16, &lo, &hi);
+        read_kv_pair(krow, c, kv_type, d, &lo, &hi);
         for (int r = 0; r < rb; r++) {
             const float *qr = qf + r * d + 2 * W * c;
             dot[r] = vfma(vload(qr + W), hi, vfma(vload(qr), lo, dot[r]));
@@ -258,7 +328,7 @@ static inline __attribute__((always_inline)) void key_dots(const float *qf, cons
  * would cost as much as the product), so a K row is read once for the rb rows and few partial
  * sums are live at a time. */
 static inline __attribute__((always_inline)) void block_scores(const float *qf, const void *const *krow, int halves,
-                                                               int is_bf16, const int d, const int rb,
+                                                               int kv_type, const int d, const int rb,
                                                                vf score[RB_MAX][KT / W]) {
     for (int h = 0; h < halves; h++) {
         vf u[RB_MAX][W / 4];
@@ -267,8 +337,8 @@ static inline __attribute__((always_inline)) void block_scores(const float *qf, 
             for (int m = 0; m < 2; m++) {
                 vf a[RB_MAX], b[RB_MAX];
                 const int j = h * W + 4 * n + 2 * m;
-                key_dots(qf, krow[j], is_bf16, d, rb, a);
-                key_dots(qf, krow[j + 1], is_bf16, d, rb, b);
+                key_dots(qf, krow[j], kv_type, d, rb, a);
+                key_dots(qf, krow[j + 1], kv_type, d, rb, b);
                 /* per 128-bit lane: keys a, b interleaved, lanes 0+2 and 1+3 summed */
                 for (int r = 0; r < rb; r++) t[r][m] = vadd(vunpacklo(a[r], b[r]), vunpackhi(a[r], b[r]));
             }
@@ -279,19 +349,24 @@ static inline __attribute__((always_inline)) void block_scores(const float *qf, 
     }
 }
 
-/* The online softmax over one chunk's scores of a row (lanes from ``visible`` on masked): returns
- * the factor the row's output so far is rescaled by, leaves the probabilities in prob. */
-static inline __attribute__((always_inline)) float softmax_chunk(vf score[KT / W], int visible, float *row_max,
-                                                                 float *row_sum, float *prob) {
+/* The online softmax over one chunk's scores of a row (lanes outside [from, visible) masked):
+ * returns the factor the row's output so far is rescaled by, leaves the probabilities in prob. */
+static inline __attribute__((always_inline)) float softmax_chunk(vf score[KT / W], int from, int visible,
+                                                                 float *row_max, float *row_sum, float *prob) {
     vf m = vset1(-INFINITY);
-    for (int h = 0; h < KT / W; h++) m = vmax(m, score[h] = vfirst(score[h], visible - h * W, vset1(-INFINITY)));
+    for (int h = 0; h < KT / W; h++) {
+        score[h] = vfirst(score[h], visible - h * W, vset1(-INFINITY));
+        if (from > h * W) score[h] = vfirst(vset1(-INFINITY), from - h * W, score[h]);  /* below a window */
+        m = vmax(m, score[h]);
+    }
     const float chunk_max = vreduce_max(m);
     const float new_max = chunk_max > *row_max ? chunk_max : *row_max;
     /* exp_approx(0) is exactly 1: no exp on the (serial) path where the max stands, the usual case */
     const float rescale = new_max > *row_max ? exp_approx(*row_max - new_max) : 1.0f;
     vf sum = vzero();
     for (int h = 0; h < KT / W; h++) {
-        const vf e = vfirst(vexp(vadd(score[h], vset1(-new_max))), visible - h * W, vzero());
+        vf e = vfirst(vexp(vadd(score[h], vset1(-new_max))), visible - h * W, vzero());
+        if (from > h * W) e = vfirst(vzero(), from - h * W, e);
         sum = vadd(sum, e);
         vstore(prob + h * W, e);
     }
@@ -303,15 +378,15 @@ static inline __attribute__((always_inline)) float softmax_chunk(vf score[KT / W
 /* One chunk for rb rows of one query (they see the same keys): scores, softmax, and
  * O = O·rescale + P·V with the probabilities in fp32, each V row read once for the rb rows. */
 static inline __attribute__((always_inline)) void attend_chunk(
-        const float *qf, const void *const *krow, const void *const *vrow, int visible, int is_bf16,
+        const float *qf, const void *const *krow, const void *const *vrow, int from, int visible, int kv_type,
         const int d, const int rb, float *acc, float *row_max, float *row_sum) {
     vf score[RB_MAX][KT / W];
     float prob[RB_MAX][KT] __attribute__((aligned(64))), rescale[RB_MAX];
     const int halves = visible > W ? 2 : 1;
-    block_scores(qf, krow, halves, is_bf16, d, rb, score);
+    block_scores(qf, krow, halves, kv_type, d, rb, score);
     for (int r = 0; r < rb; r++) {
         if (halves == 1) score[r][1] = vset1(-INFINITY);
-        rescale[r] = softmax_chunk(score[r], visible, &row_max[r], &row_sum[r], prob[r]);
+        rescale[r] = softmax_chunk(score[r], from, visible, &row_max[r], &row_sum[r], prob[r]);
     }
     for (int c = 0; c < d / (2 * W); c++) {
         vf lo[RB_MAX], hi[RB_MAX];
@@ -319,9 +394,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
             lo[r] = vmul(vload(acc + r * d + 2 * W * c), vset1(rescale[r]));
             hi[r] = vmul(vload(acc + r * d + 2 * W * c + W), vset1(rescale[r]));
         }
-        for (int j = 0; j < visible; j++) {
+        for (int j = from; j < visible; j++) {
             vf v_lo, v_hi;
-            read_pair(vrow[j], c, is_bf16, &v_lo, &v_hi);
+            read_kv_pair(vrow[j], c, kv_type, d, &v_lo, &v_hi);
             for (int r = 0; r < rb; r++) {
                 const vf p = vset1(prob[r][j]);
                 lo[r] = vfma(p, v_lo, lo[r]);
@@ -337,15 +412,15 @@ static inline __attribute__((always_inline)) void attend_chunk(
 
 /* rb and d literal: every loop over a block's rows and a row's vectors unrolls, and the partial
  * sums stay in registers. */
-#define ATTEND_CHUNK_RB(D)                                                                           \
-    switch (rb) {                                                                                    \
-    case 1: attend_chunk(qf, krow, vrow, visible, is_bf16, D, 1, acc, row_max, row_sum); return;     \
-    case 2: attend_chunk(qf, krow, vrow, visible, is_bf16, D, 2, acc, row_max, row_sum); return;     \
-    case 3: attend_chunk(qf, krow, vrow, visible, is_bf16, D, 3, acc, row_max, row_sum); return;     \
-    default: attend_chunk(qf, krow, vrow, visible, is_bf16, D, RB_MAX, acc, row_max, row_sum); return; \
+#define ATTEND_CHUNK_RB(D)                                                                                \
+    switch (rb) {                                                                                         \
+    case 1: attend_chunk(qf, krow, vrow, from, visible, kv_type, D, 1, acc, row_max, row_sum); return;    \
+    case 2: attend_chunk(qf, krow, vrow, from, visible, kv_type, D, 2, acc, row_max, row_sum); return;    \
+    case 3: attend_chunk(qf, krow, vrow, from, visible, kv_type, D, 3, acc, row_max, row_sum); return;    \
+    default: attend_chunk(qf, krow, vrow, from, visible, kv_type, D, RB_MAX, acc, row_max, row_sum); return; \
     }
-static void attend_chunk_any(const float *qf, const void *const *krow, const void *const *vrow, int visible,
-                             int is_bf16, int d, int rb, float *acc, float *row_max, float *row_sum) {
+static void attend_chunk_any(const float *qf, const void *const *krow, const void *const *vrow, int from,
+                             int visible, int kv_type, int d, int rb, float *acc, float *row_max, float *row_sum) {
     if (d == 64) ATTEND_CHUNK_RB(64)
     if (d == 128) ATTEND_CHUNK_RB(128)
     ATTEND_CHUNK_RB(d)
@@ -358,7 +433,9 @@ static void attend_vec(const Shape *s, Tile tile, int kvh, int key_begin, int ke
                        const void *kc, const void *vc, int is_bf16, float *acc, RowState *state) {
     const TileInfo ti = tile_info(s, tile);
     const int d = s->head_dim, g = ti.g_per_kv, elem = is_bf16 ? 2 : 4;
+    const int kv_type = s->cache_type == CACHE_INT8 && !is_bf16 ? INT8_IN_ORDER : s->cache_type;
     const int blocks = (g + RB_MAX - 1) / RB_MAX;
+    const Segments seg = segments(s, tile.seq, ti.first_pos, key_begin, key_end);
     float qf[MAX_ROWS * MAX_D] __attribute__((aligned(64)));
     float row_max[MAX_ROWS], row_sum[MAX_ROWS];
     const void *krow[KT], *vrow[KT];
@@ -375,21 +452,25 @@ static void attend_vec(const Shape *s, Tile tile, int kvh, int key_begin, int ke
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
     }
-    KeyWalk walk = key_walk(s, ti.table, kvh, key_begin);
-    for (int k0 = key_begin; k0 < key_end; k0 += KT) {
-        const int kn = key_end - k0 < KT ? key_end - k0 : KT;
-        for (int j = 0; j < KT; j++) {  /* past the last key: a zero row, scored and then masked */
-            const int64_t index = j < kn ? key_walk_next(&walk) * d * elem : -1;
-            krow[j] = index < 0 ? (const void *)zero_row : (const char *)kc + index;
-            vrow[j] = index < 0 ? (const void *)zero_row : (const char *)vc + index;
-        }
-        for (int query = 0; query < ti.rows / g; query++) {
-            const int visible = ti.first_pos + query - k0 + 1 < kn ? ti.first_pos + query - k0 + 1 : kn;  /* causal */
-            if (visible <= 0) continue;
-            for (int b = 0, r = query * g; b < blocks; b++) {  /* even blocks: 8 rows -> 4 + 4 or 3 + 3 + 2 */
-                const int rb = (query * g + g - r + blocks - b - 1) / (blocks - b);
-                attend_chunk_any(qf + r * d, krow, vrow, visible, is_bf16, d, rb, acc + r * d, row_max + r, row_sum + r);
-                r += rb;
+    for (int sg = 0; sg < seg.count; sg++) {
+        KeyWalk walk = key_walk(s, ti.table, kvh, seg.begin[sg]);
+        for (int k0 = seg.begin[sg]; k0 < seg.end[sg]; k0 += KT) {
+            const int kn = seg.end[sg] - k0 < KT ? seg.end[sg] - k0 : KT;
+            for (int j = 0; j < KT; j++) {  /* past the last key: a zero row, scored and then masked */
+                const int64_t index = j < kn ? key_walk_next(&walk) * s->row_bytes : -1;
+                krow[j] = index < 0 ? (const void *)zero_row : (const char *)kc + index;
+                vrow[j] = index < 0 ? (const void *)zero_row : (const char *)vc + index;
+            }
+            for (int query = 0; query < ti.rows / g; query++) {
+                const int p = ti.first_pos + query, visible = p - k0 + 1 < kn ? p - k0 + 1 : kn;  /* causal */
+                const int from = visible_from(&seg, sg, p, k0);
+                if (visible <= from) continue;
+                for (int b = 0, r = query * g; b < blocks; b++) {  /* even blocks: 8 rows -> 4 + 4 or 3 + 3 + 2 */
+                    const int rb = (query * g + g - r + blocks - b - 1) / (blocks - b);
+                    attend_chunk_any(qf + r * d, krow, vrow, from, visible, kv_type, d, rb, acc + r * d, row_max + r,
+                                     row_sum + r);
+                    r += rb;
+                }
             }
         }
     }
@@ -406,6 +487,7 @@ static inline __attribute__((always_inline)) void attend_portable(
         const Shape *s, Tile tile, int kvh, int key_begin, int key_end, const void *q,
         const void *kc, const void *vc, int is_bf16, const int d, float *acc, RowState *state) {
     const TileInfo ti = tile_info(s, tile);
+    const Segments seg = segments(s, tile.seq, ti.first_pos, key_begin, key_end);
     float qf[MAX_ROWS * MAX_D], key[PKT][MAX_D], val[PKT][MAX_D];
     float score[MAX_ROWS][PKT], row_max[MAX_ROWS], row_sum[MAX_ROWS];
 
@@ -417,35 +499,37 @@ static inline __attribute__((always_inline)) void attend_portable(
         row_max[r] = -INFINITY;
         row_sum[r] = 0.0f;
     }
-    KeyWalk walk = key_walk(s, ti.table, kvh, key_begin);
-    for (int k0 = key_begin; k0 < key_end; k0 += PKT) {
-        const int kn = key_end - k0 < PKT ? key_end - k0 : PKT;
-        for (int j = 0; j < kn; j++) {
-            const int64_t index = key_walk_next(&walk) * d;
-            load_row(kc, index, d, is_bf16, key[j]);
-            load_row(vc, index, d, is_bf16, val[j]);
-        }
-        for (int r = 0; r < ti.rows; r++) {
-            const int last = ti.first_pos + r / ti.g_per_kv;
-            const int visible = last - k0 + 1 < kn ? last - k0 + 1 : kn;
-            if (visible <= 0) continue;
-            float chunk_max = -INFINITY;
-            for (int j = 0; j < visible; j++) {
-                float dot = 0.0f;
-                for (int i = 0; i < d; i++) dot += qf[r * d + i] * key[j][i];
-                score[r][j] = dot;
-                chunk_max = dot > chunk_max ? dot : chunk_max;
+    for (int sg = 0; sg < seg.count; sg++) {
+        KeyWalk walk = key_walk(s, ti.table, kvh, seg.begin[sg]);
+        for (int k0 = seg.begin[sg]; k0 < seg.end[sg]; k0 += PKT) {
+            const int kn = seg.end[sg] - k0 < PKT ? seg.end[sg] - k0 : PKT;
+            for (int j = 0; j < kn; j++) {
+                const int64_t row = key_walk_next(&walk);
+                load_cache_row(kc, row, d, s->cache_type, key[j]);
+                load_cache_row(vc, row, d, s->cache_type, val[j]);
             }
-            const float new_max = chunk_max > row_max[r] ? chunk_max : row_max[r];
-            const float rescale = exp_approx(row_max[r] - new_max);
-            float add = 0.0f;
-            for (int j = 0; j < visible; j++) add += score[r][j] = exp_approx(score[r][j] - new_max);
-            row_sum[r] = row_sum[r] * rescale + add;
-            row_max[r] = new_max;
-            float *ar = acc + r * d;
-            for (int i = 0; i < d; i++) ar[i] *= rescale;
-            for (int j = 0; j < visible; j++)
-                for (int i = 0; i < d; i++) ar[i] += score[r][j] * val[j][i];
+            for (int r = 0; r < ti.rows; r++) {
+                const int last = ti.first_pos + r / ti.g_per_kv;
+                const int visible = last - k0 + 1 < kn ? last - k0 + 1 : kn, from = visible_from(&seg, sg, last, k0);
+                if (visible <= from) continue;
+                float chunk_max = -INFINITY;
+                for (int j = from; j < visible; j++) {
+                    float dot = 0.0f;
+                    for (int i = 0; i < d; i++) dot += qf[r * d + i] * key[j][i];
+                    score[r][j] = dot;
+                    chunk_max = dot > chunk_max ? dot : chunk_max;
+                }
+                const float new_max = chunk_max > row_max[r] ? chunk_max : row_max[r];
+                const float rescale = exp_approx(row_max[r] - new_max);
+                float add = 0.0f;
+                for (int j = from; j < visible; j++) add += score[r][j] = exp_approx(score[r][j] - new_max);
+                row_sum[r] = row_sum[r] * rescale + add;
+                row_max[r] = new_max;
+                float *ar = acc + r * d;
+                for (int i = 0; i < d; i++) ar[i] *= rescale;
+                for (int j = from; j < visible; j++)
+                    for (int i = 0; i < d; i++) ar[i] += score[r][j] * val[j][i];
+            }
         }
     }
     for (int r = 0; r < ti.rows; r++) state[r] = (RowState){row_max[r], row_sum[r]};
@@ -516,16 +600,20 @@ static void merge_and_store(const Shape *s, Tile tile, int kvh, int splits, int6
 /* Returns 0, or a negative code for a shape the kernel does not take (the caller falls back).
  * Work: (tile, KV head, split of the keys). Few sequences with long contexts do not fill the
  * threads on their own, so the keys are split (each split at least MIN_SPLIT_KEYS) and the
- * partial softmax states merged by log-sum-exp. */
+ * partial softmax states merged by log-sum-exp. Windowed steps are not split: a split of the
+ * whole range would mostly fall between the sinks and the window. */
 #define MIN_SPLIT_KEYS 128
 int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                            const int32_t *block_tables, const int32_t *query_start,
                            const int32_t *context_lens, int batch, int heads, int kv_heads,
                            int head_dim, int block_size, int table_width, float scale,
-                           int is_bf16, int num_threads) {
+                           int is_bf16, int cache_type, const int32_t *sinks, const int32_t *windows,
+                           int num_threads) {
     if (heads % kv_heads != 0 || heads / kv_heads > MAX_G || head_dim > MAX_D) return -1;
+    if (cache_type != CACHE_INT8 && cache_type != is_bf16) return -1;  /* exact caches hold the activations' type */
+    const int64_t row_bytes = cache_type == CACHE_INT8 ? int8_row_bytes(head_dim) : (int64_t)head_dim * (is_bf16 ? 2 : 4);
     Shape s = {batch, heads, kv_heads, head_dim, block_size, table_width, scale,
-               block_tables, query_start, context_lens};
+               block_tables, query_start, context_lens, cache_type, row_bytes, windows ? sinks : NULL, windows};
     int n_tiles = 0, max_keys = 0, max_rows = 0;
     for (int b = 0; b < batch; b++) n_tiles += (query_start[b + 1] - query_start[b] + QT - 1) / QT;
     if (n_tiles == 0) return 0;
@@ -542,7 +630,7 @@ int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cac
     const int base_items = n_tiles * kv_heads;
     int splits = (4 * num_threads + base_items - 1) / base_items;
     if (splits > max_keys / MIN_SPLIT_KEYS) splits = max_keys / MIN_SPLIT_KEYS;
-    if (splits < 1) splits = 1;
+    if (splits < 1 || windows) splits = 1;
     const int64_t split_stride = max_rows;  /* partial rows kept per (tile, KV head, split) */
     float *acc = malloc((size_t)base_items * splits * split_stride * head_dim * sizeof(float));
     RowState *state = malloc((size_t)base_items * splits * split_stride * sizeof(RowState));

@@ -17,6 +17,8 @@
  *
  * Layouts and arguments: as ``ricllm_paged_attention`` (same contract, same results within bf16
  * rounding): query j of sequence b sits at context_lens[b] - q_len + j and sees keys 0..that.
+ * int8 caches are widened (q · scale) as their chunks are packed, so the products see bf16 or fp32
+ * as from any cache; sink + window steps go to the paged kernel whole (``ricllm_attention``).
  */
 #define _GNU_SOURCE  /* syscall(), to ask Linux for AMX state */
 #include "cpu_common.h"
@@ -43,6 +45,7 @@ typedef struct {
     int batch, heads, kv_heads, head_dim, block_size, table_width, group;
     float scale;
     const int32_t *block_tables, *query_start, *context_lens;
+    int cache_type;              /* the activations' code, or CACHE_INT8 (cpu_common.h) */
     const int64_t *chunk_base;   /* first packed chunk of each sequence (per KV head: × kv_heads) */
     int amx;                     /* both products in AMX tiles (bf16, head_dim 32 or 64, tiles granted) */
     int min_query_len;           /* sequences with fewer query rows are left to another kernel */
@@ -54,10 +57,21 @@ static int query_len(const PrefillShape *s, int b) { return s->query_start[b + 1
 
 static int taken(const PrefillShape *s, int b) { return query_len(s, b) >= s->min_query_len; }
 
-static int64_t cache_index(const PrefillShape *s, int b, int kvh, int pos) {
+/* The cache row (slot · kv_heads + head) of key ``pos`` of (b, kvh). */
+static int64_t cache_row(const PrefillShape *s, int b, int kvh, int pos) {
     const int32_t *table = s->block_tables + (int64_t)b * s->table_width;
     const int64_t slot = (int64_t)table[pos / s->block_size] * s->block_size + pos % s->block_size;
-    return (slot * s->kv_heads + kvh) * s->head_dim;
+    return slot * s->kv_heads + kvh;
+}
+
+/* A key's K or V row as bf16 bits: in place for a bf16 cache, widened and rounded for int8. */
+static const uint16_t *bf16_row(const PrefillShape *s, const void *cache, int64_t row, uint16_t *buffer) {
+    const int d = s->head_dim;
+    if (s->cache_type != CACHE_INT8) return (const uint16_t *)cache + row * d;
+    float values[PF_MAX_D];
+    load_int8_row(cache, row, d, values);
+    for (int i = 0; i < d; i++) buffer[i] = f32_to_bf16(values[i]);
+    return buffer;
 }
 
 /* Packed chunk c of (b, kvh): KC·D elements of K, then KC·D of V. */
@@ -80,10 +94,11 @@ static void pack_chunk(const PrefillShape *s, int b, int kvh, int c, const void 
     if (use_bf16_dot(s, is_bf16)) {
         uint32_t *kp = packed;
         uint16_t *vp = (uint16_t *)packed + (int64_t)KC * d;
+        uint16_t kbuf[PF_MAX_D] __attribute__((aligned(4))), vbuf[PF_MAX_D];
         for (int j = 0; j < KC; j++) {
-            const int64_t index = k0 + j < ctx ? cache_index(s, b, kvh, k0 + j) : -1;
-            const uint32_t *krow = index < 0 ? NULL : (const uint32_t *)((const uint16_t *)kc + index);
-            const uint16_t *vrow = index < 0 ? NULL : (const uint16_t *)vc + index;
+            const int64_t row = k0 + j < ctx ? cache_row(s, b, kvh, k0 + j) : -1;
+            const uint32_t *krow = row < 0 ? NULL : (const uint32_t *)bf16_row(s, kc, row, kbuf);
+            const uint16_t *vrow = row < 0 ? NULL : bf16_row(s, vc, row, vbuf);
             for (int p = 0; p < d / 2; p++) kp[p * KC + j] = krow ? krow[p] : 0;
             for (int i = 0; i < d; i++) vp[((j / 2) * d + i) * 2 + j % 2] = vrow ? vrow[i] : 0;
         }
@@ -96,9 +111,9 @@ static void pack_chunk(const PrefillShape *s, int b, int kvh, int c, const void 
             memset(vf + (int64_t)j * d, 0, (size_t)d * sizeof(float));
             continue;
         }
-        const int64_t index = cache_index(s, b, kvh, k0 + j);
-        load_row(kc, index, d, is_bf16, kf + (int64_t)j * d);
-        load_row(vc, index, d, is_bf16, vf + (int64_t)j * d);
+        const int64_t row = cache_row(s, b, kvh, k0 + j);
+        load_cache_row(kc, row, d, s->cache_type, kf + (int64_t)j * d);
+        load_cache_row(vc, row, d, s->cache_type, vf + (int64_t)j * d);
     }
 }
 
@@ -485,12 +500,13 @@ static int prefill_attention_taking(const void *q, const void *k_cache, const vo
                                     const int32_t *block_tables, const int32_t *query_start,
                                     const int32_t *context_lens, int batch, int heads, int kv_heads,
                                     int head_dim, int block_size, int table_width, float scale,
-                                    int is_bf16, int num_threads, int min_query_len) {
+                                    int is_bf16, int cache_type, int num_threads, int min_query_len) {
     if (heads % kv_heads != 0 || heads / kv_heads > PF_MAX_G || head_dim > PF_MAX_D || head_dim % 2 != 0) return -1;
+    if (cache_type != CACHE_INT8 && cache_type != is_bf16) return -1;  /* exact caches hold the activations' type */
     int64_t *chunk_base = malloc((size_t)(batch + 1) * sizeof(int64_t));
     if (!chunk_base) return -2;
     PrefillShape s = {batch, heads, kv_heads, head_dim, block_size, table_width, heads / kv_heads, scale,
-                      block_tables, query_start, context_lens, chunk_base, 0, min_query_len};
+                      block_tables, query_start, context_lens, cache_type, chunk_base, 0, min_query_len};
     chunk_base[0] = 0;
     for (int b = 0; b < batch; b++) chunk_base[b + 1] = chunk_base[b] + (taken(&s, b) ? (context_lens[b] + KC - 1) / KC : 0);
 #if PREFILL_AMX
@@ -527,21 +543,26 @@ static int prefill_attention_taking(const void *q, const void *k_cache, const vo
     return 0;
 }
 
-/* Every sequence of the batch (the contract of ricllm_paged_attention). */
+/* Every sequence of the batch (the contract of ricllm_paged_attention, without windows: -1). */
 int ricllm_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                              const int32_t *block_tables, const int32_t *query_start,
                              const int32_t *context_lens, int batch, int heads, int kv_heads,
                              int head_dim, int block_size, int table_width, float scale,
-                             int is_bf16, int num_threads) {
+                             int is_bf16, int cache_type, const int32_t *sinks, const int32_t *windows,
+                             int num_threads) {
+    (void)sinks;
+    if (windows) return -1;
     return prefill_attention_taking(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads,
-                                    kv_heads, head_dim, block_size, table_width, scale, is_bf16, num_threads, 0);
+                                    kv_heads, head_dim, block_size, table_width, scale, is_bf16, cache_type,
+                                    num_threads, 0);
 }
 
 int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                            const int32_t *block_tables, const int32_t *query_start,
                            const int32_t *context_lens, int batch, int heads, int kv_heads,
                            int head_dim, int block_size, int table_width, float scale,
-                           int is_bf16, int num_threads);
+                           int is_bf16, int cache_type, const int32_t *sinks, const int32_t *windows,
+                           int num_threads);
 
 /* The paged kernel on the sequences of fewer than ``below`` queries (the decodes beside a prompt
  * chunk): their query rows, tables and lengths gathered into a batch of their own, their output
@@ -549,7 +570,7 @@ int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cac
 static int paged_attention_below(const char *q, const void *k_cache, const void *v_cache, char *out,
                                  const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
                                  int batch, int heads, int kv_heads, int head_dim, int block_size, int table_width,
-                                 float scale, int is_bf16, int num_threads, int below) {
+                                 float scale, int is_bf16, int cache_type, int num_threads, int below) {
     const size_t row = (size_t)heads * head_dim * (is_bf16 ? 2 : 4);
     int n = 0, rows = 0;
     for (int b = 0; b < batch; b++)
@@ -570,7 +591,8 @@ static int paged_attention_below(const char *q, const void *k_cache, const void 
             i++;
         }
         code = ricllm_paged_attention(q_part, k_cache, v_cache, out_part, tables, starts, lens, n, heads, kv_heads,
-                                      head_dim, block_size, table_width, scale, is_bf16, num_threads);
+                                      head_dim, block_size, table_width, scale, is_bf16, cache_type, NULL, NULL,
+                                      num_threads);
         for (int b = 0, i = 0; code == 0 && b < batch; b++)
             if (query_start[b + 1] - query_start[b] < below) {
                 memcpy(out + query_start[b] * row, out_part + starts[i] * row, (starts[i + 1] - starts[i]) * row);
@@ -598,19 +620,21 @@ static int paged_attention_below(const char *q, const void *k_cache, const void 
 int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
                      int batch, int heads, int kv_heads, int head_dim, int block_size, int table_width,
-                     float scale, int is_bf16, int num_threads) {
+                     float scale, int is_bf16, int cache_type, const int32_t *sinks, const int32_t *windows,
+                     int num_threads) {
     int longest = 0;
     for (int b = 0; b < batch; b++)
         longest = query_start[b + 1] - query_start[b] > longest ? query_start[b + 1] - query_start[b] : longest;
     const PrefillShape s = {.head_dim = head_dim};
-    if (longest < PREFILL_MIN_QUERIES || !use_bf16_dot(&s, is_bf16))
+    if (longest < PREFILL_MIN_QUERIES || !use_bf16_dot(&s, is_bf16) || windows)
         return ricllm_paged_attention(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads,
-                                      kv_heads, head_dim, block_size, table_width, scale, is_bf16, num_threads);
+                                      kv_heads, head_dim, block_size, table_width, scale, is_bf16, cache_type, sinks,
+                                      windows, num_threads);
     const int code = prefill_attention_taking(q, k_cache, v_cache, out, block_tables, query_start, context_lens,
                                               batch, heads, kv_heads, head_dim, block_size, table_width, scale,
-                                              is_bf16, num_threads, PREFILL_MIN_QUERIES);
+                                              is_bf16, cache_type, num_threads, PREFILL_MIN_QUERIES);
     if (code != 0) return code;
     return paged_attention_below(q, k_cache, v_cache, out, block_tables, query_start, context_lens, batch, heads,
-                                 kv_heads, head_dim, block_size, table_width, scale, is_bf16, num_threads,
+                                 kv_heads, head_dim, block_size, table_width, scale, is_bf16, cache_type, num_threads,
                                  PREFILL_MIN_QUERIES);
 }

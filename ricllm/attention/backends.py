@@ -57,8 +57,9 @@ class CpuKernelAttention:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
-        if meta.kv_windows is not None:  # the C kernels read every key: windowed steps take the reference
-            return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        if meta.kv_windows is not None:  # the paged kernel walks each query's sinks and window, prefill too
+            return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                                scale, meta.kv_sinks, meta.kv_windows)
         if c_kernel_attends(meta) or self.large_prefill_in_c:
             # the runner builds these int32 and contiguous already: the kernel wrapper passes them as they are
             return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
@@ -101,17 +102,18 @@ class KernelAttention:
                             meta.max_context_len)
 
 
-def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.float32):
+def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.float32,
+                   activation_dtype: torch.dtype | None = None):
     """``auto`` picks Triton on CUDA (when importable), the C kernel on the CPU (when it builds
     and takes the cache dtype), and the torch reference otherwise. ``cache_dtype`` ``uint8`` is an
     int8 cache (rows with their scales: ``ricllm.cache.kv_format``): Triton and the reference read
-    it, the CUDA kernel does not."""
+    it, the CUDA kernel does not; the C kernels too, beside ``activation_dtype`` activations."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "torch":
         return TorchAttention()
     if device.type == "cpu" and name in ("auto", "cpu"):
-        return _cpu_backend(name, cache_dtype)
+        return _cpu_backend(name, cache_dtype, activation_dtype or cache_dtype)
     if name == "cpu":
         raise ConfigError(f"attention backend 'cpu' runs on the CPU, but the engine runs on {device}")
     if device.type != "cuda":
@@ -133,7 +135,7 @@ def select_backend(name: str, device: torch.device, cache_dtype: torch.dtype = t
     return KernelAttention("cuda", kernels.store_kv, cuda_ext.paged_decode_attention)
 
 
-def _cpu_backend(name: str, cache_dtype: torch.dtype):
+def _cpu_backend(name: str, cache_dtype: torch.dtype, activation_dtype: torch.dtype):
     from ricllm.kernels.cpu_attention import SUPPORTED_DTYPES, cpu_kernel_available
 
     if cache_dtype not in SUPPORTED_DTYPES:
@@ -142,7 +144,7 @@ def _cpu_backend(name: str, cache_dtype: torch.dtype):
     else:
         ok, reason = cpu_kernel_available()
         if ok:
-            return CpuKernelAttention(cache_dtype)
+            return CpuKernelAttention(activation_dtype)
     if name == "cpu":
         raise ConfigError(f"attention backend 'cpu' is not available: {reason}")
     from ricllm.logging import get_logger  # here: the GPU check imports this module without structlog

@@ -177,11 +177,7 @@ class LLMEngine:
         """The request's sink + window retention: its own, else the engine's (None: exact)."""
         window = self.config.kv_window if params.kv_window is None else params.kv_window
         sinks = self.config.kv_sinks if params.kv_sinks is None else params.kv_sinks
-        kv_window = window_of(sinks, window)
-        if kv_window is not None and not self.runtime.reads_kv_window:
-            raise InvalidRequestError(f"kv_window {window}: the {self.runtime.name} runtime keeps every token's "
-                                      "K/V (its kernels do not read a windowed cache); use runtime 'torch'")
-        return kv_window
+        return window_of(sinks, window)
 
     def _pinned_share(self, prompt_token_ids: list[int]) -> tuple[int, int]:
         """(blocks pinned in all, leading full blocks of this prompt that are pinned)."""

@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
         x, delta = self.embed(input_ids), None
         rope_cos_sin = self.rope(positions, x.dtype)
         if self.decoder_stack is not None and self.decoder_stack.accepts(x, c_kernel_attends(meta)
-                                                                         and meta.kv_windows is None):
+                                                                         or meta.kv_windows is not None):
             return self.decoder_stack(x, *rope_cos_sin, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta)

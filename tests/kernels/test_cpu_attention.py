@@ -101,7 +101,7 @@ def test_unsupported_group_size_is_refused(kernel):
 
 def test_fp16_cache_is_refused(kernel):
     query, k_cache, v_cache, meta = make_case([1], [10], dtype=torch.float16)
-    with pytest.raises(ValueError, match="bf16 or fp32 caches"):
+    with pytest.raises(ValueError, match=r"bf16, fp32 or int8 \(uint8 rows\) caches"):
         kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.1)
 
 
@@ -185,3 +185,83 @@ def test_the_cpu_backend_attends_large_bf16_prefills_in_c_only_where_amx_runs_th
     amx = bool(library().ricllm_prefill_attention_uses_amx())
     assert CpuKernelAttention(torch.bfloat16).large_prefill_in_c is amx
     assert CpuKernelAttention(torch.float32).large_prefill_in_c is False
+
+
+# ------------------------------------------------------------------ int8 caches and KV windows
+
+def int8_case(q_lens, ctx_lens, *, dtype=torch.bfloat16, head_dim=64, seed=3, **kwargs):
+    """``make_case`` with its K/V quantized into int8 rows (``kv_format.quantize_rows``)."""
+    from ricllm.cache.kv_format import quantize_rows
+
+    query, k_cache, v_cache, meta = make_case(q_lens, ctx_lens, dtype=dtype, head_dim=head_dim, seed=seed, **kwargs)
+    return query, quantize_rows(k_cache), quantize_rows(v_cache), meta
+
+
+def check_against_reference(kernel, query, k_cache, v_cache, meta, atol):
+    """Against ``reference.paged_attention`` on the same cache (int8 rows dequantized there too)."""
+    expected = paged_attention(query.float(), k_cache, v_cache, meta, 0.125)
+    got = kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.125,
+                 meta.kv_sinks, meta.kv_windows)
+    assert got.dtype == query.dtype and got.shape == query.shape
+    err = (got.float() - expected).abs().max().item()
+    assert err < atol, f"max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_int8_rows_are_read_with_their_scales(kernel, dtype, head_dim):
+    """Decodes, a chunk and a prompt long enough for the prefill kernel; 80: the portable path."""
+    case = int8_case([1, 1, 9, 100], [33, 300, 140, 100], dtype=dtype, head_dim=head_dim, n_heads=9, n_kv=3)
+    check_against_reference(kernel, *case, atol=TOLERANCE[dtype])
+
+
+def test_an_int8_row_read_without_its_scale_would_fail(kernel):
+    """The check above can fail: zero the scales and the answer moves far past the tolerance."""
+    query, k_cache, v_cache, meta = int8_case([1, 1], [50, 200])
+    expected = paged_attention(query.float(), k_cache, v_cache, meta, 0.125)
+    v_cache.view(-1, 68)[:, 64:] = torch.tensor([1.0]).view(torch.uint8)  # every scale 1.0
+    got = kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.125)
+    assert (got.float() - expected).abs().max().item() > 1.0
+
+
+def windowed(case, sinks, windows, poison):
+    """Evict what the windows let go (table entries -1, their blocks poisoned: a read shows as NaN)."""
+    from ricllm.cache.kv_window import KVWindow
+
+    query, k_cache, v_cache, meta = case
+    meta.kv_sinks = torch.tensor(sinks, dtype=torch.int32)
+    meta.kv_windows = torch.tensor(windows, dtype=torch.int32)
+    starts, block = meta.query_start_loc.tolist(), k_cache.shape[1]
+    for b, (s, w) in enumerate(zip(sinks, windows)):
+        if not w:
+            continue
+        first_query = int(meta.context_lens[b]) - (starts[b + 1] - starts[b])
+        for i in KVWindow(s, w).evictable(first_query, block):
+            k_cache[meta.block_tables[b, i]] = poison
+            v_cache[meta.block_tables[b, i]] = poison
+            meta.block_tables[b, i] = -1
+    return query, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_each_query_sees_its_sinks_and_window_and_nothing_evicted_is_read(kernel, dtype, head_dim):
+    case = make_case([1, 1, 9, 100, 1], [600, 300, 140, 400, 70], dtype=dtype, head_dim=head_dim, n_heads=9, n_kv=3)
+    case = windowed(case, sinks=[4, 0, 16, 3, 0], windows=[64, 33, 20, 100, 0], poison=float("nan"))
+    check_against_reference(kernel, *case, atol=TOLERANCE[dtype])
+
+
+def test_windows_over_an_int8_cache(kernel):
+    case = windowed(int8_case([1, 30, 1], [700, 500, 90], n_heads=9, n_kv=3), sinks=[4, 4, 4],
+                    windows=[128, 50, 0], poison=255)  # 0xFF bytes: a scale of NaN
+    check_against_reference(kernel, *case, atol=TOLERANCE[torch.bfloat16])
+
+
+def test_a_window_changes_the_answer(kernel):
+    """The windowed check can fail: the same case read whole gives another answer."""
+    query, k_cache, v_cache, meta = make_case([1], [400], n_heads=9, n_kv=3, seed=9)
+    whole = kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.125)
+    query, k_cache, v_cache, meta = windowed((query, k_cache, v_cache, meta), [4], [32], poison=0.0)
+    part = kernel(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, 0.125,
+                  meta.kv_sinks, meta.kv_windows)
+    assert (part - whole).abs().max().item() > 0.05

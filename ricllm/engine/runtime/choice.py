@@ -34,20 +34,11 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
         return f"dtype {config.dtype!r}: the native runtime computes in bfloat16"
     if config.attention_backend not in ("auto", "cpu"):
         return f"attention backend {config.attention_backend!r}: the native runtime attends in its C kernel"
-    if config.kv_cache_dtype != "auto" and not native_kv_cache_dtype_supported(config.kv_cache_dtype):
-        return f"kv_cache_dtype {config.kv_cache_dtype!r}: the native runtime's C kernels read bf16 caches here"
-    if config.kv_window is not None:
-        return "kv_window: the native runtime's C kernels read every token's K/V"
     if config.max_packed_rows is not None:
         return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
     if not (quant_gemm_available(4) and quant_gemm_available(8)):
         return "ricllm's packed-weight kernels do not run here (they need a C compiler and an x86-64-v3 CPU: AVX2, FMA, F16C)"
     return _dense_weights_reason(config, model_path)
-
-
-def native_kv_cache_dtype_supported(kv_cache_dtype: str) -> bool:
-    """Whether the C kernels store and read this cache type (the decoder stack runs every layer in C)."""
-    return False
 
 
 def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:

@@ -56,4 +56,3 @@ class Runtime:
     weights_source: str
     weight_cache_entry: Path | None
     load_s: float  # loading (and converting) the weights
-    reads_kv_window: bool = False  # its attention honours sink + window retention (ricllm.cache.kv_window)

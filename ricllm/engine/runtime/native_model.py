@@ -43,7 +43,8 @@ class NativeModel:
             qkv, o, gate_up, down = (_addresses(layer.projections[p]) for p in native_weights.PROJECTIONS)
             addresses += layer_addresses(layer.attn_norm.ctypes.data, qkv, o, layer.ffn_norm.ctypes.data, gate_up,
                                          down, k.ctypes.data, v.ctypes.data)
-        self._stack.bind(addresses, block_size=kv_cache.geometry.block_size)
+        quantized = kv_cache.geometry.kv_format.quantized  # int8 rows (code 2), else bf16 (1): csrc/cpu_common.h
+        self._stack.bind(addresses, block_size=kv_cache.geometry.block_size, cache_type=2 if quantized else 1)
         self._kv_cache = kv_cache  # the pointers are into it: keep it alive
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -67,10 +68,13 @@ class NativeModel:
         cos, sin = self.weights.rope_cos[where], self.weights.rope_sin[where]
         slots = np.asarray(flat.slot_mapping, dtype=np.int64)
         tables, starts, lens = _int32(flat.block_tables), _int32(flat.query_start_loc), _int32(flat.context_lens)
+        sinks, windows = (None, None) if flat.kv_windows is None else (_int32(flat.kv_sinks), _int32(flat.kv_windows))
         out = np.empty_like(x)
         self._stack(x.ctypes.data, out.ctypes.data, self.weights.norm.ctypes.data, cos.ctypes.data, sin.ctypes.data,
                     slots.ctypes.data, tables.ctypes.data, starts.ctypes.data, lens.ctypes.data,
-                    rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1], threads=self.threads)
+                    rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1], threads=self.threads,
+                    sinks=None if sinks is None else sinks.ctypes.data,
+                    windows=None if windows is None else windows.ctypes.data)
         return out
 
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:

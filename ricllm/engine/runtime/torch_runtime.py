@@ -29,7 +29,7 @@ class LoadedModel:
     def __init__(self, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype):
         self.config, self.model_path, self.device, self.dtype = config, model_path, device, dtype
         quantized_kv = kv_format(config.kv_cache_dtype, str(dtype)).quantized
-        backend = select_backend(config.attention_backend, device, torch.uint8 if quantized_kv else dtype)
+        backend = select_backend(config.attention_backend, device, torch.uint8 if quantized_kv else dtype, dtype)
         self.attention_backend = backend.name
         self.weight_cache_entry = None
         if config.weight_cache:
@@ -99,5 +99,4 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
         kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample, mask=mask,
         new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
-        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,
-        reads_kv_window=True)
+        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s)
