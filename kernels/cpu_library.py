@@ -71,6 +71,7 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,
     "ricllm_quant_gemm_supported": [_I],
     "ricllm_quant_gemm_uses_amx": [],
+    "ricllm_quant_gemm_int4_path": [_I],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
     "ricllm_decoder_stack": [_P] * 14 + [_F, _F],
     "ricllm_quant_rows": [_P, _P, _I, _P, _I, _I, _I, _P, _I],
@@ -192,20 +193,42 @@ def cpu_kernels_available() -> tuple[bool, str]:
     return True, f"built at {lib._name}"
 
 
-# what each family runs for 4-bit products, by activation rows (csrc/cpu_quant_gemm.c)
-INT4_PATHS = {
-    "amx": "dot 1-2 rows, tiles 3-63, dequantized tiles 64+",
-    "avx512-bf16": "dot 1-2 rows, reused tiles 3+",
-    "avx2": "fp32 FMA, widened per use 1-2 rows, reused tiles 3+",
-}
+# the 4-bit paths, in csrc/cpu_quant_gemm.c's order (its ``ricllm_quant_gemm_int4_path`` says which runs)
+INT4_PATHS = ("fp32 FMA widened per use", "int8 activations on maddubs", "int8 activations on VNNI",
+              "bf16 AMX tiles", "dequantized AMX tiles")
+INT4_PATH_SCAN_ROWS = 256  # past every row threshold of the C paths
+
+
+def int4_path(rows: int) -> str:
+    """The 4-bit product's path for ``rows`` activation rows on this CPU (one of ``INT4_PATHS``)."""
+    return INT4_PATHS[library().ricllm_quant_gemm_int4_path(rows)]
+
+
+def int4_paths() -> str:
+    """The 4-bit paths by row range, as the C library chooses them: e.g. ``int8 activations on VNNI
+    1-13 rows, bf16 AMX tiles 14-63, dequantized AMX tiles 64+``."""
+    ranges = []  # [path, first row, last row]
+    for rows in range(1, INT4_PATH_SCAN_ROWS + 1):
+        path = int4_path(rows)
+        if ranges and ranges[-1][0] == path:
+            ranges[-1][2] = rows
+        else:
+            ranges.append([path, rows, rows])
+    if len(ranges) == 1:
+        return f"{ranges[0][0]}, every row count"
+    last = len(ranges) - 1
+    return ", ".join(f"{path} {first}+" if i == last else f"{path} {first}-{end} rows" if end > first
+                     else f"{path} {first} row{'s' if first > 1 else ''}"
+                     for i, (path, first, end) in enumerate(ranges))
 
 
 def kernel_family() -> str:
     """Which batched weight-only products run on this CPU and the 4-bit path per row range, e.g.
-    ``avx512-bf16 (int4: dot 1-2 rows, reused tiles 3+)``; ``amx`` (built with AMX and granted by
-    the kernel), ``avx512-bf16``, ``avx2``, or ``torch`` (the library's products cannot run here)."""
+    ``avx512-bf16 (int4: int8 activations on VNNI, every row count)``; ``amx`` (built with AMX and
+    granted by the kernel), ``avx512-bf16``, ``avx2``, or ``torch`` (the library's products cannot
+    run here)."""
     if not quant_gemm_available(8):
         return "torch"
     family = cpu_family()
     name = "amx" if library().ricllm_quant_gemm_uses_amx() else "avx2" if family == "avx2" else "avx512-bf16"
-    return f"{name} (int4: {INT4_PATHS[name]})"
+    return f"{name} (int4: {int4_paths()})"

@@ -5,10 +5,11 @@ The layouts are the kernel's own (see the C file): N in tiles of 16 rows, K in g
 fp16 scales per (row, group); 4-bit weights as 16 pairs of k per (tile, group), 8-bit ones as
 8 blocks of 4 k. ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
 group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``pack_int8``
-takes Q8_0's form ``w = d·q`` per group of 32. 4-bit products keep the activations in bf16
-(AVX-512 BF16 dot products, AMX tiles, or fp32 FMAs on AVX2); 8-bit ones quantize them to int8
+takes Q8_0's form ``w = d·q`` per group of 32. 8-bit products quantize the activations to int8
 per group of 32 inside the kernel, as llama.cpp does for the same products (AVX-512 VNNI, or
-AVX2's maddubs, bit for bit the same).
+AVX2's maddubs, bit for bit the same); so do 4-bit ones on VNNI (every row count without AMX,
+1-13 rows with it) and on AVX2 from 3 rows, while AMX tiles (14+ rows) and AVX2 for 1-2 rows keep
+them in bf16 (``cpu_library.int4_path`` says which runs).
 """
 
 from __future__ import annotations

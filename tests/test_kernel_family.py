@@ -30,7 +30,7 @@ def test_the_family_follows_the_cpu_and_amx_can_be_turned_off():
     done = run_without_amx("-m", "ricllm.cli", "info")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "CPU kernels" in done.stdout
-    assert "avx512-bf16 (int4: dot 1-2 rows, reused tiles 3+), AMX disabled by RICLLM_NO_AMX" in done.stdout
+    assert "avx512-bf16 (int4: int8 activations on VNNI, every row count), AMX disabled by RICLLM_NO_AMX" in done.stdout
 
 
 @needs_bf16_kernels

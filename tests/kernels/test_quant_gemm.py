@@ -8,6 +8,7 @@ parity tests (and the runtimes' bit-identity test) again in a subprocess with th
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from ricllm.kernels import cpu_library, cpu_quant
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = (1, 2, 3, 7, 8, 9, 16, 33, 64, 100)  # dot (1-2), reused tiles / AMX blocks (3-63), AMX dequantized (64+)
+# every row range the paths split on: AVX2 fp32 FMA (1-2), int8 (3+); VNNI int8 (AMX family: 1-13),
+# AMX tiles (14-63), AMX dequantized (64+)
+ROWS = (1, 2, 3, 7, 8, 9, 13, 14, 16, 33, 64, 100)
 BF16_OUT_TOL = 2 ** -8  # a bf16 output is rounded once (relative to the output's norm)
 FP32_OUT_TOL = 1e-5  # an fp32 output: only the accumulation order differs from the reference's
 needs_products = pytest.mark.skipif(not cpu_library.quant_gemm_available(8),
@@ -43,15 +46,23 @@ def int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(quantized.view_as(x).double(), weight.double()).float()
 
 
-AMX_DEQUANTIZED_ROWS = 64  # from here AMX multiplies weights dequantized to bf16, as a dense bf16 copy holds them
+def int4_activations(rows: int) -> str:
+    """What a 4-bit product does to the activations at this row count, as the library says its path
+    (``cpu_library.int4_path``): ``int8`` (VNNI), ``bf16`` (AMX tiles, AVX2's FMAs), or ``bf16
+    weights too`` (AMX's dequantized tiles, as a dense bf16 copy holds the weights)."""
+    path = cpu_library.int4_path(rows)
+    return "int8" if path.startswith("int8") else "bf16 weights too" if path.startswith("dequantized") else "bf16"
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """4-bit: activations rounded to bf16 (and on AMX from 64 rows the weights too), then exact
-    products; 8-bit: ``int8_reference``."""
-    if bits == 8:
+    """8-bit, and 4-bit on int8 activations: ``int8_reference`` (the 4-bit kernel's c·Σx uses the
+    quantized activations' sum, so it too is the exact product with the quantized activations);
+    4-bit otherwise: activations rounded to bf16 (and on AMX from 64 rows the weights too), then
+    exact products."""
+    path = int4_activations(x.shape[0])
+    if bits == 8 or path == "int8":
         return int8_reference(x, weight)
-    if x.shape[0] >= AMX_DEQUANTIZED_ROWS and cpu_library.kernel_family().startswith("amx"):
+    if path == "bf16 weights too":
         weight = weight.bfloat16()
     return F.linear(x.bfloat16().double(), weight.double()).float()
 
@@ -73,15 +84,38 @@ def test_parity_with_the_torch_reference_at_every_row_range(bits, dtype):
 
 
 @needs_products
-def test_parity_breaks_when_a_scale_is_not_applied():
-    """The tolerance catches an offset off by one part in 256 (the kernels apply what is stored)."""
+@pytest.mark.parametrize("scale", [0, 1])
+def test_parity_breaks_when_a_scale_is_not_applied(scale):
+    """The tolerance catches a d or c off by one part in 256 (the kernels apply what is stored)."""
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 0.05
     packed, scales, offsets = cpu_quant.pack_int4(weight)
     exact = cpu_quant.unpack(packed, scales, offsets, 4)
-    scales[:, :, 1] *= 1 + 1 / 256
-    for rows in (1, 5, 64):
+    scales[:, :, scale] *= 1 + 1 / 256
+    for rows in (1, 5, 20, 64):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         assert rel_err(cpu_quant.quant_gemm(x, packed, scales, offsets, 4, 32), reference(x, exact, 4)) > FP32_OUT_TOL
+
+
+@needs_products
+def test_int8_activations_stay_within_half_a_quantization_step():
+    """Where a 4-bit product runs on int8 activations, each output is off the unquantized product
+    by at most Σ_k |w[n,k]|·dx/2 (each activation rounds by half its group's step dx = amax/127 at
+    most), and in aggregate by about the uniform rounding noise's spread, not more."""
+    weight = torch.randn(64, 288, generator=torch.Generator().manual_seed(5)) * 0.05
+    packed, scales, offsets = cpu_quant.pack_int4(weight)
+    exact = cpu_quant.unpack(packed, scales, offsets, 4)
+    rows = [r for r in ROWS if int4_activations(r) == "int8"]
+    if not rows:
+        pytest.skip(f"{cpu_library.kernel_family()}: no row count runs on int8 activations")
+    for count in rows:
+        x = torch.randn(count, 288, generator=torch.Generator().manual_seed(count))
+        y = cpu_quant.quant_gemm(x, packed, scales, offsets, 4, 64).double()
+        unquantized = F.linear(x.double(), exact.double())
+        step = x.view(count, -1, cpu_quant.GROUP).abs().amax(-1) / 127  # [rows, groups]
+        bound = (exact.abs().view(64, -1, cpu_quant.GROUP).sum(-1).double() @ step.double().T).T / 2
+        assert ((y - unquantized).abs() <= bound * (1 + 1e-4) + 1e-6).all(), f"{count} rows"
+        noise = (exact.double() ** 2 @ (step.repeat_interleave(cpu_quant.GROUP, 1).double() ** 2 / 12).T).T.sqrt()
+        assert ((y - unquantized) / noise).pow(2).mean().sqrt() < 1.5, f"{count} rows: more than rounding noise"
 
 
 def with_family(family: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -96,6 +130,11 @@ def runs_here(family: str) -> bool:
 
 
 FAMILY_NAMES = {"amx": "amx", "avx512": "avx512-bf16", "avx2": "avx2"}
+INT4_PATHS = {  # what kernel_family() says of each family's 4-bit paths (read from the C library)
+    "amx": "int8 activations on VNNI 1-13 rows, bf16 AMX tiles 14-63 rows, dequantized AMX tiles 64+",
+    "avx512": "int8 activations on VNNI, every row count",
+    "avx2": "fp32 FMA widened per use 1-2 rows, int8 activations on maddubs 3+",
+}
 
 
 @pytest.mark.parametrize("family", list(cpu_library.FAMILIES))
@@ -104,9 +143,37 @@ def test_each_family_this_cpu_runs_matches_the_reference(family):
         pytest.skip(f"this CPU lacks the {family} family's flags "
                     f"({' '.join(sorted(cpu_library.FAMILIES[family][1] - cpu_library.cpu_flags()))})")
     said = with_family(family, "-c", "from ricllm.kernels.cpu_library import kernel_family; print(kernel_family())")
-    assert said.stdout.startswith(FAMILY_NAMES[family] + " (int4: "), said.stdout + said.stderr[-2000:]
-    done = with_family(family, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "parity")
-    assert done.returncode == 0 and "5 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    assert said.stdout.strip() == f"{FAMILY_NAMES[family]} (int4: {INT4_PATHS[family]})", said.stdout + said.stderr[-2000:]
+    done = with_family(family, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                       "parity or quantization_step")
+    passed = re.search(r"(\d+) passed", done.stdout)  # the quantization-step test skips where no path is int8
+    assert done.returncode == 0 and passed and int(passed[1]) >= 6, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+INT8_PRODUCTS = """
+import hashlib, torch
+from ricllm.kernels import cpu_quant
+weight = torch.randn(48, 320, generator=torch.Generator().manual_seed(11)) * 0.05
+digest = hashlib.sha256()
+for bits, pack in ((4, cpu_quant.pack_int4), (8, cpu_quant.pack_int8)):
+    packed = pack(weight)
+    for rows in (3, 13, 40):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            digest.update(cpu_quant.quant_gemm(x, *packed, bits, 48).view(torch.uint8).numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_the_int8_activation_paths_compute_the_same_bits_in_every_family():
+    """AVX2's maddubs emulates VNNI's products exactly and scales in the same order: where both run
+    on int8 activations (4-bit from 3 rows below AMX's, and 8-bit), the outputs are the same bits."""
+    families = [f for f in ("avx2", "avx512") if runs_here(f)]
+    if len(families) < 2:
+        pytest.skip("needs a CPU that runs both the avx2 and the avx512 family")
+    digests = {f: with_family(f, "-c", INT8_PRODUCTS) for f in families}
+    assert all(done.returncode == 0 for done in digests.values()), [d.stderr[-2000:] for d in digests.values()]
+    assert len({done.stdout for done in digests.values()}) == 1, {f: d.stdout for f, d in digests.items()}
 
 
 @pytest.mark.parametrize("family", list(cpu_library.FAMILIES))
