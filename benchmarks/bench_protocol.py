@@ -19,8 +19,11 @@ each) and everything else (the in-process clients, the ZeroMQ client process, th
 socket, HTTP and libzmq threads) runs on the remaining ones: the protocol's cost without its
 competition with the engine for the same cores (``engine_cpus``, docs/serve.md).
 
+With ``--http`` the server also serves HTTP (health, metrics, the OpenAI API) on a free port while
+the ZeroMQ clients run, idle: what the HTTP listener costs the ZeroMQ path, if anything.
+
     python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--rate 100] [--rounds 5] [--model PATH]
-                                        [--engine-cpus LIST]
+                                        [--engine-cpus LIST] [--http]
 """
 
 from __future__ import annotations
@@ -122,8 +125,9 @@ def zeromq_clients(endpoint: str, load: Load) -> tuple[list[float], float, list[
     return latencies, wall, inside
 
 
-def over_zeromq(config, loads: list[Load]) -> list[tuple[list[float], float, list[float]]]:
-    """Per load: latencies, wall time, and each result's ``timings.e2e_s`` (inside the server)."""
+def over_zeromq(config, loads: list[Load], http: bool = False) -> list[tuple[list[float], float, list[float]]]:
+    """Per load: latencies, wall time, and each result's ``timings.e2e_s`` (inside the server);
+    with ``http`` the server's HTTP listener runs too (on a free port, idle)."""
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.serve.server import Server
     from ricllm.serve.settings import ServerOptions
@@ -132,7 +136,8 @@ def over_zeromq(config, loads: list[Load]) -> list[tuple[list[float], float, lis
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     endpoint = f"tcp://127.0.0.1:{port}"
-    server = Server(config, ServerOptions(zmq_endpoint=endpoint, http_port=None),
+    server = Server(config, ServerOptions(zmq_endpoint=endpoint, http_port=0 if http else None,
+                                          http_host="127.0.0.1"),
                     latency_model=LatencyModel([0.01])).start()
     server.wait_ready(timeout=120)
     results = []
@@ -201,6 +206,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2)")
     parser.add_argument("--engine-cpus", default=None, metavar="LIST",
                         help="CPUs for the engine (e.g. 0); clients and the server's other threads get the rest")
+    parser.add_argument("--http", action="store_true",
+                        help="serve HTTP (health, metrics, OpenAI API) beside ZeroMQ during the ZeroMQ path")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--client-child", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
@@ -231,7 +238,7 @@ def main() -> None:
              Load(args.clients, args.requests, args.rate)]
     rounds = []  # per round: per load, {path: (latencies, wall[, inside the server])}
     for _ in range(args.rounds):
-        local, remote = in_process(config, loads), over_zeromq(config, loads)
+        local, remote = in_process(config, loads), over_zeromq(config, loads, args.http)
         rounds.append([{LOCAL: ours, REMOTE: theirs} for ours, theirs in zip(local, remote)])
         rounds[-1].append(in_process(config, [loads[-1]])[0])  # the open loop again: the run's noise
     lines = []
@@ -241,7 +248,8 @@ def main() -> None:
     publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0].requests} requests, then "
             f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
             f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
-            f"alternating the paths; ZeroMQ clients in a separate process; {placement}.",
+            f"alternating the paths; ZeroMQ clients in a separate process; {placement}"
+            f"{'; the HTTP listener up (idle)' if args.http else ''}.",
             "\n".join(lines), append=not args.no_append)
 
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from ricllm.errors import RicllmError
 from ricllm.serve.protocol import (
     DEFAULT_ENDPOINT,
+    Accepted,
     Cancelled,
     CancelRequest,
     ErrorReply,
@@ -329,11 +330,14 @@ class AsyncRicClient:
     """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 30.0,
-                 curve_server_key: KeySource | None = None, curve_client_keys: Any = None) -> None:
+                 curve_server_key: KeySource | None = None, curve_client_keys: Any = None,
+                 context: zmq.Context | None = None) -> None:
+        """``context``: the ZeroMQ context to make the socket in (default the process's shared one);
+        an ``inproc://`` endpoint is reached only from the context that bound it."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._curve = _curve_options(curve_server_key, curve_client_keys)
-        self._context = zmq.asyncio.Context.shadow(zmq.Context.instance())
+        self._context = zmq.asyncio.Context.shadow(context or zmq.Context.instance())
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[str, asyncio.Queue[Any]] = {}
@@ -384,15 +388,24 @@ class AsyncRicClient:
                      timeout_s: float | None = None, **options: Any) -> AsyncIterator[Token | Result]:
         """As :meth:`RicClient.stream`; leaving early (``aclose``) cancels the request."""
         request = _generate_request(prompt, messages, token_ids, request_id, True, options)
+        async with contextlib.aclosing(self.submit(request, timeout_s)) as replies:
+            async for reply in replies:
+                if not isinstance(reply, Accepted):
+                    yield reply
+
+    async def submit(self, request: GenerateRequest, timeout_s: float | None = None,
+                     ) -> AsyncIterator[Accepted | Token | Result]:
+        """Send a built request; yield its ``accepted``, its ``token``s (``stream`` requests) and its
+        ``result``; a refusal raises (:class:`RejectedError`, :class:`ServerError`). ``timeout_s``
+        bounds each wait for the next reply. Leaving early (``aclose``) cancels the request."""
         async with contextlib.aclosing(self._exchange(request, timeout_s, per_reply=True)) as replies:
+            finished = False
             try:
                 async for reply in replies:
-                    if isinstance(reply, Token):
-                        yield reply
-                    elif is_final(reply):
-                        yield _final(reply, Result)
-            except GeneratorExit:  # the caller stopped reading: free the server's slot
-                if self._socket is not None:
+                    finished = is_final(reply)
+                    yield _final(reply, Result) if finished else reply
+            except (GeneratorExit, asyncio.CancelledError):  # the caller stopped reading: free the server's slot
+                if not finished and self._socket is not None:
                     await self._socket.send(encode(CancelRequest(id=new_request_id(), target_id=request.id)))
                 raise
 

@@ -35,18 +35,25 @@ class Frontend:
 
     RECEIVE_BATCH = 256  # frames read per poll round, so replies go out between bursts
 
-    def __init__(self, state: ServerState, context: zmq.Context) -> None:
-        """Binds the ROUTER socket (``ConfigError`` if it cannot) and the wake-up end of ``state.outbox``."""
+    def __init__(self, state: ServerState, context: zmq.Context, local_address: str | None = None) -> None:
+        """Binds the ROUTER socket (``ConfigError`` if it cannot) and the wake-up end of ``state.outbox``.
+
+        ``local_address``: an inproc address the ROUTER binds too, for clients in this process (the
+        HTTP API). inproc skips CURVE (libzmq applies mechanisms to stream transports only): those
+        clients are the process itself.
+        """
         self.state = state
         self.options = state.options
         self.in_flight: set[Key] = set()
         self.router = context.socket(zmq.ROUTER)
         try:
             self._bind(self.options)
+            self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+            if local_address is not None:  # after reading the endpoint: the last bind is what it reports
+                self.router.bind(local_address)
         except BaseException:
             self.router.close(linger=0)
             raise
-        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.wake = context.socket(zmq.PAIR)
         self.wake.setsockopt(zmq.LINGER, 0)
         self.wake.bind(state.outbox.address)

@@ -77,6 +77,12 @@ def new_wake_address() -> str:
     return f"inproc://ricllm-wake-{os.getpid()}-{next(_wake_ids)}"
 
 
+def new_local_address() -> str:
+    """An inproc address the ROUTER socket also binds, for clients inside the process (the HTTP
+    API): they reach the engine by the same path, queue and admission as remote clients."""
+    return f"inproc://ricllm-local-{os.getpid()}-{next(_wake_ids)}"
+
+
 class Outbox:
     """Replies from the engine thread to the socket thread: a queue, and a wake-up message on an
     inproc PAIR socket that only the engine thread uses (it is made there, on first use).

@@ -1,87 +1,154 @@
-"""O-RAN health and metrics over plain HTTP (stdlib ``ThreadingHTTPServer`` in a daemon thread).
+"""HTTP for ``ricllm serve``: O-RAN health and metrics, and the OpenAI-compatible API, on one port.
+
+A Starlette app served by uvicorn on its own event loop, in the ``ricllm-http`` daemon thread:
 
 - ``GET /ric/v1/health/alive``: 200 as soon as the process is up (the liveness probe);
 - ``GET /ric/v1/health/ready``: 200 only once the model is loaded and the latency model is
   calibrated or loaded, 503 before that and while draining (the readiness probe);
-- ``GET /ric/v1/metrics``: Prometheus text format.
+- ``GET /ric/v1/metrics``: Prometheus text format;
+- ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (:mod:`ricllm.serve.openai_routes`),
+  unless the API is off.
 
-Anything else is 404 (405 for other methods). Handlers only read thread-safe callables given by
-the server; they never touch the engine.
+Anything else is 404 (405 for another method on a known path). The health and metrics handlers
+only read thread-safe callables given by the server; the OpenAI handlers reach the engine the way
+ZeroMQ clients do. The port is bound before the thread starts, so a busy port fails ``start`` and
+port 0 resolves at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from ricllm.logging import get_logger
+
+if TYPE_CHECKING:
+    from ricllm.serve.openai_routes import OpenAIApi
 
 log = get_logger("ricllm.serve.http")
 
 ALIVE_PATH = "/ric/v1/health/alive"
 READY_PATH = "/ric/v1/health/ready"
 METRICS_PATH = "/ric/v1/metrics"
+RIC_PATHS = [ALIVE_PATH, READY_PATH, METRICS_PATH]
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+GRACEFUL_SHUTDOWN_S = 2.0  # open responses get this long once stopping: by then every request has its final reply
 
 
-class HealthServer:
-    """``ready()`` says whether to answer 200 on the readiness path; ``metrics()`` gives (body, type)."""
+class _Json(JSONResponse):
+    """Today's probe bodies, byte for byte: ``json.dumps`` with its default separators and a newline."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content).encode() + b"\n"
+
+
+def build_app(ready: Callable[[], bool], metrics: Callable[[], tuple[bytes, str]],
+              openai: OpenAIApi | None) -> Starlette:
+    """The routes; ``openai`` None serves health and metrics only."""
+
+    async def alive(request: Request) -> Response:
+        return _Json({"status": "alive"})
+
+    async def readiness(request: Request) -> Response:
+        is_ready = ready()
+        return _Json({"status": "ready" if is_ready else "not ready"}, status_code=200 if is_ready else 503)
+
+    async def prometheus(request: Request) -> Response:
+        body, content_type = metrics()
+        return Response(body, media_type=None, headers={"Content-Type": content_type})
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            return _Json({"status": "method not allowed"}, status_code=405)
+        if request.url.path.startswith("/v1/") and openai is not None:
+            return JSONResponse({"error": {"message": f"no route {request.method} {request.url.path}",
+                                           "type": "invalid_request_error", "code": "not_found", "param": None}},
+                                status_code=exc.status_code)
+        return _Json({"status": "not found", "paths": RIC_PATHS}, status_code=exc.status_code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        if openai is not None:  # its socket must close before the server terminates the ZeroMQ context
+            await openai.aclose()
+
+    routes = [Route(ALIVE_PATH, alive, methods=["GET"]), Route(READY_PATH, readiness, methods=["GET"]),
+              Route(METRICS_PATH, prometheus, methods=["GET"])]
+    routes += openai.routes() if openai is not None else []
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """uvicorn in a thread. ``ready()`` says whether to answer 200 on the readiness path;
+    ``metrics()`` gives (body, content type); ``openai`` adds the OpenAI API's routes."""
 
     def __init__(self, host: str, port: int, ready: Callable[[], bool],
-                 metrics: Callable[[], tuple[bytes, str]]) -> None:
-        handler = type("_Handler", (_Handler,), {"ready": staticmethod(ready), "metrics": staticmethod(metrics)})
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="ricllm-http", daemon=True)
+                 metrics: Callable[[], tuple[bytes, str]], openai: OpenAIApi | None = None) -> None:
+        self._socket = _listen(host, port)  # OSError: the server names the port
+        config = uvicorn.Config(build_app(ready, metrics, openai), log_config=None, access_log=False,
+                                lifespan="on", loop="asyncio", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        self._uvicorn = uvicorn.Server(config)
+        self._openai = openai is not None
+        self._thread = threading.Thread(target=self._run, name="ricllm-http", daemon=True)
 
     @property
     def port(self) -> int:
-        return self._httpd.server_address[1]
+        return self._socket.getsockname()[1]
+
+    def _run(self) -> None:
+        try:
+            self._uvicorn.run(sockets=[self._socket])
+        except BaseException:  # the probes go dark: say why, the server's own threads carry on
+            log.exception("http_thread_fault")
 
     def start(self) -> None:
+        """Start serving; returns once uvicorn listens, so the probes answer from the first moment."""
         self._thread.start()
-        log.info("http_listening", port=self.port, paths=[ALIVE_PATH, READY_PATH, METRICS_PATH])
+        self._wait(lambda: self._uvicorn.started or not self._thread.is_alive(), START_TIMEOUT_S)
+        paths = RIC_PATHS + (["/v1/models", "/v1/completions", "/v1/chat/completions"] if self._openai else [])
+        log.info("http_listening", port=self.port, paths=paths)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Close open responses (after ``GRACEFUL_SHUTDOWN_S``) and the API's socket, then the port.
+        False if the thread did not end: its ZeroMQ socket may still be open."""
         if self._thread.is_alive():
-            self._httpd.shutdown()
-        self._httpd.server_close()
+            self._uvicorn.should_exit = True
+            self._thread.join(STOP_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("http_stop_timeout", timeout_s=STOP_TIMEOUT_S)
+                return False
+        self._socket.close()
+        return True
 
-
-class _Handler(BaseHTTPRequestHandler):
-    ready: Callable[[], bool]
-    metrics: Callable[[], tuple[bytes, str]]
-    server_version = "ricllm"
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-        path = self.path.split("?", 1)[0]
-        if path == ALIVE_PATH:
-            self._json(200, {"status": "alive"})
-        elif path == READY_PATH:
-            ready = self.ready()
-            self._json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
-        elif path == METRICS_PATH:
-            body, content_type = self.metrics()
-            self._send(200, body, content_type)
-        else:
-            self._json(404, {"status": "not found", "paths": [ALIVE_PATH, READY_PATH, METRICS_PATH]})
-
-    def _method_not_allowed(self) -> None:
-        self._json(405, {"status": "method not allowed"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = _method_not_allowed  # noqa: N815
-
-    def _json(self, status: int, payload: dict) -> None:
-        self._send(status, json.dumps(payload).encode() + b"\n", "application/json")
-
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the stdlib's name)
-        log.debug("http_request", client=self.client_address[0], line=format % args)
+    @staticmethod
+    def _wait(condition: Callable[[], bool], timeout_s: float) -> None:
+        event = threading.Event()
+        for _ in range(int(timeout_s / 0.005)):
+            if condition():
+                return
+            event.wait(0.005)

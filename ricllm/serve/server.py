@@ -14,7 +14,10 @@ it owns:
   queued command (admission, templates, cancel, stats) and answers it, then runs one step and sends the
   new tokens of streaming requests and the results of finished ones through the outbox
   (:mod:`ricllm.serve.handoff`); a message on an inproc PAIR socket wakes the socket thread.
-- the **HTTP thread** (:mod:`ricllm.serve.http`) serves health and metrics from thread-safe values.
+- the **HTTP thread** (:mod:`ricllm.serve.http`, uvicorn's event loop) serves health and metrics from
+  thread-safe values, and the OpenAI API (:mod:`ricllm.serve.openai_routes`), whose requests reach
+  the engine as a ZeroMQ client's do: through the ROUTER socket, which also binds an inproc address
+  for them, so one inbound queue and one admission see every request.
 
 Invariants:
 
@@ -43,8 +46,8 @@ from ricllm.engine.engine_loop import EngineLoop
 from ricllm.errors import ConfigError, RicllmError
 from ricllm.logging import configure_logging
 from ricllm.serve.frontend import Frontend
-from ricllm.serve.handoff import Outbox, clock, log, new_wake_address
-from ricllm.serve.http import HealthServer
+from ricllm.serve.handoff import Outbox, clock, log, new_local_address, new_wake_address
+from ricllm.serve.http import HttpServer
 from ricllm.serve.metrics import ServerMetrics
 from ricllm.serve.settings import ServerOptions, ServeSettings
 from ricllm.serve.state import ServerState
@@ -75,7 +78,8 @@ class Server:
         self._context = zmq.Context()
         self._state = ServerState(self.options, self.metrics, Outbox(self._context, new_wake_address()))
         self._auth = None
-        self._http: HealthServer | None = None
+        self._http: HttpServer | None = None
+        self._local_address = new_local_address() if self._serves_openai() else None
         self._frontend: Frontend | None = None
         self._threads: list[threading.Thread] = []
         self._worker = Worker(self._state, config, latency_model)
@@ -95,7 +99,7 @@ class Server:
             try:
                 self._start_http()
                 self._start_auth()
-                self._frontend = Frontend(self._state, self._context)
+                self._frontend = Frontend(self._state, self._context, self._local_address)
             except BaseException:
                 self._close()
                 raise
@@ -110,12 +114,20 @@ class Server:
                  service_cpus=format_cpu_list(self._service_cpus) if self._service_cpus else None)
         return self
 
+    def _serves_openai(self) -> bool:
+        return self.options.http_port is not None and self.options.openai_api
+
     def _start_http(self) -> None:
         if self.options.http_port is None:
             return
+        openai = None
+        if self._local_address is not None:
+            from ricllm.serve.openai_routes import OpenAIApi
+
+            openai = OpenAIApi(self._local_address, self._context)
         try:
-            self._http = HealthServer(self.options.http_host, self.options.http_port, self._state.is_ready,
-                                      self.metrics.render)
+            self._http = HttpServer(self.options.http_host, self.options.http_port, self._state.is_ready,
+                                    self.metrics.render, openai)
         except OSError as exc:
             raise ConfigError(f"cannot listen for HTTP on port {self.options.http_port}: "
                               f"{exc.strerror or exc}") from None
@@ -159,11 +171,11 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        if self._http is not None:
-            self._http.stop()
+        http_stopped = self._http.stop() if self._http is not None else True
         if self._auth is not None:
             self._auth.stop()
-        self._context.term()
+        if http_stopped:  # else its ZeroMQ socket may be open, and term() would wait for it forever
+            self._context.term()
         log.info("server_stopped", failure=None if self.failure is None else str(self.failure))
 
     def __enter__(self) -> Server:

@@ -68,8 +68,11 @@ class Controls(EngineSettings):
     zmq_endpoint: Annotated[str, StringConstraints(pattern=r"^(tcp|ipc)://.+$")] = setting(
         DEFAULT_BIND, "where the ROUTER socket binds: tcp://HOST:PORT or ipc://PATH", flag="zmq",
         metavar="ENDPOINT")
-    http_port: int = setting(DEFAULT_HTTP_PORT, "health, readiness and metrics over HTTP", ge=1, le=65535,
-                             metavar="PORT")
+    http_port: int = setting(DEFAULT_HTTP_PORT, "health, readiness, metrics and the OpenAI API over HTTP", ge=1,
+                             le=65535, metavar="PORT")
+    openai_api: bool = setting(True, "serve the OpenAI-compatible API (/v1/models, /v1/completions, "
+                                     "/v1/chat/completions) on http_port; it has no authentication, CURVE or not",
+                               flag="openai-api")
     drain_timeout_s: float = setting(
         DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM, seconds admitted requests get to finish before they are cancelled "
                                  "(keep it below the pod's termination grace period)", ge=0, flag="drain-timeout",
@@ -98,12 +101,14 @@ class ServerOptions:
     that, libzmq's ``ZMQ_MAXMSGSIZE``, beyond which it drops the connection) get ``TOO_LARGE``.
     ``inbound_queue_size`` bounds the commands waiting for the engine thread (a generate that
     finds it full is rejected ``QUEUE_FULL``). On SIGTERM admitted requests get
-    ``drain_timeout_s`` to finish before they are cancelled.
+    ``drain_timeout_s`` to finish before they are cancelled. ``openai_api`` adds the OpenAI API's
+    routes to the HTTP port.
     """
 
     zmq_endpoint: str = DEFAULT_BIND
     http_port: int | None = DEFAULT_HTTP_PORT
     http_host: str = "0.0.0.0"
+    openai_api: bool = True  # the OpenAI-compatible API beside health and metrics on http_port
     curve: CurveOptions | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
     inbound_queue_size: int = 1024
@@ -190,4 +195,4 @@ def server_options(controls: Controls) -> ServerOptions:
     if controls.curve.enabled:
         curve = CurveOptions(controls.curve.server_secret_key_file, controls.curve.authorized_keys_dir)
     return ServerOptions(zmq_endpoint=controls.zmq_endpoint, http_port=controls.http_port, curve=curve,
-                         drain_timeout_s=controls.drain_timeout_s)
+                         drain_timeout_s=controls.drain_timeout_s, openai_api=controls.openai_api)
