@@ -91,8 +91,11 @@ def build_app(ready: Callable[[], bool], metrics: Callable[[], tuple[bytes, str]
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket. Its protocol is named: asyncio sets TCP_NODELAY only on connections of a
+    socket whose ``proto`` is IPPROTO_TCP, and without it a response's header and body segments wait
+    on the client's delayed ACK (40 ms per request, measured with the ``openai`` client)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
