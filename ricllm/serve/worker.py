@@ -267,10 +267,8 @@ class Worker(EngineDriver):
                                f"request was queued ({waited_ms:.1f} ms)", deadline_ms=deadline_ms,
                                waited_ms=round(waited_ms, 3))
         try:
-            params = SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
-                                    structured=constraint)
-            self.engine.kv_window_of(params)  # a window this runtime cannot honour is the request's field
-            return params
+            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
+                                  structured=constraint)
         except InvalidRequestError as exc:
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
