@@ -92,6 +92,24 @@ def test_eviction_never_frees_a_pinned_template_block(tiny_gguf):
     assert [b.block_id for b in llm.engine.cache.find_cached_prefix(template + [1])] == pinned
 
 
+def test_eviction_never_takes_a_block_another_sequence_still_reads(tiny_gguf):
+    """A windowed and an exact request share a long prefix through the prefix cache: the windowed
+    one drops its references as it moves on, the exact one still reads every shared block, and
+    answers as it does alone."""
+    shared = random_prompts(256, [96], seed=12)[0]
+    prompts = [shared + tail for tail in random_prompts(256, [20, 30], seed=13)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, kv_window=0),
+              SamplingParams(max_tokens=24, ignore_eos=True, kv_window=16, kv_sinks=0)]
+    # 14 blocks: a shared block freed by mistake would soon be handed out again and overwritten
+    llm = LLM(str(tiny_gguf), dtype="float32", block_size=BLOCK, kv_cache_budget=14 * BLOCK * 2 * 2 * 2 * 16 * 4)
+    llm.generate([shared], SamplingParams(max_tokens=1))  # the shared blocks are cached before both start
+    together = llm.generate(prompts, params)
+    assert llm.engine.cache.prefix_hits_tokens >= 2 * 80
+    alone = _windowed_engine(tiny_gguf).generate(prompts[:1], params[0])
+    assert together[0].token_ids == alone[0].token_ids
+    assert llm.kv_cache_stats()["used_blocks"] == 0
+
+
 def test_admission_reserves_what_the_window_keeps_not_the_whole_request(tiny_gguf):
     llm = _windowed_engine(tiny_gguf, admission="deadline", max_num_batched_tokens=32, kv_window=48, kv_sinks=4)
     prompt = random_prompts(256, [300], seed=10)[0]
