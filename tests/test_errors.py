@@ -54,7 +54,7 @@ def test_a_bad_request_in_a_batch_queues_nothing(llm):
 
 
 def test_budget_below_one_block(tiny_gguf):
-    with pytest.raises(ConfigError, match=r"below one block: a block of 16 tokens needs 8192 B"):
+    with pytest.raises(ConfigError, match=r"below one block: a block of 16 float32 tokens needs 8192 B"):
         LLM(str(tiny_gguf), dtype="float32", kv_cache_budget="4KiB")
 
 
