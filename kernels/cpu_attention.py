@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import torch
+from ricllm.kernels.cpu_fused import CACHE_TYPES
 from ricllm.kernels.cpu_library import cpu_kernels_available, library
+from ricllm.kernels.decoder_stack_call import INT8_ROW_EXTRA
 
-SUPPORTED_DTYPES = {torch.bfloat16: 1, torch.float32: 0, torch.uint8: 2}  # cache type -> csrc/cpu_common.h's code
-INT8_ROW_EXTRA = 4  # an int8 cache row (uint8): head_dim values, then its fp32 scale
+SUPPORTED_DTYPES = CACHE_TYPES  # the caches the kernels read, by dtype -> csrc/cpu_common.h's code
 
 
 def cpu_kernel_available() -> tuple[bool, str]:

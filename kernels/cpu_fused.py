@@ -10,13 +10,13 @@ Activations must be contiguous bf16 or fp32 tensors on the CPU.
 from __future__ import annotations
 
 import torch
-
 from ricllm.kernels.cpu_library import library
+from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, INT8_ROW_EXTRA
 
 IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
-# a KV cache's type code (csrc/cpu_common.h): the activations' flag, or int8 rows + scale (raw bytes)
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
-INT8_ROW_EXTRA = 4  # an int8 row's fp32 scale, after its head_dim bytes
+# the cache tensors' dtypes and their type codes (an int8 cache is raw bytes: rows and their scales)
+CACHE_TYPES = {torch.float32: CACHE_TYPE_CODES["float32"], torch.bfloat16: CACHE_TYPE_CODES["bfloat16"],
+               torch.uint8: CACHE_TYPE_CODES["int8"]}
 
 
 def _reject(what: str) -> None:

@@ -11,6 +11,10 @@ import ctypes
 from ricllm.kernels.cpu_library import DECODER_DIM_NAMES, DECODER_POINTERS_PER_LAYER, library
 
 PROJECTIONS_PER_LAYER = 4  # qkv, o, gate_up, down: ``bits`` holds one per projection
+# a KV cache's type code (csrc/cpu_common.h) by its element type's name (ricllm.cache.kv_format):
+# the activations' is_bf16 flag, or int8 rows with their scale
+CACHE_TYPE_CODES = {"float32": 0, "bfloat16": 1, "int8": 2}
+INT8_ROW_EXTRA = 4  # an int8 row's fp32 scale, after its head_dim bytes
 
 
 def layer_addresses(attn_norm: int, qkv: tuple[int, int, int], o_proj: tuple[int, int, int], ffn_norm: int,
@@ -39,7 +43,7 @@ class DecoderStackCall:
 
     def bind(self, addresses: list[int], block_size: int, cache_type: int) -> None:
         """Every layer's weight and K/V addresses (``layer_addresses``, layer after layer), and the
-        caches' type code (``CACHE_TYPES``: the activations' flag, or 2 for int8 rows)."""
+        caches' type code (``CACHE_TYPE_CODES``)."""
         self._pointers = (ctypes.c_void_p * len(addresses))(*addresses)
         self._set(block_size=block_size, cache_type=cache_type)
 

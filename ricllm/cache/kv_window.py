@@ -58,6 +58,12 @@ def most_blocks(total_tokens: int, window: KVWindow | None, block_size: int, chu
     return every if window is None else min(every, window.max_blocks(chunk, block_size))
 
 
+def pinned_blocks_held(pinned_hits: int, window: KVWindow | None, block_size: int) -> int:
+    """Of a request's leading pinned blocks, those it holds at its most: all of them, or for a
+    windowed request those in its sinks (its window moves past the others, which stay pinned)."""
+    return pinned_hits if window is None else min(pinned_hits, -(-window.sinks // block_size))
+
+
 def window_of(sinks: int | None, window: int | None) -> KVWindow | None:
     """A request's window (None or 0: exact, every token kept)."""
     return KVWindow(sinks or 0, window) if window else None

@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
+from ricllm.cache.kv_window import pinned_blocks_held
 from ricllm.config import AdmissionConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
@@ -216,7 +217,8 @@ class AdmissionController:
                              f"{total} tokens exceeds the context of {self.max_model_len} tokens",
                              dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                   max_model_len=self.max_model_len))
-        need = seq.most_blocks(self.block_size, self.token_budget) - self._pinned_held(seq, pinned_hits)
+        pinned = pinned_blocks_held(pinned_hits, seq.kv_window, self.block_size)
+        need = seq.most_blocks(self.block_size, self.token_budget) - pinned
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
         if need > capacity:
@@ -232,13 +234,6 @@ class AdmissionController:
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
         late = self._first_late(seq, now, busy_s)  # without best effort: the rescue pauses what a promise needs
         return late if late is not None else (need, True)
-
-    def _pinned_held(self, seq: Sequence, pinned_hits: int) -> int:
-        """Of its worst case, the pinned blocks: all its pinned hits, or for a windowed request those
-        in its sinks (a window moves past the others, which stay pinned and cost it nothing)."""
-        if seq.kv_window is None:
-            return pinned_hits
-        return min(pinned_hits, -(-seq.kv_window.sinks // self.block_size))
 
     def _promisable(self, seq: Sequence) -> bool:
         return self.promises and seq.deadline is not None and seq.params.priority != "best_effort"
@@ -315,7 +310,6 @@ class AdmissionController:
         if promise:
             self.admitted[seq.request_id] = seq
         self.counts["admitted"] += 1
-        return None
 
     # ------------------------------------------------------------ caps and stats
 

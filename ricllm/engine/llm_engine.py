@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
-from ricllm.cache.kv_window import KVWindow, most_blocks, window_of
+from ricllm.cache.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
 from ricllm.config import EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.affinity import format_cpu_list, pin_current_thread
@@ -188,7 +188,7 @@ class LLMEngine:
     def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int, kv_window: KVWindow | None) -> None:
         pinned, shared = self._pinned_share(prompt_token_ids)
         needed = most_blocks(total_tokens, kv_window, self.config.block_size, self.config.max_num_batched_tokens)
-        needed -= shared if kv_window is None else min(shared, -(-kv_window.sinks // self.config.block_size))
+        needed -= pinned_blocks_held(shared, kv_window, self.config.block_size)
         available = self.kv_cache.geometry.num_blocks - pinned
         if needed > available:
             bs = self.config.block_size

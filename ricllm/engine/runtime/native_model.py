@@ -9,7 +9,7 @@ import numpy as np
 from ricllm.cache.kv_cache import NativeKVCache
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.kernels.decoder_stack_call import DecoderStackCall, layer_addresses
+from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, DecoderStackCall, layer_addresses
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
 
@@ -43,8 +43,8 @@ class NativeModel:
             qkv, o, gate_up, down = (_addresses(layer.projections[p]) for p in native_weights.PROJECTIONS)
             addresses += layer_addresses(layer.attn_norm.ctypes.data, qkv, o, layer.ffn_norm.ctypes.data, gate_up,
                                          down, k.ctypes.data, v.ctypes.data)
-        quantized = kv_cache.geometry.kv_format.quantized  # int8 rows (code 2), else bf16 (1): csrc/cpu_common.h
-        self._stack.bind(addresses, block_size=kv_cache.geometry.block_size, cache_type=2 if quantized else 1)
+        self._stack.bind(addresses, block_size=kv_cache.geometry.block_size,
+                         cache_type=CACHE_TYPE_CODES[kv_cache.geometry.kv_format.name])
         self._kv_cache = kv_cache  # the pointers are into it: keep it alive
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
