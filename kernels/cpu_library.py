@@ -11,6 +11,12 @@ Families (``FAMILIES``, ascending): ``avx2`` (x86-64-v3: every AVX2 server), ``a
 Rapids on). The best family whose flags /proc/cpuinfo lists is built and loaded: explicit flags,
 unlike ``-march=native``, are valid on every CPU with those flags. ``RICLLM_CPU_KERNELS`` caps
 the family (``RICLLM_NO_AMX=1`` caps it at ``avx512``), so one machine measures the others.
+
+Built ahead (the image does, so its runtime stage needs no compiler): ``python -m
+ricllm.kernels.cpu_library DIR`` writes one library per x86 family into DIR, and with
+``RICLLM_PREBUILT_KERNELS=DIR`` the family this CPU's flags choose is loaded from there (a CPU
+below x86-64-v3, or a library built from other sources, is compiled here as before where a
+compiler exists, else the engine keeps the torch path).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,6 +56,8 @@ FAMILIES = {
 }
 NATIVE_FLAGS = ["-march=native"]  # elsewhere (no x86 family runs): the C library without packed products
 FAMILY_CAP_VARIABLE = "RICLLM_CPU_KERNELS"
+PREBUILT_VARIABLE = "RICLLM_PREBUILT_KERNELS"  # a folder of libraries built ahead, one per family
+PREBUILT_TUNING = ["-mtune=generic"]  # built for CPUs not seen yet: tuned for none (scheduling only, not ISA)
 # RICLLM_NO_AMX=1: the avx512 family (a separate cached library) on an AMX machine, how it measures the
 # path every CPU without AMX (AMD EPYC, older Xeons) takes
 AMX_DISABLED = os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
@@ -136,22 +145,54 @@ def _compiler() -> str | None:
 def library_identity(compiler: str | None = None) -> str:
     """A digest of what the library is built from (sources, compiler, flags, CPU): whatever is
     measured with these kernels (a latency fit) is stale once it changes."""
+    prebuilt = prebuilt_library()
+    if prebuilt is not None:  # its name digests the sources and flags; a fit still belongs to this CPU
+        return hashlib.sha256(f"{prebuilt.name}\0{_cpu_identity()}".encode()).hexdigest()[:16]
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
     flags = [*CFLAGS, *family_flags()]
     key = hashlib.sha256("\0".join([*texts, compiler or _compiler() or "", *flags, _cpu_identity()]).encode())
     return key.hexdigest()[:16]
 
 
+def prebuilt_name(family: str) -> str:
+    """A library built ahead for ``family``: named by the sources and flags alone (not the compiler's
+    path nor the CPU: the family's explicit flags run on every CPU that has them)."""
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    digest = hashlib.sha256("\0".join([*texts, *CFLAGS, *FAMILIES[family][0], *PREBUILT_TUNING]).encode())
+    return f"ricllm_cpu-{family}-{digest.hexdigest()[:16]}.so"
+
+
+def prebuilt_library() -> Path | None:
+    """The library built ahead for this CPU's family under ``$RICLLM_PREBUILT_KERNELS``, if there is one."""
+    folder, family = os.environ.get(PREBUILT_VARIABLE, ""), cpu_family()
+    if not folder or family is None:
+        return None
+    path = Path(folder) / prebuilt_name(family)
+    return path if path.is_file() else None
+
+
+def build_prebuilt(folder: Path, families: tuple[str, ...] = tuple(FAMILIES)) -> list[Path]:
+    """One library per x86 family into ``folder`` (any x86 build machine can: flags need no CPU to compile)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    built = []
+    for family in families:
+        built.append(Path(folder) / prebuilt_name(family))
+        _build(compiler, built[-1], [*FAMILIES[family][0], *PREBUILT_TUNING])
+    return built
+
+
 def _library_path(compiler: str) -> Path:
     return cache_dir() / "kernels" / f"ricllm_cpu-{cpu_family() or 'native'}-{library_identity(compiler)}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, flags: list[str]) -> None:
     """Compile to a temporary name and rename, so concurrent starts never load half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        command = [compiler, *CFLAGS, *family_flags(), f"-I{CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"]
+        command = [compiler, *CFLAGS, *flags, f"-I{CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed to build the CPU kernels: {result.stderr.strip()[-800:]}")
@@ -160,18 +201,25 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    """The loaded library with its entry points typed; builds it first if needed (RuntimeError)."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    path = _library_path(compiler)
-    if not path.exists():
-        _build(compiler, path)
+    """The loaded library with its entry points typed: the one built ahead for this CPU's family,
+    else the one built here (first if needed; RuntimeError without a compiler)."""
+    path = prebuilt_library() or _built_here()
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
+
+
+def _built_here() -> Path:
+    compiler = _compiler()
+    if compiler is None:
+        hint = f"; {PREBUILT_VARIABLE} has no library for this CPU" if os.environ.get(PREBUILT_VARIABLE) else ""
+        raise RuntimeError(f"no C compiler found (set CC, or install gcc){hint}")
+    path = _library_path(compiler)
+    if not path.exists():
+        _build(compiler, path, family_flags())
+    return path
 
 
 @functools.lru_cache(maxsize=2)
@@ -190,7 +238,7 @@ def cpu_kernels_available() -> tuple[bool, str]:
         lib = library()
     except (RuntimeError, OSError) as exc:
         return False, str(exc)
-    return True, f"built at {lib._name}"
+    return True, f"built ahead at {lib._name}" if prebuilt_library() else f"built at {lib._name}"
 
 
 # the 4-bit paths, in csrc/cpu_quant_gemm.c's order (its ``ricllm_quant_gemm_int4_path`` says which runs)
@@ -232,3 +280,18 @@ def kernel_family() -> str:
     family = cpu_family()
     name = "amx" if library().ricllm_quant_gemm_uses_amx() else "avx2" if family == "avx2" else "avx512-bf16"
     return f"{name} (int4: {int4_paths()})"
+
+
+def main(argv: list[str]) -> int:
+    """``python -m ricllm.kernels.cpu_library DIR``: build every x86 family's library into DIR."""
+    if len(argv) != 1 or not IS_X86:
+        print("usage: python -m ricllm.kernels.cpu_library DIR  (on x86-64: one library per kernel family)",
+              file=sys.stderr)
+        return 2
+    for path in build_prebuilt(Path(argv[0])):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

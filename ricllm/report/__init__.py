@@ -3,24 +3,49 @@
 ``ricllm report PATH`` re-renders the HTML and plots from a report.json alone, so a report can be
 regenerated on another machine or after a ricllm upgrade; ``ricllm report A B`` writes a
 side-by-side comparison (prefix caching on vs off, two KV budgets, ...). matplotlib and rich are
-imported only when drawing.
+imported only when drawing. The plots are optional (the ``ricllm[report]`` extra brings matplotlib):
+without matplotlib, report.json and report.html are written all the same, the page says in each
+plot's place what to install, and a ``report_plots_skipped`` warning event says it on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 from pathlib import Path
 from typing import Any
 
+from ricllm.extras import install_hint
 from ricllm.replay.records import load_report, write_report_json
 
 PLOT_FILES = {"latency_cdf": "latency_cdf.png", "timeline": "timeline.png", "trace": "trace.png",
               "decisions": "decisions.png"}
 
 
-def render_plots(report: dict[str, Any]) -> dict[str, bytes]:
-    """The plots; the confusion matrices only when some answer was judged against a reference policy."""
+PLOTTING_PACKAGE = "matplotlib"
+
+
+def plots_available(report_path: Path | None = None) -> bool:
+    """Whether matplotlib imports; when it does not, a warning event says what to install."""
+    try:
+        importlib.import_module(PLOTTING_PACKAGE)  # the plots import it next anyway
+    except ImportError:
+        from ricllm.logging import get_logger
+
+        get_logger("ricllm.report").warning(
+            "report_plots_skipped", missing=PLOTTING_PACKAGE, install=install_hint("report"),
+            report=str(report_path) if report_path else None,
+            detail="report.json and the HTML are written; the HTML says where each plot would be")
+        return False
+    return True
+
+
+def render_plots(report: dict[str, Any], directory: Path | None = None) -> dict[str, bytes]:
+    """The plots (none without matplotlib); the confusion matrices only when some answer was judged
+    against a reference policy."""
+    if not plots_available(directory):
+        return {}
     from ricllm.report import plots
 
     pngs = {"latency_cdf": plots.latency_cdf(report), "timeline": plots.timeline(report),
@@ -35,7 +60,7 @@ def write_html(report: dict[str, Any], directory: Path) -> dict[str, Path]:
     from ricllm.report.html import render_report
 
     directory.mkdir(parents=True, exist_ok=True)
-    pngs = render_plots(report)
+    pngs = render_plots(report, directory)
     paths = {}
     for key, png in pngs.items():
         paths[key] = directory / PLOT_FILES[key]
@@ -67,7 +92,8 @@ def compare(path_a: str | Path, path_b: str | Path,
     labels = _labels(file_a, file_b)
     directory = out or Path("reports") / _safe(f"compare-{labels[0]}-vs-{labels[1]}")
     directory.mkdir(parents=True, exist_ok=True)
-    pngs = {"compare_cdf": plots.compare_cdf(a, b, labels), "compare_timeline": plots.compare_timeline(a, b, labels)}
+    pngs = ({"compare_cdf": plots.compare_cdf(a, b, labels), "compare_timeline": plots.compare_timeline(a, b, labels)}
+            if plots_available(directory) else {})
     for key, png in pngs.items():
         (directory / f"{key}.png").write_bytes(png)
     html = directory / "comparison.html"

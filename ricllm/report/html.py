@@ -8,6 +8,7 @@ import json
 from html import escape
 from typing import Any
 
+from ricllm.extras import install_hint
 from ricllm.report.aggregate import TABLE_METRICS, fmt_value, matrix_axes
 
 STYLE = """
@@ -23,6 +24,14 @@ overflow:auto}details{margin:.6em 0}
 
 def _img(png: bytes, alt: str) -> str:
     return f'<img alt="{escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def _figure(plots: dict[str, bytes], key: str, alt: str) -> str:
+    """The plot, or where it would be a note saying what draws it (the plots are the report extra's)."""
+    if key in plots:
+        return _img(plots[key], alt)
+    note = f"No {alt} plot: this install has no matplotlib. To draw it: {install_hint('report')}, then ricllm report."
+    return f'<p class="meta">{escape(note)}</p>'
 
 
 def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
@@ -67,7 +76,7 @@ def decisions_section(report: dict[str, Any], plots: dict[str, bytes]) -> list[s
         return ["<h2>Decisions</h2>", f"<p>{note}</p>"]
     classes = [f"<details><summary>class {escape(name)}</summary>{confusion_block(summary['confusion'])}</details>"
                for name, summary in aggregates["classes"].items() if summary.get("confusion")]
-    return ["<h2>Decisions: expected vs answered</h2>", _img(plots["decisions"], "confusion matrices"),
+    return ["<h2>Decisions: expected vs answered</h2>", _figure(plots, "decisions", "confusion matrices"),
             confusion_block(aggregates["overall"]["confusion"]), *classes]
 
 
@@ -171,11 +180,11 @@ def render_report(report: dict[str, Any], plots: dict[str, bytes]) -> str:
         *faults_section(report),
         "<h2>Per deadline class</h2>", class_table(report["aggregates"]),
         *decisions_section(report, plots),
-        "<h2>Latency against the deadline</h2>", _img(plots["latency_cdf"], "latency CDF"),
-        "<h2>Timeline</h2>", _img(plots["timeline"], "timeline"),
-        "<h2>Trace and the requests it triggered</h2>", _img(plots["trace"], "trace KPIs"),
-        f'<p class="meta">{escape(trace["source"])}: {trace["rows"]} rows ({trace["rows_replayed"]} in the window), '
-        f'{len(trace["entities"])} entities, {trace["duration_s"]:.1f} s</p>',
+        "<h2>Latency against the deadline</h2>", _figure(plots, "latency_cdf", "latency CDF"),
+        "<h2>Timeline</h2>", _figure(plots, "timeline", "timeline"),
+        "<h2>Trace and the requests it triggered</h2>", _figure(plots, "trace", "trace KPIs"),
+        (f'<p class="meta">{escape(trace["source"])}: {trace["rows"]} rows ({trace["rows_replayed"]} in the window), '
+         f'{len(trace["entities"])} entities, {trace["duration_s"]:.1f} s</p>'),
         "<details><summary>Trace load statistics</summary>", _dict_table(trace["load_stats"]), "</details>",
         "<h2>Run</h2>", _dict_table(report["run"]),
         "<h2>Engine</h2>", _dict_table(report.get("engine", {})),
@@ -221,8 +230,8 @@ def render_comparison(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, s
         f"<h1>ricllm replay comparison: {escape(labels[0])} vs {escape(labels[1])}</h1>",
         "<h2>Settings</h2>", _table(["setting", labels[0], labels[1]], settings),
         "<h2>Metrics</h2>", _table(header, comparison_rows(a, b), left=2),
-        "<h2>Latency</h2>", _img(plots["compare_cdf"], "E2E CDF comparison"),
-        "<h2>Timeline</h2>", _img(plots["compare_timeline"], "timeline comparison"),
+        "<h2>Latency</h2>", _figure(plots, "compare_cdf", "E2E CDF comparison"),
+        "<h2>Timeline</h2>", _figure(plots, "compare_timeline", "timeline comparison"),
         "<h2>Compliance</h2>", f"<h3>{escape(labels[0])}</h3>", targets_block(a),
         f"<h3>{escape(labels[1])}</h3>", targets_block(b),
     ])

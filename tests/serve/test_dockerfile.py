@@ -1,4 +1,5 @@
-"""The xApp image: hadolint-clean, installs what README documents, runs `ricllm serve` as non-root."""
+"""The xApp image: hadolint-clean, installs what README documents, runs `ricllm serve` as non-root, and
+has no compiler in its runtime stage (the kernels are built ahead, one library per kernel family)."""
 
 from __future__ import annotations
 
@@ -25,17 +26,24 @@ def _instructions() -> list[tuple[str, str]]:
             for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", joined, re.M)]
 
 
+def _runtime_stage() -> list[tuple[str, str]]:
+    """The instructions of the last stage, the image that runs."""
+    instructions = _instructions()
+    last_from = max(i for i, (kind, _) in enumerate(instructions) if kind == "FROM")
+    return instructions[last_from:]
+
+
 def _args() -> dict[str, str]:
     return dict(arg.split("=", 1) for kind, arg in _instructions() if kind == "ARG")
 
 
-def _runs() -> list[str]:
+def _runs(instructions: list[tuple[str, str]] | None = None) -> list[str]:
     """RUN commands with the ARG defaults substituted, i.e. what a plain `docker build` runs."""
     def expand(text: str) -> str:
         for name, value in _args().items():
             text = text.replace("${" + name + "}", value).replace("$" + name, value)
         return text.replace('"', "")
-    return [expand(arg) for kind, arg in _instructions() if kind == "RUN"]
+    return [expand(arg) for kind, arg in (instructions or _instructions()) if kind == "RUN"]
 
 
 def test_hadolint_passes_without_any_finding():
@@ -47,8 +55,8 @@ def test_hadolint_passes_without_any_finding():
 
 
 def test_base_image_and_build_arguments():
-    instructions = _instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    stages = [arg for kind, arg in _instructions() if kind == "FROM"]
+    assert stages == ["python:3.11-slim AS build", "python:3.11-slim"]
     assert _args()["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
     assert re.fullmatch(r"\d+\.\d+\.\d+", _args()["TORCH_VERSION"])
 
@@ -59,7 +67,8 @@ def test_installs_the_commands_readme_documents():
     runs = " && ".join(_runs())
     assert f"--index-url https://download.pytorch.org/whl/cpu torch=={readme_torch}" in runs
     assert readme_model in runs
-    assert re.search(r"pip install \.(\s|$)", runs)
+    assert re.search(r"whl=\$\(ls \S*/ricllm-\*\.whl\)\s+&& pip install \$\{whl\}\[engine\]", runs)  # the built wheel
+    assert re.search(r"pip install (-e )?'\.\[engine", README)  # README installs the same extra
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert f"torch=={readme_torch}" in setup and readme_model.split()[-1] in setup
 
@@ -68,8 +77,25 @@ def test_torch_is_installed_before_ricllm():
     """Otherwise pip resolves ricllm's `torch>=2.4` from PyPI: gigabytes of CUDA wheels in a CPU image."""
     runs = _runs()
     torch_at = next(i for i, run in enumerate(runs) if "torch==" in run)
-    ricllm_at = next(i for i, run in enumerate(runs) if re.search(r"pip install \.(\s|$)", run))
+    ricllm_at = next(i for i, run in enumerate(runs) if "[engine]" in run)
     assert torch_at < ricllm_at
+
+
+def test_the_runtime_stage_has_no_compiler_and_loads_the_kernels_built_ahead():
+    """The build stage compiles every family's library; the runtime stage installs no compiler and
+    points ricllm at those libraries (it picks the family by the node's CPU flags)."""
+    from ricllm.kernels.cpu_library import PREBUILT_VARIABLE
+
+    build = _instructions()[:len(_instructions()) - len(_runtime_stage())]
+    assert any(re.search(r"apt-get install .*\bgcc\b", run) for run in _runs(build))
+    built = re.search(r"python -m ricllm\.kernels\.cpu_library (\S+)", " ".join(_runs(build))).group(1)
+    runtime = _runtime_stage()
+    installs = [run for run in _runs(runtime) if "apt-get install" in run]
+    assert all(re.search(r"--no-install-recommends libgomp1 ", run) for run in installs), installs  # OpenMP only
+    assert not any(re.search(r"\b(gcc|g\+\+|clang|cc|build-essential|libc6-dev)\b", run) for run in _runs(runtime))
+    assert ("COPY", f"--from=build {built} {built}") in runtime
+    env = " ".join(arg for kind, arg in runtime if kind == "ENV")
+    assert f"{PREBUILT_VARIABLE}={built}" in env
 
 
 def test_runs_as_non_root():
@@ -125,7 +151,8 @@ def test_dockerignore_keeps_junk_out_and_copied_files_in():
                 if line.strip() and not line.startswith("#")]
     for junk in (".git", ".venv", "reports", ".pytest_cache", ".hypothesis", "**/__pycache__"):
         assert junk in patterns
-    sources = [part for kind, arg in _instructions() if kind == "COPY" for part in arg.split()[:-1]]
+    sources = [part for kind, arg in _instructions() if kind == "COPY" and not arg.startswith("--from=")
+               for part in arg.split()[:-1]]
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not any(fnmatch.fnmatch(source, p.removeprefix("**/")) for p in patterns), source
