@@ -19,8 +19,14 @@ each) and everything else (the in-process clients, the ZeroMQ client process, th
 socket, HTTP and libzmq threads) runs on the remaining ones: the protocol's cost without its
 competition with the engine for the same cores (``engine_cpus``, docs/serve.md).
 
-With ``--http`` the server also serves HTTP (health, metrics, the OpenAI API) on a free port while
-the ZeroMQ clients run, idle: what the HTTP listener costs the ZeroMQ path, if anything.
+With ``--http`` the server also serves HTTP (health, metrics, the OpenAI API) on a free port: the
+ZeroMQ clients run with it idle (what the listener costs the ZeroMQ path, if anything), and then a
+third path sends the same loads to the same server through the OpenAI API: ``POST /v1/completions``
+(the same token ids, ``max_tokens`` 1, ``ignore_eos``) from a plain HTTP client (``http.client``, one
+kept-alive connection per client thread), in another process as the ZeroMQ clients are. The table
+then shows in-process, ZeroMQ and HTTP side by side, what each adds over in-process, and what HTTP
+adds over ZeroMQ. A quick check that it runs (not a measurement; about a minute on two busy cores):
+``--clients 2 --requests 5 --rounds 1 --http --no-append`` (the prompt's token ids need SmolLM2's vocabulary).
 
     python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--rate 100] [--rounds 5] [--model PATH]
                                         [--engine-cpus LIST] [--http]
@@ -29,17 +35,18 @@ the ZeroMQ clients run, idle: what the HTTP listener costs the ZeroMQ path, if a
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import json
-import subprocess
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -125,9 +132,41 @@ def zeromq_clients(endpoint: str, load: Load) -> tuple[list[float], float, list[
     return latencies, wall, inside
 
 
-def over_zeromq(config, loads: list[Load], http: bool = False) -> list[tuple[list[float], float, list[float]]]:
-    """Per load: latencies, wall time, and each result's ``timings.e2e_s`` (inside the server);
-    with ``http`` the server's HTTP listener runs too (on a free port, idle)."""
+def http_clients(base_url: str, load: Load) -> tuple[list[float], float]:
+    """The HTTP client side, run in a child process: one kept-alive connection per client thread,
+    ``POST /v1/completions`` with the ZeroMQ path's request (same token ids, one token)."""
+    where = urlsplit(base_url)
+    connections = [http.client.HTTPConnection(where.hostname, where.port, timeout=60) for _ in range(load.clients)]
+    body = json.dumps({"model": served_model(connections[0]), "prompt": PROMPT, "max_tokens": 1,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    complete(connections[0], body)  # warm-up
+    latencies, wall = run_clients(load, lambda c, i: complete(connections[c], body))
+    for connection in connections:
+        connection.close()
+    return latencies, wall
+
+
+def served_model(connection: http.client.HTTPConnection) -> str:
+    connection.request("GET", "/v1/models")
+    return json.loads(read_ok(connection))["data"][0]["id"]
+
+
+def complete(connection: http.client.HTTPConnection, body: bytes) -> None:
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    read_ok(connection)
+
+
+def read_ok(connection: http.client.HTTPConnection) -> bytes:
+    response = connection.getresponse()
+    payload = response.read()  # the whole body, so the connection can carry the next request
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {payload[:300]!r}")
+    return payload
+
+
+def over_server(config, loads: list[Load], http: bool = False) -> list[dict[str, tuple]]:
+    """Per load, {path: (latencies, wall time, each result's ``timings.e2e_s`` or None)}: the ZeroMQ
+    path and, with ``http``, the HTTP path against the same server (ZeroMQ first, the listener idle)."""
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.serve.server import Server
     from ricllm.serve.settings import ServerOptions
@@ -142,44 +181,64 @@ def over_zeromq(config, loads: list[Load], http: bool = False) -> list[tuple[lis
     server.wait_ready(timeout=120)
     results = []
     for load in loads:
-        child = subprocess.run([sys.executable, __file__, "--client-child", endpoint, "--load",
-                                json.dumps(asdict(load))], capture_output=True, text=True, check=True)
-        measured = json.loads(child.stdout.strip().splitlines()[-1])
-        results.append((measured["latencies"], measured["wall_s"], measured["inside_s"]))
+        measured = {REMOTE: client_child("--client-child", endpoint, load)}
+        if http:
+            measured[HTTP] = client_child("--http-child", f"http://127.0.0.1:{server.http_port}", load)
+        results.append(measured)
     server.stop()
     return results
 
 
+def client_child(flag: str, target: str, load: Load) -> tuple[list[float], float, list[float] | None]:
+    child = subprocess.run([sys.executable, __file__, flag, target, "--load", json.dumps(asdict(load))],
+                           capture_output=True, text=True, check=True)
+    measured = json.loads(child.stdout.strip().splitlines()[-1])
+    return measured["latencies"], measured["wall_s"], measured.get("inside_s")
+
+
 LOCAL, REMOTE = "in-process", "ZeroMQ (clients in another process)"
+HTTP_DETAILS = ("; the ZeroMQ path ran with the HTTP listener up (idle), then the HTTP path sent the same loads to "
+                "the same server through POST /v1/completions (http.client, one kept-alive connection per client)")
+HTTP = "HTTP, OpenAI /v1/completions (clients in another process)"
+SHORT = {LOCAL: "in-process", REMOTE: "ZeroMQ", HTTP: "HTTP"}
 
 
 def table(name: str, rounds: list[dict[str, tuple]], load: Load) -> list[str]:
-    """Pooled over the rounds, then the added p50: closed loop, the median of the rounds' p50
-    differences; open loop, the median of the per-request differences (the same request, sent at
-    the same moment on both paths)."""
+    """Pooled over the rounds, then the added p50 of each path over in-process (and of HTTP over
+    ZeroMQ): closed loop, the median and range of the rounds' p50 differences; open loop, the
+    median of the per-request differences (the same request, sent at the same moment on each path)."""
+    paths = [path for path in (LOCAL, REMOTE, HTTP) if path in rounds[0]]
     lines = [f"{name}:", "", "| path | requests | req/s | p50 (ms) | p99 (ms) |", "|---|---:|---:|---:|---:|"]
     pooled = {}
-    for path in (LOCAL, REMOTE):
+    for path in paths:
         latencies = [x for r in rounds for x in r[path][0]]
         wall = sum(r[path][1] for r in rounds)
         pooled[path] = latencies
         lines.append(f"| {path} | {len(latencies)} | {len(latencies) / wall:.1f} | "
                      f"{percentile(latencies, 0.5) * 1000:.2f} | {percentile(latencies, 0.99) * 1000:.2f} |")
-    added99 = (percentile(pooled[REMOTE], 0.99) - percentile(pooled[LOCAL], 0.99)) * 1000
     outside = [(total - inside) * 1000 for r in rounds for total, inside in zip(r[REMOTE][0], r[REMOTE][2])]
     lines.append(f"\nZeroMQ path outside the server (client, libzmq and loopback, both ways: the client's latency "
                  f"less the result's `timings.e2e_s`): p50 {percentile(outside, 0.5):.2f} ms, "
                  f"p99 {percentile(outside, 0.99):.2f} ms")
-    who = f"{load.clients} client{'s' if load.clients > 1 else ''}, max_tokens 1"
-    if load.rate is not None:
-        paired = [(b - a) * 1000 for a, b in zip(pooled[LOCAL], pooled[REMOTE])]
-        lines.append(f"\nadded by the ZeroMQ path, request by request: p50 {percentile(paired, 0.5):+.2f} ms, "
-                     f"p90 {percentile(paired, 0.9):+.2f} ms; p99 {added99:+.2f} ms pooled ({who})\n")
-        return lines
-    per_round = [(statistics.median(r[REMOTE][0]) - statistics.median(r[LOCAL][0])) * 1000 for r in rounds]
-    lines.append(f"\nadded by the ZeroMQ path: p50 {statistics.median(per_round):+.2f} ms (median of {len(rounds)} "
-                 f"rounds: {', '.join(f'{x:+.2f}' for x in per_round)}), p99 {added99:+.2f} ms pooled ({who})\n")
+    comparisons = [(path, LOCAL) for path in paths[1:]] + ([(HTTP, REMOTE)] if HTTP in paths else [])
+    lines += [added(path, base, rounds, pooled, load) for path, base in comparisons]
+    lines[-1] += "\n"
     return lines
+
+
+def added(path: str, base: str, rounds: list[dict[str, tuple]], pooled: dict[str, list[float]], load: Load) -> str:
+    """One line: what ``path`` adds to ``base``'s latency."""
+    label = f"added by the {SHORT[path]} path" + ("" if base == LOCAL else f" over the {SHORT[base]} path")
+    who = f"{load.clients} client{'s' if load.clients > 1 else ''}, max_tokens 1"
+    added99 = (percentile(pooled[path], 0.99) - percentile(pooled[base], 0.99)) * 1000
+    if load.rate is not None:
+        paired = [(b - a) * 1000 for a, b in zip(pooled[base], pooled[path])]
+        return (f"\n{label}, request by request: p50 {percentile(paired, 0.5):+.2f} ms, "
+                f"p90 {percentile(paired, 0.9):+.2f} ms; p99 {added99:+.2f} ms pooled ({who})")
+    per_round = [(statistics.median(r[path][0]) - statistics.median(r[base][0])) * 1000 for r in rounds]
+    return (f"\n{label}: p50 {statistics.median(per_round):+.2f} ms (median of {len(rounds)} rounds, range "
+            f"{min(per_round):+.2f} to {max(per_round):+.2f}: {', '.join(f'{x:+.2f}' for x in per_round)}), "
+            f"p99 {added99:+.2f} ms pooled ({who})")
 
 
 def noise_floor(first: list[tuple], second: list[tuple], load: Load) -> str:
@@ -207,20 +266,25 @@ def main() -> None:
     parser.add_argument("--engine-cpus", default=None, metavar="LIST",
                         help="CPUs for the engine (e.g. 0); clients and the server's other threads get the rest")
     parser.add_argument("--http", action="store_true",
-                        help="serve HTTP (health, metrics, OpenAI API) beside ZeroMQ during the ZeroMQ path")
+                        help="serve HTTP (health, metrics, OpenAI API) beside ZeroMQ, and add the HTTP path: the "
+                        "same loads through POST /v1/completions")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--client-child", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--http-child", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--load", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client_child:
         latencies, wall, inside = zeromq_clients(args.client_child, Load(**json.loads(args.load)))
         print(json.dumps({"latencies": latencies, "wall_s": wall, "inside_s": inside}))
         return
+    if args.http_child:
+        latencies, wall = http_clients(args.http_child, Load(**json.loads(args.load)))
+        print(json.dumps({"latencies": latencies, "wall_s": wall}))
+        return
     import torch
 
     from benchmarks.results import publish
     from ricllm.config import EngineConfig
-
     from ricllm.engine.affinity import format_cpu_list, other_cpus, pin_current_thread
 
     torch.set_num_threads(2)
@@ -238,8 +302,8 @@ def main() -> None:
              Load(args.clients, args.requests, args.rate)]
     rounds = []  # per round: per load, {path: (latencies, wall[, inside the server])}
     for _ in range(args.rounds):
-        local, remote = in_process(config, loads), over_zeromq(config, loads, args.http)
-        rounds.append([{LOCAL: ours, REMOTE: theirs} for ours, theirs in zip(local, remote)])
+        local, remote = in_process(config, loads), over_server(config, loads, args.http)
+        rounds.append([{LOCAL: ours, **theirs} for ours, theirs in zip(local, remote)])
         rounds[-1].append(in_process(config, [loads[-1]])[0])  # the open loop again: the run's noise
     lines = []
     for index, load in enumerate(loads):
@@ -249,7 +313,7 @@ def main() -> None:
             f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
             f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
             f"alternating the paths; ZeroMQ clients in a separate process; {placement}"
-            f"{'; the HTTP listener up (idle)' if args.http else ''}.",
+            f"{HTTP_DETAILS if args.http else ''}.",
             "\n".join(lines), append=not args.no_append)
 
 

@@ -15,6 +15,7 @@ import ricllm
 from ricllm.errors import ConfigError
 from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal
+from ricllm.serve.metrics import deadline_class
 
 if TYPE_CHECKING:
     from ricllm.serve.settings import ServerOptions
@@ -162,13 +163,12 @@ class Frontend:
                command: Command | None = None) -> None:
         self._send(identity, p.ErrorReply(id=request_id, code=code, message=message))
         if command is not None and isinstance(command.request, p.GenerateRequest):
-            self.state.metrics.outcome("error")
+            self.state.metrics.error(code, deadline_class(command.request))
             log_refusal(command, code, message, rejected=False)
 
     def _reject(self, command: Command, code: str, message: str, **numbers: Any) -> None:
         self._send(command.identity, Refused(code, message, **numbers).reply(command.request.id))
-        self.state.metrics.admission(code)
-        self.state.metrics.outcome("rejected")
+        self.state.metrics.rejected(code, deadline_class(command.request))
         log_refusal(command, code, message, rejected=True)
 
     # -- receiving

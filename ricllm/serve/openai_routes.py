@@ -74,8 +74,7 @@ class OpenAIApi:
         return self._model
 
     async def _served_name(self) -> str:
-        identity = await self._identity()
-        return identity.name or Path(identity.path).stem
+        return (await self._identity()).served_name
 
     async def _check_model(self, requested: str) -> str:
         """The model a request names must be this one: its name, or its file's name (with or without suffix)."""

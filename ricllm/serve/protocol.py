@@ -17,6 +17,7 @@ is the prose version.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
 import msgpack
@@ -327,6 +328,11 @@ class ModelIdentity(_Report):
     threads: int
     runtime: str
     ricllm: str
+
+    @property
+    def served_name(self) -> str:
+        """The name clients use for it (``/v1/models``, the metrics' ``model_name``): its own, else its file's."""
+        return self.name or Path(self.path).stem
 
 
 class QueueStats(_Report):

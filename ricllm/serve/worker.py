@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ricllm.engine.engine_loop import EngineDriver
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
-from ricllm.serve.metrics import EngineSnapshot
+from ricllm.serve.metrics import EngineSnapshot, FinishedRequest, deadline_class
 from ricllm.version import __version__
 
 if TYPE_CHECKING:
@@ -41,12 +41,24 @@ class _Pending:
     seq: Sequence
     internal_id: str
     holdback: int  # characters kept back while streaming, so a stop string is never sent
+    deadline_class: str  # its metrics label
+    inter_token: Any  # its class's inter-token histogram (looked up once, observed each step)
     sent_tokens: int = 0
     sent_chars: int = 0
+    timed_tokens: int = 0  # output tokens as of the last step that brought some
+    last_token_at: float = 0.0  # that step's end
 
     @property
     def request(self) -> p.GenerateRequest:
         return self.command.request
+
+    def time_tokens(self, now: float, tokens: int) -> None:
+        """One inter-token interval per step that brought tokens after the first (as vLLM counts them)."""
+        if tokens <= self.timed_tokens:
+            return
+        if self.timed_tokens:
+            self.inter_token.observe(now - self.last_token_at)
+        self.timed_tokens, self.last_token_at = tokens, now
 
 
 @dataclass(eq=False)
@@ -115,6 +127,7 @@ class Worker(EngineDriver):
 
     def on_ready(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.metrics.set_model_name(self._model_identity().served_name)
         self._publish(force=True)
         self.state.ready.set()
         log.info("server_ready", endpoint=self.state.endpoint, http_port=self.state.http_port,
@@ -164,8 +177,7 @@ class Worker(EngineDriver):
             handlers[type(request)](command)
         except Refused as refused:
             self.outbox.put(command.identity, refused.reply(request.id))
-            self.metrics.admission(refused.code)
-            self.metrics.outcome("rejected")
+            self.metrics.rejected(refused.code, deadline_class(request))
             log_refusal(command, refused.code, refused.message, rejected=True)
         except p.ProtocolError as exc:
             self._fail(command, exc.code, exc.message)
@@ -176,7 +188,7 @@ class Worker(EngineDriver):
     def _fail(self, command: Command, code: str, message: str) -> None:
         self.outbox.put(command.identity, p.ErrorReply(id=command.request.id, code=code, message=message))
         if isinstance(command.request, p.GenerateRequest):
-            self.metrics.outcome("error")
+            self.metrics.error(code, deadline_class(command.request))
             log_refusal(command, code, message, rejected=False)
 
     # -- generate
@@ -191,9 +203,10 @@ class Worker(EngineDriver):
         seq = self._add(request, token_ids, params, internal_id, command.received)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
             raise Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
-        self.metrics.admission("degraded" if seq.degradation is not None else "admitted")
+        cls = deadline_class(request)
+        self.metrics.admitted("degraded" if seq.degradation is not None else "admitted", cls)
         holdback = max((len(s) for s in request.stop), default=1) - 1
-        pending = _Pending(command, seq, internal_id, holdback)
+        pending = _Pending(command, seq, internal_id, holdback, cls, self.metrics.inter_token(cls))
         self._generates[command.key] = pending
         self._internal[internal_id] = pending
         self.outbox.put(command.identity, p.Accepted(id=request.id, bound_ms=self._bound_ms(pending),
@@ -313,7 +326,9 @@ class Worker(EngineDriver):
     # -- after a step
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Replies first, woken at once; then each finished request's metrics and log event."""
+        """Replies first, woken at once; then the step's token intervals, and each finished request's
+        metrics and log event."""
+        now = clock()  # the step's end: when its tokens came
         completed = []
         for out in outputs:
             item = self._internal.pop(out.request_id, None)
@@ -325,7 +340,10 @@ class Worker(EngineDriver):
             if pending.request.stream:
                 self._stream(pending, final=False)
         self.outbox.wake()
+        for pending in self._generates.values():
+            pending.time_tokens(now, pending.seq.num_output_tokens)
         for pending, out, timings in completed:
+            pending.time_tokens(now, len(out.token_ids))
             self._account(pending, out, timings)
 
     def _stream(self, pending: _Pending, final: bool) -> None:
@@ -363,10 +381,8 @@ class Worker(EngineDriver):
         return timings
 
     def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
-        if out.finish_reason == "cancelled":
-            self.metrics.outcome("cancelled")
-        else:
-            self.metrics.result(timings.ttft_s, timings.tpot_s, timings.e2e_s, out.deadline_met)
+        self.metrics.finished(FinishedRequest(pending.deadline_class, out.finish_reason, len(out.prompt_token_ids),
+                                              len(out.token_ids), timings, out.deadline_met))
         structured = pending.seq.params.structured
         log.info("request_done", id=pending.request.id, client=client_name(pending.command.identity),
                  template=pending.request.template_id, admitted=True, reason=out.finish_reason, outcome="result",
