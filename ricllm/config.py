@@ -134,6 +134,11 @@ class AdmissionConfig(StrictModel):
         return data
 
 
+# read afresh at every admission decision or step, so they may change while the engine runs
+# (LLMEngine.set_admission_controls); the others shape what was built at start
+LIVE_ADMISSION_CONTROLS = ("safety_margin", "max_queue", "on_late", "pace_prefill")
+
+
 class EngineSettings(StrictModel):
     """Every engine setting, with its one default. Sizes in bytes and tokens."""
 

@@ -1,37 +1,111 @@
-"""structlog set-up: key-value events on stderr for a terminal, JSON lines for a service."""
+"""structlog set-up: key-value events on stderr for a terminal, JSON lines for a service.
+
+Three formats (``log_format``):
+
+- ``console``: key-value lines for a person at a terminal;
+- ``json``: one JSON object per event, the event's fields at the top level, a raised exception's
+  traceback as text in ``exception``;
+- ``osc``: the O-RAN SC MDC layout of the OSC xApp frameworks' ``mdclogger``, one JSON object per
+  event: ``ts`` (epoch milliseconds), ``crit`` (the level, upper case), ``id`` (the xApp's name),
+  ``mdc`` (the event's fields, native JSON values) and ``msg`` (the event's name).
+
+The level and the format can be set again while the process runs (``ricllm serve`` does when its
+config file changes): loggers are not cached, so the next event uses the new set-up.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-import structlog
+if TYPE_CHECKING:  # structlog is imported when logging is set up: the settings model (and the CLI's flags) read
+    import structlog  # the format and level names here without it
 
-_configured = False
+LogFormat = Literal["console", "json", "osc"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LOG_FORMATS: tuple[str, ...] = ("console", "json", "osc")
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+OSC_ID = "ricllm"  # the mdclogger's identity: the xApp's name, as in xapp_descriptor/config-file.json
 
 
-def configure_logging(json: bool | None = None, level: str | None = None) -> None:
-    """Idempotent; ``RICLLM_LOG_LEVEL`` and ``RICLLM_LOG_JSON`` override the defaults."""
-    global _configured
+@dataclass
+class _Setup:
+    """What the last ``configure_logging`` chose, so the level can change and keep the format."""
+
+    log_format: str
+    level: str
+
+
+_setup: _Setup | None = None
+
+
+def configure_logging(log_format: str | None = None, level: str | None = None) -> None:
+    """Set the format and the level; either left None: ``$RICLLM_LOG_JSON`` (1: json, else console)
+    and ``$RICLLM_LOG_LEVEL`` (default WARNING). Safe to call again, from any thread."""
+    import structlog
+
+    global _setup
+    log_format = log_format or ("json" if os.environ.get("RICLLM_LOG_JSON", "0") == "1" else "console")
     level_name = (level or os.environ.get("RICLLM_LOG_LEVEL", "WARNING")).upper()
-    if json is None:
-        json = os.environ.get("RICLLM_LOG_JSON", "0") == "1"
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: choose one of {', '.join(LOG_FORMATS)}")
     structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
+        processors=_processors(log_format),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=False,  # so a later configure_logging applies to every logger at once
     )
-    _configured = True
+    _setup = _Setup(log_format, level_name)
+
+
+def set_log_level(level: str) -> None:
+    """A new level, the format kept (the live ``log_level`` control)."""
+    configure_logging(_setup.log_format if _setup is not None else None, level)
+
+
+def current_log_level() -> str:
+    if _setup is None:
+        configure_logging()
+    return _setup.level
+
+
+def _processors(log_format: str) -> list[Any]:
+    """The console renderer formats tracebacks itself; the JSON layouts need the traceback as text
+    first, or ``log.exception`` would write ``"exc_info": true`` and lose it."""
+    import structlog
+
+    stamped = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    if log_format == "console":
+        return [*stamped, structlog.dev.ConsoleRenderer(colors=False)]
+    if log_format == "json":
+        return [*stamped, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    return [structlog.processors.add_log_level, structlog.processors.format_exc_info, render_osc]
+
+
+def render_osc(logger: Any, method: str, event: dict[str, Any]) -> str:
+    """The MDC layout: ``{"ts": ms, "crit": "INFO", "id": "ricllm", "mdc": {...}, "msg": "event"}``."""
+    fields = dict(event)
+    message = fields.pop("event", "")
+    level = fields.pop("level", method)
+    record = {"ts": time.time_ns() // 1_000_000, "crit": _osc_level(level), "id": OSC_ID, "mdc": fields,
+              "msg": str(message)}
+    return json.dumps(record, default=repr)
+
+
+def _osc_level(level: str) -> str:
+    """structlog's names (``warning``, ``exception``, ``critical``) as the MDC layout spells them."""
+    name = level.upper()
+    return {"EXCEPTION": "ERROR", "WARN": "WARNING", "FATAL": "CRITICAL"}.get(name, name)
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    if not _configured:
+    import structlog
+
+    if _setup is None:
         configure_logging()
     return structlog.get_logger(name)

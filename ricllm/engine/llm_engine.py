@@ -15,10 +15,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.cache.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
-from ricllm.config import EngineConfig
+from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.affinity import format_cpu_list, pin_current_thread
 from ricllm.engine.chat_prefix import ChatPrefix, render_chat_prefix
@@ -584,6 +585,24 @@ class LLMEngine:
         if handle.handle_id not in self.cache.pins:
             raise InvalidRequestError(f"prefix handle {handle.handle_id} is not pinned")
         self.cache.unpin(handle)
+
+    # ------------------------------------------------------------ live controls
+
+    def set_admission_controls(self, **changes: Any) -> None:
+        """Change admission controls while serving (``LIVE_ADMISSION_CONTROLS``: each is read afresh at
+        every decision or step), between steps, on the thread that steps. Values are the caller's to
+        validate (the settings model). The tightest class's caps follow a new safety margin; requests
+        already admitted keep their promise, later decisions use the new values."""
+        unknown = set(changes) - set(LIVE_ADMISSION_CONTROLS)
+        if unknown:
+            raise ValueError(f"admission controls {sorted(unknown)} are fixed at start")
+        self.config.admission = self.config.admission.model_copy(update=changes)
+        if self.admission is None:  # policy off: nothing decides with them
+            return
+        self.admission.config = self.config.admission
+        if "safety_margin" in changes:
+            tightest = self.config.admission
+            self.caps = self.admission.caps(tightest.tightest_deadline_ms, tightest.tightest_deadline_tokens)
 
     # ------------------------------------------------------------ what the engine promises and holds
 

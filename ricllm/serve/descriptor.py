@@ -61,6 +61,8 @@ def _optional(node: dict[str, Any]) -> dict[str, Any]:
     (choice,) = choices
     if "oneOf" in choice:
         return {**rest, "oneOf": [{"type": "null"}, *choice["oneOf"]]}
+    if "enum" in choice:  # an enum lists every value it allows: null too
+        choice = {**choice, "enum": [*choice["enum"], None]}
     return {**rest, **choice, "type": [choice["type"], "null"]}
 
 

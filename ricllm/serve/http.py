@@ -6,6 +6,8 @@ A Starlette app served by uvicorn on its own event loop, in the ``ricllm-http`` 
 - ``GET /ric/v1/health/ready``: 200 only once the model is loaded and the latency model is
   calibrated or loaded, 503 before that and while draining (the readiness probe);
 - ``GET /ric/v1/metrics``: Prometheus text format;
+- ``GET /ric/v1/config``: the configuration running now, with where each control came from
+  (:mod:`ricllm.serve.reload`);
 - ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (:mod:`ricllm.serve.openai_routes`),
   unless the API is off.
 
@@ -41,7 +43,8 @@ log = get_logger("ricllm.serve.http")
 ALIVE_PATH = "/ric/v1/health/alive"
 READY_PATH = "/ric/v1/health/ready"
 METRICS_PATH = "/ric/v1/metrics"
-RIC_PATHS = [ALIVE_PATH, READY_PATH, METRICS_PATH]
+CONFIG_PATH = "/ric/v1/config"
+RIC_PATHS = [ALIVE_PATH, READY_PATH, METRICS_PATH, CONFIG_PATH]
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 GRACEFUL_SHUTDOWN_S = 2.0  # open responses get this long once stopping: by then every request has its final reply
@@ -55,8 +58,8 @@ class _Json(JSONResponse):
 
 
 def build_app(ready: Callable[[], bool], metrics: Callable[[], tuple[bytes, str]],
-              openai: OpenAIApi | None) -> Starlette:
-    """The routes; ``openai`` None serves health and metrics only."""
+              openai: OpenAIApi | None, config: Callable[[], dict] | None = None) -> Starlette:
+    """The routes; ``openai`` None serves health and metrics only; ``config`` gives /ric/v1/config's body."""
 
     async def alive(request: Request) -> Response:
         return _Json({"status": "alive"})
@@ -68,6 +71,9 @@ def build_app(ready: Callable[[], bool], metrics: Callable[[], tuple[bytes, str]
     async def prometheus(request: Request) -> Response:
         body, content_type = metrics()
         return Response(body, media_type=None, headers={"Content-Type": content_type})
+
+    async def configuration(request: Request) -> Response:
+        return JSONResponse(config() if config is not None else {})
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 405:
@@ -85,7 +91,7 @@ def build_app(ready: Callable[[], bool], metrics: Callable[[], tuple[bytes, str]
             await openai.aclose()
 
     routes = [Route(ALIVE_PATH, alive, methods=["GET"]), Route(READY_PATH, readiness, methods=["GET"]),
-              Route(METRICS_PATH, prometheus, methods=["GET"])]
+              Route(METRICS_PATH, prometheus, methods=["GET"]), Route(CONFIG_PATH, configuration, methods=["GET"])]
     routes += openai.routes() if openai is not None else []
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
 
@@ -108,14 +114,16 @@ def _listen(host: str, port: int) -> socket.socket:
 
 class HttpServer:
     """uvicorn in a thread. ``ready()`` says whether to answer 200 on the readiness path;
-    ``metrics()`` gives (body, content type); ``openai`` adds the OpenAI API's routes."""
+    ``metrics()`` gives (body, content type); ``openai`` adds the OpenAI API's routes; ``config()``
+    gives the effective configuration."""
 
     def __init__(self, host: str, port: int, ready: Callable[[], bool],
-                 metrics: Callable[[], tuple[bytes, str]], openai: OpenAIApi | None = None) -> None:
+                 metrics: Callable[[], tuple[bytes, str]], openai: OpenAIApi | None = None,
+                 config: Callable[[], dict] | None = None) -> None:
         self._socket = _listen(host, port)  # OSError: the server names the port
-        config = uvicorn.Config(build_app(ready, metrics, openai), log_config=None, access_log=False,
+        served = uvicorn.Config(build_app(ready, metrics, openai, config), log_config=None, access_log=False,
                                 lifespan="on", loop="asyncio", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = uvicorn.Server(served)
         self._openai = openai is not None
         self._thread = threading.Thread(target=self._run, name="ricllm-http", daemon=True)
 

@@ -2,8 +2,8 @@
 
 This module owns the lifecycle (bind, start, drain, wait, close) and runs on the caller's thread.
 It builds one :class:`~ricllm.serve.state.ServerState` and hands it to the threads below; they
-share nothing else and never see the ``Server``. Three threads, each the only one to touch what
-it owns:
+share nothing else and never see the ``Server``. Three threads (four with ``$CONFIG_FILE``), each the
+only one to touch what it owns:
 
 - the **socket thread** (:mod:`ricllm.serve.frontend`) owns the ROUTER socket. It decodes and
   checks every frame, answers at once what needs no engine (unreadable frames, duplicate ids, ``ping``, a full
@@ -14,10 +14,13 @@ it owns:
   queued command (admission, templates, cancel, stats) and answers it, then runs one step and sends the
   new tokens of streaming requests and the results of finished ones through the outbox
   (:mod:`ricllm.serve.handoff`); a message on an inproc PAIR socket wakes the socket thread.
-- the **HTTP thread** (:mod:`ricllm.serve.http`, uvicorn's event loop) serves health and metrics from
-  thread-safe values, and the OpenAI API (:mod:`ricllm.serve.openai_routes`), whose requests reach
-  the engine as a ZeroMQ client's do: through the ROUTER socket, which also binds an inproc address
-  for them, so one inbound queue and one admission see every request.
+- the **HTTP thread** (:mod:`ricllm.serve.http`, uvicorn's event loop) serves health, metrics and the
+  effective configuration from thread-safe values, and the OpenAI API
+  (:mod:`ricllm.serve.openai_routes`), whose requests reach the engine as a ZeroMQ client's do:
+  through the ROUTER socket, which also binds an inproc address for them, so one inbound queue and
+  one admission see every request.
+- with ``$CONFIG_FILE`` set, the **config thread** (:mod:`ricllm.serve.reload`) watches that file
+  and hands the controls that may change live to the engine thread, which applies them between steps.
 
 Invariants:
 
@@ -49,6 +52,7 @@ from ricllm.serve.frontend import Frontend
 from ricllm.serve.handoff import Outbox, clock, log, new_local_address, new_wake_address
 from ricllm.serve.http import HttpServer
 from ricllm.serve.metrics import ServerMetrics
+from ricllm.serve.reload import ConfigWatcher, EffectiveConfig
 from ricllm.serve.settings import ServerOptions, ServeSettings
 from ricllm.serve.state import ServerState
 from ricllm.serve.worker import Worker
@@ -69,14 +73,20 @@ class Server:
     after which ``/ric/v1/health/ready`` answers 200. Requests that arrive while it loads wait in
     the inbound queue. ``drain`` stops taking generates (``DRAINING``), lets admitted ones finish
     (cancelled after ``timeout_s``) and ends the threads; ``stop`` is ``drain(0)`` + ``wait``.
+
+    ``settings``, the resolved settings ``config`` and ``options`` came from, let
+    ``/ric/v1/config`` say where each control came from, and have ``$CONFIG_FILE`` watched.
     """
 
     def __init__(self, config: EngineConfig, options: ServerOptions | None = None,
-                 latency_model: LatencyModel | None = None) -> None:
+                 latency_model: LatencyModel | None = None, settings: ServeSettings | None = None) -> None:
         self.options = options or ServerOptions()
         self.metrics = ServerMetrics()
         self._context = zmq.Context()
         self._state = ServerState(self.options, self.metrics, Outbox(self._context, new_wake_address()))
+        self._state.publish_config(EffectiveConfig.of(settings) if settings is not None
+                                   else EffectiveConfig.of_arguments(config, self.options))
+        self._watcher = self._config_watcher(settings)
         self._auth = None
         self._http: HttpServer | None = None
         self._local_address = new_local_address() if self._serves_openai() else None
@@ -109,10 +119,18 @@ class Server:
                              engine.thread]
             for thread in self._threads:
                 thread.start()
+            if self._watcher is not None:
+                self._watcher.start()
         log.info("server_listening", endpoint=self.endpoint, http_port=self.http_port,
                  curve=self.options.curve is not None,
                  service_cpus=format_cpu_list(self._service_cpus) if self._service_cpus else None)
         return self
+
+    def _config_watcher(self, settings: ServeSettings | None) -> ConfigWatcher | None:
+        """A watcher of ``$CONFIG_FILE`` whose live changes go to the engine thread's queue."""
+        if settings is None or settings.inputs.watched_file is None:
+            return None
+        return ConfigWatcher(settings, self._state.live_changes.put)
 
     def _serves_openai(self) -> bool:
         return self.options.http_port is not None and self.options.openai_api
@@ -127,11 +145,16 @@ class Server:
             openai = OpenAIApi(self._local_address, self._context)
         try:
             self._http = HttpServer(self.options.http_host, self.options.http_port, self._state.is_ready,
-                                    self.metrics.render, openai)
+                                    self.metrics.render, openai, self._config_body)
         except OSError as exc:
             raise ConfigError(f"cannot listen for HTTP on port {self.options.http_port}: "
                               f"{exc.strerror or exc}") from None
         self._http.start()
+
+    def _config_body(self) -> dict:
+        """``/ric/v1/config`` (HTTP thread): the configuration the engine thread last published."""
+        watching = self._watcher is not None and self._watcher.watching.is_set()
+        return self._state.effective_config.body(watching)
 
     def _start_auth(self) -> None:
         """CURVE clients are admitted only with a public key found in ``authorized_keys_dir``."""
@@ -171,6 +194,8 @@ class Server:
         if self._closed:
             return
         self._closed = True
+        if self._watcher is not None:
+            self._watcher.stop()
         http_stopped = self._http.stop() if self._http is not None else True
         if self._auth is not None:
             self._auth.stop()
@@ -194,6 +219,11 @@ class Server:
     @property
     def http_port(self) -> int | None:
         return self._http.port if self._http is not None else None
+
+    @property
+    def config_watcher(self) -> ConfigWatcher | None:
+        """The ``$CONFIG_FILE`` watcher (its ``watching`` event is set while changes are seen), else None."""
+        return self._watcher
 
     @property
     def failure(self) -> BaseException | None:
@@ -223,8 +253,8 @@ class Server:
 
 def serve_forever(settings: ServeSettings) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0 (a second signal cancels what runs)."""
-    configure_logging(json=settings.log_json, level=os.environ.get("RICLLM_LOG_LEVEL", "INFO"))
-    server = Server(settings.engine_config(), settings.server)
+    configure_logging(settings.log_format, settings.log_level)
+    server = Server(settings.engine_config(), settings.server, settings=settings)
     server.start()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -20,14 +20,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from ricllm.config import EngineConfig, EngineSettings, NonEmpty, StrictModel, describe_errors, merge_layers, setting
 from ricllm.errors import ConfigError
+from ricllm.logging import LogFormat, LogLevel
 from ricllm.serve.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 
-__all__ = ["Controls", "SettingsError", "ServerOptions", "CurveOptions", "ServeSettings", "resolve_settings",
-           "load_controls_file", "SERVE_PROFILE", "CONFIG_ENV"]
+__all__ = [
+    "CONFIG_ENV",
+    "SERVE_PROFILE",
+    "Controls",
+    "CurveOptions",
+    "ServeSettings",
+    "ServerOptions",
+    "SettingsError",
+    "SettingsInputs",
+    "effective_log_level",
+    "flatten_controls",
+    "load_controls_file",
+    "resolve_settings",
+]
 
 CONFIG_ENV = "CONFIG_FILE"
 DEFAULT_BIND = f"tcp://0.0.0.0:{DEFAULT_ZMQ_PORT}"
@@ -78,7 +91,30 @@ class Controls(EngineSettings):
                                  "(keep it below the pod's termination grace period)", ge=0, flag="drain-timeout",
         metavar="SECONDS")
     curve: CurveControls = Field(default_factory=CurveControls)
-    log_json: bool = setting(True, "structlog JSON lines on stderr")
+    log_format: LogFormat = setting(
+        "json", "structlog on stderr: json (JSON lines), osc (the O-RAN SC MDC JSON layout: ts, crit, id, mdc, msg) "
+                "or console (key-value lines)")
+    log_level: LogLevel | None = setting(
+        None, "DEBUG, INFO, WARNING, ERROR or CRITICAL; changes live when $CONFIG_FILE changes; null: "
+              "$RICLLM_LOG_LEVEL, else INFO")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_log_json(cls, data: Any) -> Any:
+        """``log_json`` (before ``log_format`` existed) still reads: true is json, false is console."""
+        if not isinstance(data, dict) or "log_json" not in data:
+            return data
+        data = dict(data)
+        as_json = data.pop("log_json")
+        if not isinstance(as_json, bool):
+            # a ValueError, not a TypeError: pydantic reports only the former as the field's error
+            raise ValueError(f"log_json must be true or false (it is now log_format: json or console), "  # noqa: TRY004
+                             f"got {as_json!r}")
+        implied = "json" if as_json else "console"
+        if data.setdefault("log_format", implied) != implied:
+            raise ValueError(f"log_json: {str(as_json).lower()} contradicts log_format: {data['log_format']}; "
+                             "keep log_format only")
+        return data
 
     def engine_config(self) -> EngineConfig:
         """The engine's part of the controls, checked on this host (e.g. ``engine_cpus`` available)."""
@@ -116,19 +152,58 @@ class ServerOptions:
     drain_linger_ms: int = 1000
 
 
+@dataclass(frozen=True)
+class SettingsInputs:
+    """What :func:`resolve_settings` read, kept so that the settings can be resolved again, every layer
+    in its place, when ``$CONFIG_FILE`` changes (a flag the user gave still wins over the file)."""
+
+    flags: dict[str, Any] = field(default_factory=dict)
+    config_file: str | None = None
+    environ: dict[str, str] = field(default_factory=dict)  # only what resolve_settings reads: $CONFIG_FILE
+
+    @property
+    def watched_file(self) -> str | None:
+        return self.environ.get(CONFIG_ENV) or None
+
+    def resolve(self) -> ServeSettings:
+        return resolve_settings(self.flags, self.config_file, self.environ)
+
+
 @dataclass
 class ServeSettings:
-    """The resolved settings: the controls, and the server options derived from them."""
+    """The resolved settings: the controls, where each came from, and the server options derived from them."""
 
     controls: Controls
     server: ServerOptions = field(default_factory=ServerOptions)
+    sources: dict[str, str] = field(default_factory=dict)  # dotted control name -> the layer that set it
+    inputs: SettingsInputs = field(default_factory=SettingsInputs)
 
     @property
-    def log_json(self) -> bool:
-        return self.controls.log_json
+    def log_format(self) -> str:
+        return self.controls.log_format
+
+    @property
+    def log_level(self) -> str:
+        return effective_log_level(self.controls.log_level)
 
     def engine_config(self) -> EngineConfig:
         return self.controls.engine_config()
+
+
+def effective_log_level(control: str | None) -> str:
+    """The ``log_level`` control, else ``$RICLLM_LOG_LEVEL`` (as before the control existed), else INFO."""
+    return (control or os.environ.get("RICLLM_LOG_LEVEL") or "INFO").upper()
+
+
+def flatten_controls(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"admission": {"max_queue": 4}}`` -> ``{"admission.max_queue": 4}``: one entry per control."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten_controls(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 # ------------------------------------------------------------------------------ layers
@@ -179,7 +254,17 @@ def resolve_settings(flags: dict[str, Any] | None = None, config_file: str | Non
         sources = ", ".join(source for source, layer in layers[1:] if layer) or "defaults"
         names, verb = " and ".join("curve." + m for m in missing), "is" if len(missing) == 1 else "are"
         raise SettingsError(f"settings from {sources}: curve.enabled is true but {names} {verb} null")
-    return ServeSettings(controls, server_options(controls))
+    inputs = SettingsInputs(dict(flags or {}), config_file,
+                            {CONFIG_ENV: environ[CONFIG_ENV]} if environ.get(CONFIG_ENV) else {})
+    return ServeSettings(controls, server_options(controls), control_sources(layers), inputs)
+
+
+def control_sources(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    """Each control's dotted name and the highest-precedence layer that set it (``default`` if none did)."""
+    sources = dict.fromkeys(flatten_controls(Controls().model_dump()), "default")
+    for source, layer in layers:
+        sources.update(dict.fromkeys(flatten_controls(layer), source))
+    return sources
 
 
 def _keys_turn_curve_on(flags: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ricllm.serve.handoff import Command, Outbox, clock, log
 from ricllm.serve.metrics import ServerMetrics
+from ricllm.serve.reload import EffectiveConfig, LiveChange
 from ricllm.serve.settings import ServerOptions
 
 
@@ -33,6 +34,9 @@ class ServerState:
       handler, or the socket thread after a fault of its own.
     - ``failure``: :meth:`record_failure`, from the engine thread (load error, engine fault) or
       the socket thread (its own fault).
+    - ``live_changes``: the config watcher puts live controls, the engine thread applies them
+      between steps and then replaces ``effective_config`` (:meth:`publish_config`), which the HTTP
+      thread reads for ``/ric/v1/config``.
     """
 
     options: ServerOptions
@@ -46,6 +50,8 @@ class ServerState:
     failure: BaseException | None = None
     endpoint: str | None = None  # the bound endpoint, once the socket is bound (for the ready log)
     http_port: int | None = None
+    live_changes: queue.SimpleQueue[LiveChange] = field(default_factory=queue.SimpleQueue)
+    effective_config: EffectiveConfig | None = None
 
     def __post_init__(self) -> None:
         self.inbound = queue.Queue(maxsize=self.options.inbound_queue_size)
@@ -60,6 +66,10 @@ class ServerState:
         if not self.draining.is_set():
             log.info("server_draining", timeout_s=timeout_s)
         self.draining.set()
+
+    def publish_config(self, effective: EffectiveConfig) -> None:
+        """The configuration running now (engine thread, once a live change applies; one assignment)."""
+        self.effective_config = effective
 
     def is_ready(self) -> bool:
         """Loaded and calibrated, not draining, not failed (the readiness probe; any thread)."""

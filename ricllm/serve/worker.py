@@ -13,6 +13,7 @@ from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
 from ricllm.serve.metrics import EngineSnapshot, FinishedRequest, deadline_class
+from ricllm.serve.reload import apply_live_changes
 from ricllm.version import __version__
 
 if TYPE_CHECKING:
@@ -150,6 +151,7 @@ class Worker(EngineDriver):
         self.outbox.close()
 
     def on_commands(self, commands: list[Command]) -> None:
+        apply_live_changes(self.engine, self.state.live_changes, self.state.publish_config)  # from $CONFIG_FILE
         for command in commands:
             self._dispatch(command)
         self.outbox.wake()  # accepted / rejected go out now, not after the coming step

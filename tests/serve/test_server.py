@@ -745,7 +745,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_gguf, latency_fit, 
     process = subprocess.Popen(
         [sys.executable, "-m", "ricllm.cli", "serve", "--zmq", endpoint, "--http-port", str(port), "--model",
          str(tiny_gguf), "--latency-fit", str(latency_fit), "--kv-cache-budget", "4MiB", "--threads", "2",
-         "--max-num-seqs", "1", "--drain-timeout", "120", "--log-json"],
+         "--max-num-seqs", "1", "--drain-timeout", "120", "--log-format", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "CONFIG_FILE"})
     ready_url = f"http://127.0.0.1:{port}/ric/v1/health/ready"

@@ -14,8 +14,7 @@ from pydantic import BaseModel
 
 from ricllm.cli.serve import settings_from_args
 from ricllm.config import AdmissionConfig
-from ricllm.serve.settings import SettingsError
-from ricllm.serve.settings import Controls, CurveControls, CurveOptions, SettingsError
+from ricllm.serve.settings import Controls, CurveControls, CurveOptions, SettingsError, flatten_controls
 
 ROOT = Path(__file__).parents[2]
 DESCRIPTOR = json.loads((ROOT / "xapp_descriptor" / "config-file.json").read_text())
@@ -108,18 +107,41 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
     env_file = descriptor_file(tmp_path, "env.json", block_size=8, max_num_seqs=4,
                                admission={"policy": "deadline", "max_queue": 5}, http_port=9000)
     config_file = descriptor_file(tmp_path, "config.json", block_size=32, admission={"policy": "fcfs"},
-                                  kv_cache_budget="64MiB", log_json=False, drain_timeout_s=10.0)
+                                  kv_cache_budget="64MiB", log_format="osc", drain_timeout_s=10.0)
     args = parse("--config", str(config_file), "--block-size", "64", "--zmq", "ipc:///tmp/x.sock",
                  "--drain-timeout", "5")
     settings = settings_from_args(args, environ={"CONFIG_FILE": str(env_file)})
     c = settings.controls
     assert c.block_size == 64  # flag
-    assert c.admission.policy == "fcfs" and c.kv_cache_budget == "64MiB" and c.log_json is False  # --config
+    assert c.admission.policy == "fcfs" and c.kv_cache_budget == "64MiB" and c.log_format == "osc"  # --config
     assert c.admission.max_queue == 5 and c.max_num_seqs == 4 and c.http_port == 9000  # CONFIG_FILE, nested merge
     assert c.admission.safety_margin == 0.1 and c.dtype == "auto"  # defaults
     assert settings.server.zmq_endpoint == "ipc:///tmp/x.sock" and settings.server.http_port == 9000
     assert c.drain_timeout_s == settings.server.drain_timeout_s == 5.0  # flag over --config
-    assert settings.log_json is False
+    assert settings.log_format == "osc"
+    assert settings.sources["block_size"] == "command-line flags"  # where each came from, for /ric/v1/config
+    assert settings.sources["admission.policy"] == f"--config {config_file}"
+    assert settings.sources["admission.max_queue"] == f"CONFIG_FILE={env_file}"
+    assert settings.sources["admission.safety_margin"] == "default"
+    assert set(settings.sources) == set(flatten_controls(c.model_dump()))
+
+
+@pytest.mark.parametrize("log_json, log_format", [(True, "json"), (False, "console")])
+def test_a_config_written_before_log_format_still_reads(tmp_path, log_json, log_format):
+    path = descriptor_file(tmp_path, "old.json", log_json=log_json)
+    assert settings_from_args(parse("--config", str(path)), environ={}).log_format == log_format
+    contradicting = descriptor_file(tmp_path, "both.json", log_json=log_json, log_format="osc")
+    with pytest.raises(SettingsError, match="log_format"):
+        settings_from_args(parse("--config", str(contradicting)), environ={})
+
+
+def test_the_log_level_control_falls_back_to_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RICLLM_LOG_LEVEL", "debug")
+    assert settings_from_args(parse(), environ={}).log_level == "DEBUG"  # as before the control existed
+    path = descriptor_file(tmp_path, "level.json", log_level="ERROR")
+    assert settings_from_args(parse("--config", str(path)), environ={}).log_level == "ERROR"
+    monkeypatch.delenv("RICLLM_LOG_LEVEL")
+    assert settings_from_args(parse(), environ={}).log_level == "INFO"
 
 
 def test_only_flags_the_user_gave_override(tmp_path):
