@@ -63,6 +63,13 @@
 #define GROUP 32
 #define TILE 16
 #define ROWS_AT_ONCE 8   /* activation rows sharing each unpacked weight group (registers) */
+#ifndef PREFETCH_AHEAD
+/* Groups (256 weight bytes each) fetched ahead in software: the hardware prefetchers stop at every
+ * 4 KB page boundary, and a one-row product has too little arithmetic to hide the misses that
+ * restart them (1 row, 2 threads: 1.3-1.5x the weight bytes per second of no prefetch, measured
+ * on SmolLM2's shapes; 4 to 16 ahead measure alike) */
+#define PREFETCH_AHEAD 8
+#endif
 
 /* Calls KERNEL(rows, ...) with ``rows`` a compile-time constant from 1 to ROWS_AT_ONCE: a
  * per-row accumulator array indexed by a runtime count would live on the stack. */
@@ -200,9 +207,19 @@ static inline __attribute__((always_inline)) void int8_tile(int rows, const uint
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
     for (int g = 0; g < groups; g++) {
         __m512i blocks[8];
-        for (int c = 0; c < 8; c++) blocks[c] = _mm512_loadu_si512(wt + (int64_t)g * chunk_bytes + c * 64);
+        const uint8_t *wg = wt + (int64_t)g * chunk_bytes;
+        for (int line = 0; line < 8; line++)  /* as int4_tile_int8: the prefetchers stop at each page */
+            _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * chunk_bytes + 64 * line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
+        for (int c = 0; c < 8; c++) blocks[c] = _mm512_loadu_si512(wg + c * 64);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + (int64_t)g * 2 * TILE)));
-        const __m512i offset = _mm512_loadu_si512(offsets + ((int64_t)tile * groups + g) * TILE);
+        __m512i offset;
+        if (rows <= 2) {  /* few rows (the LM head at decode): 128·Σq from the weights in hand, not 12% more bytes */
+            offset = _mm512_setzero_si512();
+            for (int b = 0; b < 8; b++) offset = _mm512_dpbusd_epi32(offset, bias, blocks[b]);
+        } else {
+            offset = _mm512_loadu_si512(offsets + ((int64_t)tile * groups + g) * TILE);
+        }
         for (int r = 0; r < rows; r++) {
             const int32_t *xg = (const int32_t *)(xq + (int64_t)r * k + g * GROUP);
             __m512i dot = _mm512_setzero_si512();
@@ -253,13 +270,6 @@ static inline __attribute__((always_inline)) __m512i int4_quad_rows(const uint8_
     return _mm512_shuffle_epi8(by_lane, byte_idx);
 }
 
-#ifndef PREFETCH_AHEAD
-/* Groups (256 weight bytes each) fetched ahead in software: the hardware prefetchers stop at every
- * 4 KB page boundary, and a one-row product has too little arithmetic to hide the misses that
- * restart them (1 row, 2 threads: 1.3-1.5x the weight bytes per second of no prefetch, measured
- * on SmolLM2's shapes; 4 to 16 ahead measure alike) */
-#define PREFETCH_AHEAD 8
-#endif
 
 static void int4_tile_int8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
                            const float *sx, int rows, int k, int n, int tile, void *out, int is_bf16) {
@@ -271,11 +281,9 @@ static void int4_tile_int8(const uint8_t *w, const uint16_t *scales, const int8_
     for (int r = 0; r < rows; r++) totals[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t *wg = wt + (int64_t)g * group_bytes;
-#if PREFETCH_AHEAD > 0
         for (int line = 0; line < 4; line++)  /* past the last group: the next tile's (never a fault) */
             _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * group_bytes + 64 * line), _MM_HINT_T0);
         _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
-#endif
         __m512i blocks[GROUP / 4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
