@@ -36,8 +36,10 @@ Measured, for every engine:
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
 native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
---no-amx and --ricllm-env set the ricllm children's environment (e.g. the C kernels without AMX,
-the path an AMD EPYC takes); each child reports the kernel family it ran.
+--no-amx and --ricllm-env set the ricllm children's environment (--no-amx: the C kernels without
+AMX, and torch's MKL and oneDNN capped below AMX: what an AMD EPYC runs; see cpu_caps.py); each
+child reports the kernel family it ran. llama.cpp keeps its own build (its system info line says
+whether AMX_INT8 is on), so against it a --no-amx ratio is conservative.
 llama.cpp runs under this interpreter (llama-cpp-python from `bash scripts/setup.sh --bench`;
 --llamacpp-python picks another), twice: flash attention off and on; ricllm is compared with
 the better of the two per measurement.
@@ -68,6 +70,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:  # stdlib only, as this module
+    from benchmarks.cpu_caps import WITHOUT_AMX
+except ImportError:  # run as a script (the children too): this folder is the first sys.path entry
+    from cpu_caps import WITHOUT_AMX
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
@@ -497,7 +504,7 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
 
 def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True) -> list[Config]:
     """ricllm's configurations (with the --no-amx / --ricllm-env environment), then the peers."""
-    ricllm_env = dict(args.ricllm_env, **({"RICLLM_NO_AMX": "1"} if args.no_amx else {}))
+    ricllm_env = dict(args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}))
     configs = [Config(f"ricllm {weights} {runtime}", "ricllm", sys.executable, {"weights": weights, "runtime": runtime},
                       ricllm_env) for weights, runtime in (c.split(":") for c in args.configs)]
     if llamacpp_ok:
@@ -875,8 +882,9 @@ def parse_args() -> argparse.Namespace:
                         help="runs of every configuration, interleaved (default: %(default)s; 1 for a smoke run)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (32-token prompts, 8 new "
                         "tokens, streams 1 and 4); never publishes")
-    parser.add_argument("--no-amx", action="store_true", help="run the ricllm children with RICLLM_NO_AMX=1: "
-                        "ricllm's C kernels built without AMX, the path an AMD EPYC or an older Xeon takes")
+    parser.add_argument("--no-amx", action="store_true", help="run the ricllm children as on a CPU without AMX "
+                        "(an AMD EPYC, an older Xeon): ricllm's C kernels without AMX (RICLLM_NO_AMX=1), and torch's "
+                        "MKL and oneDNN capped below AMX too (cpu_caps.py), so the torch runtime runs its non-AMX path")
     parser.add_argument("--ricllm-env", type=env_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for the ricllm children only (repeatable), e.g. a kernel cap")
     parser.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")

@@ -166,9 +166,15 @@ def main() -> None:
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048],
                         help="prompt lengths of the whole-prefill table (default: %(default)s)")
     parser.add_argument("--no-prefill", action="store_true", help="skip the whole-prefill table (model runs)")
+    parser.add_argument("--no-amx", action="store_true", help="measure as on a CPU without AMX (AMD Zen 4, older "
+                        "Xeons): ricllm's kernels and torch's MKL/oneDNN (SDPA's products) capped below AMX")
     parser.add_argument("--publish", action="store_true", help="append the result to benchmarks/RESULTS.md")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.no_amx:  # before torch loads MKL; the children inherit it
+        from benchmarks.cpu_caps import WITHOUT_AMX
+
+        os.environ.update(WITHOUT_AMX)
     if args.child:
         runtime, seed, *lengths = args.child
         print(MARK + json.dumps(child(runtime, [int(n) for n in lengths], int(seed))), flush=True)
@@ -188,7 +194,8 @@ def main() -> None:
         body += prefill_table(args.prefill_lengths, args.repeats)
     from ricllm.kernels.cpu_library import cpu_family
 
-    publish("Prefill attention: C kernel vs SDPA", f"Kernel family {cpu_family()}; {THREADS} threads; "
+    caps = " (--no-amx: torch's MKL and oneDNN capped below AMX as well)" if args.no_amx else ""
+    publish("Prefill attention: C kernel vs SDPA", f"Kernel family {cpu_family()}{caps}; {THREADS} threads; "
             f"{args.repeats} interleaved repeats.", body, append=args.publish)
 
 
