@@ -371,7 +371,7 @@ def serve(tiny_gguf, fit_file, tmp_path):
     server_available()
     descriptor = json.loads((ROOT / "xapp_descriptor" / "config-file.json").read_text())
     descriptor["controls"].update(model=str(tiny_gguf), latency_fit=str(fit_file), dtype="float32",
-                                  kv_cache_budget="2MiB", log_json=False, threads=1)
+                                  kv_cache_budget="2MiB", log_format="console", threads=1)
     config = tmp_path / "config-file.json"
     config.write_text(json.dumps(descriptor))
     zmq_port, http_port = free_port(), free_port()
