@@ -92,13 +92,22 @@ def test_the_engine_series_carry_the_served_model_name(server):
         result = client.generate("cache me", max_tokens=2, ignore_eos=True)
         kv = client.stats().kv_cache
     model = (("model_name", MODEL),)
-    values = wait_for(lambda: _idle(server.http_url), 5, "an idle engine snapshot")
+    # the snapshot is published between steps: wait for one taken after the request (an idle one from
+    # before it has running 0 too), or fail when none comes
+    values = wait_for(lambda: _idle_after(server.http_url, result.num_prompt_tokens), 5,
+                      "an idle engine snapshot that counts the request's prompt")
     assert values[(P + "num_requests_running", model)] == values[(P + "num_requests_waiting", model)] == 0
     assert 0 <= values[(P + "kv_cache_usage_perc", model)] <= 1
     assert values[(P + "kv_cache_blocks", (*model, ("state", "total")))] == kv.num_blocks
     queries = values[(P + "prefix_cache_queries_total", model)]
     assert queries >= result.num_prompt_tokens and values[(P + "prefix_cache_hits_total", model)] <= queries
     assert (P + "num_preemptions_total", model) in values and (P + "inbound_queue_length", model) in values
+
+
+def _idle_after(base_url: str, prompt_tokens: int) -> dict | None:
+    values = _idle(base_url)
+    queried = values and values.get((P + "prefix_cache_queries_total", (("model_name", MODEL),)), 0)
+    return values if queried and queried >= prompt_tokens else None
 
 
 def _idle(base_url: str) -> dict | None:
