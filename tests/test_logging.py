@@ -83,3 +83,31 @@ def test_the_environment_still_chooses_json_and_the_level(capsys, monkeypatch):
 def test_an_unknown_format_is_refused():
     with pytest.raises(ValueError, match="console, json, osc"):
         configure_logging("xml")
+
+
+LAZY_LOGGER = """
+import sys
+from ricllm.logging import get_logger
+log = get_logger("ricllm.test")
+log.info("hidden", n=1)
+log.debug("hidden too")
+print("structlog" in sys.modules, flush=True)
+log.warning("shown", n=2)
+print("structlog" in sys.modules, flush=True)
+"""
+
+
+def test_structlog_is_imported_only_for_an_event_at_the_level():
+    """A start that logs nothing at its level (``LLM()`` at the default WARNING) never pays for
+    structlog and rich (~0.1 s); the first event that passes imports it, set up as the environment says."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RICLLM_LOG_JSON="1", RICLLM_LOG_LEVEL="warning")
+    done = subprocess.run([sys.executable, "-c", LAZY_LOGGER], check=False, capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+    (line,) = [json.loads(text) for text in done.stderr.splitlines() if text.strip()]
+    assert line["event"] == "shown" and line["n"] == 2 and line["level"] == "warning"
