@@ -408,3 +408,44 @@ def test_from_hf_dir_reads_config_flags_and_template(tmp_path: Path) -> None:
     assert {2, 5} <= reloaded.eos_token_ids
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_hf_dir(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------------- compact state (native weights files)
+
+
+def _rebuilt(tokenizer: Tokenizer) -> Tokenizer:
+    compact = tokenizer.to_compact_state()
+    assert compact is not None
+    skeleton = json.loads(compact.state["backend"])["model"]
+    assert skeleton["merges"] == [] and len(skeleton["vocab"]) < 64  # the vocabulary is outside the JSON
+    assert compact.tokens[:3] == [tokenizer.backend.id_to_token(i) for i in range(3)]
+    return Tokenizer.from_compact_state(compact.state, compact.tokens, [m[0] for m in compact.merges],
+                                        [m[1] for m in compact.merges])
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny", "sentencepiece"])
+def test_a_compact_state_rebuilds_the_same_tokenizer(which: str, request: pytest.FixtureRequest,
+                                                     tmp_path: Path) -> None:
+    if which == "sentencepiece":  # byte fallback and an unk token
+        path = write_tokenizer_only_gguf(tmp_path / "tiny-spm.gguf", add_tokenizer=add_tiny_spm_tokenizer)
+        tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    else:
+        tokenizer = request.getfixturevalue("smol" if which == "smollm2" else "tiny")
+    rebuilt = _rebuilt(tokenizer)
+    assert rebuilt.to_state() == tokenizer.to_state()
+    for text in TEXTS + DIGIT_TEXTS:
+        assert rebuilt.encode(text) == tokenizer.encode(text), text
+        assert rebuilt.decode(tokenizer.encode(text)) == tokenizer.decode(tokenizer.encode(text)), text
+
+
+def test_a_tokenizer_without_a_compact_form_says_so() -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    word_level = Tokenizer(Backend(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
+    assert word_level.to_compact_state() is None  # not BPE: the native weights file keeps its whole JSON
+    gaps = Tokenizer(Backend(models.BPE(vocab={"a": 0, "b": 2, "ab": 3}, merges=[("a", "b")])))
+    assert gaps.to_compact_state() is None  # id 1 missing: no list in id order
+    outside = Backend(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    outside.add_special_tokens(["<x>"])  # id 3: beyond the BPE vocabulary
+    assert Tokenizer(outside).to_compact_state() is None
