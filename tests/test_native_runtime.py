@@ -35,13 +35,18 @@ def tiny(path: Path, runtime: str, **kwargs) -> LLM:
     return LLM(str(path), weights="int4", runtime=runtime, **kwargs)
 
 
+# what a start and its requests must not import: torch (the native runtime's point), and what only
+# some features need: structlog and rich (an event at the level), jinja2 (a chat template),
+# llguidance (a structured request), the servers' stacks
+LAZY = ("torch", "structlog", "rich", "jinja2", "llguidance", "prometheus_client", "starlette", "zmq")
 SERVE_WITHOUT_TORCH = """
 import json, sys
 from ricllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], weights="int4", kv_cache_budget="4MiB")
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=12, ignore_eos=True))
 print(json.dumps({"runtime": llm.engine.runtime.name, "source": llm.engine.runtime.weights_source.split()[0],
-                  "torch": "torch" in sys.modules, "tokens": [o.token_ids for o in outs]}))
+                  "torch": "torch" in sys.modules, "tokens": [o.token_ids for o in outs],
+                  "imported": sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[3].split(",")))}))
 """
 
 
@@ -52,12 +57,13 @@ def test_a_process_serves_the_model_without_importing_torch(tiny_native, tmp_pat
     env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path), "RICLLM_LOG_LEVEL": "warning"}
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TORCH, str(tiny_native), json.dumps(prompts)],
-                              capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TORCH, str(tiny_native), json.dumps(prompts),
+                               ",".join(LAZY)], check=False, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert [r["source"] for r in runs] == ["file", "cache"]
     assert all(r["runtime"] == "native" and not r["torch"] for r in runs), runs
+    assert [r["imported"] for r in runs] == [[], []]  # each costs a start time (structlog with rich: ~0.1 s)
     expected = [o.token_ids for o in tiny(tiny_native, "torch").generate(prompts, GREEDY)]
     assert runs[0]["tokens"] == runs[1]["tokens"] == expected
 
@@ -111,6 +117,35 @@ def test_a_torn_native_weights_file_is_converted_again(tiny_native, tmp_path, mo
     llm = tiny(tiny_native, "native", weight_cache=True)
     assert llm.engine.runtime.weights_source.startswith("file") and entry.stat().st_size > 10_000
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == tiny(tiny_native, "torch").generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+
+def test_a_native_weights_file_of_an_older_format_is_converted_again(tiny_native, tmp_path, monkeypatch):
+    from ricllm.model import native_weights
+
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    tiny(tiny_native, "native", weight_cache=True)
+    entry = native_convert.entry_path(tiny_native, "int4")
+    current = f'"version": {native_weights.FORMAT_VERSION}'.encode()
+    data = entry.read_bytes()
+    assert current in data[:200]
+    entry.write_bytes(data.replace(current, b'"version": 1', 1))  # as a file an older ricllm wrote there
+    again = tiny(tiny_native, "native", weight_cache=True)
+    assert again.engine.runtime.weights_source.startswith("file")  # refused, converted, written anew
+    assert current in entry.read_bytes()[:200]
+    assert tiny(tiny_native, "native", weight_cache=True).engine.runtime.weights_source.startswith("cache")
+
+
+def test_the_tokenizer_is_the_same_read_from_a_native_weights_file(tiny_native, tmp_path, monkeypatch):
+    """The file keeps a BPE vocabulary and its merges outside the tokenizer's JSON (format 2)."""
+    from ricllm.model import native_weights
+    from ricllm.model.loader import open_checkpoint
+
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    tiny(tiny_native, "native", weight_cache=True)
+    entry = native_convert.entry_path(tiny_native, "int4")
+    assert native_weights.TOKENIZER_MERGES in native_weights._map(entry)[0]
+    original = open_checkpoint(tiny_native).tokenizer
+    assert native_weights.read(entry).tokenizer.to_state() == original.to_state()
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (20, 0.5)])
