@@ -65,9 +65,13 @@ def _convert(model_path: Path, weights: str, out: Path) -> str | None:
         reason = convert(model_path, weights, out)
         release_free_heap()  # the torch model it packed from is garbage now
         return reason
+    model_path, out = model_path.resolve(), out.resolve()
     command = [sys.executable, "-m", "ricllm.model.native_convert", str(model_path), weights, str(out)]
     log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True)  # stderr: progress bars
+    # run from the cache folder: ``-m`` puts the working directory first on the import path, and a
+    # ricllm checkout there would convert with its code instead of this process's
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True,  # stderr: progress bars
+                            cwd=out.parent, check=False)
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         raise ModelLoadError(f"converting {str(model_path)!r} for the native runtime failed "
