@@ -78,6 +78,7 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_add_rms_norm": [_P] * 4 + [_I, _I, _F, _I, _I],
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,
+    "ricllm_bf16_to_f32": [_P, _P, ctypes.c_int64, _I],
     "ricllm_quant_gemm_supported": [_I],
     "ricllm_quant_gemm_uses_amx": [],
     "ricllm_quant_gemm_int4_path": [_I],
