@@ -831,8 +831,9 @@ def roofline_note(bandwidth: float, sizes: dict) -> str:
     return (f"Roofline: {bandwidth / 1e9:.1f} GB/s read (1 GiB swept read-only by {THREADS} threads, best of 5); "
             f"one-stream bound = bandwidth / (weight bytes + KV bytes per token × {context:g} tokens, the mean "
             f"decode context). Weight bytes, counted by each child: ricllm as its latency roofline does "
-            f"(ricllm.engine.calibration.roofline_of: packed projections with their scales and offsets, norms, "
-            f"the head; the embedding only where it is the head), llama.cpp llama_model_size (every tensor; "
+            f"(ricllm.engine.calibration.roofline_of: packed projections with their scales, not the 8-bit "
+            f"offsets one-row products recompute; norms, the head; the embedding only where it is the head), "
+            f"llama.cpp llama_model_size (every tensor; "
             f"the tied head is token_embd), HF its parameters once each (bf16).")
 
 

@@ -115,7 +115,9 @@ def roofline_of(engine) -> Roofline:
     embedding = getattr(model.embed, "weight", None)  # none when served from the packed head
     if embedding is not None and not (model.lm_head is None and model.packed_head is None):
         shadowed.add(id(embedding))  # only looked up, row by row, unless it is the head
-    tensors = [t for name, t in model.named_buffers() if not name.startswith("rope.")] + [
+    # rope tables: rows looked up; 8-bit offsets: recomputed from the weights by one- and two-row products
+    tensors = [t for name, t in model.named_buffers()
+               if not name.startswith("rope.") and not name.endswith("packed_offsets")] + [
         t for t in model.parameters() if id(t) not in shadowed]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.runtime.device))

@@ -54,8 +54,10 @@ class Packed:
         return self.scales.shape[0] * self.scales.shape[-1]
 
     @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes + self.offsets.nbytes
+    def decode_bytes(self) -> int:
+        """What a product of one or two rows reads: the 8-bit correction (``offsets``) is then
+        recomputed from the weights in hand (``int8_tile``), and 4-bit weights have none."""
+        return self.weight.nbytes + self.scales.nbytes
 
 
 @dataclass
@@ -78,11 +80,11 @@ class NativeWeights:
     rope_sin: np.ndarray
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: every projection and norm and the head (an embedding is
-        only looked up, row by row)."""
-        layers = sum(p.nbytes for layer in self.layers for p in layer.projections.values())
+        """Bytes a one-stream decode step reads: every projection and norm and the head (an
+        embedding is only looked up, row by row)."""
+        layers = sum(p.decode_bytes for layer in self.layers for p in layer.projections.values())
         norms = sum(layer.attn_norm.nbytes + layer.ffn_norm.nbytes for layer in self.layers)
-        return layers + norms + self.norm.nbytes + self.head.nbytes
+        return layers + norms + self.norm.nbytes + self.head.decode_bytes
 
 
 # ------------------------------------------------------------------ reading
