@@ -756,21 +756,6 @@ static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const 
     }
     store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
 }
-
-/* (panel, tile) pairs across the threads, panel-major as on VNNI. */
-static void int4_gemm_avx2_int8(const int8_t *xq, const float *dx, const float *sx, const uint8_t *w,
-                                const uint16_t *scales, void *out, int m, int k, int n, int is_bf16,
-                                int num_threads) {
-    const int groups = k / GROUP, tiles = n / TILE, panels = (m + AVX2_PANEL - 1) / AVX2_PANEL;
-    const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int p = 0; p < panels; p++)
-        for (int t = 0; t < tiles; t++) {
-            const int first = p * AVX2_PANEL, rows = m - first < AVX2_PANEL ? m - first : AVX2_PANEL;
-            int4_tile_avx2_int8(w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups,
-                                sx + (int64_t)first * groups, rows, k, n, t, (char *)out + first * out_row, is_bf16);
-        }
-}
 #endif
 
 #if HAVE_BF16_DOT
@@ -781,20 +766,27 @@ static void reorder_for_quads(int8_t *xq, int64_t count) {
     for (int64_t at = 0; at < count; at += 16)
         _mm_storeu_si128((__m128i *)(xq + at), _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(xq + at)), order));
 }
+#endif
 
-/* 4-bit against int8 activations: (panel of INT8_PANEL rows, tile) pairs across the threads,
- * panel-major: a panel's activations stay in L1 while the layer's weights (a few hundred KB, in
- * L2) pass, and each output row is written whole (5-8% faster from 128 rows than tile-major). */
-static void int4_gemm_int8(const int8_t *xq, const float *dx, const float *sx, const uint8_t *w,
-                           const uint16_t *scales, void *out, int m, int k, int n, int is_bf16, int num_threads) {
-    const int groups = k / GROUP, tiles = n / TILE, panels = (m + INT8_PANEL - 1) / INT8_PANEL;
+#if HAVE_BF16_DOT || HAVE_AVX2
+/* One (tile, panel of activation rows) of 4-bit weights against int8 activations: the VNNI or the AVX2 form. */
+typedef void (*Int4Tile)(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
+                         const float *sx, int rows, int k, int n, int tile, void *out, int is_bf16);
+
+/* (panel of ``panel_rows`` rows, tile) pairs across the threads, panel-major: a panel's activations
+ * stay in L1 while the layer's weights (a few hundred KB, in L2) pass, and each output row is written
+ * whole (5-8% faster from 128 rows than tile-major). */
+static void int4_panels(Int4Tile tile_product, int panel_rows, const int8_t *xq, const float *dx, const float *sx,
+                        const uint8_t *w, const uint16_t *scales, void *out, int m, int k, int n, int is_bf16,
+                        int num_threads) {
+    const int groups = k / GROUP, tiles = n / TILE, panels = (m + panel_rows - 1) / panel_rows;
     const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int p = 0; p < panels; p++)
         for (int t = 0; t < tiles; t++) {
-            const int first = p * INT8_PANEL, rows = m - first < INT8_PANEL ? m - first : INT8_PANEL;
-            int4_tile_int8(w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups,
-                           sx + (int64_t)first * groups, rows, k, n, t, (char *)out + first * out_row, is_bf16);
+            const int first = p * panel_rows, rows = m - first < panel_rows ? m - first : panel_rows;
+            tile_product(w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups,
+                         sx + (int64_t)first * groups, rows, k, n, t, (char *)out + first * out_row, is_bf16);
         }
 }
 #endif
@@ -838,14 +830,14 @@ static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, vo
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
     reorder_for_quads(xq, (int64_t)m * k);
-    int4_gemm_int8(xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+    int4_panels(int4_tile_int8, INT8_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
     return 0;
 #else
     if (int4_path(m) == INT4_AVX2_INT8) {
         int8_t *xq = scratch;
         float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
         quantize_activations(x, m, k, is_bf16, xq, dx, sx);
-        int4_gemm_avx2_int8(xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+        int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
         return 0;
     }
     float *sx = (float *)((uint16_t *)scratch + (int64_t)m * k);
