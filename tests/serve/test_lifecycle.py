@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from structlog.testing import capture_logs
 
 from ricllm.client import RejectedError, RicClient
 from tests.serve.conftest import free_port
-from tests.serve.test_server import http_get
+from tests.serve.test_server import http_get, wait_for
 
 WAIT_S = 10.0  # the most any change may take to show; the tests poll and return as soon as it does
 
@@ -59,16 +58,6 @@ def write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(text)
     os.replace(temporary, path)
-
-
-def poll(condition: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not seen within {timeout_s} s")
 
 
 @pytest.fixture
@@ -140,7 +129,7 @@ def test_live_controls_apply_without_a_restart(config_server):
     assert before.code == "DEADLINE_INFEASIBLE" and "10% margin" in before.message
     config_server.write(admission={"max_queue": 0, "safety_margin": 9.0, "on_late": "abort",
                                    "pace_prefill": False})
-    body = poll(lambda: (b := config_server.config())["reloads"] == 1 and b, "the live change")
+    body = wait_for(lambda: (b := config_server.config())["reloads"] == 1 and b, WAIT_S, "the live change")
     admission = body["controls"]["admission"]
     assert (admission["max_queue"], admission["safety_margin"], admission["on_late"], admission["pace_prefill"]) \
         == (0, 9.0, "abort", False)
@@ -157,16 +146,16 @@ def test_the_log_level_changes_live(config_server, restore_logging):
     from ricllm.logging import current_log_level
 
     config_server.write(log_level="DEBUG")
-    poll(lambda: config_server.config()["controls"]["log_level"] == "DEBUG", "the new log level")
+    wait_for(lambda: config_server.config()["controls"]["log_level"] == "DEBUG", WAIT_S, "the new log level")
     assert current_log_level() == "DEBUG"
     config_server.write(log_level="ERROR")
-    poll(lambda: current_log_level() == "ERROR", "the second log level")
+    wait_for(lambda: current_log_level() == "ERROR", WAIT_S, "the second log level")
 
 
 def test_a_restart_only_change_is_refused_by_name_and_the_live_ones_still_apply(config_server):
     with capture_logs() as logs:
         config_server.write(block_size=32, kv_cache_budget="8MiB", admission={"max_queue": 3})
-        body = poll(lambda: (b := config_server.config())["reloads"] == 1 and b, "the live change")
+        body = wait_for(lambda: (b := config_server.config())["reloads"] == 1 and b, WAIT_S, "the live change")
     (refused,) = events(logs, "config_reload_refused")
     assert refused["restart_required"] == ["block_size", "kv_cache_budget"]
     assert refused["asked"] == {"block_size": 32, "kv_cache_budget": "8MiB"}
@@ -183,12 +172,13 @@ def test_a_restart_only_change_is_refused_by_name_and_the_live_ones_still_apply(
 def test_a_bad_file_keeps_the_running_config_and_says_why(config_server, text, reason):
     with capture_logs() as logs:
         write_atomically(config_server.path, text)
-        failed = poll(lambda: events(logs, "config_reload_failed"), "the refusal of the bad file")
+        failed = wait_for(lambda: events(logs, "config_reload_failed"), WAIT_S, "the refusal of the bad file")
     assert reason in failed[0]["error"] and str(config_server.path) in failed[0]["error"]
     body = config_server.config()
     assert body["reloads"] == 0 and body["controls"]["admission"]["max_queue"] == 256
     config_server.write(admission={"max_queue": 2})  # the next good file applies as usual
-    poll(lambda: config_server.config()["controls"]["admission"]["max_queue"] == 2, "the good file after it")
+    wait_for(lambda: config_server.config()["controls"]["admission"]["max_queue"] == 2, WAIT_S,
+             "the good file after it")
 
 
 def test_the_watcher_ends_with_the_server(engine_kwargs, tmp_path):
@@ -225,12 +215,12 @@ def test_ricllm_serve_watches_config_file_and_logs_in_the_osc_layout(engine_kwar
                                stderr=subprocess.PIPE, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        poll(lambda: _status(base + "/ric/v1/health/ready") == 200 or process.poll() is not None, "ready", 90)
+        wait_for(lambda: _status(base + "/ric/v1/health/ready") == 200 or process.poll() is not None, 90, "ready")
         assert process.poll() is None
-        poll(lambda: json.loads(http_get(base + "/ric/v1/config")[1])["watching"], "the watcher")
+        wait_for(lambda: json.loads(http_get(base + "/ric/v1/config")[1])["watching"], WAIT_S, "the watcher")
         server.write(admission={"max_queue": 7}, max_num_seqs=8)
-        poll(lambda: json.loads(http_get(base + "/ric/v1/config")[1])["controls"]["admission"]["max_queue"] == 7,
-             "the live change")
+        wait_for(lambda: json.loads(http_get(base + "/ric/v1/config")[1])["controls"]["admission"]["max_queue"] == 7,
+                 WAIT_S, "the live change")
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
