@@ -8,6 +8,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Buffers the kernels stream through start on a cache line: malloc's 16-byte alignment makes every
+ * 64-byte vector load of a row straddle two lines (a 128-byte bf16 row then touches three); free()
+ * releases them as any malloc'd block. */
+#define CACHE_LINE 64
+static inline void *alloc_lines(size_t bytes) {
+    return aligned_alloc(CACHE_LINE, (bytes + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE);
+}
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;

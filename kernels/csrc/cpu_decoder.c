@@ -61,7 +61,7 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
     const size_t elt = is_bf16 ? 2 : 4, row = (size_t)rows * elt;
     const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
     const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
-    char *buffer = malloc(activations + gemm_scratch + 64);
+    char *buffer = alloc_lines(activations + gemm_scratch + 64);
     if (!buffer) return -2;
     char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
     char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;

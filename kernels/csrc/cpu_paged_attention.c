@@ -657,7 +657,7 @@ int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cac
         if ((base_items * fewer) % num_threads == 0) splits = fewer;
     if (splits < 1 || windows) splits = 1;
     const int64_t split_stride = max_rows;  /* partial rows kept per (tile, KV head, split) */
-    float *acc = malloc((size_t)base_items * splits * split_stride * head_dim * sizeof(float));
+    float *acc = alloc_lines((size_t)base_items * splits * split_stride * head_dim * sizeof(float));
     RowState *state = malloc((size_t)base_items * splits * split_stride * sizeof(RowState));
     if (!acc || !state) { free(tiles); free(acc); free(state); return -2; }
 #pragma omp parallel num_threads(num_threads)

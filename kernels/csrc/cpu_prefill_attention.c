@@ -514,7 +514,7 @@ static int prefill_attention_taking(const void *q, const void *k_cache, const vo
 #endif
     const size_t elt = use_bf16_dot(&s, is_bf16) ? 2 : 4;
     const int64_t chunks = chunk_base[batch];
-    void *packed = malloc((size_t)(chunks > 0 ? chunks : 1) * kv_heads * 2 * KC * head_dim * elt);
+    void *packed = alloc_lines((size_t)(chunks > 0 ? chunks : 1) * kv_heads * 2 * KC * head_dim * elt);
     int n_blocks = 0;
     QueryBlock *blocks = query_blocks(&s, &n_blocks);
     if (!packed || !blocks) { free(chunk_base); free(packed); free(blocks); return -2; }
@@ -577,7 +577,7 @@ static int paged_attention_below(const char *q, const void *k_cache, const void 
         if (query_start[b + 1] - query_start[b] < below) n++, rows += query_start[b + 1] - query_start[b];
     if (n == 0) return 0;
     int32_t *starts = malloc((size_t)(n + 1) * 4), *lens = malloc((size_t)n * 4), *tables = malloc((size_t)n * table_width * 4);
-    char *q_part = malloc((size_t)rows * row), *out_part = malloc((size_t)rows * row);
+    char *q_part = alloc_lines((size_t)rows * row), *out_part = alloc_lines((size_t)rows * row);
     int code = -2;
     if (starts && lens && tables && q_part && out_part) {
         starts[0] = 0;

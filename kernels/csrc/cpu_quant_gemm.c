@@ -650,7 +650,7 @@ static inline __attribute__((always_inline)) void int4_tile_avx2_dot(int rows, c
 
 static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
                           int m, int k, int n, int is_bf16, int num_threads) {
-    float *xf = malloc((size_t)m * k * sizeof(float));  /* the bf16 activations widened once */
+    float *xf = alloc_lines((size_t)m * k * sizeof(float));  /* the bf16 activations widened once */
     if (!xf) return -2;
     for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(xb[i]);
 #pragma omp parallel for num_threads(num_threads) schedule(static)

@@ -1,6 +1,7 @@
 """The native model and its runner: one step is the embedding lookup, the decoder stack as one
 C call for all layers (``csrc/cpu_decoder.c``), prefill chunks included, then the packed head.
-Numpy arrays and ricllm's C kernels only: this module never imports torch."""
+Numpy arrays and ricllm's C kernels only: this module never imports torch. The arrays it hands
+to C start on a cache line (``ricllm.kernels.aligned``), as torch's tensors do."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from ricllm.cache.kv_cache import NativeKVCache
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.scheduler import ScheduledBatch
+from ricllm.kernels.aligned import aligned_empty
 from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, DecoderStackCall, layer_addresses
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
@@ -45,11 +47,11 @@ class NativeModel:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """bf16 rows ``[T, hidden]`` of the embedding."""
+        out = aligned_empty((len(ids), self.spec.hidden_size), np.uint16)
         if self.weights.embedding is not None:
-            return np.ascontiguousarray(self.weights.embedding[ids])
+            return np.take(self.weights.embedding, ids, axis=0, out=out)
         head, hidden = self.weights.head, self.spec.hidden_size
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = np.empty((ids.shape[0], hidden), dtype=np.uint16)
         code = self._lib.ricllm_quant_rows(head.weight.ctypes.data, head.scales.ctypes.data, head.bits,
                                            ids.ctypes.data, ids.shape[0], hidden, head.out_features,
                                            out.ctypes.data, 1)
@@ -65,7 +67,7 @@ class NativeModel:
         slots = np.asarray(flat.slot_mapping, dtype=np.int64)
         tables, starts, lens = _int32(flat.block_tables), _int32(flat.query_start_loc), _int32(flat.context_lens)
         sinks, windows = (None, None) if flat.kv_windows is None else (_int32(flat.kv_sinks), _int32(flat.kv_windows))
-        out = np.empty_like(x)
+        out = aligned_empty(x.shape, x.dtype)
         self._stack(x.ctypes.data, out.ctypes.data, self.weights.norm.ctypes.data, cos.ctypes.data, sin.ctypes.data,
                     slots.ctypes.data, tables.ctypes.data, starts.ctypes.data, lens.ctypes.data,
                     rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1], threads=self.threads,
@@ -77,14 +79,14 @@ class NativeModel:
         """fp32 ``[N, vocab]``: the packed head's bf16 products, widened (as the torch runtime)."""
         head = self.weights.head
         rows, cols = hidden.shape
-        out = np.empty((rows, head.out_features), dtype=np.uint16)
-        scratch = np.empty(2 * rows * cols + 8 * rows * (cols // 32), dtype=np.uint8)
+        out = aligned_empty((rows, head.out_features), np.uint16)
+        scratch = aligned_empty(2 * rows * cols + 8 * rows * (cols // 32), np.uint8)
         code = self._lib.ricllm_quant_gemm(hidden.ctypes.data, head.weight.ctypes.data, head.scales.ctypes.data,
                                            head.offsets.ctypes.data, head.bits, out.ctypes.data, rows, cols,
                                            head.out_features, 1, scratch.ctypes.data, self.threads)
         if code != 0:
             raise RuntimeError(f"the packed head failed (code {code})")
-        logits = np.empty(out.shape, dtype=np.float32)
+        logits = aligned_empty(out.shape, np.float32)
         self._lib.ricllm_bf16_to_f32(out.ctypes.data, logits.ctypes.data, out.size, self.threads)
         return logits
 
@@ -103,4 +105,6 @@ class NativeModelRunner:
         """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices."""
         flat = flatten(batch, self.block_size)
         hidden = self.model.forward(flat.input_ids, flat.positions, flat)
-        return self.model.compute_logits(np.ascontiguousarray(hidden[flat.logits_rows])), flat.logits_rows
+        sampled = np.take(hidden, flat.logits_rows, axis=0, out=aligned_empty((len(flat.logits_rows), hidden.shape[1]),
+                                                                           hidden.dtype))
+        return self.model.compute_logits(sampled), flat.logits_rows
