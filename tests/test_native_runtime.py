@@ -201,7 +201,7 @@ def test_what_the_native_runtime_hands_to_c_starts_on_a_cache_line(tiny_native, 
 def test_the_cli_refuses_native_for_a_dense_model_with_the_reason_and_no_traceback(tiny_gguf):
     done = subprocess.run([sys.executable, "-m", "ricllm.cli", "generate", "hi", "--model", str(tiny_gguf),
                            "--runtime", "native", "--no-weight-cache"], check=False, capture_output=True,
-                          text=True, timeout=120)
+                           text=True, timeout=120)
     assert done.returncode != 0
     assert "runtime 'native' cannot serve this configuration: weights 'auto' leave the layers dense" in done.stderr
     assert "Traceback" not in done.stderr
