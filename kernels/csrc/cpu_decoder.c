@@ -90,6 +90,6 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
     TRY(ricllm_add_rms_norm(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
                             threads));
 done:
-    free(buffer);
+    free_lines(buffer);
     return code;
 }

@@ -659,7 +659,7 @@ int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t split_stride = max_rows;  /* partial rows kept per (tile, KV head, split) */
     float *acc = alloc_lines((size_t)base_items * splits * split_stride * head_dim * sizeof(float));
     RowState *state = malloc((size_t)base_items * splits * split_stride * sizeof(RowState));
-    if (!acc || !state) { free(tiles); free(acc); free(state); return -2; }
+    if (!acc || !state) { free(tiles); free_lines(acc); free(state); return -2; }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -680,7 +680,7 @@ int ricllm_paged_attention(const void *q, const void *k_cache, const void *v_cac
         }
     }
     free(tiles);
-    free(acc);
+    free_lines(acc);
     free(state);
     return 0;
 }

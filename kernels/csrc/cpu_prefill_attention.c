@@ -517,9 +517,9 @@ static int prefill_attention_taking(const void *q, const void *k_cache, const vo
     void *packed = alloc_lines((size_t)(chunks > 0 ? chunks : 1) * kv_heads * 2 * KC * head_dim * elt);
     int n_blocks = 0;
     QueryBlock *blocks = query_blocks(&s, &n_blocks);
-    if (!packed || !blocks) { free(chunk_base); free(packed); free(blocks); return -2; }
+    if (!packed || !blocks) { free(chunk_base); free_lines(packed); free(blocks); return -2; }
     int *chunk_seq = malloc((size_t)(chunks > 0 ? chunks : 1) * sizeof(int));
-    if (!chunk_seq) { free(chunk_base); free(packed); free(blocks); return -2; }
+    if (!chunk_seq) { free(chunk_base); free_lines(packed); free(blocks); return -2; }
     for (int b = 0; b < batch; b++)
         for (int64_t c = chunk_base[b]; c < chunk_base[b + 1]; c++) chunk_seq[c] = b;
 #pragma omp parallel num_threads(num_threads)
@@ -538,7 +538,7 @@ static int prefill_attention_taking(const void *q, const void *k_cache, const vo
     }
     free(chunk_seq);
     free(chunk_base);
-    free(packed);
+    free_lines(packed);
     free(blocks);
     return 0;
 }
@@ -602,8 +602,8 @@ static int paged_attention_below(const char *q, const void *k_cache, const void 
     free(starts);
     free(lens);
     free(tables);
-    free(q_part);
-    free(out_part);
+    free_lines(q_part);
+    free_lines(out_part);
     return code;
 }
 

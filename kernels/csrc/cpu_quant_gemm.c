@@ -658,7 +658,7 @@ static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w,
         if (m == 2) int4_tile_avx2_dot(2, w, scales, xf, sx, k, n, t, out, is_bf16);
         else int4_tile_avx2_dot(1, w, scales, xf, sx, k, n, t, out, is_bf16);
     }
-    free(xf);
+    free_lines(xf);
     return 0;
 }
 
