@@ -144,6 +144,10 @@ class EngineSettings(StrictModel):
 
     model: NonEmpty | None = setting(
         None, "GGUF file or HF checkpoint folder; null: the installed SmolLM2-135M-Instruct GGUF")
+    served_model_name: NonEmpty | None = setting(
+        None, "the name clients call the model by: the OpenAI API's model field and /v1/models, the metrics' "
+              "model_name label, the ZeroMQ stats; null: the model file's own name (a GGUF's general.name), else "
+              "its file name", metavar="NAME")
     kv_cache_budget: ByteSize = setting(
         "256MiB", "bytes for the whole KV cache: an integer, or a number with a unit (B, KB, MB, GB, TB, KiB, "
                   "MiB, GiB, TiB, K, M, G), e.g. 256MiB")

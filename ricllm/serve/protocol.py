@@ -328,11 +328,13 @@ class ModelIdentity(_Report):
     threads: int
     runtime: str
     ricllm: str
+    served_model_name: str | None = None  # the operator's name for it (the engine setting), if any
 
     @property
     def served_name(self) -> str:
-        """The name clients use for it (``/v1/models``, the metrics' ``model_name``): its own, else its file's."""
-        return self.name or Path(self.path).stem
+        """The name clients use for it (``/v1/models``, the metrics' ``model_name``): the operator's, else
+        its own, else its file's."""
+        return self.served_model_name or self.name or Path(self.path).stem
 
 
 class QueueStats(_Report):

@@ -533,7 +533,8 @@ class Worker(EngineDriver):
                                dtype=str(runtime.dtype).removeprefix("torch."),
                                weights=p.WeightFormats(layers=layers, head=head),
                                attention_backend=runtime.attention_backend, device=str(runtime.device),
-                               threads=runtime.threads, runtime=runtime.name, ricllm=__version__)
+                               threads=runtime.threads, runtime=runtime.name, ricllm=__version__,
+                               served_model_name=self.engine.config.served_model_name)
 
     def _publish(self, force: bool = False) -> None:
         """Hand the metrics collector a fresh snapshot, at most every PUBLISH_EVERY_S."""

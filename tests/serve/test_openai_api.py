@@ -49,6 +49,21 @@ def test_models_lists_the_served_model(openai_client):
     assert openai_client.models.retrieve(MODEL).id == MODEL
 
 
+def test_a_served_model_name_is_what_clients_and_metrics_call_the_model(start_server):
+    require_module("openai")
+    import openai
+
+    running = start_server(engine={"served_model_name": "ran-decider"})
+    with openai.OpenAI(base_url=running.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        assert [m.id for m in client.models.list().data] == ["ran-decider"]
+        answer = client.completions.create(model="ran-decider", prompt="cell 17", max_tokens=2, temperature=0)
+        assert answer.model == "ran-decider"
+        with pytest.raises(openai.NotFoundError, match="this server serves 'ran-decider'"):
+            client.completions.create(model=MODEL, prompt="cell 17", max_tokens=2)
+    labels = {dict(series)["model_name"] for _, series in metric_values(running.http_url) if "model_name" in dict(series)}
+    assert labels == {"ran-decider"}
+
+
 def test_an_unknown_model_is_404_model_not_found(openai_client):
     import openai
 
