@@ -243,8 +243,7 @@ def cpu_kernels_available() -> tuple[bool, str]:
 
 
 # the 4-bit paths, in csrc/cpu_quant_gemm.c's order (its ``ricllm_quant_gemm_int4_path`` says which runs)
-INT4_PATHS = ("fp32 FMA widened per use", "int8 activations on maddubs", "int8 activations on VNNI",
-              "bf16 AMX tiles", "dequantized AMX tiles")
+INT4_PATHS = ("int8 activations on maddubs", "int8 activations on VNNI", "bf16 AMX tiles", "dequantized AMX tiles")
 INT4_PATH_SCAN_ROWS = 256  # past every row threshold of the C paths
 
 

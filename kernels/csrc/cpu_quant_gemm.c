@@ -18,9 +18,8 @@
  * bf16 pattern of 128 + q, exactly), so the tiles compute Σ x·(128 + q) and the 128·Σx folds
  * into the group's offset (c − 128·d). AMX, 64 rows and more (prefill chunks): weights
  * dequantized to bf16 (what a dense bf16 copy holds), accumulated over all of K in the tiles.
- * AVX2 (x86-64-v3, no AVX-512): 1-2 rows, bf16-rounded activations in fp32 FMAs against weights
- * widened in registers per use; 3 rows and more, int8 activations as on VNNI with ``maddubs``
- * (integer-exact, the VNNI path's results bit for bit). 8-bit as below, emulated (see HAVE_AVX2).
+ * AVX2 (x86-64-v3, no AVX-512): int8 activations as on VNNI, with ``maddubs`` (integer-exact,
+ * the VNNI path's results bit for bit). 8-bit as below, emulated (see HAVE_AVX2).
  * 8-bit (Q8_0's form, w = d·q, q in -127..127): activations are quantized to int8 per group of
  * 32 (as llama.cpp does) and each group's dot product runs on the integer unit (``vpdpbusd``,
  * 64 byte pairs per instruction). That unit wants one unsigned operand, so activations enter
@@ -178,7 +177,7 @@ static void quantize_activations(const void *x, int rows, int k, int is_bf16, in
 #endif
 }
 
-#if HAVE_AMX || HAVE_AVX2
+#if HAVE_AMX
 /* Per activation row and group: the fp32 sum of its bf16 values (the offsets' factor); fp32
  * activations are rounded to bf16 into ``xb`` first, bf16 ones are used where they lie. */
 static const uint16_t *bf16_activations(const void *x, int rows, int k, int is_bf16, uint16_t *xb, float *sx) {
@@ -557,17 +556,12 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
 #endif
 
 #if HAVE_AVX2
-/* AVX2 (x86-64-v3: every AVX2 server). 4-bit, 1-2 rows: the activations bf16-rounded, widened to
- * fp32, against weights widened in registers per use, in FMAs: Σ x·q per output, then d·Σ x·q +
- * c·Σ x. 3+ rows: int8 activations as on VNNI (below). 8-bit: int8 products as on VNNI, emulated
- * with |w| · sign(x, w) (``maddubs``, never saturating: |w|, |x| ≤ 127) and pairwise sums
- * (``madd``): integer-exact, so the results are the AVX-512 path's, bit for bit. */
+/* AVX2 (x86-64-v3: every AVX2 server). 4-bit: int8 activations as on VNNI (below), every row
+ * count (fp32 FMAs on bf16 activations for 1-2 rows, once here, took 2.4x as long in a one-stream
+ * decode step of SmolLM2: compute-bound on widening every nibble to fp32). 8-bit: int8 products as
+ * on VNNI, emulated with |w| · sign(x, w) (``maddubs``, never saturating: |w|, |x| ≤ 127) and pairwise
+ * sums (``madd``): integer-exact, so the results are the AVX-512 path's, bit for bit. */
 #define AVX2_PANEL 32     /* activation rows per pass over a tile's widened weights */
-#ifndef AVX2_DOT_MAX_ROWS
-/* up to here fp32 FMAs on bf16 activations: as fast as int8 ones at 1-2 rows, 1.6-2x slower
- * from 3 (measured), and without the int8 rounding */
-#define AVX2_DOT_MAX_ROWS 2
-#endif
 #define AVX2_INT8_ROWS 4  /* activation rows sharing each loaded weight group (registers) */
 #define INT8_AVX2_DISPATCH(rows, ...)                                                           \
     switch (rows) {                                                                             \
@@ -587,13 +581,6 @@ static inline __attribute__((always_inline)) GroupScales group_scales_avx2(const
                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)))};
 }
 
-/* totals += d·Σq·x + c·Σx for one row and group (``low``/``high``: Σq·x of outputs 0-7 / 8-15). */
-static inline __attribute__((always_inline)) void add_group_avx2(__m256 *totals, const GroupScales *gs, __m256 low,
-                                                               __m256 high, __m256 row_sum) {
-    totals[0] = _mm256_fmadd_ps(gs->c_low, row_sum, _mm256_fmadd_ps(low, gs->d_low, totals[0]));
-    totals[1] = _mm256_fmadd_ps(gs->c_high, row_sum, _mm256_fmadd_ps(high, gs->d_high, totals[1]));
-}
-
 /* Each row's 16 outputs of the tile (two 8-lane totals) to its place in ``out``. */
 static inline __attribute__((always_inline)) void store_totals_avx2(const __m256 (*totals)[2], int rows, void *out,
                                                                   int n, int tile, int is_bf16) {
@@ -603,63 +590,6 @@ static inline __attribute__((always_inline)) void store_totals_avx2(const __m256
         _mm256_storeu_ps(lane + 8, totals[r][1]);
         store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
     }
-}
-
-/* 1-2 rows: each pair of k widened in registers and used at once, four FMA chains per row. */
-#define AVX2_DOT_ROWS 2
-static inline __attribute__((always_inline)) void int4_tile_avx2_dot(int rows, const uint8_t *w,
-                                                                   const uint16_t *scales, const float *xf,
-                                                                   const float *sx, int k, int n, int tile,
-                                                                   void *out, int is_bf16) {
-    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
-    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
-    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
-    const __m256i nibble = _mm256_set1_epi32(0x0F);
-    __m256 totals[AVX2_DOT_ROWS][2];
-    for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        const uint8_t *bytes = wt + (int64_t)g * group_bytes;
-        __m256 acc[AVX2_DOT_ROWS][4];  /* even k rows 0-7, 8-15; odd k rows 0-7, 8-15 */
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-        for (int i = 0; i < GROUP / 2; i++) {
-            const __m256i rows0to7 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i * TILE)));
-            const __m256i rows8to15 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + i * TILE + 8)));
-            const __m256 even_low = _mm256_cvtepi32_ps(_mm256_and_si256(rows0to7, nibble));
-            const __m256 even_high = _mm256_cvtepi32_ps(_mm256_and_si256(rows8to15, nibble));
-            const __m256 odd_low = _mm256_cvtepi32_ps(_mm256_srli_epi32(rows0to7, 4));
-            const __m256 odd_high = _mm256_cvtepi32_ps(_mm256_srli_epi32(rows8to15, 4));
-            for (int r = 0; r < rows; r++) {
-                const float *xr = xf + (int64_t)r * k + g * GROUP + 2 * i;
-                const __m256 x_even = _mm256_broadcast_ss(xr), x_odd = _mm256_broadcast_ss(xr + 1);
-                acc[r][0] = _mm256_fmadd_ps(even_low, x_even, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(even_high, x_even, acc[r][1]);
-                acc[r][2] = _mm256_fmadd_ps(odd_low, x_odd, acc[r][2]);
-                acc[r][3] = _mm256_fmadd_ps(odd_high, x_odd, acc[r][3]);
-            }
-        }
-        const GroupScales gs = group_scales_avx2(st + (int64_t)g * 2 * TILE);
-        for (int r = 0; r < rows; r++) {
-            const __m256 row_sum = _mm256_set1_ps(sx[(int64_t)r * groups + g]);
-            const __m256 low = _mm256_add_ps(acc[r][0], acc[r][2]), high = _mm256_add_ps(acc[r][1], acc[r][3]);
-            add_group_avx2(totals[r], &gs, low, high, row_sum);
-        }
-    }
-    store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
-}
-
-static int int4_gemm_avx2(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
-                          int m, int k, int n, int is_bf16, int num_threads) {
-    float *xf = alloc_lines((size_t)m * k * sizeof(float));  /* the bf16 activations widened once */
-    if (!xf) return -2;
-    for (int64_t i = 0; i < (int64_t)m * k; i++) xf[i] = bf16_to_f32(xb[i]);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int t = 0; t < n / TILE; t++) {
-        if (m == 2) int4_tile_avx2_dot(2, w, scales, xf, sx, k, n, t, out, is_bf16);
-        else int4_tile_avx2_dot(1, w, scales, xf, sx, k, n, t, out, is_bf16);
-    }
-    free_lines(xf);
-    return 0;
 }
 
 /* Per dword lane: Σ of its 4 byte products w·x (both in -127..127). */
@@ -728,6 +658,9 @@ static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const 
     for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t *wg = wt + (int64_t)g * group_bytes;
+        for (int line = 0; line < 4; line++)  /* as int4_tile_int8: the prefetchers stop at each page */
+            _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * group_bytes + 64 * line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int b = 0; b < GROUP / 4; b++) {
             blocks[b][0] = int4_block_avx2(wg + b * 2 * TILE);
@@ -792,11 +725,12 @@ static void int4_panels(Int4Tile tile_product, int panel_rows, const int8_t *xq,
 #endif
 
 /* The 4-bit paths, by activation rows (``ricllm_quant_gemm_int4_path`` names them to callers). */
-enum { INT4_FMA_PER_USE, INT4_AVX2_INT8, INT4_VNNI_INT8, INT4_AMX_TILES, INT4_AMX_DEQUANTIZED };
+enum { INT4_AVX2_INT8, INT4_VNNI_INT8, INT4_AMX_TILES, INT4_AMX_DEQUANTIZED };
 
 static int int4_path(int m) {
 #if HAVE_AVX2
-    return m <= AVX2_DOT_MAX_ROWS ? INT4_FMA_PER_USE : INT4_AVX2_INT8;
+    (void)m;
+    return INT4_AVX2_INT8;
 #else
 #if HAVE_AMX
     if (m >= AMX_MIN_ROWS && ricllm_amx_usable())
@@ -833,16 +767,11 @@ static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, vo
     int4_panels(int4_tile_int8, INT8_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
     return 0;
 #else
-    if (int4_path(m) == INT4_AVX2_INT8) {
-        int8_t *xq = scratch;
-        float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
-        quantize_activations(x, m, k, is_bf16, xq, dx, sx);
-        int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
-        return 0;
-    }
-    float *sx = (float *)((uint16_t *)scratch + (int64_t)m * k);
-    return int4_gemm_avx2(bf16_activations(x, m, k, is_bf16, scratch, sx), sx, w, scales, out, m, k, n, is_bf16,
-                          num_threads);
+    int8_t *xq = scratch;
+    float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
+    quantize_activations(x, m, k, is_bf16, xq, dx, sx);
+    int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+    return 0;
 #endif
 }
 #endif

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from ricllm.kernels import cpu_library, cpu_quant
 
 ROOT = Path(__file__).resolve().parents[2]
-# every row range the paths split on: AVX2 fp32 FMA (1-2), int8 (3+); VNNI int8 (AMX family: 1-13),
-# AMX tiles (14-63), AMX dequantized (64+)
+# every row range the paths split on: VNNI int8 (AMX family: 1-13), AMX tiles (14-63), AMX dequantized
+# (64+); the panels of the int8 paths (VNNI 64 rows, AVX2 32)
 ROWS = (1, 2, 3, 7, 8, 9, 13, 14, 16, 33, 64, 100)
 BF16_OUT_TOL = 2 ** -8  # a bf16 output is rounded once (relative to the output's norm)
 FP32_OUT_TOL = 1e-5  # an fp32 output: only the accumulation order differs from the reference's
@@ -133,7 +133,7 @@ FAMILY_NAMES = {"amx": "amx", "avx512": "avx512-bf16", "avx2": "avx2"}
 INT4_PATHS = {  # what kernel_family() says of each family's 4-bit paths (read from the C library)
     "amx": "int8 activations on VNNI 1-13 rows, bf16 AMX tiles 14-63 rows, dequantized AMX tiles 64+",
     "avx512": "int8 activations on VNNI, every row count",
-    "avx2": "fp32 FMA widened per use 1-2 rows, int8 activations on maddubs 3+",
+    "avx2": "int8 activations on maddubs, every row count",
 }
 
 
@@ -157,7 +157,7 @@ weight = torch.randn(48, 320, generator=torch.Generator().manual_seed(11)) * 0.0
 digest = hashlib.sha256()
 for bits, pack in ((4, cpu_quant.pack_int4), (8, cpu_quant.pack_int8)):
     packed = pack(weight)
-    for rows in (3, 13, 40):
+    for rows in (1, 2, 3, 13, 40):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(dtype)
             digest.update(cpu_quant.quant_gemm(x, *packed, bits, 48).view(torch.uint8).numpy().tobytes())
@@ -167,7 +167,7 @@ print(digest.hexdigest())
 
 def test_the_int8_activation_paths_compute_the_same_bits_in_every_family():
     """AVX2's maddubs emulates VNNI's products exactly and scales in the same order: where both run
-    on int8 activations (4-bit from 3 rows below AMX's, and 8-bit), the outputs are the same bits."""
+    on int8 activations (4-bit at every row count below AMX's, and 8-bit), the outputs are the same bits."""
     families = [f for f in ("avx2", "avx512") if runs_here(f)]
     if len(families) < 2:
         pytest.skip("needs a CPU that runs both the avx2 and the avx512 family")
