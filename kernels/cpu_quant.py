@@ -8,8 +8,8 @@ group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``p
 takes Q8_0's form ``w = d·q`` per group of 32. 8-bit products quantize the activations to int8
 per group of 32 inside the kernel, as llama.cpp does for the same products (AVX-512 VNNI, or
 AVX2's maddubs, bit for bit the same); so do 4-bit ones on VNNI (every row count without AMX,
-1-13 rows with it) and on AVX2 from 3 rows, while AMX tiles (14+ rows) and AVX2 for 1-2 rows keep
-them in bf16 (``cpu_library.int4_path`` says which runs).
+1-13 rows with it) and on AVX2 (every row count), while AMX tiles (14+ rows) keep them in bf16
+(``cpu_library.int4_path`` says which runs).
 """
 
 from __future__ import annotations
