@@ -47,11 +47,11 @@ class NativeModel:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """bf16 rows ``[T, hidden]`` of the embedding."""
-        out = aligned_empty((len(ids), self.spec.hidden_size), np.uint16)
         if self.weights.embedding is not None:
-            return np.take(self.weights.embedding, ids, axis=0, out=out)
+            return _take_rows(self.weights.embedding, ids)
         head, hidden = self.weights.head, self.spec.hidden_size
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = aligned_empty((ids.shape[0], hidden), np.uint16)
         code = self._lib.ricllm_quant_rows(head.weight.ctypes.data, head.scales.ctypes.data, head.bits,
                                            ids.ctypes.data, ids.shape[0], hidden, head.out_features,
                                            out.ctypes.data, 1)
@@ -91,6 +91,11 @@ class NativeModel:
         return logits
 
 
+def _take_rows(array: np.ndarray, rows) -> np.ndarray:
+    """``array[rows]``, copied into an array that starts on a cache line."""
+    return np.take(array, rows, axis=0, out=aligned_empty((len(rows), *array.shape[1:]), array.dtype))
+
+
 def _addresses(p: Packed) -> tuple[int, int, int]:
     return p.weight.ctypes.data, p.scales.ctypes.data, p.offsets.ctypes.data
 
@@ -105,6 +110,4 @@ class NativeModelRunner:
         """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices."""
         flat = flatten(batch, self.block_size)
         hidden = self.model.forward(flat.input_ids, flat.positions, flat)
-        sampled = np.take(hidden, flat.logits_rows, axis=0, out=aligned_empty((len(flat.logits_rows), hidden.shape[1]),
-                                                                           hidden.dtype))
-        return self.model.compute_logits(sampled), flat.logits_rows
+        return self.model.compute_logits(_take_rows(hidden, flat.logits_rows)), flat.logits_rows
