@@ -100,7 +100,9 @@ class NativeKVCache:
         shape = cache_shape(spec, geometry)
         self.geometry = geometry
         self.pool = aligned_zeros((spec.num_layers, 2, *shape), np.uint8 if geometry.kv_format.quantized else np.uint16)
-        self.pool.reshape(-1).view(np.uint8)[::PAGE_BYTES] = 0
+        pool_bytes = self.pool.reshape(-1).view(np.uint8)
+        pool_bytes[::PAGE_BYTES] = 0
+        pool_bytes[-1:] = 0  # the pool starts inside a page (on a cache line), so its last page may be after the stride
         self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(spec.num_layers)]
 
     def total_bytes(self) -> int:
