@@ -101,14 +101,19 @@ def test_slow_steps_multiplies_a_tiny_engines_step_time(tiny_gguf):
         return statistics.median(durations)
 
     median_step_s(5)  # warm up
-    base = median_step_s(15)
     # the fault stretches the model's run, about half of a tiny engine's step (scheduling and
-    # sampling are the rest): 8x the run makes the step well over 2.5x, on a busy machine too, since
-    # the wait is proportional to each run's own time
-    undo = slow_steps(engine, 8.0)
-    slowed = median_step_s(15)
-    undo()
-    again = median_step_s(15)
+    # sampling are the rest): 8x the run makes the step well over 2.5x, since the wait is
+    # proportional to each run's own time. Another process taking the CPU during one measurement
+    # (fresh-clone CI once saw a 2.6 ms base step against the usual 0.25) can hide that, so the
+    # measurements are taken again, up to three times; a fault that does nothing fails every time.
+    for _ in range(3):
+        base = median_step_s(15)
+        undo = slow_steps(engine, 8.0)
+        slowed = median_step_s(15)
+        undo()
+        again = median_step_s(15)
+        if slowed > 2.5 * base and again < slowed / 2:
+            break
     assert slowed > 2.5 * base, (base, slowed)
     assert again < slowed / 2, (again, slowed)
     factor = [1.0]
