@@ -904,7 +904,7 @@ def main() -> None:
     args = parse_args()
     if args.child:
         return child_main(args.child)
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
     import torch
 
     torch.set_num_threads(THREADS)  # also what results.machine() reports

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: no folder of ours shadows an installed package
 
 from benchmarks.results import publish
 from ricllm import LLM, SamplingParams

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
 
 from benchmarks.results import publish  # noqa: E402
 

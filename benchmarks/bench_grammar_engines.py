@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
 
 from benchmarks.results import publish  # noqa: E402
 

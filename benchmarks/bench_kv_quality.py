@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
 
 from benchmarks.bench_decisions import judge, template_cases
 from benchmarks.results import publish

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
 
 # (name, K, N, bits): SmolLM2-135M's projections (Q4_1 layers) and its LM head (int4 and the int8 it ships as)
 SHAPES = [("q/o 576->576", 576, 576, 4), ("k/v 576->192", 576, 192, 4), ("gate/up 576->1536", 576, 1536, 4),

@@ -12,3 +12,8 @@ way, so the torch runtime and SDPA run what they would run on such a CPU. Standa
 from __future__ import annotations
 
 WITHOUT_AMX = {"RICLLM_NO_AMX": "1", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+# An AVX2-only CPU (AMD Zen 2/3, Xeons before Skylake-SP): ricllm's avx2 family, ricllm's bf16 probe answering
+# no, and torch's own kernels (ATen's vector code, MKL, oneDNN) held to AVX2. The test suite runs its
+# CPU-dependent part under this too (tests/test_avx2_only.py).
+AVX2_ONLY = {"RICLLM_CPU_KERNELS": "avx2", "RICLLM_CPU_BF16": "0", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -2,8 +2,8 @@
 """Decode-kernel benchmark for one GPU (sized for an H200, about 4 minutes): correctness, then speed.
 
 Run from the repository root: ``python benchmarks/gpu_kernels.py [--out FILE] [--tune]``.
-Imports only torch, triton, ``ricllm.attention.reference`` and ``kernels`` (the repo's kernel
-package), so it runs on a bare GPU machine without the project's other dependencies.
+Imports only torch, triton, ``ricllm.attention.reference`` and ``ricllm.kernels``, so it runs on a
+bare GPU machine without the project's other dependencies (or ricllm installed).
 
 1. Correctness on large shapes against the torch reference: Triton one-pass and split-K in fp16
    and bf16, on int8 caches (``kv_cache_dtype="int8"``: the same uint8 pool in both) and with sink +
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -87,21 +86,17 @@ class Settings:
 
 def import_reference() -> types.ModuleType:
     """``ricllm.attention.reference``; if ``ricllm/__init__`` needs packages this machine lacks,
-    load the two torch-only modules it needs without running the package initialisers."""
+    stand in for the package initialisers (``ricllm``, ``ricllm.attention``) with bare packages, so
+    only the torch-only modules this script needs run."""
     try:
         return importlib.import_module("ricllm.attention.reference")
     except ImportError as exc:
-        print(f"note: importing ricllm failed ({exc}); loading the reference module directly")
+        print(f"note: importing ricllm failed ({exc}); loading its kernel and reference modules bare")
     for name, path in (("ricllm", ROOT / "ricllm"), ("ricllm.attention", ROOT / "ricllm" / "attention")):
         package = types.ModuleType(name)
         package.__path__ = [str(path)]
         sys.modules[name] = package
-    for name in ("ricllm.attention.metadata", "ricllm.attention.reference"):
-        spec = importlib.util.spec_from_file_location(name, ROOT / (name.replace(".", "/") + ".py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["ricllm.attention.reference"]
+    return importlib.import_module("ricllm.attention.reference")
 
 
 # ------------------------------------------------------------------------------------------
@@ -256,13 +251,14 @@ class Kernels:
 
 
 def load_kernels(settings: Settings) -> Kernels:
-    kernels = importlib.import_module("kernels")
+    reference = import_reference()
+    kernels = importlib.import_module("ricllm.kernels")
     ok, reason = kernels.triton_available()
     print(f"triton: {reason}")
     if not ok:
         raise SystemExit(f"cannot run: {reason}")
-    triton_decode = importlib.import_module("kernels.triton_decode")
-    cuda_ext = importlib.import_module("kernels.cuda_ext")
+    triton_decode = importlib.import_module("ricllm.kernels.triton_decode")
+    cuda_ext = importlib.import_module("ricllm.kernels.cuda_ext")
     started = time.perf_counter()
     try:
         cuda_ext.load_extension()
@@ -271,7 +267,7 @@ def load_kernels(settings: Settings) -> Kernels:
         cuda, status = None, f"unavailable: {str(exc)[-2000:]}"
     print(f"CUDA extension: {status}")
     settings.notes.append(f"CUDA extension: {status.splitlines()[0]}")
-    return Kernels(import_reference(), triton_decode, cuda, status)
+    return Kernels(reference, triton_decode, cuda, status)
 
 
 # ------------------------------------------------------------------------------------------

@@ -159,7 +159,8 @@ class EngineSettings(StrictModel):
     max_model_len: Annotated[int, Field(ge=1)] | None = setting(
         None, "cap on prompt + output tokens; null: the model's context")
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = setting(
-        "auto", "activations and KV cache; auto: bfloat16 where the hardware has it, else float32")
+        "auto", "activations and KV cache; auto: bfloat16 on a GPU, and on a CPU with bf16 products (AVX-512 BF16, "
+                "AMX) or ricllm's packed-weight kernels (every x86-64-v3 CPU); else float32")
     kv_cache_dtype: Literal["auto", "int8"] = setting(
         "auto", "KV cache element type, one per engine: auto = the activations' (dtype); int8 = one byte per "
                 "element plus an fp32 scale per (token, KV head) row, 1.9x the tokens per byte for head_dim 64, "
@@ -243,14 +244,30 @@ class EngineConfig(EngineSettings):
         return device
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
-        """``auto``: bf16 where the hardware has it (CPU with AVX-512 BF16 / AMX, or CUDA), else fp32."""
+        """The torch runtime's activation type; ``auto``: see :meth:`auto_cpu_dtype` on a CPU, bf16 on a GPU."""
         import torch
 
         if self.dtype != "auto":
             return getattr(torch, DTYPES[self.dtype])
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        return getattr(torch, self.auto_cpu_dtype()[0] if device.type == "cpu" else "bfloat16")
+
+    def auto_cpu_dtype(self) -> tuple[str, str]:
+        """``(dtype, why)`` that ``dtype="auto"`` takes on this CPU.
+
+        bf16 where the CPU multiplies it in hardware, and also where it does not but ricllm's
+        packed-weight kernels serve the weights (every x86-64-v3 CPU): they take bf16 activations
+        on every family and do the products themselves, so packed int4/int8 weights stay packed
+        (an AVX2 server keeps the file's 4-bit weights instead of dense fp32 ones). Dense weights
+        (``weights="bf16"``) on a CPU without bf16 products compute in fp32, torch's fast path there."""
+        from ricllm.kernels.cpu_library import cpu_bf16, quant_gemm_available
+
+        has_bf16, why = cpu_bf16()
+        if has_bf16:
+            return "bfloat16", f"bf16 products in hardware ({why})"
+        if self.weights != "bf16" and quant_gemm_available(4) and quant_gemm_available(8):
+            return "bfloat16", f"{why}: bf16 is storage, ricllm's packed-weight kernels do the products"
+        return "float32", f"{why}, and the weights stay dense" if self.weights == "bf16" else \
+            f"{why}, and ricllm's packed-weight kernels do not run here"
 
     def requested_threads(self) -> int:
         """``threads``, else one per CPU of ``engine_cpus``, else ``OMP_NUM_THREADS``; 0: none asked for."""

@@ -9,6 +9,21 @@ import time
 from pathlib import Path
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parent
+# where the wheel puts each data folder that a checkout keeps at its top level (pyproject.toml's package-dir)
+_IN_THE_WHEEL = {"kernels": ("kernels", "csrc"), "scenarios": ("scenarios",)}
+
+
+def shipped_folder(name: str) -> Path:
+    """``kernels`` (the C and CUDA sources) or ``scenarios`` (the bundled replay scenarios).
+
+    A checkout keeps them at its top level as plain folders, not packages: no ``import kernels``
+    run from the repository root may find ours instead of the registry's. The wheel ships them
+    inside ``ricllm/``."""
+    packaged = PACKAGE_ROOT.joinpath(*_IN_THE_WHEEL[name])
+    return packaged if packaged.is_dir() else PACKAGE_ROOT.parent / name
+
+
 def cache_dir() -> Path:
     """``$RICLLM_CACHE_DIR``, else ``~/.cache/ricllm``."""
     return Path(os.environ.get("RICLLM_CACHE_DIR", Path.home() / ".cache" / "ricllm"))

@@ -28,7 +28,7 @@ extras="[$(IFS=,; echo "${groups[*]}")]"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras}"
 # An editable install leaves ricllm's own sources uncompiled, so every process would compile what it imports
 # (and, where PYTHONDONTWRITEBYTECODE is set, never keep it): compile them once here. Edited sources recompile.
-.venv/bin/python -m compileall -q -j 0 ricllm kernels >/dev/null
+.venv/bin/python -m compileall -q -j 0 ricllm >/dev/null
 # --dev: the deployment tests render deploy/ with `kubectl kustomize`; Debian's kubernetes-client has it.
 # Installed only where kubectl is missing and apt can be used (as root); else the tests skip (and fail in CI).
 if [[ " ${groups[*]:-} " == *" dev "* ]] && ! command -v kubectl >/dev/null 2>&1; then

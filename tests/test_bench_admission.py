@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: no folder of ours shadows an installed package
 
 import benchmarks.bench_admission as bench
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: no folder of ours shadows an installed package
 
 import benchmarks.bench_kv_quality as bench
 from ricllm import LLM

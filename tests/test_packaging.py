@@ -22,7 +22,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 ABSENT_RUN = Path(__file__).with_name("absent_run.py")
 IMPORT_NAMES = {"pyyaml": "yaml", "prometheus-client": "prometheus_client", "pyzmq": "zmq"}  # where they differ
 BROUGHT_ALONG = {"anyio": "starlette's own dependency"}
-GPU_ONLY = {"triton": "kernels/triton_decode.py, imported on a CUDA device only (the dev extra has it)"}
+GPU_ONLY = {"triton": "ricllm/kernels/triton_decode.py, imported on a CUDA device only (the dev extra has it)"}
 
 
 def _distribution(requirement: str) -> str:
@@ -40,9 +40,9 @@ def _imports(extra: str | None) -> set[str]:
 
 
 def _third_party_imports() -> dict[str, set[str]]:
-    """Top-level package -> the files of ricllm/ and kernels/ that import it (anywhere in the file)."""
+    """Top-level package -> the files of ricllm/ that import it (anywhere in the file)."""
     found: dict[str, set[str]] = {}
-    for folder in ("ricllm", "kernels"):
+    for folder in ("ricllm",):
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)

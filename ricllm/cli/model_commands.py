@@ -75,10 +75,25 @@ def cmd_info(args: argparse.Namespace) -> int:
         rows.append((f"KV bytes/token {label}", f"{per_token} B  (2·{spec.num_layers}·{spec.num_kv_heads}·"
                      f"{spec.head_dim}·{size}); full context {format_bytes(per_token * spec.max_position_embeddings)}"))
     rows.append(("CPU kernels", _cpu_kernels()))
+    rows += _auto_choices(ckpt.tensor_types())
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return 0
+
+
+def _auto_choices(tensor_types: dict[str, str]) -> list[tuple[str, str]]:
+    """What ``dtype="auto"`` and ``weights="auto"`` resolve to on this CPU for this file."""
+    from ricllm.config import EngineConfig
+    from ricllm.kernels.cpu_library import cpu_bf16
+    from ricllm.model.formats import resolve_formats
+
+    has_bf16, why = cpu_bf16()
+    dtype, dtype_why = EngineConfig().auto_cpu_dtype()
+    layers, head = resolve_formats("auto", tensor_types, packable=dtype == "bfloat16")
+    return [("bf16 products", f"{'yes' if has_bf16 else 'no'} ({why})"),
+            ("dtype auto (CPU)", f"{dtype} ({dtype_why})"),
+            ("weights auto (CPU)", f"layers {layers}, LM head {head}")]
 
 
 def _cpu_kernels() -> str:

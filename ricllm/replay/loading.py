@@ -10,7 +10,6 @@ are checked here too, so nothing is found only minutes into a replay.
 
 from __future__ import annotations
 
-import importlib.resources
 import itertools
 import re
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from ricllm.errors import RicllmError
+from ricllm.paths import shipped_folder
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.generator import GENERATED_KPIS, generate_trace
 from ricllm.replay.prompts import jinja_env, prompt_context
@@ -28,16 +28,13 @@ from ricllm.replay.schema import SELECT_MODES, GeneratedTrace, Scenario, Trigger
 from ricllm.replay.templates import template_problems
 from ricllm.replay.traces import KpiRow, LoadedTrace, LoadStats, TraceSpec, load_trace
 
-BUNDLED_PACKAGE = "ricllm.scenarios"
-
-
 class ScenarioError(RicllmError, ValueError):
     """The scenario file is unusable; the message names each field and its line."""
 
 
 def bundled_scenarios() -> list[str]:
     """Names of the scenarios shipped inside the package (``ricllm replay NAME``)."""
-    folder = importlib.resources.files(BUNDLED_PACKAGE)
+    folder = shipped_folder("scenarios")
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -47,9 +44,9 @@ def resolve_scenario_path(name_or_path: str | Path) -> Path:
     if path.is_file():
         return path
     if not path.suffix and "/" not in str(name_or_path):
-        candidate = importlib.resources.files(BUNDLED_PACKAGE) / f"{name_or_path}.yaml"
+        candidate = shipped_folder("scenarios") / f"{name_or_path}.yaml"
         if candidate.is_file():
-            return Path(str(candidate))
+            return candidate
     raise ScenarioError(f"no scenario file {str(name_or_path)!r} and no bundled scenario of that name; "
                         f"bundled: {', '.join(bundled_scenarios())}")
 

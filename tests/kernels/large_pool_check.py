@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels import paged_decode_attention, store_kv  # noqa: E402
+from ricllm.kernels import paged_decode_attention, store_kv  # noqa: E402
 from ricllm.attention import reference  # noqa: E402
 
 BLOCK_SIZE, N_KV, HEAD_DIM, GROUP = 16, 2, 64, 3

@@ -13,7 +13,7 @@ import torch
 from ricllm.kernels import cuda_ext
 from tests.helpers import require
 
-CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+CSRC = cuda_ext.CSRC
 NVCC = shutil.which("nvcc")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from ricllm.errors import ConfigError
 from ricllm.kernels import cpu_library, cpu_quant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,7 +214,7 @@ def test_a_cap_that_names_no_family_is_refused_naming_the_choices(monkeypatch):
     monkeypatch.setenv("RICLLM_CPU_KERNELS", "sse4")
     cpu_library.cpu_family.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="sse4.*avx2, avx512, amx"):
+        with pytest.raises(ConfigError, match="sse4.*avx2, avx512, amx"):
             cpu_library.cpu_family()
     finally:
         cpu_library.cpu_family.cache_clear()

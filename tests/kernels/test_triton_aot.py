@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def variants() -> list[dict]:
     require(*triton_available())
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     script = Path(__file__).with_name("triton_aot_check.py")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)

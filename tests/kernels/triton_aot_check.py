@@ -17,14 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_decode as td  # noqa: E402
+from ricllm.kernels import triton_decode as td  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -1,5 +1,5 @@
 """The native model and its runner: one step is the embedding lookup, the decoder stack as one
-C call for all layers (``csrc/cpu_decoder.c``), prefill chunks included, then the packed head.
+C call for all layers (``kernels/cpu_decoder.c``), prefill chunks included, then the packed head.
 Numpy arrays and ricllm's C kernels only: this module never imports torch. The arrays it hands
 to C start on a cache line (``ricllm.kernels.aligned``), as torch's tensors do."""
 

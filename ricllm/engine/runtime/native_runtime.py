@@ -1,7 +1,7 @@
 """The native runtime: the model as ricllm's C kernels on numpy arrays, with no torch in the process.
 
 This module builds it: the thread count, the weights, the model (``native_model``), its KV store
-and the numpy sampler. Every step runs as one C call for all layers (``csrc/cpu_decoder.c``: the
+and the numpy sampler. Every step runs as one C call for all layers (``kernels/cpu_decoder.c``: the
 same kernels, order and roundings as the torch runtime's decoder stack), prefill chunks included:
 the C attention kernel attends causally through the block tables. Where the torch runtime also
 uses the stack (decode steps, small prefills) the two give bit-identical logits.

@@ -1,7 +1,8 @@
-"""ricllm's compute kernels (installed as ``ricllm.kernels``): C kernels for the CPU and decode
-kernels for GPUs.
+"""ricllm's compute kernels: C kernels for the CPU and decode kernels for GPUs. This package is
+their Python side; the C and CUDA sources are the repository's top-level ``kernels/`` folder
+(``ricllm/kernels/csrc`` in the wheel; ``ricllm.paths.shipped_folder`` finds either).
 
-- CPU (``csrc/cpu_*.c``, built on first use into one shared library by ``cpu_library``): paged
+- CPU (``kernels/cpu_*.c``, built on first use into one shared library by ``cpu_library``): paged
   attention (``cpu_attention``), fused layer steps (``cpu_fused``), int4/int8 weight products
   (``cpu_quant``) and the whole decoder stack in one call (``cpu_decoder``, its argument block in
   ``decoder_stack_call``, which the torch-free native runtime uses too).

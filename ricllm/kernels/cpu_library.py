@@ -1,4 +1,4 @@
-"""Builds and loads ricllm's CPU kernels (``csrc/cpu_*.c``) as one shared library.
+"""Builds and loads ricllm's CPU kernels (``kernels/cpu_*.c``) as one shared library.
 
 The C sources are compiled on first use with the system C compiler (``-O3 -fopenmp`` and one
 family's explicit instruction-set flags) into ``$RICLLM_CACHE_DIR/kernels/``, keyed by the
@@ -32,9 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ricllm.paths import cache_dir
+from ricllm.errors import ConfigError
+from ricllm.paths import cache_dir, shipped_folder
 
-CSRC = Path(__file__).parent / "csrc"
+CSRC = shipped_folder("kernels")
 IS_BF16_BY_NAME = {"bfloat16": 1, "float32": 0}  # the element types the kernels take: their is_bf16 flag
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c",
            CSRC / "cpu_decoder.c", CSRC / "cpu_prefill_attention.c")
@@ -62,7 +63,7 @@ PREBUILT_TUNING = ["-mtune=generic"]  # built for CPUs not seen yet: tuned for n
 # path every CPU without AMX (AMD EPYC, older Xeons) takes
 AMX_DISABLED = os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
 
-# the decoder stack's argument layout (csrc/cpu_decoder.c): pointers per layer (norm, 3 per projection:
+# the decoder stack's argument layout (kernels/cpu_decoder.c): pointers per layer (norm, 3 per projection:
 # weight, scales, offsets; norm, 3, 3; K and V caches), then the dims array in this order
 DECODER_DIM_NAMES = ("rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "batch", "table_width",
                      "block_size", "is_bf16", "num_threads", "cache_type")
@@ -109,12 +110,29 @@ def cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
 
 
+BF16_VARIABLE = "RICLLM_CPU_BF16"  # 0 or 1: answers cpu_bf16() instead of the CPU (a test emulating another CPU)
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # either gives bf16 products in hardware
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """``(has, why)``: whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX-BF16),
+    and the flag that says so or the flags it lacks. ``RICLLM_CPU_BF16=0|1`` answers instead of
+    the CPU. Elsewhere bf16 is only a storage type: torch then widens it to fp32 per product."""
+    forced = os.environ.get(BF16_VARIABLE, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1", f"{BF16_VARIABLE}={forced}"
+    if forced:
+        raise ConfigError(f"{BF16_VARIABLE}={forced!r}: expected 0 or 1")
+    found = [flag for flag in BF16_FLAGS if flag in cpu_flags()]
+    return (True, found[0]) if found else (False, f"the CPU has no {' or '.join(BF16_FLAGS)} flag")
+
+
 def family_cap() -> str | None:
     """The highest family allowed by the environment (``RICLLM_CPU_KERNELS``, else ``RICLLM_NO_AMX``),
-    None for no cap; RuntimeError naming the choices for a value that is no family."""
+    None for no cap; ConfigError naming the choices for a value that is no family."""
     cap = os.environ.get(FAMILY_CAP_VARIABLE, "").strip().lower()
     if cap and cap not in FAMILIES:
-        raise RuntimeError(f"{FAMILY_CAP_VARIABLE}={cap!r} names no kernel family (one of {', '.join(FAMILIES)})")
+        raise ConfigError(f"{FAMILY_CAP_VARIABLE}={cap!r} names no kernel family (one of {', '.join(FAMILIES)})")
     if AMX_DISABLED and cap in ("", "amx"):
         return "avx512"
     return cap or None
@@ -242,7 +260,7 @@ def cpu_kernels_available() -> tuple[bool, str]:
     return True, f"built ahead at {lib._name}" if prebuilt_library() else f"built at {lib._name}"
 
 
-# the 4-bit paths, in csrc/cpu_quant_gemm.c's order (its ``ricllm_quant_gemm_int4_path`` says which runs)
+# the 4-bit paths, in kernels/cpu_quant_gemm.c's order (its ``ricllm_quant_gemm_int4_path`` says which runs)
 INT4_PATHS = ("int8 activations on maddubs", "int8 activations on VNNI", "bf16 AMX tiles", "dequantized AMX tiles")
 INT4_PATH_SCAN_ROWS = 256  # past every row threshold of the C paths
 

@@ -1,4 +1,4 @@
-"""Weight-only int4/int8 products on AVX-512, AMX or AVX2 (``csrc/cpu_quant_gemm.c``, one library per
+"""Weight-only int4/int8 products on AVX-512, AMX or AVX2 (``kernels/cpu_quant_gemm.c``, one library per
 kernel family: ``cpu_library``): pack, then multiply. The layouts and results are the same in every family.
 
 The layouts are the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,

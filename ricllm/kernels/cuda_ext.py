@@ -1,6 +1,6 @@
-"""Build-on-first-use loader of the CUDA C++ decode kernel (``csrc/paged_decode.cu``).
+"""Build-on-first-use loader of the CUDA C++ decode kernel (``kernels/paged_decode.cu``).
 
-``load_extension()`` compiles ``csrc/paged_decode.cu`` and ``csrc/binding.cpp`` with
+``load_extension()`` compiles ``kernels/paged_decode.cu`` and ``kernels/binding.cpp`` with
 ``torch.utils.cpp_extension.load`` (ninja + nvcc) the first time it is called in a process and
 caches the module (torch also caches the build on disk). On a machine without a CUDA device, a
 CUDA build of torch, nvcc or ninja it raises ``CudaExtensionUnavailable`` naming what is
@@ -16,9 +16,11 @@ from types import ModuleType
 
 import torch
 
+from ricllm.paths import shipped_folder
+
 from .splits import choose_num_splits
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+CSRC = shipped_folder("kernels")
 SOURCES = (CSRC / "paged_decode.cu", CSRC / "binding.cpp")
 EXTENSION_NAME = "ricllm_paged_decode"
 

@@ -1,4 +1,4 @@
-"""The C decoder stack's argument block (``csrc/cpu_decoder.c``), from plain numbers and
+"""The C decoder stack's argument block (``kernels/cpu_decoder.c``), from plain numbers and
 addresses: no torch. Both runtimes' wrappers fill it (the torch model's ``CpuDecoderStack`` with
 tensors' ``data_ptr()``, the native runtime with numpy arrays' ``ctypes.data``), so the layout the
 C side expects is written once.
@@ -11,7 +11,7 @@ import ctypes
 from ricllm.kernels.cpu_library import DECODER_DIM_NAMES, DECODER_POINTERS_PER_LAYER, library
 
 PROJECTIONS_PER_LAYER = 4  # qkv, o, gate_up, down: ``bits`` holds one per projection
-# a KV cache's type code (csrc/cpu_common.h) by its element type's name (ricllm.cache.kv_format):
+# a KV cache's type code (kernels/cpu_common.h) by its element type's name (ricllm.cache.kv_format):
 # the activations' is_bf16 flag, or int8 rows with their scale
 CACHE_TYPE_CODES = {"float32": 0, "bfloat16": 1, "int8": 2}
 INT8_ROW_EXTRA = 4  # an int8 row's fp32 scale, after its head_dim bytes

@@ -1,4 +1,4 @@
-"""A whole decoder stack per decode step in one C call (``csrc/cpu_decoder.c``).
+"""A whole decoder stack per decode step in one C call (``kernels/cpu_decoder.c``).
 
 The model's per-op path calls the same C kernels (packed products, fused norm, RoPE + store,
 paged attention, SiLU·up) one by one from Python; at decode batch sizes that Python work costs

@@ -1,4 +1,4 @@
-"""Fused elementwise layer steps for the CPU (``csrc/cpu_fused_ops.c``), one C call each.
+"""Fused elementwise layer steps for the CPU (``kernels/cpu_fused_ops.c``), one C call each.
 
 ``CpuFusedOps`` is what the model's layers call instead of their torch ops when the engine runs
 the ``cpu`` attention backend: add + RMSNorm, RoPE + K/V store, SiLU·up. Each rounds where

@@ -1,4 +1,4 @@
-"""The CPU attention kernels (``csrc/cpu_paged_attention.c``, ``csrc/cpu_prefill_attention.c``; built by
+"""The CPU attention kernels (``kernels/cpu_paged_attention.c``, ``kernels/cpu_prefill_attention.c``; built by
 ``cpu_library``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from ricllm.kernels.cpu_fused import CACHE_TYPES
 from ricllm.kernels.cpu_library import cpu_kernels_available, library
 from ricllm.kernels.decoder_stack_call import INT8_ROW_EXTRA
 
-SUPPORTED_DTYPES = CACHE_TYPES  # the caches the kernels read, by dtype -> csrc/cpu_common.h's code
+SUPPORTED_DTYPES = CACHE_TYPES  # the caches the kernels read, by dtype -> kernels/cpu_common.h's code
 
 
 def cpu_kernel_available() -> tuple[bool, str]:
@@ -49,7 +49,7 @@ def cpu_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """``cpu_paged_attention``'s contract, always in the blocked prefill kernel
-    (``csrc/cpu_prefill_attention.c``): bf16 products where the CPU has AVX-512 BF16, else fp32."""
+    (``kernels/cpu_prefill_attention.c``): bf16 products where the CPU has AVX-512 BF16, else fp32."""
     return _attend("ricllm_prefill_attention", query, k_cache, v_cache, block_tables, query_start_loc,
                    context_lens, scale)
 
