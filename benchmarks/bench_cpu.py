@@ -36,8 +36,9 @@ Measured, for every engine:
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
 native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
---no-amx and --ricllm-env set the ricllm children's environment (--no-amx: the C kernels without
-AMX, and torch's MKL and oneDNN capped below AMX: what an AMD EPYC runs; see cpu_caps.py); each
+--no-amx, --avx2-only and --ricllm-env set the ricllm children's environment (--no-amx: the C kernels
+without AMX, and torch's MKL and oneDNN capped below AMX: what an AMD EPYC Zen 4 runs; --avx2-only:
+what an AVX2-only CPU runs; see cpu_caps.py); each
 child reports the kernel family it ran. llama.cpp keeps its own build (its system info line says
 whether AMX_INT8 is on), so against it a --no-amx ratio is conservative.
 llama.cpp runs under this interpreter (llama-cpp-python from `bash scripts/setup.sh --bench`;
@@ -72,9 +73,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 try:  # stdlib only, as this module
-    from benchmarks.cpu_caps import WITHOUT_AMX
+    from benchmarks.cpu_caps import AVX2_ONLY, WITHOUT_AMX
 except ImportError:  # run as a script (the children too): this folder is the first sys.path entry
-    from cpu_caps import WITHOUT_AMX
+    from cpu_caps import AVX2_ONLY, WITHOUT_AMX
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
@@ -504,7 +505,7 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
 
 def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True) -> list[Config]:
     """ricllm's configurations (with the --no-amx / --ricllm-env environment), then the peers."""
-    ricllm_env = dict(args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}))
+    ricllm_env = {**args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}), **(AVX2_ONLY if args.avx2_only else {})}
     configs = [Config(f"ricllm {weights} {runtime}", "ricllm", sys.executable, {"weights": weights, "runtime": runtime},
                       ricllm_env) for weights, runtime in (c.split(":") for c in args.configs)]
     if llamacpp_ok:
@@ -886,6 +887,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-amx", action="store_true", help="run the ricllm children as on a CPU without AMX "
                         "(an AMD EPYC, an older Xeon): ricllm's C kernels without AMX (RICLLM_NO_AMX=1), and torch's "
                         "MKL and oneDNN capped below AMX too (cpu_caps.py), so the torch runtime runs its non-AMX path")
+    parser.add_argument("--avx2-only", action="store_true", help="run the ricllm children as on an AVX2-only CPU (AMD "
+                        "Zen 2/3): ricllm's avx2 family, its bf16 probe answering no, torch's ATen, MKL and oneDNN "
+                        "held to AVX2 (cpu_caps.AVX2_ONLY)")
     parser.add_argument("--ricllm-env", type=env_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for the ricllm children only (repeatable), e.g. a kernel cap")
     parser.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
