@@ -47,26 +47,29 @@ def add_replay_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a scenario field, e.g. --set engine.enable_prefix_caching=false (repeatable)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--audit", action="store_true",
+                        help="audit the refusals: first replay the same trace with every request admitted (EDF, none "
+                             "refused or dropped) and under the fcfs and edf baselines (drop-late), then as the "
+                             "scenario says; report.json's `audit` says which refusals would have met their "
+                             "deadline, and each run's goodput (four replays; in-process only)")
     parser.set_defaults(func=cmd_replay)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from ricllm.replay.loading import ScenarioError, load_scenario, load_scenario_trace
-    from ricllm.replay.planning import plan_requests
+    from ricllm.replay.loading import ScenarioError
 
     if args.speed is not None and not args.speed > 0:
         raise ScenarioError(f"--speed must be > 0, got {args.speed}")
-    scenario = load_scenario(args.scenario, args.overrides)
-    speed = args.speed or scenario.pacing.speed
-    trace = load_scenario_trace(scenario)
-    plan = plan_requests(scenario, trace, speed)
-    if not plan:
-        raise ScenarioError(f"{scenario.path.name}: no trigger fires on the {len(trace.rows)} rows of the trace "
-                            "(in the pacing window): nothing to replay")
-    backend = _backend(args, scenario, plan)
-    replayer = Replayer(scenario, plan, backend, progress=False if args.no_progress else None, speed=speed)
-    result = asyncio.run(replayer.run())
-    report = build_report(scenario, list(args.overrides), trace, plan, result, backend.mode, args.endpoint, speed)
+    if args.audit and args.endpoint:
+        raise RicllmError("--audit replays under other admission policies, in-process only: drop --endpoint")
+    audited = _audit_runs(args) if args.audit else None
+    scenario, trace, plan, result, mode = _replay(args, args.overrides)
+    report = build_report(scenario, list(args.overrides), trace, plan, result, mode, args.endpoint, args.speed
+                          or scenario.pacing.speed)
+    if audited is not None:
+        from ricllm.replay.audit import refusal_audit
+
+        report["audit"] = refusal_audit(result.records, audited)
     directory = Path(args.out) if args.out else _default_out(scenario.name, report["created_at"])
     from ricllm.report import print_summary, write_report
 
@@ -76,6 +79,34 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if result.interrupted:
         return EXIT_INTERRUPTED
     return 0 if report["compliant"] else EXIT_TARGETS_MISSED
+
+
+def _replay(args: argparse.Namespace, overrides: list[str]):
+    """One replay of the scenario with ``overrides``: (scenario, trace, plan, result, backend mode)."""
+    from ricllm.replay.loading import ScenarioError, load_scenario, load_scenario_trace
+    from ricllm.replay.planning import plan_requests
+
+    scenario = load_scenario(args.scenario, overrides)
+    speed = args.speed or scenario.pacing.speed
+    trace = load_scenario_trace(scenario)
+    plan = plan_requests(scenario, trace, speed)
+    if not plan:
+        raise ScenarioError(f"{scenario.path.name}: no trigger fires on the {len(trace.rows)} rows of the trace "
+                            "(in the pacing window): nothing to replay")
+    backend = _backend(args, scenario, plan)
+    replayer = Replayer(scenario, plan, backend, progress=False if args.no_progress else None, speed=speed)
+    return scenario, trace, plan, asyncio.run(replayer.run()), backend.mode
+
+
+def _audit_runs(args: argparse.Namespace) -> dict[str, list]:
+    """The audit's replays, each policy over the scenario's own overrides: records by policy."""
+    from ricllm.replay.audit import AUDIT_POLICIES, policy_overrides
+
+    runs = {}
+    for name in AUDIT_POLICIES:
+        print(f"audit: replaying under {name}", file=sys.stderr)
+        runs[name] = _replay(args, [*args.overrides, *policy_overrides(name)])[3].records
+    return runs
 
 
 def _backend(args: argparse.Namespace, scenario, plan: list):

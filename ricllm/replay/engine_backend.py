@@ -237,7 +237,7 @@ def _fill_from_output(record, output, sent: float, first: float | None, done: fl
     if output.finish_reason == "rejected":
         rejection = output.rejection
         record.finish("rejected", admitted=False, rejection_code=rejection.code,
-                      rejection_message=rejection.message, **common)
+                      rejection_message=rejection.message, rejection_numbers=dict(rejection.numbers), **common)
         return
     if first is None and output.token_ids:
         first = done  # finished in the step that produced its first token

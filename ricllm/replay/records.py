@@ -59,6 +59,7 @@ class RequestRecord:
     admitted: bool | None = None
     rejection_code: str | None = None
     rejection_message: str | None = None
+    rejection_numbers: dict[str, Any] | None = None  # the refusal's numbers: for time, its bound_ms and the deadline_ms left
     finish_reason: str | None = None
     server_queue_s: float | None = None
     server_ttft_s: float | None = None

@@ -82,7 +82,7 @@ class ZmqBackend:
                     _fill_from_result(record, reply, sent, first, time.perf_counter(), t0)
         except RejectedError as exc:
             record.finish("rejected", admitted=False, rejection_code=exc.code, rejection_message=exc.message,
-                          done_s=time.perf_counter() - t0, client_e2e_s=time.perf_counter() - sent)
+                          rejection_numbers=dict(exc.numbers), done_s=time.perf_counter() - t0, client_e2e_s=time.perf_counter() - sent)
         except ServerError as exc:
             record.finish("error", rejection_code=exc.code, rejection_message=exc.message,
                           done_s=time.perf_counter() - t0)

@@ -22,6 +22,26 @@ DECISION_COLUMNS = (
 )
 
 
+def audit_lines(audit: dict[str, Any]) -> list[str]:
+    """The refusal audit in three lines: false refusals, goodput against the other runs, E2E p95."""
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    goodput, e2e = audit["goodput"], audit["admitted_e2e_p95_ms"]
+    return [
+        f"refusal audit: {audit['refused']} of {audit['sent']} deadline requests refused; "
+        f"{audit['false_refusals']} would have met their deadline when every request was served "
+        f"(false refusals: {share(audit['false_refusal_rate'])} of sent)",
+        "  deadlines met: " + ", ".join(f"{name} {figures['met']}" + ("" if name == "deadline" else
+                                        f" ({ratio(audit['goodput_vs'][name])})") for name, figures in goodput.items())
+        + f"; met % admitted {share(audit['met_of_admitted']['deadline'])}",
+        "  admitted E2E p95: " + ", ".join(f"{name} {'-' if ms is None else f'{ms:.0f} ms'}" for name, ms in e2e.items()),
+    ]
+
+
 def _console(console=None):
     from rich.console import Console
 
@@ -53,6 +73,9 @@ def print_summary(report: dict[str, Any], console=None) -> None:
     overall = aggregates["overall"]
     if overall.get("rejected_by_reason"):
         console.print("rejected by reason: " + fmt_value("rejected_by_reason", overall["rejected_by_reason"]))
+    if report.get("audit"):
+        for line in audit_lines(report["audit"]):
+            console.print(line)
     for target in report.get("targets", []):
         mark = "[green]pass[/green]" if target["passed"] else "[red]FAIL[/red]"
         console.print(f"{mark}  {target['scope']}: {target['target']} "
