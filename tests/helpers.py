@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def require(condition: bool, reason: str) -> None:
@@ -23,6 +26,23 @@ def require(condition: bool, reason: str) -> None:
 
 def require_module(name: str) -> None:
     require(importlib.util.find_spec(name) is not None, f"python package {name!r} is not installed")
+
+
+def python_with_env(env: dict[str, str], *args: str, timeout: int = 900,
+                    unset: tuple[str, ...] = ("RICLLM_NO_AMX",)) -> subprocess.CompletedProcess:
+    """``python *args`` in a child process from the repository root, ``env`` set over this process's
+    environment and ``unset`` removed: ricllm's kernel family and torch's instruction sets are chosen once
+    per process, so a test runs another CPU's code (``benchmarks/cpu_caps.py``) in a child."""
+    child = {**os.environ, "RICLLM_LOG_LEVEL": "warning", **env}
+    for name in unset:
+        child.pop(name, None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=child, cwd=ROOT,
+                          timeout=timeout, check=False)
+
+
+def output_tail(done: subprocess.CompletedProcess) -> str:
+    """What a failed child said last: the end of its stdout, then of its stderr."""
+    return f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
 
 
 def smollm2_path() -> Path:

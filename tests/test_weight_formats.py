@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import ConfigError
+from ricllm.kernels.cpu_library import cpu_family
 from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, can_pack, resolve_formats, vnni_layout_available
 from tests.conftest import load_hf_oracle
 from tests.helpers import require, write_tiny_llama_gguf
@@ -474,7 +475,9 @@ def test_native_runtime_greedy_choices_agree_with_hf_fp32(smollm2_native, oracle
     for full, positions, choices in oracle_choices:
         agree += (native_teacher_forced_logits(llm, full, positions).argmax(-1) == choices).sum().item()
         total += len(positions)
-    assert agree / total >= 0.95, f"native {fmt}: greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
+    said = f"native {fmt} ({cpu_family()} family): greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
+    print(said)  # tests/test_avx2_only.py reports the avx2 family's measure
+    assert agree / total >= 0.95, said
 
 
 @pytest.mark.slow
@@ -484,7 +487,10 @@ def test_native_runtime_perplexity_stays_within_two_percent_of_fp32(smollm2_nati
     logits = native_teacher_forced_logits(llm, ids, list(range(len(ids) - 1)))
     ppl = math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
     change = ppl / reference_perplexity - 1
-    assert abs(change) <= 0.02, f"native {fmt}: perplexity {ppl:.3f} vs fp32 {reference_perplexity:.3f} ({change:+.2%})"
+    said = (f"native {fmt} ({cpu_family()} family): perplexity {ppl:.3f} vs fp32 {reference_perplexity:.3f} "
+            f"({change:+.2%})")
+    print(said)
+    assert abs(change) <= 0.02, said
 
 
 # --------------------------------------------------------------------- behaviour on the tiny model

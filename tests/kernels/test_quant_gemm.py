@@ -7,19 +7,16 @@ parity tests (and the runtimes' bit-identity test) again in a subprocess with th
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from ricllm.errors import ConfigError
 from ricllm.kernels import cpu_library, cpu_quant
+from tests.helpers import python_with_env
 
-ROOT = Path(__file__).resolve().parents[2]
 # every row range the paths split on: VNNI int8 (AMX family: 1-13), AMX tiles (14-63), AMX dequantized
 # (64+); the panels of the int8 paths (VNNI 64 rows, AVX2 32)
 ROWS = (1, 2, 3, 7, 8, 9, 13, 14, 16, 33, 64, 100)
@@ -120,10 +117,7 @@ def test_int8_activations_stay_within_half_a_quantization_step():
 
 
 def with_family(family: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RICLLM_CPU_KERNELS": family, "RICLLM_LOG_LEVEL": "warning"}
-    env.pop("RICLLM_NO_AMX", None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
-                          check=False)
+    return python_with_env({"RICLLM_CPU_KERNELS": family}, *args, timeout=timeout)
 
 
 def runs_here(family: str) -> bool:
