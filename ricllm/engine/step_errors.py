@@ -10,11 +10,12 @@ Three kinds, because they err differently:
 
 ``decode`` and ``prefill`` hold the ratio measured / fitted: a slower machine (a neighbour, thermal
 limits) stretches every step in proportion, and the fit minimises relative error, so its residuals
-are ratios too. Each kind's multiplier is the ``quantile`` (0.9) of the ratios of its last ``window``
-(32) steps no older than ``max_age_s`` (2 s): a sustained slowdown is past the quantile after
-``window·(1 - quantile)`` (4) slowed steps (2 in a fresh window), and forgotten ``window·quantile``
-(29) steps, or 2 s, after it ends; 2 s also covers an engine that refuses everything and so
-measures no busy step. While fewer than ``min_samples`` (20) recent ratios are at hand the
+are ratios too. Each kind's multiplier is the ``quantile`` (0.9) of its ratios among the last
+``window`` (32) busy steps (both kinds counted), no older than ``max_age_s`` (2 s): a sustained
+slowdown is past the quantile once 4 slowed steps of a kind are in (the bound takes the larger
+kind's, so within 8 slowed steps of a half-and-half mix), and forgotten 32 busy steps, or 2 s,
+after it ends; 2 s also covers an engine that refuses everything and so measures no busy step.
+While fewer than ``min_samples`` (32) recent ratios are at hand the
 calibration's own residuals stand in for the missing ones, so a fresh start is neither blind (the
 fit at its word) nor pessimistic (the max of the first few steps). The slowest tenth of steps are
 the stall reserve's (``LatencyModel.stall_reserve``), an amount of seconds held once per bound, as
@@ -50,7 +51,8 @@ STEP_KINDS = (*BUSY_KINDS, "after_idle")
 
 @dataclass
 class RecentQuantile:
-    """The ``quantile`` of the last ``window`` values no older than ``max_age_s``, topped up to
+    """The ``quantile`` of the values of the last ``window`` steps (counted by the caller, all
+    kinds of busy steps together) no older than ``max_age_s``, topped up to
     ``min_samples`` values with evenly spaced quantiles of ``seed`` (no seed: ``neutral``, the fit at
     its word): the seed weighs as many steps as are missing, so one stall among the first few steps
     is the stall reserve's, not the quantile's."""
@@ -61,18 +63,18 @@ class RecentQuantile:
     window: int = 32
     max_age_s: float = 2.0
     min_samples: int = 32  # the 0.9 quantile of 32 values is the fourth largest: three outliers pass
-    recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, value)
+    recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, step number, value)
     _cached: float | None = field(default=None, init=False, repr=False)
 
-    def add(self, value: float, at: float) -> None:
-        self.recent.append((at, value))
-        while len(self.recent) > self.window:
-            self.recent.popleft()
+    def add(self, value: float, at: float, step: int) -> None:
+        self.recent.append((at, step, value))
+        self.value(at, step)
         self._cached = None
 
-    def value(self, now: float) -> float:
-        """The quantile as of ``now``: values older than ``max_age_s`` no longer count."""
-        while self.recent and now - self.recent[0][0] > self.max_age_s:
+    def value(self, now: float, step: int) -> float:
+        """The quantile as of ``now``, ``step``: values older than ``max_age_s`` or ``window``
+        steps no longer count."""
+        while self.recent and (now - self.recent[0][0] > self.max_age_s or step - self.recent[0][1] >= self.window):
             self.recent.popleft()
             self._cached = None
         if self._cached is None:
@@ -83,12 +85,12 @@ class RecentQuantile:
         return _at(sorted(self._pool()), self.quantile)
 
     def _pool(self) -> list[float]:
-        recent = [v for _, v in self.recent]
+        recent = [v for _, _, v in self.recent]
         return recent + _spread(self.seed or [self.neutral], self.min_samples - len(recent))
 
-    def median(self, now: float) -> float:
+    def median(self, now: float, step: int) -> float:
         """The typical value, of the same values as the quantile."""
-        self.value(now)
+        self.value(now, step)
         return _at(sorted(self._pool()), 0.5)
 
 
@@ -118,6 +120,7 @@ class StepErrors:
     max_age_s: float = 2.0
     kinds: dict[str, RecentQuantile] = field(init=False, repr=False)
     last_busy: tuple[float, float] | None = field(default=None, init=False, repr=False)  # (time, ratio)
+    steps: dict[str, int] = field(default_factory=lambda: {"busy": 0, "after_idle": 0}, init=False, repr=False)
 
     def __post_init__(self) -> None:
         def tracker(kind: str, neutral: float, max_age_s: float) -> RecentQuantile:
@@ -128,14 +131,18 @@ class StepErrors:
 
     def multiplier(self, kind: str, now: float) -> float:
         """measured / fitted that all but the slowest tenth of recent ``kind`` steps stay within."""
-        return self.kinds[kind].value(now)
+        return self.kinds[kind].value(now, self._count(kind))
 
     def after_idle_excess(self, now: float) -> float:
         """Seconds a first step after an idle gap runs past its busy bound (never below 0)."""
-        return max(self.kinds["after_idle"].value(now), 0.0)
+        return max(self.kinds["after_idle"].value(now, self._count("after_idle")), 0.0)
 
     def typical_ratio(self, kind: str, now: float) -> float:
-        return self.kinds[kind].median(now)
+        return self.kinds[kind].median(now, self._count(kind))
+
+    def _count(self, kind: str) -> int:
+        """Busy kinds count steps together: a kind that runs rarely still forgets within ``window`` steps."""
+        return self.steps["after_idle" if kind == "after_idle" else "busy"]
 
     def latest_busy_ratio(self, now: float) -> float:
         """The last busy step's own ratio (0 when older than ``max_age_s``): a step that follows
@@ -145,6 +152,7 @@ class StepErrors:
         return self.last_busy[1]
 
     def add(self, kind: str, value: float, at: float) -> None:
-        self.kinds[kind].add(value, at)
+        self.steps["after_idle" if kind == "after_idle" else "busy"] += 1
+        self.kinds[kind].add(value, at, self._count(kind))
         if kind in BUSY_KINDS:
             self.last_busy = (at, value)
