@@ -111,7 +111,7 @@ class LLMEngine:
             log.info("admission_caps", deadline_ms=tightest.tightest_deadline_ms,
                      tokens=tightest.tightest_deadline_tokens, caps=self.caps)
         _freeze_heap()
-        self._last_step_end = self.clock()  # as if just stepped: a request due now finds the model loaded, run or not
+        self._last_step_end = self.clock()  # the build has just run or loaded the model: no idle gap yet
         self.startup_s = time.perf_counter() - started
         self._log_start()
 
