@@ -16,7 +16,6 @@ from ricllm import SamplingParams
 from ricllm.engine.admission import Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel, fit
 from ricllm.engine.scheduler import StepFeatures
-from ricllm.engine.step_errors import IDLE_GAP_S
 from tests.test_admission import make_engine, prompt, true_step_time
 
 

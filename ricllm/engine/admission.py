@@ -22,19 +22,20 @@ steps), so
                                   + b·P_all + e·Q_all + f·prefill_steps_k) + stall + idle
 
 with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
-the 0.9 quantile of each kind's last 32 steps no older than 2 s, seeded by the calibration's
-residuals), of decode steps and of prefill steps: each step is within its own kind's, so within
-``m``, and a slowdown that shows first on one kind (whichever runs) raises every bound. When the
-promises already made are re-checked between steps (``rescue``, best effort joining, the prefill
-pace), ``m`` is also at least the last busy step's own ratio: the next step follows it at once and
-tends to run as it did, so the rescue answers a slowdown on its first slowed step. A new request's
-bound does not take it: one stalled step is the stall reserve's, and refusing for it would refuse
-what one step later fits. ``stall`` is the worst amount by which one busy step overran its kind's bound over the
-last ``stall_reserve_steps`` busy steps, at most ``stall_reserve_max_ms``; ``idle``, only when the
-engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle excess:
-the 0.9 quantile of the seconds by which the last 32 first-steps-after-a-gap (and probes) ran past
-their busy bound. The first step of the work is the one after the gap, so it is added once; a busy
-engine's bounds never add it, and those steps never move ``m_d`` or ``m_p``.
+the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
+calibration's residuals), of decode steps and of prefill steps: each step is within its own kind's,
+so within ``m``, and a slowdown that shows first on one kind (whichever runs) raises every bound.
+When the promises already made are re-checked between steps (``rescue``, best effort joining, the
+prefill pace), ``m`` is also at least the last busy step's own ratio: the next step follows it at
+once and tends to run as it did, so the rescue answers a slowdown on its first slowed step. A new
+request's bound does not take it: one stalled step is the stall reserve's, and refusing for it
+would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
+its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
+``stall_reserve_max_ms``; ``idle``, only when the engine has run no step for ``IDLE_GAP_S`` (20 ms)
+as the request arrives, is the after-idle excess: the 0.9 quantile of the seconds by which the last
+32 first-steps-after-a-gap (and probes) ran past their busy bound. The first step of the work is
+the one after the gap, so it is added once; a busy engine's bounds never add it, and those steps
+never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
 
@@ -42,12 +43,12 @@ The guarantee, exactly: if every busy step takes at most its fitted time × its 
 except at most one step per request that may run past that by at most ``stall``, and the first step
 after an idle gap runs past it by at most ``idle``, every admitted request finishes within its
 deadline, with ``safety_margin`` (a fraction of the bound) to spare. Assumed, not guaranteed: that
-the next steps err as the last ones did. A slowdown breaks that for the few steps before the
-multiplier sees it (it is past the 0.9 quantile after 4 slowed steps of a kind: misses then are
-counted, not hidden); ``safety_margin`` is the room for them and for a stall longer than the
-reserve. Every bound is re-checked each step: ``rescue`` pauses best effort, lowest priority first,
-then holds back the prefill of requests due later; ``on_late`` decides what a request that still
-cannot make it does.
+the next steps err as the last ones did, and that a gap of at most ``IDLE_GAP_S`` leaves the
+machine warm. A slowdown breaks the first for the few steps before the multiplier sees it (it is
+past the 0.9 quantile after 4 slowed steps of a kind: misses then are counted, not hidden);
+``safety_margin`` is the room for them and for a stall longer than the reserve. Every bound is re-
+checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
+prefill of requests due later; ``on_late`` decides what a request that still cannot make it does.
 
 Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for running decodes
 (never below the chunk the bound needs), and the opt-in ``degrade`` admits with the largest

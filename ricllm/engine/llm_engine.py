@@ -28,8 +28,8 @@ from ricllm.engine.runtime.interface import KVStore
 from ricllm.engine.scheduler import ScheduledBatch, Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.engine.slowdown import SlowdownDetector
-from ricllm.engine.step_errors import IDLE_GAP_S
 from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats, SlowdownEvent
+from ricllm.engine.step_errors import IDLE_GAP_S
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
