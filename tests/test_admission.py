@@ -253,6 +253,10 @@ def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, m
     assert len(fits) == 1
     stored = LatencyModel.load(fits[0])
     assert stored.coefficients == first.admission.latency.coefficients and stored.roofline is not None
+    # the fit's residuals per kind, and the steps measured after a pause: where the error model starts
+    assert len(stored.residuals["after_idle"]) == calibration.AFTER_IDLE_PAUSES
+    assert len(stored.residuals["decode"]) > 20 and stored.residuals["prefill"]
+    assert stored.residuals == first.admission.latency.residuals
     assert first.kv_cache_stats()["prefix_cache_queries_tokens"] == 0  # sweep counters reset
     monkeypatch.setattr(calibration, "calibrate", lambda engine, budget_s=20: pytest.fail("recalibrated"))
     second = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline"))
