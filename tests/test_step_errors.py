@@ -106,6 +106,20 @@ def test_cold_and_probe_steps_ten_times_slow_do_not_move_a_busy_engines_bound():
     assert [i - b for i, b in zip(idle, shifted)] == pytest.approx([excess, excess])  # once, not per step
 
 
+def test_the_after_idle_excess_covers_all_but_the_rarest_cold_steps():
+    """Charged once, the excess is the worst of its window: of cold steps drawn alike (an exponential
+    cold cost, mean 30 ms, on top of the machine's time), the next passes it about one time in 65."""
+    model, clock, rng = calibrated(seed=11)
+    passed = 0
+    for i in range(400):
+        [f] = shapes(rng, 1)
+        cold = machine_seconds(f, rng) + rng.expovariate(1 / 0.03)
+        passed += i >= 64 and cold - model.predict(f) > model.after_idle_excess
+        clock.now += 1.0  # a second of idle between them: no age limit forgets them
+        model.observe(f, cold, after_idle=True)
+    assert passed / 336 <= 0.03
+
+
 def test_a_sustained_slowdown_raises_the_bound_within_10_slowed_steps_and_it_falls_back_within_50():
     model, clock, rng = calibrated(seed=7)
     busy_steps(model, clock, rng, 200)

@@ -32,8 +32,8 @@ request's bound does not take it: one stalled step is the stall reserve's, and r
 would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
 its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
 ``stall_reserve_max_ms``; ``idle``, only when the engine has run no step for ``IDLE_GAP_S`` (20 ms)
-as the request arrives, is the after-idle excess: the 0.9 quantile of the seconds by which the last
-32 first-steps-after-a-gap (and probes) ran past their busy bound. The first step of the work is
+as the request arrives, is the after-idle excess: the most seconds by which one of the last 64
+first-steps-after-a-gap (and probes) ran past its busy bound. The first step of the work is
 the one after the gap, so it is added once; a busy engine's bounds never add it, and those steps
 never move ``m``.
 
