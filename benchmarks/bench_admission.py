@@ -32,7 +32,7 @@ Each load runs without and with a 1.5x slowdown from the middle of the arrival w
 (``ricllm.faults.slow_steps``: a deterministic step-time multiplier, reproducible; a real noisy
 neighbour is ``ricllm.faults.CpuHog``). The same arrivals (seeded per load and repeat) go to every
 policy, with and without the slowdown; the policy order is rotated each repeat. Each run: a fresh
-engine on its own thread (fresh counters and correction; only one engine lives at a time: two
+engine on its own thread (fresh counters and step errors; only one engine lives at a time: two
 OpenMP pools on 2 cores slow every step), ~40 warm-up steps, ``--seconds`` of arrivals, then 1.5 s
 (past the longest deadline) for the deadline requests to end; what still runs then (best effort)
 is cancelled. Every engine uses one latency fit, calibrated at the start of the benchmark (~20 s)
@@ -212,7 +212,7 @@ def idle_latency_ms(engine, trials: int = 5, seed: int = 1) -> dict[str, float]:
 
 
 def warm_up(engine, seed: int = 2) -> None:
-    """~40 steps at a small batch: the thread pool starts and the latency correction sees this engine's steps."""
+    """~40 steps at a small batch: the thread pool starts and the step multipliers see this engine's steps."""
     rng = random.Random(seed)
     seqs = []
     for _ in range(8):

@@ -95,8 +95,9 @@ class AdmissionConfig(StrictModel):
         "off", "deadline: admit only what meets its deadline, and keep that promise; edf: queue every request "
         "(at most max_queue waiting), earliest deadline first; fcfs: the same, first come first served; off: "
         "refuse only what can never fit", flag="admission")
-    safety_margin: float = setting(0.1, "predicted times are inflated by this fraction before comparing",
-                                   ge=0, lt=10)
+    safety_margin: float = setting(0.1, "finish bounds (the fit with its measured errors) are inflated by this "
+                                        "fraction before comparing: room for a slowdown's first steps, before "
+                                        "the step multipliers see it", ge=0, lt=10)
     max_queue: int = setting(256, "requests that may wait: best-effort ones under the deadline policy, every one "
                                   "under edf and fcfs", ge=0)
     on_late: Literal["finish", "abort", "end_early"] = setting(
@@ -112,10 +113,11 @@ class AdmissionConfig(StrictModel):
                                      ge=1)
     stall_reserve_steps: int = setting(
         1024, "every finish bound also reserves the worst single-step overrun of the prediction seen over this many "
-              "recent steps, so one stalled step cannot break a promise; 0: no reserve", ge=0)
+              "recent busy steps (a first step after an idle gap is charged apart, once), so one stalled step "
+              "cannot break a promise; 0: no reserve", ge=0)
     stall_reserve_max_ms: float = setting(
         50.0, "the most the stall reserve holds (ms): a longer stall is the machine taken away, which the "
-              "online correction and the slowdown detector answer, not one slow step", ge=0)
+              "step multipliers and the slowdown detector answer, not one slow step", ge=0)
     tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
                                                  "computed for it at start (ms)", gt=0)
     tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)

@@ -180,9 +180,9 @@ def test_drift_is_caught_online_and_misses_are_counted(tiny_gguf, drift):
     engine.step = drifting_step
     with capture_logs() as logs:
         outputs = run_arrivals(engine, clock, arrivals)
-    assert engine.admission.latency.correction == pytest.approx(drift, rel=0.02)
+    assert engine.admission.latency.multipliers == pytest.approx({"decode": drift, "prefill": drift}, rel=0.02)
     slowdowns = [e for e in logs if e["event"] == "sustained_slowdown"]
-    assert len(slowdowns) == 1 and slowdowns[0]["correction"] >= 1.25  # said once, with the number
+    assert len(slowdowns) == 1 and slowdowns[0]["step_multiplier"] >= 1.25  # said once, with the number
     late = [o for o in outputs if o.admitted and not o.deadline_met]
     assert engine.deadline_counts["missed"] == len(late)  # counted, not hidden
     if drift > 2:
@@ -253,6 +253,10 @@ def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, m
     assert len(fits) == 1
     stored = LatencyModel.load(fits[0])
     assert stored.coefficients == first.admission.latency.coefficients and stored.roofline is not None
+    # the fit's residuals per kind, and the steps measured after a pause: where the error model starts
+    assert len(stored.residuals["after_idle"]) == calibration.AFTER_IDLE_PAUSES
+    assert len(stored.residuals["decode"]) > 20 and stored.residuals["prefill"]
+    assert stored.residuals == first.admission.latency.residuals
     assert first.kv_cache_stats()["prefix_cache_queries_tokens"] == 0  # sweep counters reset
     monkeypatch.setattr(calibration, "calibrate", lambda engine, budget_s=20: pytest.fail("recalibrated"))
     second = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline"))
@@ -319,22 +323,23 @@ def test_pinned_prefix_is_not_charged_as_prefill(tiny_gguf):
 
 
 def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machine(tiny_gguf):
-    """The correction moves on measured steps only: probes bring an inflated one back down when the
-    machine is fast again, and keep it up while the machine stays slow."""
-    for factor, expected in ((1.0, "down"), (1.5, "stays")):
+    """Probes measure what a step after a gap costs on the machine now, the after-idle excess: none
+    at the fit's speed, half a probe step at 1.5x. A burst of stalled busy steps that made the engine
+    refuse is forgotten within 2 s, though no busy step runs, and probes never move it."""
+    for factor in (1.0, 1.5):
         engine, clock = make_engine(tiny_gguf, slowdown=lambda factor=factor: factor)
         latency = engine.admission.latency
         for _ in range(8):
             latency.observe(_decode_features(), 1.0)  # a burst of stalled steps, then the machine settles
-        inflated = latency.correction
+        inflated = latency.multiplier("decode")
         for i in range(60):
             clock.now += 0.1  # idle time passes between refusals
-            engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=50))
+            engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=20))
         assert engine.num_steps >= 40  # each refusal, at most every 50 ms, measured one probe step
-        if expected == "down":
-            assert latency.correction < 1.2 < inflated
-        else:
-            assert latency.correction == pytest.approx(1.5, rel=0.05)  # no decay without a measurement
+        probe = engine.step_history[-1].features
+        assert probe.num_prefill_tokens == 1
+        assert latency.after_idle_excess == pytest.approx((factor - 1) * latency.base(probe), abs=1e-9)
+        assert latency.multipliers == {"decode": 1.0, "prefill": 1.0} and inflated > 50
 
 
 def _decode_features():

@@ -370,10 +370,11 @@ def test_the_bound_holds_the_worst_recent_overrun_once():
     work = [Work(deadline=1.0, prefill_left=0, decode_left=3, final_context=10)]
     for measured in (0.01, 0.04, 0.01):  # the second step runs 30 ms past its prediction
         model.observe(StepFeatures(0, 1, 10), measured)
-    assert model.correction == 4.0 and model.stall_reserve == pytest.approx(0.03)
-    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 * 4.0 + 0.03)
+    # one slow step of three is the reserve's, not the multiplier's (which 32 values, the fit's among them, set)
+    assert model.multiplier("decode") == 1.0 and model.stall_reserve == pytest.approx(0.03)
+    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 + 0.03)
     model.keep_overruns(0, cap_s=0.05)
-    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01 * 4.0)
+    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01)
 
 
 def test_building_an_engine_takes_its_objects_out_of_the_garbage_collectors_walk(tiny_gguf):
@@ -420,11 +421,11 @@ def test_a_stall_longer_than_the_cap_is_not_reserved_for_every_request():
 
 
 def test_the_reserve_forgets_a_stall_once_it_leaves_the_window():
-    model = LatencyModel([0.01, 0.0, 0.0, 0.0, 0.0])
+    model = LatencyModel([0.01, 0.0, 0.0, 0.0, 0.0], quantile=0.0)  # the fastest ratio: the fit (1.0) stays put
     model.keep_overruns(4, cap_s=1.0)
     for measured in (0.03, 0.01, 0.015, 0.01):  # 20 ms, then 5 ms past the prediction
         model.observe(StepFeatures(0, 1, 10), measured)
-        model.correction = 1.0  # hold the prediction still: only the overruns move
+        assert model.multiplier("decode") == 1.0  # only the overruns move
     assert model.stall_reserve == pytest.approx(0.02)
     model.observe(StepFeatures(0, 1, 10), 0.01)  # the 20 ms stall leaves the four-step window
     assert model.stall_reserve == pytest.approx(0.005)

@@ -18,21 +18,36 @@ their final contexts ``C_max``, and best effort at most ``best_effort_chunk`` pr
 pending prefill tokens are charged to everyone (later-deadline prefill chunks may share ``k``'s
 steps), so
 
-    finish_k <= now + busy + corr · (N_k · max(a + c·B + d·C_max + b·chunk + e·W, roofline(C_max))
-                                     + b·P_all + e·Q_all + f·prefill_steps_k) + stall
+    finish_k <= now + busy + m · (N_k · max(a + c·B + d·C_max + b·chunk + e·W, roofline(C_max))
+                                  + b·P_all + e·Q_all + f·prefill_steps_k) + stall + idle
 
-where ``stall`` is the worst amount by which one step overran its prediction over the last
-``stall_reserve_steps`` steps, at most ``stall_reserve_max_ms``.
+with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
+the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
+calibration's residuals), of decode steps and of prefill steps: each step is within its own kind's,
+so within ``m``, and a slowdown that shows first on one kind (whichever runs) raises every bound.
+When the promises already made are re-checked between steps (``rescue``, best effort joining, the
+prefill pace), ``m`` is also at least the last busy step's own ratio: the next step follows it at
+once and tends to run as it did, so the rescue answers a slowdown on its first slowed step. A new
+request's bound does not take it: one stalled step is the stall reserve's, and refusing for it
+would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
+its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
+``stall_reserve_max_ms``; ``idle``, only when the engine has run no step for ``IDLE_GAP_S`` (20 ms)
+as the request arrives, is the after-idle excess: the most seconds by which one of the last 64
+first-steps-after-a-gap (and probes) ran past its busy bound. The first step of the work is
+the one after the gap, so it is added once; a busy engine's bounds never add it, and those steps
+never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
 
-The guarantee, exactly: if every step takes at most its fitted time × ``corr`` (the online
-correction, a high quantile of measured / predicted over recent steps), except at most one step
-per request that may run late by as much as the worst of the recent steps did (up to
-``stall_reserve_max_ms``), every admitted
-request finishes within its deadline, with ``safety_margin`` to spare. When steps run slower than that
-(a noisy neighbour), the correction rises within a few measured steps and every bound is
-re-checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
+The guarantee, exactly: if every busy step takes at most its fitted time × its kind's multiplier,
+except at most one step per request that may run past that by at most ``stall``, and the first step
+after an idle gap runs past it by at most ``idle``, every admitted request finishes within its
+deadline, with ``safety_margin`` (a fraction of the bound) to spare. Assumed, not guaranteed: that
+the next steps err as the last ones did, and that a gap of at most ``IDLE_GAP_S`` leaves the
+machine warm. A slowdown breaks the first for the few steps before the multiplier sees it (it is
+past the 0.9 quantile after 4 slowed steps of a kind: misses then are counted, not hidden);
+``safety_margin`` is the room for them and for a stall longer than the reserve. Every bound is re-
+checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
 prefill of requests due later; ``on_late`` decides what a request that still cannot make it does.
 
 Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for running decodes
@@ -111,7 +126,8 @@ NO_BEST_EFFORT = BestEffortLoad()
 
 def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now: float,
                   busy_s: float = 0.0, best_effort: BestEffortLoad = NO_BEST_EFFORT,
-                  best_effort_chunk: int = 0) -> list[float]:
+                  best_effort_chunk: int = 0, after_idle: bool = False,
+                  follow_last_step: bool = False) -> list[float]:
     """Upper bounds on finish times, in the order of ``works`` (which must be EDF-sorted).
 
     ``best_effort`` sequences share every step at their final contexts, and while any of them may
@@ -120,8 +136,12 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     scheduler holds them to both: ``best_effort_prefill_cap``); ``busy_s`` is what remains of the
     step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
-    Each bound also holds ``model.stall_reserve``: room for one step to run as late as the worst
-    recent one did.
+    Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
+    multipliers and, with ``follow_last_step`` (promises re-checked between a busy engine's steps),
+    of the last busy step's own ratio.
+    Each bound also holds ``model.stall_reserve`` (room for one step to run as late as the worst
+    recent one did) and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), once
+    ``model.after_idle_excess``: the first step of the work is the first after the gap.
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.final_context for w in works) + best_effort.context
@@ -135,13 +155,14 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     prefill_all = sum(w.prefill_left for w in works)
     attention_all = sum(w.prefill_left * w.final_context for w in works)
     prefill_cost = b * prefill_all + e * attention_all
+    multiplier = model.bound_multiplier(follow_last_step and not after_idle)
+    reserve = model.stall_reserve + (model.after_idle_excess if after_idle else 0.0)
     bounds, prefill_ahead = [], 0
     for w in works:
         prefill_ahead += w.prefill_left
         prefill_steps = math.ceil(prefill_ahead / token_budget)
         steps = prefill_steps + w.decode_left
-        bounds.append(now + busy_s + model.correction * (steps * step + prefill_cost + f * prefill_steps)
-                      + model.stall_reserve)
+        bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * prefill_steps) + reserve)
     return bounds
 
 
@@ -184,7 +205,7 @@ class AdmissionController:
     # ------------------------------------------------------------ decision
 
     def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float = 0.0) -> Rejection | None:
+               busy_s: float = 0.0, after_idle: bool = False) -> Rejection | None:
         """None to admit (and reserve), or the reason to refuse, with the numbers.
 
         Running best effort does not count against a new promise: it shares steps only while every
@@ -194,9 +215,10 @@ class AdmissionController:
         to pause), its deadline only orders it among best effort. With ``degrade`` on, a request
         refused for its length, its memory or its time is admitted instead with the largest
         ``max_tokens`` that passes (``seq.degradation`` says so), when its prompt and one token pass.
+        ``after_idle``: the engine has run no step for ``IDLE_GAP_S``, so the next is a cold one.
         """
         def judge():
-            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s)
+            return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s, after_idle)
 
         verdict = judge()
         if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
@@ -208,7 +230,7 @@ class AdmissionController:
         return self._admit(seq, need, promise)
 
     def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float) -> Rejection | tuple[int, bool]:
+               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool]:
         """The refusal, or ``(blocks to reserve, promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
@@ -232,7 +254,7 @@ class AdmissionController:
             return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
                              f"{capacity} are not reserved by admitted requests",
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
-        late = self._first_late(seq, now, busy_s)  # without best effort: the rescue pauses what a promise needs
+        late = self._first_late(seq, now, busy_s, after_idle)  # without best effort: the rescue pauses what a promise needs
         return late if late is not None else (need, True)
 
     def _promisable(self, seq: Sequence) -> bool:
@@ -269,10 +291,10 @@ class AdmissionController:
         self._count("degraded")
         return verdict
 
-    def _first_late(self, seq: Sequence, now: float, busy_s: float) -> Rejection | None:
+    def _first_late(self, seq: Sequence, now: float, busy_s: float, after_idle: bool) -> Rejection | None:
         candidates = sorted([*self.admitted.values(), seq], key=_edf)
         works = [work_of(s) for s in candidates]
-        bounds = self._bounds(candidates, now, NO_BEST_EFFORT, busy_s)
+        bounds = self._bounds(candidates, now, NO_BEST_EFFORT, busy_s, after_idle=after_idle)
         margin = 1 + self.config.safety_margin
         batch = len(works)
         for w, bound in zip(works, bounds):
@@ -341,21 +363,24 @@ class AdmissionController:
         return {"policy": self.config.policy, "admitted": self.counts["admitted"], "rejected": rejected,
                 "degraded": self.counts.get("degraded", 0), "paced_steps": self.paced_steps,
                 "reserved_blocks": self.reserved_blocks, "promised_in_flight": len(self.admitted),
-                "latency_model": {"coefficients": self.latency.coefficients, "correction": self.latency.correction,
+                "latency_model": {"coefficients": self.latency.coefficients,
+                                  "step_multipliers": self.latency.multipliers,
+                                  "after_idle_excess_ms": self.latency.after_idle_excess * 1000,
                                   **self.latency.error_summary()}}
 
     # ------------------------------------------------------------ running
 
-    def _bounds(self, ordered: list[Sequence], now: float, best_effort: BestEffortLoad,
-                busy_s: float = 0.0, token_budget: int | None = None) -> list[float]:
+    def _bounds(self, ordered: list[Sequence], now: float, best_effort: BestEffortLoad, busy_s: float = 0.0,
+                token_budget: int | None = None, after_idle: bool = False, recheck: bool = False) -> list[float]:
         return finish_bounds([work_of(s) for s in ordered], self.latency, token_budget or self.token_budget, now,
-                             busy_s, best_effort, self._chunk)
+                             busy_s, best_effort, self._chunk, after_idle, follow_last_step=recheck)
 
     def _late(self, now: float, best_effort: BestEffortLoad, busy_s: float = 0.0,
               token_budget: int | None = None) -> list[Sequence]:
-        """Admitted requests whose bound, safety margin included, passes their deadline."""
+        """Admitted requests whose bound, safety margin included, passes their deadline, as re-checked
+        between steps (the last busy step's ratio counts)."""
         ordered = sorted(self.admitted.values(), key=_edf)
-        bounds = self._bounds(ordered, now, best_effort, busy_s, token_budget)
+        bounds = self._bounds(ordered, now, best_effort, busy_s, token_budget, recheck=True)
         margin = 1 + self.config.safety_margin
         return [s for s, b in zip(ordered, bounds) if now + (b - now) * margin > s.deadline]
 

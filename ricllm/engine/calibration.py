@@ -2,7 +2,8 @@
 
 The sweep runs real steps of the loaded engine: prefill-only steps of several sizes, decode
 steps at several batch sizes and contexts, and prompts joining a running decode batch (mixed
-steps), then fits ``LatencyModel``. The fit depends on the model file, dtype, weight format,
+steps), then fits ``LatencyModel``; last, a few steps that each follow a pause measure what a first
+step after an idle gap costs beyond the fit (the after-idle seed of ``StepErrors``). The fit depends on the model file, dtype, weight format,
 attention backend, device, thread count and ricllm version, which together key the cache file,
 so a second start pays nothing.
 """
@@ -26,11 +27,13 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 7  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 8  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
 MIXED = ((16, 48), (16, 96), (16, 400))  # (decoding sequences of 64 tokens, length of the prompt that joins)
+AFTER_IDLE_PAUSES = 3  # steps measured after a pause: a seed, which the first real gaps then refine
+AFTER_IDLE_PAUSE_S = 0.2  # well past IDLE_GAP_S: long enough for the clock to ramp down and caches to cool
 
 
 def fit_key(engine) -> dict:
@@ -155,6 +158,8 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
     model = fit(samples, roofline_of(engine))
+    model = LatencyModel(model.coefficients, model.roofline,
+                         {**model.residuals, "after_idle": _after_idle_excesses(engine, model, prompt)})
     model.errors.extend((t - model.base(f)) / t for f, t in samples)  # in-sample error, reported below
     _reset_counters(engine)
     log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1),
@@ -168,6 +173,20 @@ def _warm_up(engine, generator: random.Random, vocab: int) -> None:
                        SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+
+
+def _after_idle_excesses(engine, model: LatencyModel, prompt) -> list[float]:
+    """Seconds by which the first step after each of a few pauses ran past the fit's busy bound."""
+    excesses = []
+    for _ in range(AFTER_IDLE_PAUSES):
+        engine.step_history.clear()
+        time.sleep(AFTER_IDLE_PAUSE_S)
+        engine.add_request(prompt(16), SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        first = engine.step_history[0]
+        excesses.append(float(f"{first.duration_s - model.predict(first.features):.4g}"))
+    return excesses
 
 
 def _fits(engine, batch: int, length: int, new_tokens: int, joining: int = 0) -> bool:

@@ -9,18 +9,20 @@ Python: on the CPU, decode steps and small prefill steps run as one C call, larg
 steps (attention in SDPA or the C prefill kernel) op by op, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
 is the floor: no step can be faster than reading its bytes once.
 
-The fit is non-negative least squares on a calibration sweep; online, a multiplicative
-correction tracks a high quantile (0.9 by default) of the ratio of measured to predicted time over
-the last steps: a promise is made against how slow steps run on this machine now, not against
-their average, yet one stalled step cannot swing it; a machine that slows down is caught within a
-few dozen steps, and every prediction's error is recorded.
+The fit is non-negative least squares on a calibration sweep. Online, ``StepErrors``
+(``step_errors.py``) tracks how far measured steps run from it, per kind of step (decode, prefill,
+the first after an idle gap), seeded from the sweep's own residuals: promises are made against how
+slow steps run on this machine now, not against their average, and every prediction's error is
+recorded.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import numpy as np
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK
 from ricllm.engine.scheduler import StepFeatures
+from ricllm.engine.step_errors import BUSY_KINDS, STEP_KINDS, StepErrors, busy_kind
 
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step")
 
@@ -58,13 +61,13 @@ class Roofline:
 class LatencyModel:
     coefficients: list[float]  # seconds per unit of each FEATURES entry
     roofline: Roofline | None = None
-    correction: float = 1.0  # measured / predicted, tracked online
-    window: int = 32  # steps whose measured/predicted ratios set the correction
-    quantile: float = 0.9  # of those ratios: promises hold for all but the slowest tenth of steps
+    residuals: dict[str, list[float]] = field(default_factory=dict)  # the calibration's, per step kind
+    quantile: float = 0.9  # of each kind's recent ratios: promises hold for all but its slowest tenth of steps
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # the engine's (it sets it)
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
-    ratios: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)
     overruns: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)  # s past the prediction
     stall_cap: float = 0.05  # s: the most one step's stall is reserved for
+    step_errors: StepErrors = field(init=False, repr=False)
     _worst_overrun: float = field(default=0.0, init=False, repr=False)  # max(overruns), kept as they come and go
 
     def __post_init__(self) -> None:
@@ -72,39 +75,68 @@ class LatencyModel:
             raise ValueError(f"{len(self.coefficients)} coefficients, but the model has {len(FEATURES)} terms")
         # a fit written before a term was added: that term is 0
         self.coefficients = list(self.coefficients) + [0.0] * (len(FEATURES) - len(self.coefficients))
+        self.step_errors = StepErrors(self.residuals, self.quantile)
 
     def base(self, f: StepFeatures) -> float:
         linear = float(feature_vector(f) @ np.asarray(self.coefficients))
         floor = self.roofline.seconds(f) if self.roofline else 0.0
         return max(linear, floor)
 
-    def predict(self, f: StepFeatures) -> float:
-        """Seconds for one step carrying ``f``, with the online correction applied."""
-        return self.base(f) * self.correction
+    def multiplier(self, kind: str) -> float:
+        """measured / fitted for ``kind`` (``decode`` or ``prefill``): the bound's factor for its steps."""
+        return self.step_errors.multiplier(kind, self.clock())
 
-    def observe(self, f: StepFeatures, measured_s: float) -> None:
-        """Refine online from a measured step; record the relative error of the point estimate
-        (the median-corrected prediction; the promise-making correction is a higher quantile) and
-        how far the step ran past the prediction promises were made with."""
-        base = self.base(f)
-        self._record_overrun(max(measured_s - base * self.correction, 0.0))
-        point = base * self.typical_ratio
+    @property
+    def multipliers(self) -> dict[str, float]:
+        return {kind: self.multiplier(kind) for kind in BUSY_KINDS}
+
+    @property
+    def step_multiplier(self) -> float:
+        """The larger busy multiplier: the one figure for logs and the slowdown detector's verdicts."""
+        return max(self.multipliers.values())
+
+    def bound_multiplier(self, follow_last_step: bool) -> float:
+        """The factor a bound charges every step: ``step_multiplier``, with ``follow_last_step`` at
+        least the last busy step's own ratio too (``StepErrors.latest_busy_ratio``)."""
+        if not follow_last_step:
+            return self.step_multiplier
+        return max(self.step_multiplier, self.step_errors.latest_busy_ratio(self.clock()))
+
+    @property
+    def after_idle_excess(self) -> float:
+        """Seconds the first step after an idle gap runs past its busy bound: a bound made while the
+        engine is idle adds it once."""
+        return self.step_errors.after_idle_excess(self.clock())
+
+    def predict(self, f: StepFeatures) -> float:
+        """Seconds for one busy step carrying ``f``: the fit times its kind's multiplier."""
+        return self.base(f) * self.multiplier(busy_kind(f.num_prefill_tokens))
+
+    def observe(self, f: StepFeatures, measured_s: float, after_idle: bool = False) -> None:
+        """Learn from a measured step: a busy one moves its kind's multiplier and the stall reserve,
+        one after an idle gap (or a probe) only the after-idle excess. Either records the relative
+        error of the point estimate (the fit times the kind's median ratio)."""
+        base, kind, now = self.base(f), busy_kind(f.num_prefill_tokens), self.clock()
+        bound = base * self.step_errors.multiplier(kind, now)
+        point = base * self.step_errors.typical_ratio(kind, now)
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
+        if after_idle:
+            self.step_errors.add("after_idle", measured_s - bound, now)
+            return
+        self._record_overrun(max(measured_s - bound, 0.0))
         if base > 0 and measured_s > 0:
-            if self.ratios.maxlen != self.window:
-                self.ratios = deque(self.ratios, maxlen=self.window)
-            self.ratios.append(measured_s / base)
-            self.correction = self._ratio_quantile()
+            self.step_errors.add(kind, measured_s / base, now)
 
     @property
     def stall_reserve(self) -> float:
-        """Seconds every bound sets aside for one stalled step: the worst overrun of the prediction
-        over the recent steps (``overruns``' window), at most ``stall_cap``. The correction covers
-        all but the slowest tenth of steps in proportion; a request of three steps cannot absorb a
-        single step that runs 20 ms late (a neighbour's burst, a page fault) in a 10% margin, this
-        reserve does. A longer stall is the machine taken away, not one slow step: reserving it
-        would refuse every request for the whole window (a 5 s stall did, for about 50 s of idle
-        probes); the correction and the slowdown detector answer a machine that stays slow."""
+        """Seconds every bound sets aside for one stalled busy step: the worst overrun of the bound's
+        step time over the recent busy steps (``overruns``' window), at most ``stall_cap``. The
+        multipliers cover all but the slowest tenth of steps in proportion; a request of three steps
+        cannot absorb a single step that runs 20 ms late (a neighbour's burst, a page fault) in a 10%
+        margin, this reserve does. A longer stall is the machine taken away, not one slow step:
+        reserving it would refuse every request for the whole window (a 5 s stall did, for about
+        50 s of idle probes); the multipliers and the slowdown detector answer a machine that stays
+        slow. Steps after an idle gap are the after-idle excess's, not this."""
         return min(self._worst_overrun, self.stall_cap)
 
     def keep_overruns(self, steps: int, cap_s: float) -> None:
@@ -125,15 +157,10 @@ class LatencyModel:
         else:
             self._worst_overrun = max(self._worst_overrun, overrun)
 
-    @property
-    def typical_ratio(self) -> float:
-        """The median measured / predicted ratio over the window: how much slower the typical step
-        runs than the fit (outliers, which the correction covers, do not move it)."""
-        return statistics.median(self.ratios) if self.ratios else 1.0
-
-    def _ratio_quantile(self) -> float:
-        ordered = sorted(self.ratios)
-        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+    def typical_ratio(self, kind: str = "decode") -> float:
+        """The median measured / fitted ratio of recent ``kind`` steps: how much slower the typical
+        step runs than the fit (outliers, which the multiplier covers, do not move it)."""
+        return self.step_errors.typical_ratio(kind, self.clock())
 
     def error_summary(self) -> dict:
         """Median and p95 of |relative error|, over the recorded steps."""
@@ -144,14 +171,18 @@ class LatencyModel:
                 "p95_abs_error": absolute[min(len(absolute) - 1, int(0.95 * len(absolute)))]}
 
     def to_json(self) -> dict:
+        """The fit and the calibration's residuals: nothing learned online, so a slow run's errors
+        do not outlive it in the cached fit."""
         return {"features": list(FEATURES), "coefficients": self.coefficients,
-                "roofline": asdict(self.roofline) if self.roofline else None, "correction": self.correction}
+                "roofline": asdict(self.roofline) if self.roofline else None, "residuals": self.residuals}
 
     @classmethod
     def from_json(cls, data: dict) -> "LatencyModel":
+        """A fit file (a ``correction`` an older version wrote is ignored: it was one run's)."""
         roofline = Roofline(**data["roofline"]) if data.get("roofline") else None
-        return cls(coefficients=list(data["coefficients"]), roofline=roofline,
-                   correction=float(data.get("correction", 1.0)))
+        residuals = {kind: [float(v) for v in values] for kind, values in (data.get("residuals") or {}).items()
+                     if kind in STEP_KINDS}
+        return cls(coefficients=list(data["coefficients"]), roofline=roofline, residuals=residuals)
 
     def save(self, path: Path, key: dict | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +200,8 @@ def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = N
     step counts as much as a 200 ms prefill. Steps that took more than twice (or less than half)
     the first fit's prediction are dropped before the refit: a first run of a new shape pays
     one-off kernel compilation, and a noisy neighbour can stall a step; neither is the model.
+    The kept steps' ratios measured / fitted, per kind, are the model's ``residuals``: where the
+    error model starts (a stall is the stall reserve's, learned online, not a fit's spread).
     """
     x = np.stack([feature_vector(f) for f, _ in samples])
     y = np.array([t for _, t in samples])
@@ -177,7 +210,19 @@ def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = N
     keep = (ratio < 2.0) & (ratio > 0.5)
     if keep.sum() >= x.shape[1] * 2:
         coefficients = _nnls(x[keep], y[keep])
-    return LatencyModel(coefficients=coefficients.tolist(), roofline=roofline)
+    model = LatencyModel(coefficients=coefficients.tolist(), roofline=roofline)
+    kept = [sample for sample, kept in zip(samples, keep) if kept]
+    return LatencyModel(coefficients=model.coefficients, roofline=roofline, residuals=busy_residuals(model, kept))
+
+
+def busy_residuals(model: LatencyModel, samples: list[tuple[StepFeatures, float]]) -> dict[str, list[float]]:
+    """measured / fitted of each sample, by busy kind (4 significant digits: a fit file stays small)."""
+    residuals: dict[str, list[float]] = {kind: [] for kind in BUSY_KINDS}
+    for f, seconds in samples:
+        base = model.base(f)
+        if base > 0 and seconds > 0:
+            residuals[busy_kind(f.num_prefill_tokens)].append(float(f"{seconds / base:.4g}"))
+    return residuals
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ from ricllm.engine.scheduler import ScheduledBatch, Scheduler, StepFeatures
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.engine.slowdown import SlowdownDetector
 from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats, SlowdownEvent
+from ricllm.engine.step_errors import IDLE_GAP_S
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
@@ -95,6 +96,7 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self._grammars = None  # a GrammarCompiler, built with the first constraint
         self._last_probe = -math.inf  # engine-clock time of the last latency probe
+        self._last_step_end = -math.inf  # engine-clock time the last step (probes included) ended
         self.slowdown_detector = SlowdownDetector()  # is the typical step slower than it has lately been?
         self.slowdown_events: list[SlowdownEvent] = []  # when the detector said slow / back to speed
         self.admission = None
@@ -109,6 +111,7 @@ class LLMEngine:
             log.info("admission_caps", deadline_ms=tightest.tightest_deadline_ms,
                      tokens=tightest.tightest_deadline_tokens, caps=self.caps)
         _freeze_heap()
+        self._last_step_end = self.clock()  # the build has just run or loaded the model: no idle gap yet
         self.startup_s = time.perf_counter() - started
         self._log_start()
 
@@ -129,6 +132,7 @@ class LLMEngine:
         from ricllm.engine.calibration import load_or_calibrate
 
         latency = latency_model or load_or_calibrate(self)
+        latency.clock = self.clock  # its recent errors age on the clock the engine's steps are timed with
         return AdmissionController(self.config.admission, latency, self.kv_cache.geometry.num_blocks,
                                    self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)
@@ -247,7 +251,8 @@ class LLMEngine:
     def _admit(self, seq: Sequence, now: float):
         """Ask admission; on refusal finish the sequence as rejected and return the rejection."""
         pinned_blocks, pinned_hits = self._pinned_share(seq.token_ids)
-        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting)
+        rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
+                                          after_idle=self._idle_at(now))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
             rejection = self.admission.reject(
@@ -263,10 +268,15 @@ class LLMEngine:
                      requested_max_tokens=d.requested_max_tokens, granted_max_tokens=d.granted_max_tokens)
         return rejection
 
+    def _idle_at(self, now: float) -> bool:
+        """Whether the engine has run no step for longer than ``IDLE_GAP_S``: its next step is a cold one."""
+        return now - self._last_step_end > IDLE_GAP_S
+
     def _probe(self, now: float) -> None:
-        """Measure one small step while idle and refusing for time: an engine that runs no step
-        would never learn that the machine is fast again (or confirm it is still slow), and the
-        correction only ever moves on measured steps. At most one probe per ``PROBE_INTERVAL_S``."""
+        """Measure one small step while idle and refusing for time: what a first step after a gap
+        costs here now (cold caches, the clock ramped down), the bound's after-idle excess. It
+        informs that alone: a step of an idle machine says nothing of a busy one's, whose recent
+        errors age out instead (``StepErrors``). At most one probe per ``PROBE_INTERVAL_S``."""
         if now - self._last_probe < PROBE_INTERVAL_S:
             return
         self._last_probe = now
@@ -276,9 +286,9 @@ class LLMEngine:
         batch = ScheduledBatch([(seq, 1)])
         started = self.clock()
         self.runtime.runner.run(batch)
-        self._record_step(batch.features(), self.clock() - started)
+        self._record_step(batch.features(), self.clock() - started, after_idle=True)
         self.cache.free(seq)
-        log.info("latency_probe", correction=round(self.admission.latency.correction, 3))
+        log.info("latency_probe", after_idle_excess_ms=round(self.admission.latency.after_idle_excess * 1000, 3))
 
     def _refuse(self, seq: Sequence, rejection: Rejection, now: float) -> None:
         del seq.token_ids[seq.num_prompt_tokens:]  # a refused request answers nothing, forced start included
@@ -370,6 +380,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler could not schedule any request: this is a bug in ricllm")
             return finished
         features = batch.features()
+        after_idle = self._idle_at(entered)
         started = self.clock()
         for seq, _ in batch.items:
             if seq.first_scheduled_time is None:
@@ -386,7 +397,7 @@ class LLMEngine:
             reason = self._append_token(seq, token, now)
             if reason is not None:
                 finished.append(self._finish(seq, reason, now))
-        self._record_step(features, self.clock() - entered)
+        self._record_step(features, self.clock() - entered, after_idle)
         return finished
 
     def _sample(self, logits, ready: list[Sequence]) -> list[int]:
@@ -427,17 +438,21 @@ class LLMEngine:
                             "steps run up to 3x slower on few cores",
                         fix="build the engine on the thread that steps it: EngineThread(EngineConfig(...))")
 
-    def _record_step(self, features: StepFeatures, duration_s: float) -> None:
+    def _record_step(self, features: StepFeatures, duration_s: float, after_idle: bool = False) -> None:
+        """``after_idle``: the step followed a gap (or was a probe); the slowdown detector watches
+        busy steps only, as a cold step is no sign of a slower machine."""
         self.num_steps += 1
+        self._last_step_end = self.clock()
         self.step_history.append(StepRecord(features, duration_s))
         if self.admission is not None:
-            self.admission.latency.observe(features, duration_s)
-            self._watch_slowdown(features, duration_s)
+            self.admission.latency.observe(features, duration_s, after_idle)
+            if not after_idle:
+                self._watch_slowdown(features, duration_s)
 
     def _watch_slowdown(self, features: StepFeatures, duration_s: float) -> None:
         """Say when steps run persistently slower than they lately did (a noisy neighbour, thermal
         limits), and when that ends (``engine/slowdown.py``). Admission does not wait for this:
-        its bound scales with the correction, a high quantile, which rises within a few steps."""
+        its bound scales with the step multipliers, high quantiles, which rise within a few steps."""
         latency, detector = self.admission.latency, self.slowdown_detector
         predicted = latency.base(features)
         if predicted <= 0 or duration_s <= 0:
@@ -446,11 +461,11 @@ class LLMEngine:
         if changed is None:
             return
         self.slowdown_events.append(SlowdownEvent(self.clock(), changed, detector.slowdown, detector.typical,
-                                                  latency.correction))
+                                                  latency.step_multiplier))
         event = "sustained_slowdown" if changed else "slowdown_over"
         (log.warning if changed else log.info)(event, slowdown=round(detector.slowdown, 3),
                                                typical_ratio=round(detector.typical, 3),
-                                               correction=round(latency.correction, 3), threshold=detector.threshold,
+                                               step_multiplier=round(latency.step_multiplier, 3), threshold=detector.threshold,
                                                window_steps=detector.window)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
@@ -621,8 +636,10 @@ class LLMEngine:
         latency = None
         if admission is not None:
             errors = admission.latency.error_summary()
+            multipliers = admission.latency.multipliers
             latency = LatencyStats(errors["steps"], errors["median_abs_error"], errors["p95_abs_error"],
-                                   admission.latency.correction)
+                                   multipliers["decode"], multipliers["prefill"],
+                                   admission.latency.after_idle_excess, max(multipliers.values()))
         counts = admission.stats() if admission is not None else {}
         return EngineStats(
             kv_cache=self._kv_cache_stats(), running=len(self.scheduler.running),

@@ -3,12 +3,12 @@
 It compares the typical step now (the median measured / predicted ratio over the last ``window``
 steps) with the typical step of the recent past (a low quantile of those medians over the last
 ``horizon`` steps), not with the fit itself: a fit calibrated on a busier or quieter moment is
-off by a constant factor, which the online correction absorbs but which must not make the
+off by a constant factor, which the step multipliers absorb but which must not make the
 detector fire, or stay silent, on its own. The fit is also off by different factors for
 different kinds of steps, so the mix of traffic moves the typical ratio; a long window and a
 quantile baseline (not the quietest moment ever seen) keep such swings from reading as a
 slowdown. A slowdown that lasts most of ``horizon`` steps becomes the new normal (the
-correction keeps covering it; the detector says it is over).
+multipliers keep covering it; the detector says it is over).
 """
 
 from __future__ import annotations

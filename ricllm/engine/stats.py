@@ -34,26 +34,32 @@ class KVCacheStats:
 
 @dataclass(frozen=True)
 class LatencyStats:
-    """How far the step-latency model's predictions were from measured steps (relative errors)."""
+    """How far the step-latency model's predictions were from measured steps (relative errors), and
+    what admission's bounds add to the fit now (``StepErrors``): the decode and prefill steps'
+    multipliers (measured / fitted) and the after-idle excess (seconds, once per bound made idle).
+    ``correction``, the larger multiplier, is kept one release for clients that read it."""
 
     steps: int
     median_abs_error: float | None
     p95_abs_error: float | None
-    correction: float
+    decode_multiplier: float
+    prefill_multiplier: float
+    after_idle_excess_s: float
+    correction: float  # deprecated: max(decode_multiplier, prefill_multiplier); removed in the next release
 
 
 @dataclass(frozen=True)
 class SlowdownEvent:
     """The slowdown detector changed its mind at ``time`` (engine clock): the typical step ran
     ``slowdown`` times as long as the recent past's typical step (``slow``: at least the detector's
-    threshold), ``typical_ratio`` times its fitted prediction, and admission's correction (a high
-    quantile of that ratio) was ``correction``."""
+    threshold), ``typical_ratio`` times its fitted prediction, and admission's larger busy-step
+    multiplier (a high quantile of that ratio, of decode or of prefill steps) was ``step_multiplier``."""
 
     time: float
     slow: bool
     slowdown: float
     typical_ratio: float
-    correction: float
+    step_multiplier: float
 
 
 @dataclass(frozen=True)

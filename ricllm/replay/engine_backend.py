@@ -106,7 +106,7 @@ class InProcessBackend:
             return None if event.get(key) is None else round(event[key], 4)
 
         return [{"t_s": round(e["time"] - t0, 4), "slow": e["slow"], "slowdown": rounded(e, "slowdown"),
-                 "typical_ratio": rounded(e, "typical_ratio"), "correction": rounded(e, "correction")}
+                 "typical_ratio": rounded(e, "typical_ratio"), "step_multiplier": rounded(e, "step_multiplier")}
                 for e in admission["slowdowns"]]
 
     async def finish(self, interrupted: bool) -> dict[str, Any]:
@@ -192,7 +192,7 @@ class _EngineSampler:
         new = self._new_steps(engine.step_history)
         last = engine.step_history[-1].features if engine.step_history else None
         return {**timeline_sample(snap.kv_cache, snap.running, snap.waiting),
-                "latency_correction": snap.latency.correction if snap.latency is not None else None,
+                **_latency_figures(snap.latency),
                 "steps": len(new), "step_ms_mean": 1000 * sum(r.duration_s for r in new) / len(new) if new else None,
                 "decode_seqs_mean": sum(r.features.num_decode_seqs for r in new) / len(new) if new else None,
                 "last_step_prefill_tokens": last.num_prefill_tokens if last else 0,
@@ -208,6 +208,13 @@ class _EngineSampler:
             new.append(record)
         self._seen = history[-1] if history else None
         return new[::-1]
+
+
+def _latency_figures(latency) -> dict[str, float | None]:
+    """What the bounds add to the fit now, per kind of step (``LatencyStats``); None without admission."""
+    return {"latency_decode_multiplier": latency.decode_multiplier if latency else None,
+            "latency_prefill_multiplier": latency.prefill_multiplier if latency else None,
+            "latency_after_idle_excess_ms": latency.after_idle_excess_s * 1000 if latency else None}
 
 
 def _cancel_all(engine) -> int:

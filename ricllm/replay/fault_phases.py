@@ -97,7 +97,8 @@ def reaction_windows(phases: list[dict[str, Any]], events: list[dict[str, Any]] 
 
     ``events`` are the detector's verdicts in replay seconds, in time order (``t_s``, ``slow``,
     ``slowdown``: the typical step against the recent past's (a low quantile of recent window medians), ``typical_ratio``: the median
-    measured / predicted step time, ``correction``: admission's high quantile of that ratio); None
+    measured / predicted step time, ``step_multiplier``: admission's high quantile of that ratio, the
+larger of decode and prefill steps'); None
     when they could not be read (over ZeroMQ, or without admission)."""
     result = []
     for phase in phases:
@@ -109,7 +110,7 @@ def reaction_windows(phases: list[dict[str, Any]], events: list[dict[str, Any]] 
             continue
         stop = stop if stop is not None else start
         detector: dict[str, Any] = {"measured": events is not None, "fired_s": None, "reaction_ms": None,
-                                    "slowdown": None, "typical_ratio": None, "correction": None,
+                                    "slowdown": None, "typical_ratio": None, "step_multiplier": None,
                                     "already_slow": False}
         end = stop
         if events is not None:
@@ -130,20 +131,21 @@ def reaction_windows(phases: list[dict[str, Any]], events: list[dict[str, Any]] 
 
 
 def _verdict(event: dict[str, Any]) -> dict[str, Any]:
-    return {key: event.get(key) for key in ("slowdown", "typical_ratio", "correction")}
+    return {key: event.get(key) for key in ("slowdown", "typical_ratio", "step_multiplier")}
 
 
 def _phase_steps(timeline: Sequence[dict[str, Any]], start: float, stop: float) -> dict[str, Any]:
-    """The timeline's view of the phase: the highest correction sampled in it, and the median step
+    """The timeline's view of the phase: the highest busy-step multiplier sampled in it (decode or
+    prefill), and the median step
     time in it against the same length of time just before it (a rough slowdown: the step mix moves)."""
     def in_span(a: float, b: float, key: str) -> list[float]:
         return [s[key] for s in timeline if a <= s["t_s"] <= b and s.get(key) is not None]
 
     during, before = in_span(start, stop, "step_ms_mean"), in_span(max(0.0, 2 * start - stop), start, "step_ms_mean")
-    corrections = in_span(start, stop, "latency_correction")
+    multipliers = in_span(start, stop, "latency_decode_multiplier") + in_span(start, stop, "latency_prefill_multiplier")
     step_during = statistics.median(during) if during else None
     step_before = statistics.median(before) if before else None
-    return {"peak_correction": max(corrections) if corrections else None,
+    return {"peak_step_multiplier": max(multipliers) if multipliers else None,
             "step_ms_before": step_before, "step_ms_during": step_during,
             "step_slowdown": step_during / step_before if step_during and step_before else None}
 

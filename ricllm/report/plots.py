@@ -133,10 +133,13 @@ def timeline(report: dict[str, Any]) -> bytes:
         event_ax.step(x, counts, where="post", color=colour, label=f"{name} per s")
     event_ax.set(xlabel="seconds since the replay started", ylabel="requests per s",
                  title="admissions (by send time), rejections, deadline misses (by finish time)")
-    corrections = [(s["t_s"], s["latency_correction"]) for s in samples if s.get("latency_correction") is not None]
-    if corrections and (report.get("faults") or {}).get("phases"):
+    multipliers = {kind: [(s["t_s"], s[f"latency_{kind}_multiplier"]) for s in samples
+                          if s.get(f"latency_{kind}_multiplier") is not None] for kind in ("decode", "prefill")}
+    if any(multipliers.values()) and (report.get("faults") or {}).get("phases"):
         twin = step_ax.twinx()
-        twin.plot(*zip(*corrections), color="C3", linewidth=1, label="latency correction (right)")
+        for (kind, points), colour in zip(multipliers.items(), ("C3", "C4")):
+            if points:
+                twin.plot(*zip(*points), color=colour, linewidth=1, label=f"{kind} step multiplier (right)")
         twin.set_ylabel("measured / fit")
         _legend(twin, fontsize=7, loc="upper left")
     _shade_faults((kv_ax, batch_ax, step_ax, event_ax), report)

@@ -104,7 +104,7 @@ def fault_lines(report: dict[str, Any]) -> list[str]:
 
 
 def detector_text(detector: dict[str, Any]) -> str:
-    """When the slowdown detector fired, at what correction, and the timeline's view of the phase."""
+    """When the slowdown detector fired, at what step multiplier, and the timeline's view of the phase."""
     if not detector.get("measured"):
         text = "not measured (over ZeroMQ, or without admission): the reaction window is the whole phase"
     elif detector.get("already_slow"):
@@ -114,8 +114,8 @@ def detector_text(detector: dict[str, Any]) -> str:
     else:
         text = f"said slow {detector['reaction_ms']:.0f} ms after the start ({_ratios(detector)})"
     extra = []
-    if detector.get("peak_correction") is not None:
-        extra.append(f"peak correction {detector['peak_correction']:.2f}")
+    if detector.get("peak_step_multiplier") is not None:
+        extra.append(f"peak step multiplier {detector['peak_step_multiplier']:.2f}")
     if detector.get("step_slowdown") is not None:
         extra.append(f"median step {detector['step_ms_before']:.1f} -> {detector['step_ms_during']:.1f} ms "
                      f"({detector['step_slowdown']:.2f}x)")
@@ -126,7 +126,8 @@ def _ratios(detector: dict[str, Any]) -> str:
     slowdown, typical = detector.get("slowdown"), detector.get("typical_ratio")
     parts = [f"steps {slowdown:.2f}x the recent past's" if slowdown is not None else None,
              f"{typical:.2f}x the fit" if typical is not None else None,
-             f"admission's correction {detector['correction']:.2f}" if detector.get("correction") is not None else None]
+             f"admission's step multiplier {detector['step_multiplier']:.2f}"
+             if detector.get("step_multiplier") is not None else None]
     return ", ".join(p for p in parts if p)
 
 

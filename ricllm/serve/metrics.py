@@ -37,7 +37,9 @@ Deprecated (kept for one release, their HELP says so, removed in the next): the 
 ``ricxapp_deadlines_missed_total``, ``ricxapp_requests_running``, ``ricxapp_requests_waiting``,
 ``ricxapp_inbound_queue_length``, ``ricxapp_kv_cache_usage_ratio``, ``ricxapp_kv_cache_blocks``,
 ``ricxapp_prefix_cache_*_tokens_total``, ``ricxapp_preemptions_total`` and
-``ricxapp_latency_model_*``. The engine's are re-read from the same snapshot at scrape time (no
+``ricxapp_latency_model_*``; and ``ricxapp_ricllm_latency_model_correction`` (one factor for every
+step), now ``ricxapp_ricllm_latency_model_step_multiplier{step_kind}`` beside
+``ricxapp_ricllm_latency_model_after_idle_excess_seconds``. The engine's are re-read from the same snapshot at scrape time (no
 cost to the engine); the request ones cost one more observation per request (a microsecond or
 two), never per token: the old ``tpot`` histogram takes each request's mean, not its steps.
 """
@@ -158,19 +160,36 @@ def _kv_series(kv: KVCacheStats, model: str) -> Iterator[Metric]:
 
 
 def _latency_gauges(latency: LatencyStats | None, model: str | None) -> Iterator[Metric]:
-    """The step-latency model's accuracy; ``model`` None: the deprecated unlabelled names."""
+    """The step-latency model's accuracy and what admission's bounds add to the fit, per kind of
+    step; ``model`` None: the deprecated unlabelled names."""
     if latency is None:
         return
     for name, value, text in (
             ("latency_model_median_abs_error", latency.median_abs_error,
              "Median |relative error| of the step-latency model"),
             ("latency_model_p95_abs_error", latency.p95_abs_error,
-             "95th percentile |relative error| of the step-latency model"),
-            ("latency_model_correction", latency.correction,
-             "Online correction factor (measured / fitted step time)")):
+             "95th percentile |relative error| of the step-latency model")):
         if value is None:
             continue
         yield _gauge(name, text, value, model) if model is not None else _old_gauge(name, name, text, value)
+    if model is None:
+        yield _old_gauge("latency_model_correction", "latency_model_step_multiplier",
+                         "Online correction factor (measured / fitted step time)", latency.correction)
+        return
+    yield from _step_error_gauges(latency, model)
+
+
+def _step_error_gauges(latency: LatencyStats, model: str) -> Iterator[Metric]:
+    multipliers = GaugeMetricFamily(f"{PREFIX}_latency_model_step_multiplier",
+                                    "Measured / fitted step time that admission's bounds charge, by step kind",
+                                    labels=["model_name", "step_kind"])
+    for kind, value in (("decode", latency.decode_multiplier), ("prefill", latency.prefill_multiplier)):
+        multipliers.add_metric([model, kind], value)
+    yield multipliers
+    yield _gauge("latency_model_after_idle_excess_seconds", "Seconds a first step after an idle gap runs past "
+                 "its busy bound; a bound made while idle adds it once", latency.after_idle_excess_s, model)
+    yield _gauge("latency_model_correction", "The larger step multiplier" + DEPRECATED.format(
+        f"{PREFIX}_latency_model_step_multiplier"), latency.correction, model)
 
 
 def _deprecated_engine_series(snap: EngineSnapshot) -> Iterator[Metric]:

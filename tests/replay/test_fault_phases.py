@@ -98,10 +98,10 @@ PHASES = [{"index": 0, "name": "hog", "kind": "cpu_hog", "duty": 0.3, "started_s
 
 
 def test_the_window_runs_from_the_phase_start_to_the_detectors_first_slow_verdict():
-    events = [{"t_s": 3.0, "slow": True, "correction": 1.3}, {"t_s": 4.0, "slow": False, "correction": 1.1},
-              {"t_s": 10.8, "slow": True, "slowdown": 1.48, "typical_ratio": 1.31, "correction": 1.42},
-              {"t_s": 14.0, "slow": False, "correction": 1.2},
-              {"t_s": 15.0, "slow": True, "correction": 1.5}]
+    events = [{"t_s": 3.0, "slow": True, "step_multiplier": 1.3}, {"t_s": 4.0, "slow": False, "step_multiplier": 1.1},
+              {"t_s": 10.8, "slow": True, "slowdown": 1.48, "typical_ratio": 1.31, "step_multiplier": 1.42},
+              {"t_s": 14.0, "slow": False, "step_multiplier": 1.2},
+              {"t_s": 15.0, "slow": True, "step_multiplier": 1.5}]
     records = [
         record(0, 9.0, 9.5),                            # finished before the phase: outside
         record(1, 9.8, 10.2),                           # admitted before, unfinished at the start: inside
@@ -116,7 +116,7 @@ def test_the_window_runs_from_the_phase_start_to_the_detectors_first_slow_verdic
     detector = phases[0]["detector"]
     assert phases[0]["window"] == {"start_s": 10.0, "end_s": 10.8}
     assert detector["fired_s"] == 10.8 and detector["reaction_ms"] == pytest.approx(800.0)
-    assert (detector["slowdown"], detector["typical_ratio"], detector["correction"]) == (1.48, 1.31, 1.42)
+    assert (detector["slowdown"], detector["typical_ratio"], detector["step_multiplier"]) == (1.48, 1.31, 1.42)
     assert not detector["already_slow"] and detector["measured"]
     assert [e["t_s"] for e in detector["events"]] == [10.8, 14.0, 15.0]
     section = fault_section(PHASES, events, records)
@@ -137,12 +137,12 @@ def test_the_window_runs_from_the_phase_start_to_the_detectors_first_slow_verdic
 
 def test_without_a_verdict_the_window_is_the_whole_phase():
     records = [record(0, 15.0, 15.5, met=False, e2e=0.5), record(1, 21.0, 21.3, met=False, e2e=0.31)]
-    quiet = reaction_windows(PHASES, [{"t_s": 25.0, "slow": True, "correction": 1.3}])[0]  # fired after the end
+    quiet = reaction_windows(PHASES, [{"t_s": 25.0, "slow": True, "step_multiplier": 1.3}])[0]  # fired after the end
     assert quiet["window"]["end_s"] == 20.0 and quiet["detector"]["fired_s"] is None
     unmeasured = fault_section(PHASES, None, records)  # over ZeroMQ
     assert unmeasured["detector_measured"] is False and unmeasured["phases"][0]["detector"]["measured"] is False
     assert [r.reaction_window for r in records] == [0, None]
-    already = reaction_windows(PHASES, [{"t_s": 5.0, "slow": True, "correction": 1.6}])[0]
+    already = reaction_windows(PHASES, [{"t_s": 5.0, "slow": True, "step_multiplier": 1.6}])[0]
     assert already["window"] == {"start_s": 10.0, "end_s": 10.0} and already["detector"]["already_slow"]
     mark_windows(records, [already])
     assert [r.reaction_window for r in records] == [None, None]
@@ -160,11 +160,12 @@ def test_without_fault_phases_outside_the_window_is_every_admitted_request():
     assert overall["met_of_admitted_outside_window"] == overall["met_of_admitted"] == 0.5
 
 
-def test_the_timeline_gives_the_peak_correction_and_the_step_slowdown():
-    timeline = [{"t_s": t, "step_ms_mean": 10.0 if t < 10 else 15.0, "latency_correction": 1.0 if t < 10 else 1.6}
+def test_the_timeline_gives_the_peak_step_multiplier_and_the_step_slowdown():
+    timeline = [{"t_s": t, "step_ms_mean": 10.0 if t < 10 else 15.0, "latency_decode_multiplier": 1.0 if t < 10 else 1.6,
+                 "latency_prefill_multiplier": 1.0}
                 for t in range(25)]
     detector = reaction_windows(PHASES, [], timeline)[0]["detector"]
-    assert detector["peak_correction"] == 1.6 and detector["step_slowdown"] == pytest.approx(1.5)
+    assert detector["peak_step_multiplier"] == 1.6 and detector["step_slowdown"] == pytest.approx(1.5)
 
 
 # ------------------------------------------------------------------------------ the schedule
@@ -240,7 +241,7 @@ def test_a_tiny_replay_with_a_fault_phase_reports_it(tiny_gguf, tmp_path, monkey
     inside = [r for r in report["requests"] if r["reaction_window"] == 0]
     assert len(inside) == window["admitted"] == report["aggregates"]["overall"]["window_admitted"]
     assert all(r["admitted"] and r["sent_s"] < window["end_s"] and r["done_s"] > window["start_s"] for r in inside)
-    assert all("latency_correction" in s for s in report["timeline"])
+    assert all("latency_decode_multiplier" in s and "latency_after_idle_excess_ms" in s for s in report["timeline"])
     out = capsys.readouterr().out
     assert "fault neighbour: cpu_hog duty 0.5" in out and "reaction window" in out
     page = " ".join(parse_html(tmp_path / "report" / "report.html").text)

@@ -102,6 +102,9 @@ def test_the_engine_series_carry_the_served_model_name(server):
     queries = values[(P + "prefix_cache_queries_total", model)]
     assert queries >= result.num_prompt_tokens and values[(P + "prefix_cache_hits_total", model)] <= queries
     assert (P + "num_preemptions_total", model) in values and (P + "inbound_queue_length", model) in values
+    for kind in ("decode", "prefill"):  # what the bounds charge, per kind of step
+        assert values[(P + "latency_model_step_multiplier", (*model, ("step_kind", kind)))] > 0
+    assert values[(P + "latency_model_after_idle_excess_seconds", model)] >= 0
 
 
 def _idle_after(base_url: str, prompt_tokens: int) -> dict | None:
@@ -145,6 +148,9 @@ def test_the_process_collector_and_the_deprecated_names(server):
                 "ricxapp_requests_running", "ricxapp_kv_cache_usage_ratio"):
         help_line = next(line for line in text.splitlines() if line.startswith(f"# HELP {old} "))
         assert "DEPRECATED: use ricxapp_ricllm_" in help_line, help_line
+    for old in (P + "latency_model_correction", "ricxapp_latency_model_correction"):  # one factor for every step
+        help_line = next(line for line in text.splitlines() if line.startswith(f"# HELP {old} "))
+        assert f"DEPRECATED: use {P}latency_model_step_multiplier instead" in help_line, help_line
 
 
 
