@@ -638,8 +638,9 @@ class LLMEngine:
             errors = admission.latency.error_summary()
             multipliers = admission.latency.multipliers
             latency = LatencyStats(errors["steps"], errors["median_abs_error"], errors["p95_abs_error"],
-                                   multipliers["decode"], multipliers["prefill"],
-                                   admission.latency.after_idle_excess, max(multipliers.values()))
+                                   correction=max(multipliers.values()), decode_multiplier=multipliers["decode"],
+                                   prefill_multiplier=multipliers["prefill"],
+                                   after_idle_excess_s=admission.latency.after_idle_excess)
         counts = admission.stats() if admission is not None else {}
         return EngineStats(
             kv_cache=self._kv_cache_stats(), running=len(self.scheduler.running),

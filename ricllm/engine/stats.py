@@ -42,10 +42,11 @@ class LatencyStats:
     steps: int
     median_abs_error: float | None
     p95_abs_error: float | None
-    decode_multiplier: float
-    prefill_multiplier: float
-    after_idle_excess_s: float
     correction: float  # deprecated: max(decode_multiplier, prefill_multiplier); removed in the next release
+    # None only in a reply from a server that predates the error model
+    decode_multiplier: float | None = None
+    prefill_multiplier: float | None = None
+    after_idle_excess_s: float | None = None
 
 
 @dataclass(frozen=True)
