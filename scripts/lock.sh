@@ -17,6 +17,6 @@ pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
     echo "# resolved together by scripts/lock.sh on $(date -u +%Y-%m-%d) (Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())'), $(uname -m))."
     echo "# scripts/setup.sh --dev and --bench install through it (pip -c); a plain setup.sh and pip install ricllm keep"
     echo "# pyproject.toml's ranges. tests/test_toolchain_lock.py fails when the venv differs from it."
-    "$venv/bin/pip" freeze --exclude-editable --disable-pip-version-check | LC_ALL=C sort -f
+    "$venv/bin/pip" freeze --all --exclude-editable --disable-pip-version-check | LC_ALL=C sort -f
 } > constraints.txt
 echo "wrote constraints.txt ($(grep -vc '^#' constraints.txt) distributions)"

@@ -9,12 +9,16 @@ has drifted from it: a version that differs, or a distribution the lock does not
 from __future__ import annotations
 
 import re
+import sysconfig
 from importlib.metadata import distributions
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "constraints.txt"
-NOT_LOCKED = {"ricllm", "pip", "setuptools", "wheel"}  # ricllm itself, and the installers venv puts in every venv
+NOT_LOCKED = {"ricllm"}
+# the venv's own folders: a package may put another folder on sys.path that holds distributions it vendors
+# (setuptools does, once imported: its _vendor), which are not installed
+SITE_PACKAGES = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
 
 
@@ -48,7 +52,7 @@ def drift(installed: dict[str, str], locked: dict[str, str]) -> list[str]:
 
 
 def test_every_installed_distribution_is_the_locked_version() -> None:
-    installed = {canonical(d.metadata["Name"]): d.version for d in distributions()}
+    installed = {canonical(d.metadata["Name"]): d.version for d in distributions(path=SITE_PACKAGES)}
     problems = drift(installed, read_lock(LOCK.read_text()))
     assert not problems, ("the venv is not the locked toolchain (rerun `bash scripts/setup.sh --dev`, or upgrade "
                           "the lock with `bash scripts/lock.sh`):\n  " + "\n  ".join(problems))
@@ -57,6 +61,7 @@ def test_every_installed_distribution_is_the_locked_version() -> None:
 def test_the_lock_pins_what_the_tests_import_first_of_all_the_oracle() -> None:
     locked = read_lock(LOCK.read_text())
     for name in ("transformers", "torch", "triton", "kernels", "pytest", "pytest-timeout", "hypothesis", "openai",
+                 "setuptools",
                  "kubernetes-validate", "llama-cpp-python", "llguidance", "numpy", "gguf"):
         assert name in locked, f"{name} is not locked"
     assert locked["torch"].startswith("2.13.0"), "torch stays 2.13.0 (the CPU build)"
@@ -64,7 +69,7 @@ def test_the_lock_pins_what_the_tests_import_first_of_all_the_oracle() -> None:
 
 def test_a_drifted_venv_is_named_package_by_package() -> None:
     locked = {"transformers": "5.25.0", "kernels": "0.19.1"}
-    installed = {"transformers": "5.26.0", "kernels": "0.19.1", "leftover": "1.0", "pip": "23.2.1"}
+    installed = {"transformers": "5.26.0", "kernels": "0.19.1", "leftover": "1.0", "ricllm": "0.1.0"}
     assert drift(installed, locked) == ["leftover 1.0 is installed but not locked",
                                         "transformers 5.26.0 is installed, the lock says 5.25.0"]
 
