@@ -43,6 +43,25 @@ def test_info_prints_dimensions_and_kv_bytes(smollm2):
     assert "23040 B  (2·30·3·64·2)" in result.stdout  # bf16 bytes per token of SmolLM2
 
 
+@pytest.mark.parametrize("bf16,says", [("1", "bf16 products             yes (RICLLM_CPU_BF16=1)"),
+                                       ("0", "bf16 products             no (RICLLM_CPU_BF16=0)")])
+def test_info_says_what_auto_resolves_to_on_this_cpu(smollm2, bf16, says):
+    from ricllm.kernels.cpu_library import quant_gemm_available
+
+    result = ricllm("info", str(smollm2), env={**os.environ, "RICLLM_CPU_BF16": bf16})
+    assert result.returncode == 0, result.stderr
+    assert says in result.stdout
+    if quant_gemm_available(4):  # bf16 either way: the packed kernels do the products where the CPU does not
+        assert "dtype auto (CPU)          bfloat16" in result.stdout
+        assert "weights auto (CPU)        layers int4, LM head int8" in result.stdout
+
+
+def test_a_bad_bf16_answer_is_a_clear_error(smollm2):
+    result = ricllm("info", str(smollm2), env={**os.environ, "RICLLM_CPU_BF16": "maybe"})
+    assert result.returncode == 2 and "RICLLM_CPU_BF16='maybe': expected 0 or 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bad_flag_value_is_a_clear_error(tiny_gguf):
     result = ricllm("generate", "x", "--model", str(tiny_gguf), "--kv-cache-budget", "lots")
     assert result.returncode == 2 and "cannot parse byte size 'lots'" in result.stderr
