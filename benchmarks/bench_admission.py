@@ -665,7 +665,7 @@ def main() -> None:
                f"slowdown 1.5x: every step 1.5x as long from the middle of the arrivals (slow_steps). "
                f"Baselines: fcfs and edf with the queue bound, on_late: abort (drop late) and "
                f"{BASELINE_CHUNK['tokens']}-token steps; ricllm: 512-token steps, prefill paced.")
-    publish("Admission benchmark: honest baselines (issue 20)", details, "\n".join(lines),
+    publish("Admission benchmark: honest baselines", details, "\n".join(lines),
             append=not args.no_append)
 
 

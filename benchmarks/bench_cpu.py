@@ -45,7 +45,7 @@ llama.cpp runs under this interpreter (llama-cpp-python from `bash scripts/setup
 --llamacpp-python picks another), twice: flash attention off and on; ricllm is compared with
 the better of the two per measurement.
 Prompts are fixed-seed random token ids in [100, vocab - 100), identical for every engine.
-The summary, ratios and issue 21's targets (PASS/FAIL) are appended to benchmarks/RESULTS.md.
+The summary, ratios and the decode targets (PASS/FAIL) are appended to benchmarks/RESULTS.md.
 
     python benchmarks/bench_cpu.py                      # full run (an hour or more on 2 cores)
     python benchmarks/bench_cpu.py --quick --repeats 1  # smoke test: tiny sizes, prints only
@@ -84,7 +84,7 @@ KV_BUDGET = "256MiB"
 RESULT_MARK, READY_MARK = "BENCH_RESULT ", "BENCH_READY "
 FULL = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 8, 16, 32], "prefill_len": 512, "prefill_repeats": 3}
 QUICK = {"prompt_len": 32, "new_tokens": 8, "streams": [1, 4], "prefill_len": 32, "prefill_repeats": 1}
-# issue 21's targets for ricllm's default (int4 native); ratios are ratios of medians
+# the targets for ricllm's default (int4 native); ratios are ratios of medians
 TARGETS = {"decode_1_vs_llama": 2.0, "decode_1_roofline": 0.80, "decode_32_vs_llama": 3.0, "native_vs_torch": 1.0,
            "prompt_vs_llama": 3.0, "peak_rss_mb": 480.0, "ready_cached_s": 0.44}
 CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -638,7 +638,7 @@ def ratio_stat(ours: Series, peer: Series | None, key: str) -> Stat | None:
 
 @dataclass(frozen=True)
 class Check:
-    """One of issue 21's targets: ``value`` against ``target`` (at least, or at most)."""
+    """One of the targets: ``value`` against ``target`` (at least, or at most)."""
 
     name: str
     value: float | None
@@ -776,7 +776,7 @@ def target_lines(series: list[Series], bandwidth: float, sizes: dict) -> str:
     twin = next((s for s in series if s.config.engine == "ricllm" and s.config.spec["runtime"] == "torch"
                  and s.config.spec["weights"] == ours.config.spec["weights"]), None)
     peers = [s for s in series if s.config.engine == "llamacpp"]
-    lines = [f"Targets of issue 21 ({ours.label}, {KV_BUDGET} KV; ratios of medians):"]
+    lines = [f"Targets ({ours.label}, {KV_BUDGET} KV; ratios of medians):"]
     return "\n".join(lines + [check_line(c) for c in issue_checks(ours, twin, peers, bandwidth, sizes)])
 
 

@@ -215,7 +215,7 @@ def main() -> None:
         "| streams | sampling | unconstrained ms | constrained ms | overhead |", "|---:|---|---:|---:|---:|",
         *masking_cost(args.repeats),
     ])
-    publish("Decisions: accuracy and the cost of constraints (issue 19)",
+    publish("Decisions: accuracy and the cost of constraints",
             f"CPU {cpu_flags()}; scenario {args.scenario}; default model (SmolLM2-135M-Instruct Q4_1, "
             f"{llm.engine.runtime.name} runtime, weights {llm.engine.runtime.weight_formats[0]}).",
             body, append=not args.no_append)

@@ -1,4 +1,4 @@
-"""Grammar engines for structured output on ricllm's own tokenizer: llguidance vs xgrammar (issue 19).
+"""Grammar engines for structured output on ricllm's own tokenizer: llguidance vs xgrammar.
 
 Both engines get SmolLM2-135M's tokenizer (the one ``Tokenizer.from_gguf`` builds, 49152 tokens,
 EOS 0 and 2) and the same four constraints: the RAN decision schema, a larger schema (nested
@@ -630,7 +630,7 @@ def main() -> None:
                f"schema's walk. JSON constraints compiled in the compact form. Load average (1 min) "
                f"{load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (this benchmark keeps about "
                f"one core busy; the rest is other processes on the machine).")
-    publish("Grammar engine for structured output (issue 19)", details, body, append=not args.no_append)
+    publish("Grammar engine for structured output", details, body, append=not args.no_append)
 
 
 if __name__ == "__main__":

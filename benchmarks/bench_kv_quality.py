@@ -1,4 +1,4 @@
-"""What each KV cache mode costs in quality, and what it buys in memory (issue 22).
+"""What each KV cache mode costs in quality, and what it buys in memory.
 
 Modes: the exact cache (bf16), the int8 cache (``kv_cache_dtype="int8"``), and sink + window
 caches (``kv_window=W``, ``kv_sinks=4``) for several W. Every mode runs the same model (default:
@@ -216,7 +216,7 @@ def main() -> None:
     exact = all_modes[0].label
     floor = decision_answers(all_modes[0].engine(args.model), scenario, cases, one_by_one=True)
     body = render(args, all_modes, retrieval, forced, decisions, floor, memory, scenario, cases, exact)
-    publish("KV cache quality: int8 and sink + window against the exact cache (issue 22)",
+    publish("KV cache quality: int8 and sink + window against the exact cache",
             f"{args.scenario} scenario decisions; default model on the torch runtime, reference attention, "
             f"int4 weights; {time.perf_counter() - started:.0f} s.", body, append=not args.no_append)
 

@@ -139,7 +139,7 @@ def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     global _setup
     if _setup is None:
         setup = _choose(None, None)
-        if "structlog" in sys.modules:  # imported already: configured now, as every start used to
+        if "structlog" in sys.modules:  # imported already: configured at once
             _apply(setup)
         else:
             setup.applied = False

@@ -1,6 +1,6 @@
 """The summary math of benchmarks/bench_cpu.py on made-up repeats: medians and ranges, per-repeat
 ratios against the better llama.cpp configuration, the interleaving order, the bandwidth roofline
-and issue 21's verdict lines. No model, no engine, no child process."""
+and the targets' verdict lines. No model, no engine, no child process."""
 
 from __future__ import annotations
 

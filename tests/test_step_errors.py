@@ -1,4 +1,4 @@
-"""The step-error model (issue 33): per-kind errors, seeded by the calibration, that a cold step after
+"""The step-error model: per-kind errors, seeded by the calibration, that a cold step after
 an idle gap or a probe cannot inflate for a busy engine, and that follow a real slowdown both ways.
 
 Measured step times are never the model's own form: a hidden "machine" with a nonlinear context

@@ -15,7 +15,7 @@ the family (``RICLLM_NO_AMX=1`` caps it at ``avx512``), so one machine measures 
 Built ahead (the image does, so its runtime stage needs no compiler): ``python -m
 ricllm.kernels.cpu_library DIR`` writes one library per x86 family into DIR, and with
 ``RICLLM_PREBUILT_KERNELS=DIR`` the family this CPU's flags choose is loaded from there (a CPU
-below x86-64-v3, or a library built from other sources, is compiled here as before where a
+below x86-64-v3, or a library built from other sources, is compiled here where a
 compiler exists, else the engine keeps the torch path).
 """
 

@@ -10,7 +10,7 @@ after it (the engine's ``slowdown_events``; the phase's end when the detector ne
 it; the phase's start when the detector already said slow then). A request is *in the window*
 when it was admitted (sent, in-process: its arrival is stamped at submission) before the window
 closed and was still unfinished when the phase began: admission planned it with steps as fast
-as before, and nothing can promise more than that. Its outcome is reported apart (count, met,
+as those ahead of the phase, and nothing can promise more than that. Its outcome is reported apart (count, met,
 missed, how late); every other admitted request is held to its deadline. Over ZeroMQ the
 server's detector is not visible: the window is the whole phase and the report says the
 detector was not measured. Nothing here imports torch.

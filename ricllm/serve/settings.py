@@ -191,7 +191,7 @@ class ServeSettings:
 
 
 def effective_log_level(control: str | None) -> str:
-    """The ``log_level`` control, else ``$RICLLM_LOG_LEVEL`` (as before the control existed), else INFO."""
+    """The ``log_level`` control, else ``$RICLLM_LOG_LEVEL`` (the environment of the process), else INFO."""
     return (control or os.environ.get("RICLLM_LOG_LEVEL") or "INFO").upper()
 
 

@@ -1,4 +1,4 @@
-"""``/ric/v1/metrics`` after real requests (issue 23, item 4): vLLM's series under ``ricxapp_ricllm_``,
+"""``/ric/v1/metrics`` after real requests: vLLM's series under ``ricxapp_ricllm_``,
 labelled with the served model and the request's deadline class, moved by ZeroMQ and OpenAI HTTP
 requests alike by exactly what the replies report; admission outcomes by code; the process
 collector; the deprecated first names still there, marked so."""

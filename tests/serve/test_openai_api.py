@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API of ``ricllm serve`` (issue 23, item 3), driven by the official ``openai``
+"""The OpenAI-compatible API of ``ricllm serve``, driven by the official ``openai``
 client against a real in-process server on the tiny random model: the same engine thread and
 admission as the ZeroMQ socket, on the HTTP port beside the O-RAN health and metrics paths."""
 

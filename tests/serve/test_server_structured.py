@@ -1,4 +1,4 @@
-"""Constrained answers over ZeroMQ (issue 19): a real in-process server on the tiny random model.
+"""Constrained answers over ZeroMQ: a real in-process server on the tiny random model.
 
 A constraint travels in ``generate`` or in a template, whose requests inherit it; what the grammar
 engine cannot compile is an error reply and the server goes on; a ``max_tokens`` shorter than any
