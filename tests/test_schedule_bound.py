@@ -50,6 +50,9 @@ def test_a_long_request_behind_short_ones_is_admitted_and_met(tiny_gguf):
     assert long.rejection is None and long.promised
     outputs = drain(engine)
     assert len(outputs) == 9 and all(o.deadline_met for o in outputs), [(o.request_id, o.e2e_s) for o in outputs]
+    by_id = {o.request_id: o for o in outputs}  # each output carries the bound it was promised against
+    assert by_id[long.request_id].predicted_e2e_s == pytest.approx(long.predicted_finish - long.arrival_time)
+    assert all(o.predicted_e2e_s > 0 for o in outputs)
 
 
 def test_the_schedule_bound_is_never_below_the_real_finish(tiny_gguf):
