@@ -45,6 +45,8 @@ class RequestOutput:
     ``deadline_met`` is None when the request had no deadline or was rejected. ``degradation``
     is set when the ``degrade`` policy admitted it with a smaller ``max_tokens`` than asked.
     A constrained answer that ends by ``length`` is incomplete (it does not parse): never hidden.
+    ``predicted_e2e_s`` is the bound admission promised it against (safety margin not included),
+    for the work known at its arrival: ``predicted_e2e_s / e2e_s`` is how tight the bound was.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class RequestOutput:
     deadline_ms: float | None = None
     degradation: Degradation | None = None  # set when admission shrank max_tokens (degrade policy)
     num_forced_tokens: int = 0  # output tokens the answer's grammar forced (appended without sampling)
+    predicted_e2e_s: float | None = None  # admission's finish bound for it, from arrival (promised requests)
 
     @property
     def tpot_s(self) -> float | None:

@@ -37,7 +37,16 @@ first-steps-after-a-gap (and probes) ran past its busy bound. The first step of 
 the one after the gap, so it is added once; a busy engine's bounds never add it, and those steps
 never move ``m``.
 
-It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision.
+It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision. So
+it is the fast pre-check: what it keeps is kept at once. Only when it puts a request past its
+deadline is the schedule run forward (``schedule_bound.schedule_bounds``: the EDF plan the
+scheduler follows, segment by segment between finish events, each step at the fitted cost of its
+real composition, the error model applied the same way), and each request takes the smaller of
+its two bounds, both being bounds. Every re-check between steps (``_late``: the rescue, best effort
+joining, the pace cap's search) takes the same path, so a promise the schedule made is not taken
+for one at risk by the closed form. An admitted request keeps its bound as ``predicted_finish``:
+the work it was promised against (a later arrival due later may share its prefill steps; the
+re-checks keep its deadline then, not that figure).
 
 The guarantee, exactly: if every busy step takes at most its fitted time × its kind's multiplier,
 except at most one step per request that may run past that by at most ``stall``, and the first step
@@ -65,7 +74,8 @@ from ricllm.cache.kv_window import pinned_blocks_held
 from ricllm.config import AdmissionConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
-from ricllm.engine.sequence import Sequence
+from ricllm.engine.schedule_bound import schedule_bounds
+from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.outputs import Degradation, Rejection
 
 DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
@@ -80,6 +90,7 @@ class Work:
     decode_left: int
     final_context: int
     request_id: str = ""
+    running: bool = False  # seated in the batch: its prefill is served before waiting requests'
 
 
 def work_of(seq: Sequence) -> Work:
@@ -92,7 +103,8 @@ def work_of(seq: Sequence) -> Work:
     decode_left = seq.decode_steps_left
     forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
     return Work(seq.deadline, prefill_left + forced_left, decode_left,
-                seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id)
+                seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id,
+                seq.status is SequenceStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -226,12 +238,12 @@ class AdmissionController:
         if isinstance(verdict, Rejection):
             self._count(verdict.code)
             return verdict
-        need, promise = verdict
-        return self._admit(seq, need, promise)
+        need, promise, bound = verdict
+        return self._admit(seq, need, promise, bound)
 
     def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool]:
-        """The refusal, or ``(blocks to reserve, promised)``; changes nothing."""
+               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool, float | None]:
+        """The refusal, or ``(blocks to reserve, promised, the finish bound promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
             return Rejection("CONTEXT_TOO_LONG",
@@ -248,14 +260,14 @@ class AdmissionController:
                              f"{capacity} blocks besides {pinned_blocks} pinned",
                              dict(blocks_needed=need, blocks_capacity=capacity, pinned_blocks=pinned_blocks))
         if not self._promisable(seq):
-            return self._queue_full(waiting) or (0, False)
+            return self._queue_full(waiting) or (0, False, None)
         free = capacity - self.reserved_blocks
         if need > free:
             return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
                              f"{capacity} are not reserved by admitted requests",
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
-        late = self._first_late(seq, now, busy_s, after_idle)  # without best effort: the rescue pauses what a promise needs
-        return late if late is not None else (need, True)
+        verdict = self._first_late(seq, now, busy_s, after_idle)  # without best effort: the rescue pauses what a promise needs
+        return verdict if isinstance(verdict, Rejection) else (need, True, verdict)
 
     def _promisable(self, seq: Sequence) -> bool:
         return self.promises and seq.deadline is not None and seq.params.priority != "best_effort"
@@ -269,7 +281,7 @@ class AdmissionController:
         return Rejection("QUEUE_FULL", f"{queued} {what} already wait (max_queue {self.config.max_queue})",
                          dict(waiting=queued, max_queue=self.config.max_queue))
 
-    def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool]:
+    def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool, float | None]:
         """Binary search for the largest ``max_tokens`` that passes (every check is monotone in it)."""
         requested = seq.params
 
@@ -291,10 +303,15 @@ class AdmissionController:
         self._count("degraded")
         return verdict
 
-    def _first_late(self, seq: Sequence, now: float, busy_s: float, after_idle: bool) -> Rejection | None:
+    def _first_late(self, seq: Sequence, now: float, busy_s: float, after_idle: bool) -> Rejection | float:
+        """The refusal for the first request the new one would make late, or the new one's bound."""
         candidates = sorted([*self.admitted.values(), seq], key=_edf)
         works = [work_of(s) for s in candidates]
         bounds = self._bounds(candidates, now, NO_BEST_EFFORT, busy_s, after_idle=after_idle)
+        late = self._refusal(seq, works, bounds, now)
+        return late if late is not None else bounds[candidates.index(seq)]
+
+    def _refusal(self, seq: Sequence, works: list[Work], bounds: list[float], now: float) -> Rejection | None:
         margin = 1 + self.config.safety_margin
         batch = len(works)
         for w, bound in zip(works, bounds):
@@ -325,9 +342,10 @@ class AdmissionController:
     def _count(self, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
 
-    def _admit(self, seq: Sequence, reserve: int, promise: bool) -> None:
+    def _admit(self, seq: Sequence, reserve: int, promise: bool, bound: float | None) -> None:
         seq.reserved_blocks = reserve
         seq.promised = promise
+        seq.predicted_finish = bound
         self.reserved_blocks += reserve
         if promise:
             self.admitted[seq.request_id] = seq
@@ -372,8 +390,22 @@ class AdmissionController:
 
     def _bounds(self, ordered: list[Sequence], now: float, best_effort: BestEffortLoad, busy_s: float = 0.0,
                 token_budget: int | None = None, after_idle: bool = False, recheck: bool = False) -> list[float]:
-        return finish_bounds([work_of(s) for s in ordered], self.latency, token_budget or self.token_budget, now,
-                             busy_s, best_effort, self._chunk, after_idle, follow_last_step=recheck)
+        """The closed form first (cheap, and what it keeps is kept); only when it puts a request past
+        its deadline, the schedule run forward (``schedule_bounds``), each request taking the
+        smaller of its two bounds (both are bounds). ``token_budget``: the pace cap to check."""
+        works = [work_of(s) for s in ordered]
+        cap = token_budget or self.token_budget
+        closed = finish_bounds(works, self.latency, cap, now, busy_s, best_effort, self._chunk, after_idle,
+                               follow_last_step=recheck)
+        if not self._any_late(works, closed, now):
+            return closed
+        planned = schedule_bounds(works, self.latency, self.token_budget, now, best_effort, busy_s, self._chunk,
+                                  after_idle, follow_last_step=recheck, prefill_cap=cap)
+        return [min(c, p) for c, p in zip(closed, planned)]
+
+    def _any_late(self, works: list[Work], bounds: list[float], now: float) -> bool:
+        margin = 1 + self.config.safety_margin
+        return any(now + (b - now) * margin > w.deadline for w, b in zip(works, bounds))
 
     def _late(self, now: float, best_effort: BestEffortLoad, busy_s: float = 0.0,
               token_budget: int | None = None) -> list[Sequence]:

@@ -53,6 +53,7 @@ class Sequence:
     min_output_tokens: int = 1  # the shortest complete answer (its grammar's); degrading never goes below
     rejection: object = None  # ricllm.outputs.Rejection when admission refused it
     degradation: object = None  # ricllm.outputs.Degradation when admission shrank max_tokens
+    predicted_finish: float | None = None  # the finish bound it was promised at admission (engine clock)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

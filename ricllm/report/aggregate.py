@@ -12,6 +12,10 @@ Definitions (``docs/replay.md`` says the same):
   last answer (or to the interruption).
 - Percentiles are nearest-rank: the smallest value with at least q of the values at or below it.
 - ``prefix_cache_hit_rate = Σ cached prompt tokens / Σ prompt tokens`` over completed requests.
+- ``bound_over_actual_p50`` / ``_p99``: admission's finish bound (``predicted_e2e_s``, margin not
+  included) over the engine's measured ``server_e2e_s``, over admitted requests that completed
+  with both: how tight the bound is (1 exact; above 1 the room it kept). ``bound_requests`` counts
+  them, ``bound_below_actual`` those that finished after their bound.
 
 Decisions, over the requests whose template declares a constraint (``valid``) or a reference
 policy (``correct``, ``useful``):
@@ -82,6 +86,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
     summary["prefix_cache_hit_rate"] = _ratio(summary["cached_tokens"], prompt)
     summary.update(window_summary(records))
     summary.update(decision_summary(records, wall_s))
+    summary.update(bound_summary(completed))
     for side in ("server", "client"):
         for latency in LATENCIES:
             values = [v for r in completed if (v := getattr(r, f"{side}_{latency}")) is not None]
@@ -89,6 +94,14 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
             for q in PERCENTILES:
                 summary[f"{prefix}p{q}_{latency}"] = percentile(values, q)
     return summary
+
+
+def bound_summary(completed: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Bound / actual over the completed requests admission promised a finish (the definitions above)."""
+    ratios = [r.predicted_e2e_s / r.server_e2e_s for r in completed
+              if r.admitted and r.predicted_e2e_s is not None and r.server_e2e_s]
+    return {"bound_requests": len(ratios), "bound_below_actual": sum(1 for ratio in ratios if ratio < 1),
+            "bound_over_actual_p50": percentile(ratios, 50), "bound_over_actual_p99": percentile(ratios, 99)}
 
 
 def window_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -230,4 +243,6 @@ TABLE_METRICS = (
     ("p50_ttft_s", "TTFT p50"), ("p95_ttft_s", "TTFT p95"),
     ("p99_ttft_s", "TTFT p99"), ("p50_e2e_s", "E2E p50"), ("p95_e2e_s", "E2E p95"), ("p99_e2e_s", "E2E p99"),
     ("client_p95_e2e_s", "E2E p95 (client)"), ("prefix_cache_hit_rate", "prefix-cache hit rate"),
+    ("bound_over_actual_p50", "finish bound / actual, p50"), ("bound_over_actual_p99", "finish bound / actual, p99"),
+    ("bound_below_actual", "finished after their bound"),
 )

@@ -131,6 +131,22 @@ def faults_section(report: dict[str, Any]) -> list[str]:
             _table(["metric", *scopes], counts)]
 
 
+def refusals_section(report: dict[str, Any]) -> list[str]:
+    """Every refused request with its reason and, for time, the bound and the time its deadline left."""
+    refused = [r for r in report["requests"] if r.get("status") == "rejected"]
+    note = ("The per-class table's finish bound / actual is admission's bound for an admitted request "
+            "(predicted_e2e_s, safety margin not included) over its measured end-to-end time.")
+    if not refused:
+        return ["<h2>Refusals</h2>", f'<p class="meta">{escape(note)} No request was refused.</p>']
+    rows = [[r["id"], r.get("deadline_class", ""), r.get("rejection_code") or "",
+             _cell((r.get("rejection_numbers") or {}).get("bound_ms")),
+             _cell((r.get("rejection_numbers") or {}).get("deadline_ms")), r.get("rejection_message") or ""]
+            for r in refused]
+    header = ["id", "class", "reason", "bound (ms)", "deadline left (ms)", "message"]
+    return ["<h2>Refusals</h2>", f'<p class="meta">{escape(note)}</p>',
+            f"<details><summary>All {len(rows)} refused requests</summary>{_table(header, rows, left=3)}</details>"]
+
+
 def _meta(report: dict[str, Any]) -> str:
     run, model, machine = report["run"], report.get("model") or {}, report.get("machine", {})
     where = run["mode"] + (f' ({run["endpoint"]})' if run.get("endpoint") else "")
@@ -151,10 +167,10 @@ def _dict_table(data: dict[str, Any]) -> str:
 
 def _requests_table(report: dict[str, Any]) -> str:
     columns = ("id", "entity", "trace_time_s", "deadline_class", "template", "status", "rejection_code",
-               "server_ttft_s", "server_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
+               "server_ttft_s", "server_e2e_s", "predicted_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
                "output_tokens", "met", "valid", "correct", "expected", "answer", "text")
     if (report.get("faults") or {}).get("phases"):
-        columns = (*columns[:14], "reaction_window", *columns[14:])
+        columns = (*columns[:15], "reaction_window", *columns[15:])
     rows = [[_cell(r.get(c)) for c in columns] for r in report["requests"]]
     return (f'<details><summary>All {len(rows)} requests</summary>'
             f"{_table(list(columns), rows, left=2)}</details>")
@@ -179,6 +195,7 @@ def render_report(report: dict[str, Any], plots: dict[str, bytes]) -> str:
         "<h2>Compliance</h2>", targets_block(report),
         *faults_section(report),
         "<h2>Per deadline class</h2>", class_table(report["aggregates"]),
+        *refusals_section(report),
         *decisions_section(report, plots),
         "<h2>Latency against the deadline</h2>", _figure(plots, "latency_cdf", "latency CDF"),
         "<h2>Timeline</h2>", _figure(plots, "timeline", "timeline"),

@@ -255,6 +255,7 @@ class Timings(_Strict):
     ttft_s: Seconds | None = None
     e2e_s: Seconds
     tpot_s: Seconds | None = None
+    predicted_e2e_s: Seconds | None = None  # admission's finish bound for a promised request
 
 
 class Result(_Message):

@@ -100,7 +100,15 @@ def recompute(requests: list[dict], wall_s: float) -> dict:
             "goodput_rps": len(met) / wall_s, "p95_e2e_s": nearest_rank(e2e, 95),
             "p50_ttft_s": nearest_rank([r["server_ttft_s"] for r in completed], 50),
             "prefix_cache_hit_rate": (sum(r["cached_tokens"] for r in completed)
-                                      / sum(r["prompt_tokens"] for r in completed))}
+                                      / sum(r["prompt_tokens"] for r in completed)),
+            **bound_figures(completed)}
+
+
+def bound_figures(completed: list[dict]) -> dict:
+    """Admission's bound over the measured e2e, per promised request that completed."""
+    ratios = [r["predicted_e2e_s"] / r["server_e2e_s"] for r in completed if r["predicted_e2e_s"] is not None]
+    return {"bound_requests": len(ratios), "bound_below_actual": len([x for x in ratios if x < 1]),
+            "bound_over_actual_p50": nearest_rank(ratios, 50), "bound_over_actual_p99": nearest_rank(ratios, 99)}
 
 
 class PageText(HTMLParser):
@@ -141,6 +149,12 @@ def test_in_process_replay_report_agrees_with_its_records(replayed, tiny_gguf):
     for cls, summary in report["aggregates"]["classes"].items():
         own = [r for r in requests if r["deadline_class"] == cls]
         assert summary["sent"] == len(own) and summary["met"] == sum(1 for r in own if r["met"])
+        finished = [r for r in own if r["status"] == "completed"]
+        if finished:
+            for key, value in bound_figures(finished).items():
+                assert summary[key] == pytest.approx(value), (cls, key)
+    completed = [r for r in requests if r["status"] == "completed"]
+    assert overall["bound_requests"] == len(completed) > 0  # every completed request here was promised
     pinned = {name: t["pinned_tokens"] for name, t in report["scenario"]["templates"].items()}
     for r in requests:
         if r["status"] == "completed":
@@ -163,8 +177,13 @@ def test_html_is_self_contained_and_shows_the_numbers(replayed):
     expected = recompute(report["requests"], report["run"]["wall_s"])
     for shown in (f"{expected['met_of_admitted'] * 100:.1f}%", f"{expected['met_of_sent'] * 100:.1f}%",
                   f"{expected['goodput_rps']:.3f}/s", f"{expected['p95_e2e_s'] * 1000:.1f} ms",
-                  f"{expected['prefix_cache_hit_rate'] * 100:.1f}%", "DEADLINE_INFEASIBLE", "FAIL", "near_rt"):
+                  f"{expected['prefix_cache_hit_rate'] * 100:.1f}%", "DEADLINE_INFEASIBLE", "FAIL", "near_rt",
+                  "finish bound / actual, p50", f"{expected['bound_over_actual_p50']:.3g}", "Refusals"):
         assert shown in text, shown
+    refused = [r for r in report["requests"] if r["status"] == "rejected"]
+    assert refused and all(r["rejection_message"] in text for r in refused)
+    assert all(f"{r['rejection_numbers']['bound_ms']:.4f}" in text for r in refused
+               if r["rejection_code"] == "DEADLINE_INFEASIBLE")
     assert len(page.images) == 3 and all(src.startswith("data:image/png;base64,") for src in page.images)
     assert "http://" not in (folder / "report.html").read_text().replace("http://www.w3.org", "")
     for png in ("latency_cdf.png", "timeline.png", "trace.png"):
@@ -413,6 +432,7 @@ def test_replay_over_zeromq_against_ricllm_serve(serve, tiny_gguf, fit_file, tmp
     assert completed and all(r["cached_tokens"] > 0 and r["server_e2e_s"] <= r["client_e2e_s"] for r in completed)
     for key, value in recompute(requests, report["run"]["wall_s"]).items():
         assert report["aggregates"]["overall"][key] == pytest.approx(value), key
+    assert report["aggregates"]["overall"]["bound_requests"] == len(completed)  # carried over the wire
     assert any(s.get("kv_used_blocks") is not None for s in report["timeline"])
     assert report["engine"]["source"] == "server" and report["engine"]["server_stats"]
 

@@ -1,0 +1,217 @@
+"""Finish bounds that follow the schedule: the EDF schedule run forward, one segment per event.
+
+``finish_bounds`` (the closed form) charges every step at the full batch and the final contexts, and
+all pending prefill to everyone. Batches shrink as requests finish, so it refuses work that fits.
+``schedule_bounds`` runs the scheduler's own plan forward instead, with the fitted cost of each
+step's real composition:
+
+- decodes first, one token each (admitted and best effort), then prefill in the scheduler's order:
+  running prefills by deadline, then waiting requests by deadline (``Scheduler.schedule`` serves
+  running sequences before it seats waiting ones), in chunks of what is left of the token budget
+  (``max_num_batched_tokens``, no more than the pace cap when one is given) after the decodes and
+  the best-effort chunk;
+- a request whose prefill is done decodes its ``decode_left`` steps, then leaves the batch.
+
+Between two events (a prefill done, a request finished) the composition is constant, so every step
+of the segment costs the same: each is charged at the contexts of the segment's last step (contexts
+grow by one a step, so that is an upper bound) and, when it carries prefill, the op-by-op fixed cost.
+Prefill tokens and their attention are charged once, where they run, as the closed form charges
+them. Best effort is charged as the closed form charges it, on every step: its sequences at their
+final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
+model applies as in the closed form: the multiplier on the fitted steps, the stall reserve and the
+after-idle excess once. At most two events per request: O(n log n) per bound.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
+from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.scheduler import StepFeatures
+
+UNREACHED = math.inf  # a request the plan never finishes (the budget leaves no room for its prefill)
+
+
+@dataclass
+class StepCost:
+    """The fitted terms of one step, best effort's share folded into ``fixed``."""
+
+    fixed: float  # intercept, plus best effort's prefill chunk while any may prefill
+    per_seq: float
+    per_context: float
+    per_prefill_token: float
+    per_attention: float
+    op_by_op: float
+    model: LatencyModel
+    best_effort_seqs: int = 0
+    best_effort_context: int = 0
+
+    def segment_seconds(self, steps: int, seqs: int, context: int, prefill: int, attention: int) -> float:
+        """``steps`` alike steps of ``seqs`` sequences at ``context`` positions, carrying ``prefill``
+        tokens of ``attention`` work among them (charged once)."""
+        seqs += self.best_effort_seqs
+        context += self.best_effort_context
+        step = self.fixed + self.per_seq * seqs + self.per_context * context
+        if self.model.roofline is not None:
+            step = max(step, self.model.roofline.seconds(StepFeatures(0, seqs, context)))
+        step += self.op_by_op if prefill else 0.0
+        return steps * step + self.per_prefill_token * prefill + self.per_attention * attention
+
+
+def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int) -> StepCost:
+    """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step."""
+    a, b, c, d, e, f = model.coefficients
+    fixed = a
+    if best_effort.longest_pending and best_effort_chunk:
+        fixed += b * best_effort_chunk + e * min(best_effort_chunk * best_effort.longest_pending,
+                                                 C_KERNEL_PREFILL_WORK)
+    return StepCost(fixed, c, d, b, e, f, model, best_effort.seqs, best_effort.context)
+
+
+@dataclass
+class Decoding:
+    """The requests past their prefill: when each finishes (in steps), and the sums that give the
+    batch's context at any step without visiting each request (``final - (end - step)``)."""
+
+    ends: list = field(default_factory=list)  # heap of (end step, index)
+    final_sum: int = 0
+    end_sum: int = 0
+
+    def join(self, index: int, end_step: int, final_context: int) -> None:
+        heapq.heappush(self.ends, (end_step, index))
+        self.final_sum += final_context
+        self.end_sum += end_step
+
+    def context_at(self, step: int) -> int:
+        return self.final_sum - self.end_sum + len(self.ends) * step
+
+    def next_end(self) -> float:
+        return self.ends[0][0] if self.ends else math.inf
+
+
+@dataclass
+class PrefillQueue:
+    """Prefill left, in the order the scheduler gives it budget: ``order`` indexes ``works``."""
+
+    order: list[int]
+    left: list[int]
+    head: int = 0
+
+    def steps_to_next_done(self, per_step: int) -> float:
+        if self.head >= len(self.order) or per_step <= 0:
+            return math.inf
+        return math.ceil(self.left[self.order[self.head]] / per_step)
+
+    def take(self, tokens: int) -> list[tuple[int, int, bool]]:
+        """Run ``tokens`` prefill tokens in order: ``(index, tokens it got, its prefill is done)``."""
+        taken = []
+        while tokens > 0 and self.head < len(self.order):
+            index = self.order[self.head]
+            got = min(self.left[index], tokens)
+            self.left[index] -= got
+            tokens -= got
+            taken.append((index, got, self.left[index] == 0))
+            self.head += self.left[index] == 0
+        return taken
+
+
+@dataclass
+class Plan:
+    """The schedule run forward: fitted seconds elapsed at the end of step ``step``."""
+
+    works: list
+    cost: StepCost
+    budget: "TokenBudget"
+    decoding: Decoding = field(default_factory=Decoding)
+    finish_seconds: list = field(default_factory=list)
+    step: int = 0
+    seconds: float = 0.0
+
+    def run(self, queue: PrefillQueue) -> list[float]:
+        while True:
+            per_step = self.budget.prefill_per_step(len(self.decoding.ends))
+            steps = min(queue.steps_to_next_done(per_step), self.decoding.next_end() - self.step)
+            if steps == math.inf:
+                return self.finish_seconds
+            self.segment(queue, int(steps), per_step)
+
+    def segment(self, queue: PrefillQueue, steps: int, per_step: int) -> None:
+        """``steps`` alike steps; then the requests whose prefill is done decode, and those done leave."""
+        end = self.step + steps
+        taken = queue.take(steps * max(per_step, 0))
+        prefill = sum(got for _, got, _ in taken)
+        attention = sum(got * self.attends(i) for i, got, _ in taken)
+        context = self.decoding.context_at(end) + sum(self.attends(i) for i, _, _ in taken)
+        seqs = len(self.decoding.ends) + len(taken)
+        self.seconds += self.cost.segment_seconds(steps, seqs, context, prefill, attention)
+        self.step = end
+        self.leave_at(end)
+        for index, _, done in taken:
+            if done:
+                self.start_decoding(index)
+
+    def attends(self, index: int) -> int:
+        """The most positions a prefill chunk of ``works[index]`` attends to: all but the tokens
+        its decode steps still add."""
+        work = self.works[index]
+        return work.final_context - work.decode_left
+
+    def start_decoding(self, index: int) -> None:
+        work = self.works[index]
+        if work.decode_left == 0:
+            self.finish_seconds[index] = self.seconds
+        else:
+            self.decoding.join(index, self.step + work.decode_left, work.final_context)
+
+    def leave_at(self, step: int) -> None:
+        decoding = self.decoding
+        while decoding.ends and decoding.ends[0][0] <= step:
+            end, index = heapq.heappop(decoding.ends)
+            decoding.final_sum -= self.works[index].final_context
+            decoding.end_sum -= end
+            self.finish_seconds[index] = self.seconds
+
+
+def prefill_order(works: list) -> list[int]:
+    """Running prefills first, then waiting ones, each by deadline (``works`` is EDF-sorted)."""
+    pending = [i for i, w in enumerate(works) if w.prefill_left > 0]
+    return sorted(pending, key=lambda i: not works[i].running)
+
+
+@dataclass
+class TokenBudget:
+    """What a step leaves admitted prefill: ``max_num_batched_tokens`` less one token per decoding
+    sequence (admitted and best effort: decodes are served first) and the best-effort chunk (a
+    running best-effort prefill is served before a waiting request is seated), no more than the
+    pace cap less that chunk."""
+
+    tokens: int
+    cap: int
+    best_effort_seqs: int
+    best_effort_chunk: int
+
+    def prefill_per_step(self, decoding: int) -> int:
+        by_budget = self.tokens - decoding - self.best_effort_seqs - self.best_effort_chunk
+        return min(by_budget, self.cap - self.best_effort_chunk)
+
+
+def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: float, best_effort,
+                    busy_s: float = 0.0, best_effort_chunk: int = 0, after_idle: bool = False,
+                    follow_last_step: bool = False, prefill_cap: int | None = None) -> list[float]:
+    """Upper bounds on finish times, in the order of ``works`` (EDF-sorted ``Work``), with the
+    arguments of ``finish_bounds`` (``best_effort`` a ``BestEffortLoad``); ``prefill_cap``: the pace
+    cap on a step's prefill tokens. ``math.inf`` for a request the plan never reaches."""
+    chunk = best_effort_chunk if best_effort.longest_pending else 0
+    budget = TokenBudget(token_budget, prefill_cap or token_budget, best_effort.seqs, chunk)
+    plan = Plan(works, step_cost(model, best_effort, best_effort_chunk), budget)
+    plan.finish_seconds = [UNREACHED] * len(works)
+    for index, work in enumerate(works):
+        if work.prefill_left == 0:
+            plan.start_decoding(index)
+    seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
+    multiplier = model.bound_multiplier(follow_last_step and not after_idle)
+    reserve = model.stall_reserve + (model.after_idle_excess if after_idle else 0.0)
+    return [now + busy_s + multiplier * s + reserve for s in seconds]

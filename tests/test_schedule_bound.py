@@ -1,0 +1,103 @@
+"""The bound that follows the schedule: it admits what only the closed form's worst sum refuses, and
+it stays a bound, on a clock that is not the latency model's own form (5% slower, seeded noise).
+
+Same deterministic clock as ``test_admission``; the scene: eight short requests due first, then a
+long one. The closed form charges the long one's 60 decode steps at the batch of nine; the batch
+is one from the shorts' fifth step on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ricllm import SamplingParams
+from ricllm.engine.admission import NO_BEST_EFFORT, BestEffortLoad, Work, finish_bounds, work_of
+from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.schedule_bound import schedule_bounds
+from tests.test_admission import COEFFICIENTS, drain, make_engine, prompt, true_step_time
+
+SHORT = SamplingParams(max_tokens=4, deadline_ms=500, ignore_eos=True)
+LONG = SamplingParams(max_tokens=60, deadline_ms=1200, ignore_eos=True)
+
+
+def slower_noisy_step_time(seed: int):
+    """5% slower than the fit, plus up to 4% seeded noise: inside the 10% margin the tests set."""
+    rng = random.Random(seed)
+
+    def step_time(features, slowdown: float = 1.0) -> float:
+        return true_step_time(features, slowdown) * (1.05 + rng.uniform(0.0, 0.04))
+
+    return step_time
+
+
+def shorts_then_long(engine, seed: int):
+    shorts = [engine.add_request(prompt(8, seed + i), SHORT) for i in range(8)]
+    return shorts, engine.add_request(prompt(8, seed + 100), LONG)
+
+
+def closed_form_bound(engine, seqs, now: float) -> list[float]:
+    ordered = sorted(seqs, key=lambda s: (s.deadline, s.arrival_time))
+    works = [work_of(s) for s in ordered]
+    return finish_bounds(works, engine.admission.latency, engine.config.max_num_batched_tokens, now)
+
+
+def test_a_long_request_behind_short_ones_is_admitted_and_met(tiny_gguf):
+    engine, clock = make_engine(tiny_gguf, step_time=slower_noisy_step_time(3), safety_margin=0.1)
+    shorts, long = shorts_then_long(engine, seed=10)
+    assert closed_form_bound(engine, [*shorts, long], clock.now)[-1] * 1.1 - clock.now > 1.2  # it alone refuses
+    assert long.rejection is None and long.promised
+    outputs = drain(engine)
+    assert len(outputs) == 9 and all(o.deadline_met for o in outputs), [(o.request_id, o.e2e_s) for o in outputs]
+    by_id = {o.request_id: o for o in outputs}  # each output carries the bound it was promised against
+    assert by_id[long.request_id].predicted_e2e_s == pytest.approx(long.predicted_finish - long.arrival_time)
+    assert all(o.predicted_e2e_s > 0 for o in outputs)
+
+
+def test_the_schedule_bound_is_never_below_the_real_finish(tiny_gguf):
+    engine, clock = make_engine(tiny_gguf, step_time=slower_noisy_step_time(4), safety_margin=0.1)
+    for i in range(6):  # some busy steps first: the multipliers learn this clock
+        engine.add_request(prompt(30, 200 + i), SamplingParams(max_tokens=8, ignore_eos=True))
+    drain(engine)
+    shorts, long = shorts_then_long(engine, seed=20)
+    seqs = [*shorts, long]  # EDF order: same deadline, earlier arrival first
+    closed = closed_form_bound(engine, seqs, clock.now)
+    planned = schedule_bounds([work_of(s) for s in seqs], engine.admission.latency,
+                              engine.config.max_num_batched_tokens, clock.now, NO_BEST_EFFORT)
+    assert long.promised and long.predicted_finish == planned[-1] < closed[-1]  # the schedule's, not the closed form's
+    drain(engine)
+    assert all(s.finish_time <= bound for s, bound in zip(seqs, planned)), \
+        [(s.request_id, s.finish_time - clock.now, bound - clock.now) for s, bound in zip(seqs, planned)]
+
+
+def test_the_schedule_bound_follows_the_batch_as_it_shrinks():
+    """Exact arithmetic on the fit: eight 1-step requests and one of 10 steps, 8 prompt tokens each."""
+    model = LatencyModel([0.010, 0.0, 0.002, 0.0, 0.0])
+    works = [Work(1.0, 8, 1, 9, f"s{i}") for i in range(8)] + [Work(2.0, 8, 10, 18, "long")]
+    bounds = schedule_bounds(works, model, 64, 0.0, NO_BEST_EFFORT)
+    # step 1: 64 prefill tokens (8 sequences); step 2: the shorts' decodes and the long's prefill (9);
+    # step 3: nothing left but the long one: 10 decode steps alone
+    first, second, alone = 0.010 + 0.002 * 8, 0.010 + 0.002 * 9, 0.010 + 0.002
+    assert bounds[:8] == pytest.approx([first + second] * 8)
+    assert bounds[-1] == pytest.approx(first + second + 10 * alone)
+    assert bounds[-1] < finish_bounds(works, model, 64, 0.0)[-1]
+
+
+def test_the_schedule_bound_charges_best_effort_on_every_step():
+    model = LatencyModel(list(COEFFICIENTS))
+    works = [Work(1.0, 16, 20, 36, "a")]
+    alone = schedule_bounds(works, model, 64, 0.0, NO_BEST_EFFORT)[0]
+    beside = schedule_bounds(works, model, 64, 0.0, BestEffortLoad(3, 3000, 500), best_effort_chunk=32)[0]
+    per_step = COEFFICIENTS[2] * 3 + COEFFICIENTS[3] * 3000 + COEFFICIENTS[1] * 32
+    assert beside - alone == pytest.approx(21 * per_step, rel=0.01)  # one prefill step and 20 decodes
+
+
+def test_prefill_waits_while_decodes_take_the_whole_budget():
+    """Decodes are served first: with as many decoding sequences as budget tokens, no prefill runs
+    until they leave; with best effort decoding beside them for ever, it never runs."""
+    model = LatencyModel(list(COEFFICIENTS))
+    works = [Work(1.0, 0, 1000, 1010, f"d{i}") for i in range(8)] + [Work(2.0, 8, 4, 12, "p")]
+    bounds = schedule_bounds(works, model, 8, 0.0, NO_BEST_EFFORT)
+    assert bounds[-1] > max(bounds[:8]) + 5 * COEFFICIENTS[0]  # its prefill step and 4 decodes come after
+    assert schedule_bounds(works[-1:], model, 8, 0.0, BestEffortLoad(8, 800))[0] == float("inf")
