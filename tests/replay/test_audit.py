@@ -1,7 +1,8 @@
 """``ricllm replay --audit``: every refusal is checked against a run that served everything.
 
-The tiny model answers a 4-token request in a few milliseconds. With a safety margin of 900%
-deadline admission refuses the 60 ms class, which the admit-all run serves in time: false
+The tiny model answers a 4-token request in a few milliseconds. A latency fit whose calibration
+says a step after an idle gap runs 300 ms late makes deadline admission refuse the 60 ms class
+whenever it arrives at an idle engine, and the admit-all run serves those in time: false
 refusals, which the audit must count, each one. The 1 ms class misses however it is served:
 refusing it is right."""
 
@@ -12,19 +13,22 @@ import json
 import pytest
 
 from ricllm.cli import main
-from tests.replay.test_replay import fit_file, scenario_file  # noqa: F401 (fit_file: a fixture)
+from ricllm.engine.latency_model import LatencyModel
+from tests.replay.test_replay import FIT, scenario_file
 
-TIGHT = "  tight: {deadline_ms: 60, max_tokens: 4, weight: 3, ignore_eos: true}\n"
+TIGHT = "  tight: {deadline_ms: 60, max_tokens: 4, weight: 6, ignore_eos: true}\n"
+COLD_STEP_LATE_S = 0.3  # what the fit's calibration says a first step after an idle gap runs past its bound
 
 
 @pytest.fixture(scope="module")
-def audited(tiny_gguf, fit_file, tmp_path_factory) -> tuple[int, dict]:  # noqa: F811
+def audited(tiny_gguf, tmp_path_factory) -> tuple[int, dict]:
     folder = tmp_path_factory.mktemp("audit")
-    path = scenario_file(folder, tiny_gguf, fit_file, duration_s=2, extra_classes=TIGHT)
+    fit = folder / "fit.json"
+    LatencyModel(list(FIT), residuals={"after_idle": [COLD_STEP_LATE_S]}).save(fit)
+    path = scenario_file(folder, tiny_gguf, fit, duration_s=4, extra_classes=TIGHT)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RICLLM_CACHE_DIR", str(folder / "cache"))
-        code = main(["replay", str(path), "--out", str(folder / "report"), "--no-progress", "--audit",
-                     "--set", "engine.admission.safety_margin=9"])
+        code = main(["replay", str(path), "--out", str(folder / "report"), "--no-progress", "--audit"])
     return code, json.loads((folder / "report" / "report.json").read_text())
 
 
@@ -33,7 +37,7 @@ def test_every_refusal_that_would_have_met_its_deadline_is_a_false_refusal(audit
     audit = report["audit"]
     refused = {r["id"]: r for r in report["requests"] if r["status"] == "rejected"}
     assert sorted(r["id"] for r in audit["refusals"]) == sorted(refused)
-    assert any(r["deadline_class"] == "tight" for r in refused.values()), "the margin should refuse the 60 ms class"
+    assert any(r["deadline_class"] == "tight" for r in refused.values()), "an idle arrival of the 60 ms class should be refused"
     served_in_time = sorted(r["id"] for r in audit["refusals"] if r["met_when_all_served"])
     assert served_in_time, "the admit-all run should meet some 60 ms deadlines"
     assert sorted(audit["false_refusal_ids"]) == served_in_time and audit["false_refusals"] == len(served_in_time)
