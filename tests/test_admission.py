@@ -322,6 +322,47 @@ def test_pinned_prefix_is_not_charged_as_prefill(tiny_gguf):
     assert seq.pinned_prefix_tokens == 96 and work_of(seq).prefill_left == 10
 
 
+def test_a_cached_prefix_is_credited_at_admission_and_held_until_the_request_runs(tiny_gguf):
+    """A prompt whose leading blocks an earlier request left in the prefix cache (not pinned) is
+    planned with only its uncached tail as prefill; before it runs, allocations that take every free
+    block (and so evict every cached block nobody holds) leave its prefix alone, so the plan holds."""
+    from ricllm.engine.admission import work_of
+
+    engine, _ = make_engine(tiny_gguf)
+    shared = prompt(96, 50)
+    engine.add_request(shared + prompt(4, 51), SamplingParams(max_tokens=1, ignore_eos=True))
+    drain(engine)
+    seq = engine.add_request(shared + prompt(10, 52), SamplingParams(max_tokens=4, deadline_ms=60_000))
+    assert seq.promised and seq.pinned_prefix_tokens == 0 and work_of(seq).prefill_left == 10
+    pool = engine.cache.pool
+    taken = [pool.allocate() for _ in range(pool.num_free)]
+    for block in taken:
+        pool.release(block)
+    engine.step_history.clear()
+    [out] = drain(engine)
+    assert out.num_cached_tokens == 96 and engine.step_history[0].features.num_prefill_tokens == 10
+
+
+def test_a_request_an_idle_engine_serves_in_one_step_holds_no_stall_reserve():
+    """The stall reserve is room for a busy step to run late; a request whose only step is the
+    first after an idle gap is charged that step's after-idle excess instead, and one more step
+    brings the reserve back."""
+    from ricllm.engine.admission import Work, finish_bounds
+
+    model = LatencyModel([0.010, 0.0, 0.0, 0.0, 0.0, 0.0])
+    model.keep_overruns(64, 0.05)
+    model.observe(StepFeatures(0, 1, 10), 0.040)  # one busy step 30 ms past its bound
+    assert model.stall_reserve == pytest.approx(0.030)
+    one_step, two_steps = Work(1.0, 6, 1, 20), Work(1.0, 6, 2, 20)
+    [idle_one] = finish_bounds([one_step], model, 64, 0.0, after_idle=True)
+    [idle_two] = finish_bounds([two_steps], model, 64, 0.0, after_idle=True)
+    [busy_one] = finish_bounds([one_step], model, 64, 0.0)
+    excess = model.after_idle_excess
+    assert idle_one == pytest.approx(model.multiplier("decode") * 0.010 + excess)
+    assert idle_two == pytest.approx(model.multiplier("decode") * 0.020 + excess + 0.030)
+    assert busy_one == pytest.approx(model.multiplier("decode") * 0.010 + 0.030)
+
+
 def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machine(tiny_gguf):
     """Probes measure what a step after a gap costs on the machine now, the after-idle excess: none
     at the fit's speed, half a probe step at 1.5x. A burst of stalled busy steps that made the engine
@@ -386,7 +427,7 @@ def test_prefill_is_paced_so_running_decodes_keep_their_deadline_pace(tiny_gguf)
 
 def test_pacing_never_breaks_a_promise(tiny_gguf):
     """The long prompt's own deadline leaves no room for small chunks: it gets the full budget."""
-    steps = _long_prompt_among_running_decodes(tiny_gguf, 200)
+    steps = _long_prompt_among_running_decodes(tiny_gguf, 175)
     assert max(r.features.num_prefill_tokens for _, r in steps) == 400
 
 
@@ -474,7 +515,7 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
     assert seq.rejection is not None and seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
     seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter))
     assert seq.rejection is None and seq.degradation is None  # the answer's own bound fits: nothing to shrink
-    assert seq.params.max_tokens == fits - 1
+    assert seq.params.max_tokens == fits - 2  # its longest answer, the engine's way: the grammar stops after it
     [out] = [o for o in drain(engine) if o.request_id == seq.request_id]
     assert out.deadline_met and out.text in ("x" * (fits - 2), "y" * (fits - 2))
 

@@ -399,7 +399,7 @@ def test_a_constrained_answer_is_planned_by_its_decisions_not_its_longest_answer
     engine, _ = make_engine(tiny_gguf)
     compiled = engine.compile_structured(ACTION)
     assert compiled.max_decisions is not None and compiled.max_decisions * 4 <= compiled.max_tokens
-    params = SamplingParams(max_tokens=64, deadline_ms=120, structured=ACTION, temperature=1.0, seed=1)
+    params = SamplingParams(max_tokens=64, deadline_ms=100, structured=ACTION, temperature=1.0, seed=1)
     seq = engine.add_request(prompt(20, 1), params)
     assert seq.promised
     [out] = drain(engine)

@@ -76,11 +76,11 @@ def test_the_schedule_bound_follows_the_batch_as_it_shrinks():
     model = LatencyModel([0.010, 0.0, 0.002, 0.0, 0.0])
     works = [Work(1.0, 8, 1, 9, f"s{i}") for i in range(8)] + [Work(2.0, 8, 10, 18, "long")]
     bounds = schedule_bounds(works, model, 64, 0.0, NO_BEST_EFFORT)
-    # step 1: 64 prefill tokens (8 sequences); step 2: the shorts' decodes and the long's prefill (9);
-    # step 3: nothing left but the long one: 10 decode steps alone
-    first, second, alone = 0.010 + 0.002 * 8, 0.010 + 0.002 * 9, 0.010 + 0.002
-    assert bounds[:8] == pytest.approx([first + second] * 8)
-    assert bounds[-1] == pytest.approx(first + second + 10 * alone)
+    # step 1: 64 prefill tokens (8 sequences), whose end samples each short's one token: they leave;
+    # step 2: the long one's prefill alone, which samples its first token; then 9 decode steps alone
+    first, alone = 0.010 + 0.002 * 8, 0.010 + 0.002
+    assert bounds[:8] == pytest.approx([first] * 8)
+    assert bounds[-1] == pytest.approx(first + 10 * alone)
     assert bounds[-1] < finish_bounds(works, model, 64, 0.0)[-1]
 
 
@@ -90,7 +90,7 @@ def test_the_schedule_bound_charges_best_effort_on_every_step():
     alone = schedule_bounds(works, model, 64, 0.0, NO_BEST_EFFORT)[0]
     beside = schedule_bounds(works, model, 64, 0.0, BestEffortLoad(3, 3000, 500), best_effort_chunk=32)[0]
     per_step = COEFFICIENTS[2] * 3 + COEFFICIENTS[3] * 3000 + COEFFICIENTS[1] * 32
-    assert beside - alone == pytest.approx(21 * per_step, rel=0.01)  # one prefill step and 20 decodes
+    assert beside - alone == pytest.approx(20 * per_step, rel=0.01)  # a prefill step (the first token), 19 decodes
 
 
 def test_prefill_waits_while_decodes_take_the_whole_budget():
@@ -99,5 +99,5 @@ def test_prefill_waits_while_decodes_take_the_whole_budget():
     model = LatencyModel(list(COEFFICIENTS))
     works = [Work(1.0, 0, 1000, 1010, f"d{i}") for i in range(8)] + [Work(2.0, 8, 4, 12, "p")]
     bounds = schedule_bounds(works, model, 8, 0.0, NO_BEST_EFFORT)
-    assert bounds[-1] > max(bounds[:8]) + 5 * COEFFICIENTS[0]  # its prefill step and 4 decodes come after
+    assert bounds[-1] > max(bounds[:8]) + 4 * COEFFICIENTS[0]  # its prefill step (its first token), 3 decodes after
     assert schedule_bounds(works[-1:], model, 8, 0.0, BestEffortLoad(8, 800))[0] == float("inf")

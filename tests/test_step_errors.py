@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 
 import pytest
 
@@ -106,18 +107,24 @@ def test_cold_and_probe_steps_ten_times_slow_do_not_move_a_busy_engines_bound():
     assert [i - b for i, b in zip(idle, shifted)] == pytest.approx([excess, excess])  # once, not per step
 
 
-def test_the_after_idle_excess_covers_all_but_the_rarest_cold_steps():
-    """Charged once, the excess is the worst of its window: of cold steps drawn alike (an exponential
-    cold cost, mean 30 ms, on top of the machine's time), the next passes it about one time in 65."""
+def test_the_after_idle_excess_covers_nine_cold_steps_in_ten_and_one_outlier_does_not_set_it():
+    """Charged once, the excess is the 0.9 quantile of its window: of cold steps drawn alike (an
+    exponential cold cost, mean 30 ms, on top of the machine's time), the next passes it about one
+    time in ten, and a single cold step of half a second (a process's first, a long prefill after a
+    pause) leaves it where the others put it, where the worst of the window would charge every idle
+    arrival half a second for the next 64."""
     model, clock, rng = calibrated(seed=11)
-    passed = 0
+    passed, excesses = 0, []
     for i in range(400):
         [f] = shapes(rng, 1)
-        cold = machine_seconds(f, rng) + rng.expovariate(1 / 0.03)
+        cold = machine_seconds(f, rng) + rng.expovariate(1 / 0.03) + (0.5 if i == 200 else 0.0)
         passed += i >= 64 and cold - model.predict(f) > model.after_idle_excess
         clock.now += 1.0  # a second of idle between them: no age limit forgets them
         model.observe(f, cold, after_idle=True)
-    assert passed / 336 <= 0.03
+        excesses.append(model.after_idle_excess)
+    assert 0.05 <= passed / 336 <= 0.15
+    typical = statistics.median(excesses[100:200])
+    assert max(excesses[200:264]) < 1.5 * typical and 0.04 < typical < 0.1  # 0.9 quantile of Exp(30 ms): 69 ms
 
 
 def test_a_sustained_slowdown_raises_the_bound_within_10_slowed_steps_and_it_falls_back_within_50():

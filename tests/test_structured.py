@@ -194,8 +194,14 @@ def test_max_tokens_shorter_than_any_complete_answer_is_refused_at_arrival(tiny_
 
 def test_admission_plans_with_the_longest_answer_not_a_larger_max_tokens(tiny_native_gguf):
     llm = tiny(tiny_native_gguf, "native")
-    seq = llm.engine.add_request("hello", SamplingParams(max_tokens=500, structured={"choice": ["yes", "no"]}))
-    assert seq.params.max_tokens == len("yes") + 1  # three bytes, one token each at most, and the end
+    choice = {"choice": ["yes", "no"]}
+    seq = llm.engine.add_request("hello", SamplingParams(max_tokens=500, structured=choice))
+    planned = seq.params.max_tokens
+    assert planned <= len("yes") + 1  # three bytes, one token each at most, and the end
+    outputs = llm.generate(["hello"] * 32, [SamplingParams(max_tokens=500, temperature=2.0, seed=seed,
+                                                           structured=choice) for seed in range(32)])
+    assert all(o.finish_reason == "stop" for o in outputs)  # no answer was cut: the plan is an upper bound
+    assert max(len(o.token_ids) for o in outputs) == planned  # and a tight one: some answer takes all of it
 
 
 def test_no_sampled_answer_takes_more_decisions_than_its_grammar_bound(llm):

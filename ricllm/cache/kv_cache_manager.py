@@ -95,6 +95,13 @@ class KVCacheManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
         return True
 
+    def hold_prefix(self, seq: Sequence, hits: list[Block]) -> None:
+        """Take a waiting sequence's prefix hits before it is scheduled: admission credited them to
+        its bound, and a cached block nobody holds may be evicted by any allocation until then.
+        The sequence then starts ``len(hits)`` blocks in, as if scheduled with them."""
+        self._take_hits(seq, hits)
+        self._count_query(seq, len(hits))
+
     def _take_hits(self, seq: Sequence, hits: list[Block]) -> None:
         for block in hits:
             self.pool.acquire(block)

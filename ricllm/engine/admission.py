@@ -12,8 +12,9 @@ A request with a deadline is admitted only if
 
 The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by op]``
 (``LatencyModel``), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
-+ decode_k``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it and ``M`` the
-per-step token budget. Every step carries at most all ``B`` sequences (best effort included) at
++ decode_k - [P_k' > 0]``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it,
+``P_k'`` its own and ``M`` the per-step token budget: the step that ends a prefill samples its
+first token. Every step carries at most all ``B`` sequences (best effort included) at
 their final contexts ``C_max``, and best effort at most ``best_effort_chunk`` prefill tokens; all
 pending prefill tokens are charged to everyone (later-deadline prefill chunks may share ``k``'s
 steps), so
@@ -31,11 +32,11 @@ once and tends to run as it did, so the rescue answers a slowdown on its first s
 request's bound does not take it: one stalled step is the stall reserve's, and refusing for it
 would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
 its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
-``stall_reserve_max_ms``; ``idle``, only when the engine has run no step for ``IDLE_GAP_S`` (20 ms)
-as the request arrives, is the after-idle excess: the most seconds by which one of the last 64
-first-steps-after-a-gap (and probes) ran past its busy bound. The first step of the work is
-the one after the gap, so it is added once; a busy engine's bounds never add it, and those steps
-never move ``m``.
+``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only when
+the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle
+excess: the 0.9 quantile of the seconds by which the last 64 first-steps-after-a-gap (and probes)
+ran past their busy bound. The first step of the work is the one after the gap, so it is added
+once; a busy engine's bounds never add it, and those steps never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision. So
 it is the fast pre-check: what it keeps is kept at once. Only when it puts a request past its
@@ -49,9 +50,12 @@ the work it was promised against (a later arrival due later may share its prefil
 re-checks keep its deadline then, not that figure).
 
 The guarantee, exactly: if every busy step takes at most its fitted time × its kind's multiplier,
-except at most one step per request that may run past that by at most ``stall``, and the first step
-after an idle gap runs past it by at most ``idle``, every admitted request finishes within its
-deadline, with ``safety_margin`` (a fraction of the bound) to spare. Assumed, not guaranteed: that
+except at most one busy step per request that may run past that by at most ``stall``, and the first
+step after an idle gap runs past it by at most ``idle``, every admitted request finishes within its
+deadline, with ``safety_margin`` (a fraction of the bound) to spare. ``m`` and ``idle`` are 0.9
+quantiles, so a step past them is expected one time in ten: the margin, the reserve and the slack
+of the other steps absorb it, and every report measures how often a finish passed its bound
+(``bound_below_actual``) and a deadline was missed. Assumed, not guaranteed: that
 the next steps err as the last ones did, and that a gap of at most ``IDLE_GAP_S`` leaves the
 machine warm. A slowdown breaks the first for the few steps before the multiplier sees it (it is
 past the 0.9 quantile after 4 slowed steps of a kind: misses then are counted, not hidden);
@@ -66,7 +70,6 @@ Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for ru
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
@@ -74,7 +77,7 @@ from ricllm.cache.kv_window import pinned_blocks_held
 from ricllm.config import AdmissionConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
-from ricllm.engine.schedule_bound import schedule_bounds
+from ricllm.engine.schedule_bound import schedule_bounds, step_counts
 from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.outputs import Degradation, Rejection
 
@@ -94,12 +97,14 @@ class Work:
 
 
 def work_of(seq: Sequence) -> Work:
-    """Pinned prefix blocks are never recomputed, so they are not prefill work; an answer's forced
+    """Pinned prefix blocks are never recomputed, nor the cached ones an admitted request holds from
+    admission on (``KVCacheManager.hold_prefix``), so they are not prefill work; an answer's forced
     start is prefilled with the prompt, so it is. A constrained answer decodes one step per
     sampling decision its grammar may still take (``decode_steps_left``); every other token it may
     still get is forced, computed as chunks: prefill work."""
     prefill_tokens = seq.num_prompt_tokens + seq.num_forced_at_arrival
-    prefill_left = max(prefill_tokens - max(seq.num_computed_tokens, seq.pinned_prefix_tokens), 0)
+    done = max(seq.num_computed_tokens, seq.pinned_prefix_tokens, seq.prefix_hit_tokens)
+    prefill_left = max(prefill_tokens - done, 0)
     decode_left = seq.decode_steps_left
     forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
     return Work(seq.deadline, prefill_left + forced_left, decode_left,
@@ -151,9 +156,10 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
     multipliers and, with ``follow_last_step`` (promises re-checked between a busy engine's steps),
     of the last busy step's own ratio.
-    Each bound also holds ``model.stall_reserve`` (room for one step to run as late as the worst
-    recent one did) and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), once
-    ``model.after_idle_excess``: the first step of the work is the first after the gap.
+    Each bound also holds ``model.reserve``: the stall reserve (room for one busy step to run as
+    late as the worst recent one did) unless ``after_idle`` and the request finishes in its first
+    step, and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), the after-idle excess
+    once: the first step of the work is the first after the gap.
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.final_context for w in works) + best_effort.context
@@ -168,12 +174,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     attention_all = sum(w.prefill_left * w.final_context for w in works)
     prefill_cost = b * prefill_all + e * attention_all
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
-    reserve = model.stall_reserve + (model.after_idle_excess if after_idle else 0.0)
-    bounds, prefill_ahead = [], 0
-    for w in works:
-        prefill_ahead += w.prefill_left
-        prefill_steps = math.ceil(prefill_ahead / token_budget)
-        steps = prefill_steps + w.decode_left
+    bounds = []
+    for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
+        reserve = model.reserve(steps - after_idle, after_idle)
         bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * prefill_steps) + reserve)
     return bounds
 
@@ -217,7 +220,7 @@ class AdmissionController:
     # ------------------------------------------------------------ decision
 
     def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float = 0.0, after_idle: bool = False) -> Rejection | None:
+               busy_s: float = 0.0, after_idle: bool = False, cached_hits: int = 0) -> Rejection | None:
         """None to admit (and reserve), or the reason to refuse, with the numbers.
 
         Running best effort does not count against a new promise: it shares steps only while every
@@ -228,7 +231,11 @@ class AdmissionController:
         refused for its length, its memory or its time is admitted instead with the largest
         ``max_tokens`` that passes (``seq.degradation`` says so), when its prompt and one token pass.
         ``after_idle``: the engine has run no step for ``IDLE_GAP_S``, so the next is a cold one.
+        ``cached_hits``: leading blocks of the prompt in the prefix cache, pinned or not; an admitted
+        request's bound credits them, and the engine holds them for it from then on.
         """
+        seq.prefix_hit_tokens = cached_hits * self.block_size
+
         def judge():
             return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s, after_idle)
 

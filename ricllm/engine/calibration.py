@@ -1,11 +1,12 @@
 """Calibrate the step-latency model by a short profiling sweep, and cache the fit on disk.
 
 The sweep runs real steps of the loaded engine: prefill-only steps of several sizes, decode
-steps at several batch sizes and contexts, and prompts joining a running decode batch (mixed
-steps), then fits ``LatencyModel``; last, a few steps that each follow a pause measure what a first
-step after an idle gap costs beyond the fit (the after-idle seed of ``StepErrors``). The fit depends on the model file, dtype, weight format,
-attention backend, device, thread count and ricllm version, which together key the cache file,
-so a second start pays nothing.
+steps at several batch sizes and contexts, prompts joining a running decode batch (mixed steps)
+and chunks behind a cached prefix (a prompt's tail after its template), then fits
+``LatencyModel``; last, a few steps that each follow a pause measure what a first step after an
+idle gap costs beyond the fit (the after-idle seed of ``StepErrors``). The fit depends on the
+model file, dtype, weight format, attention backend, device, thread count and ricllm version,
+which together key the cache file, so a second start pays nothing.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 8  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 9  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
 MIXED = ((16, 48), (16, 96), (16, 400))  # (decoding sequences of 64 tokens, length of the prompt that joins)
-AFTER_IDLE_PAUSES = 3  # steps measured after a pause: a seed, which the first real gaps then refine
-AFTER_IDLE_PAUSE_S = 0.2  # well past IDLE_GAP_S: long enough for the clock to ramp down and caches to cool
+# (cached prefix, chunk): a prompt's tail after a template's cached blocks, and a template's own later chunks
+PREFIX_CHUNKS = ((512, 8), (512, 32), (512, 200))
+AFTER_IDLE_PAUSES = 4  # steps measured after a pause: a seed, which the first real gaps then refine
+AFTER_IDLE_PAUSE_S = 0.3  # well past IDLE_GAP_S: long enough for the clock to ramp down and caches to cool
+AFTER_IDLE_PREFIX = 512  # cached tokens before each after-pause step's tail: a request behind a template
 
 
 def fit_key(engine) -> dict:
@@ -157,6 +161,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
         while engine.has_unfinished():
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
+    samples += _prefix_chunk_samples(engine, prompt)
     model = fit(samples, roofline_of(engine))
     model = LatencyModel(model.coefficients, model.roofline,
                          {**model.residuals, "after_idle": _after_idle_excesses(engine, model, prompt)})
@@ -175,16 +180,38 @@ def _warm_up(engine, generator: random.Random, vocab: int) -> None:
         engine.step()
 
 
+def _run(engine, token_ids: list[int]) -> list:
+    """Serve one request of one token alone; its steps."""
+    engine.step_history.clear()
+    engine.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    return list(engine.step_history)
+
+
+def _prefix_chunk_samples(engine, prompt) -> list:
+    """Steps that prefill a chunk behind cached blocks: the tail of a prompt whose template is in
+    the cache, attending to all of it (none when the engine caches no prefixes)."""
+    samples = []
+    for prefix_length, chunk in PREFIX_CHUNKS:
+        prefix = prompt(prefix_length)
+        if not engine.config.enable_prefix_caching or not _fits(engine, 1, prefix_length + chunk, 1):
+            continue
+        _run(engine, prefix)
+        samples += [(r.features, r.duration_s) for r in _run(engine, prefix + prompt(chunk))]
+    return samples
+
+
 def _after_idle_excesses(engine, model: LatencyModel, prompt) -> list[float]:
-    """Seconds by which the first step after each of a few pauses ran past the fit's busy bound."""
+    """Seconds by which the first step after each of a few pauses ran past the fit's busy bound:
+    a short tail behind a cached prefix, as a request behind a pinned template arrives."""
+    prefix = prompt(AFTER_IDLE_PREFIX) if _fits(engine, 1, AFTER_IDLE_PREFIX + 17, 1) else []
+    if prefix:
+        _run(engine, prefix)
     excesses = []
     for _ in range(AFTER_IDLE_PAUSES):
-        engine.step_history.clear()
         time.sleep(AFTER_IDLE_PAUSE_S)
-        engine.add_request(prompt(16), SamplingParams(max_tokens=2, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        first = engine.step_history[0]
+        first = _run(engine, prefix + prompt(16))[0]
         excesses.append(float(f"{first.duration_s - model.predict(first.features):.4g}"))
     return excesses
 

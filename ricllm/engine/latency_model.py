@@ -139,6 +139,14 @@ class LatencyModel:
         slow. Steps after an idle gap are the after-idle excess's, not this."""
         return min(self._worst_overrun, self.stall_cap)
 
+    def reserve(self, busy_steps: int, after_idle: bool) -> float:
+        """Seconds a bound holds beyond its steps' fitted time × multiplier: the stall reserve when at
+        least one of its steps runs busy (``busy_steps``), and the after-idle excess once when its
+        first step follows an idle gap. A request that an idle engine serves in one step runs no busy
+        step, so no busy step's stall can delay it."""
+        stall = self.stall_reserve if busy_steps > 0 else 0.0
+        return stall + (self.after_idle_excess if after_idle else 0.0)
+
     def keep_overruns(self, steps: int, cap_s: float) -> None:
         """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""
         self.overruns = deque(self.overruns, maxlen=steps)

@@ -186,9 +186,15 @@ class LLMEngine:
 
     def _pinned_share(self, prompt_token_ids: list[int]) -> tuple[int, int]:
         """(blocks pinned in all, leading full blocks of this prompt that are pinned)."""
+        pinned_blocks, pinned_hits, _ = self._prefix_share(prompt_token_ids)
+        return pinned_blocks, pinned_hits
+
+    def _prefix_share(self, token_ids: list[int]) -> tuple[int, int, list]:
+        """(blocks pinned in all, leading cached blocks of ``token_ids`` that are pinned, every
+        leading cached block: pinned or not)."""
         pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
-        shared = sum(1 for b in self.cache.find_cached_prefix(prompt_token_ids) if b.block_id in pinned_ids)
-        return len(pinned_ids), shared
+        hits = self.cache.find_cached_prefix(token_ids)
+        return len(pinned_ids), sum(1 for b in hits if b.block_id in pinned_ids), hits
 
     def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int, kv_window: KVWindow | None) -> None:
         pinned, shared = self._pinned_share(prompt_token_ids)
@@ -250,9 +256,9 @@ class LLMEngine:
 
     def _admit(self, seq: Sequence, now: float):
         """Ask admission; on refusal finish the sequence as rejected and return the rejection."""
-        pinned_blocks, pinned_hits = self._pinned_share(seq.token_ids)
+        pinned_blocks, pinned_hits, hits = self._prefix_share(seq.token_ids)
         rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
-                                          after_idle=self._idle_at(now))
+                                          after_idle=self._idle_at(now), cached_hits=len(hits))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
             rejection = self.admission.reject(
@@ -262,11 +268,14 @@ class LLMEngine:
             self._refuse(seq, rejection, now)
             if rejection.code == "DEADLINE_INFEASIBLE" and not self.scheduler.has_unfinished():
                 self._probe(now)
-        elif seq.degradation is not None:
+            return rejection
+        if seq.promised and hits:
+            self.cache.hold_prefix(seq, hits)  # its bound credited them: no eviction may take them now
+        if seq.degradation is not None:
             d = seq.degradation
             log.info("request_degraded", request_id=seq.request_id, code=d.code,
                      requested_max_tokens=d.requested_max_tokens, granted_max_tokens=d.granted_max_tokens)
-        return rejection
+        return None
 
     def _idle_at(self, now: float) -> bool:
         """Whether the engine has run no step for longer than ``IDLE_GAP_S``: its next step is a cold one."""

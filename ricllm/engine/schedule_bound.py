@@ -151,7 +151,7 @@ class Plan:
         self.leave_at(end)
         for index, _, done in taken:
             if done:
-                self.start_decoding(index)
+                self.start_decoding(index, first_sampled_by_prefill(self.works[index]))
 
     def attends(self, index: int) -> int:
         """The most positions a prefill chunk of ``works[index]`` attends to: all but the tokens
@@ -159,12 +159,13 @@ class Plan:
         work = self.works[index]
         return work.final_context - work.decode_left
 
-    def start_decoding(self, index: int) -> None:
+    def start_decoding(self, index: int, sampled: int = 0) -> None:
+        """``sampled``: the step that ended its prefill sampled one of its ``decode_left`` tokens."""
         work = self.works[index]
-        if work.decode_left == 0:
+        if work.decode_left - sampled == 0:
             self.finish_seconds[index] = self.seconds
         else:
-            self.decoding.join(index, self.step + work.decode_left, work.final_context)
+            self.decoding.join(index, self.step + work.decode_left - sampled, work.final_context)
 
     def leave_at(self, step: int) -> None:
         decoding = self.decoding
@@ -213,5 +214,25 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
             plan.start_decoding(index)
     seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
-    reserve = model.stall_reserve + (model.after_idle_excess if after_idle else 0.0)
-    return [now + busy_s + multiplier * s + reserve for s in seconds]
+    counts = step_counts(works, prefill_cap or token_budget)
+    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, after_idle)
+            for s, (_, steps) in zip(seconds, counts)]
+
+
+def step_counts(works: list, token_budget: int) -> list[tuple[int, int]]:
+    """For each request (EDF-sorted ``Work``), at most how many steps until its prefill is done and
+    until it finishes: the prefill of it and of everything ahead in chunks of ``token_budget``, then
+    its decode steps, the first of which its last prefill step samples. Whatever shares a step, no
+    schedule takes more, so a request this puts at one step is served by one."""
+    counts, prefill_ahead = [], 0
+    for work in works:
+        prefill_ahead += work.prefill_left
+        prefill_steps = math.ceil(prefill_ahead / token_budget)
+        counts.append((prefill_steps, prefill_steps + work.decode_left - first_sampled_by_prefill(work)))
+    return counts
+
+
+def first_sampled_by_prefill(work) -> int:
+    """1 when the step that ends a request's prefill samples its next token (then one decode step
+    fewer is left), else 0."""
+    return int(work.prefill_left > 0 and work.decode_left > 0)

@@ -179,7 +179,7 @@ class Scheduler:
             if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
             hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
-            cached = len(hits) * self.cache.block_size
+            cached = seq.num_computed_tokens + len(hits) * self.cache.block_size  # held since admission, or hit now
             num_new = self._hold_best_effort(seq, self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached),
                                              start=cached)
             if num_new == 0:
@@ -248,7 +248,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue: it resumes by recomputing prompt + outputs."""
         self.cache.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.prefix_hit_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.add(seq)
         self.num_preemptions += 1

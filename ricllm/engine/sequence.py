@@ -47,6 +47,7 @@ class Sequence:
     reserved_blocks: int = 0  # worst-case blocks set aside by admission
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
     pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
+    prefix_hit_tokens: int = 0  # leading prompt tokens cached at admission: an admitted request holds them
     guide: object = None  # a ricllm.structured.guide.Guide when the answer is constrained
     num_forced_tokens: int = 0  # output tokens the grammar forced: appended without sampling
     num_forced_at_arrival: int = 0  # of those, the answer's forced start, prefilled with the prompt

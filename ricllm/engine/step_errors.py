@@ -25,15 +25,18 @@ come back down within 50 steps of a slowdown's end; the far tail is the stall re
 largest overrun of the last 1024 busy steps.
 
 ``after_idle`` holds the difference measured − fitted × its busy kind's multiplier, in seconds:
-what a cold start costs is the cache refilled and the clock ramped, a fixed amount of time rather
-than a share of the step, and a bound charges it once (a request's work has one first step after a
-gap), not per step. Charged once, it is held as the stall reserve is, at the worst of its window
-rather than a quantile: the largest excess of the last ``AFTER_IDLE_WINDOW`` (64) such steps, which
-under exchangeable cold steps covers 64/65 (98.5%) of the next; a quantile would break the promise
-of every tenth request that arrives at an idle engine. No age limit: they come one per idle gap,
-and forgetting them between two bursts seconds apart would forget the lesson; while an idle engine
-refuses, its probes (one per 50 ms) renew the window within about 3 s. It never moves the busy
-multipliers, so it never inflates the bound of a busy engine.
+what a cold start costs is the cache refilled, the clock ramped and the sleeping threads woken, a
+fixed amount of time rather than a share of the step, and a bound charges it once (a request's
+work has one first step after a gap), not per step. Its figure is the same 0.9 quantile as the busy
+kinds', over the last ``AFTER_IDLE_WINDOW`` (64) such steps, with no age limit: they come one per
+idle gap, and forgetting them between two bursts seconds apart would forget the lesson; while an
+idle engine refuses, its probes (one per 50 ms) renew the window within about 3 s. The worst of the
+window would let one outlier (a process's first step, a template's long prefill after a pause)
+set every idle bound for the next 64 arrivals at several times what they take; a cold step past
+the quantile is what the safety margin and the slack of the step's own multiplier absorb. The
+calibration's cold steps seed it with the weight of ``AFTER_IDLE_SEED_WEIGHT`` (16) steps, so the
+first real gaps take over within two. It never moves the busy multipliers, so it never inflates
+the bound of a busy engine.
 
 A busy engine's next step follows its last at once, and tends to run as it did: promises re-checked
 between its steps (``AdmissionController._late``) charge every step at least the last busy step's
@@ -49,7 +52,8 @@ from dataclasses import dataclass, field
 
 IDLE_GAP_S = 0.02  # ran no step for longer than this: idle. A busy engine steps back to back (well under 1 ms
 # between steps); every probe (at most one per 50 ms) comes after a longer gap
-AFTER_IDLE_WINDOW = 64  # after-idle steps whose largest excess a bound made while idle adds
+AFTER_IDLE_WINDOW = 64  # after-idle steps whose 0.9 quantile of excess a bound made while idle adds
+AFTER_IDLE_SEED_WEIGHT = 16  # steps the calibration's cold steps stand in for until real ones come
 BUSY_KINDS = ("decode", "prefill")
 STEP_KINDS = (*BUSY_KINDS, "after_idle")
 
@@ -133,15 +137,15 @@ class StepErrors:
 
         self.kinds = {kind: RecentQuantile(seed(kind), 1.0, self.quantile, self.window, self.max_age_s)
                       for kind in BUSY_KINDS}
-        self.kinds["after_idle"] = RecentQuantile(seed("after_idle"), 0.0, 1.0, AFTER_IDLE_WINDOW, math.inf,
-                                                  AFTER_IDLE_WINDOW)
+        self.kinds["after_idle"] = RecentQuantile(seed("after_idle"), 0.0, self.quantile, AFTER_IDLE_WINDOW,
+                                                  math.inf, AFTER_IDLE_SEED_WEIGHT)
 
     def multiplier(self, kind: str, now: float) -> float:
         """measured / fitted that all but the slowest tenth of recent ``kind`` steps stay within."""
         return self.kinds[kind].value(now, self._count(kind))
 
     def after_idle_excess(self, now: float) -> float:
-        """Seconds a first step after an idle gap runs past its busy bound: the most of the window's
+        """Seconds a first step after an idle gap runs past its busy bound: the window's 0.9 quantile
         (never below 0)."""
         return max(self.kinds["after_idle"].value(now, self._count("after_idle")), 0.0)
 

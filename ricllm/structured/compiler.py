@@ -29,8 +29,10 @@ CACHE_SIZE = 256  # compiled grammars kept; a deployment has a handful of templa
 @dataclass(frozen=True)
 class CompiledGrammar:
     """``min_tokens``: the fewest tokens of a complete answer; ``max_tokens``: the most, its end
-    token included, or None when the constraint does not bound it; ``max_decisions``: the most
-    tokens any complete answer samples (the rest the grammar forces), or None when not known."""
+    token included, or None when the constraint does not bound it: the most any answer has the
+    engine's way (``walk_answers``) where the walk ends, else the bound of its longest text in bytes;
+    ``max_decisions``: the most tokens any complete answer samples (the rest the grammar forces),
+    or None when not known."""
 
     spec: StructuredSpec
     grammar: str
@@ -82,9 +84,10 @@ class GrammarCompiler:
         if fresh.is_error():
             raise InvalidRequestError(f"structured {spec.kind} cannot be compiled: {fresh.get_error()}")
         longest = bounds.longest_bytes(spec)
-        compiled = CompiledGrammar(spec, grammar, self._fewest_tokens(bounds.shortest_answers(spec)),
-                                   None if longest is None else longest + 1, fresh, self.ll_tokenizer.vocab_size,
-                                   most_decisions(fresh, self.ll_tokenizer) if longest is not None else None)
+        walked = walk_answers(fresh, self.ll_tokenizer) if longest is not None else None
+        most_tokens = None if longest is None else min(longest + 1, walked[1] if walked else longest + 1)
+        compiled = CompiledGrammar(spec, grammar, self._fewest_tokens(bounds.shortest_answers(spec)), most_tokens,
+                                   fresh, self.ll_tokenizer.vocab_size, walked[0] if walked else None)
         self.num_compiled += 1
         log.info("grammar_compiled", kind=spec.kind, key=spec.key, min_tokens=compiled.min_tokens,
                  max_tokens=compiled.max_tokens, max_decisions=compiled.max_decisions)
@@ -119,26 +122,29 @@ MAX_DECISION_STATES = 64  # answer prefixes walked for max_decisions (~0.3 ms ea
 MAX_BRANCHES = 512  # tokens allowed at one point beyond which the answer is free text: not explored
 
 
-def most_decisions(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokenizer) -> int | None:
-    """The most tokens any complete answer samples, the engine's way: after each sampled token the
-    grammar's forced tokens are appended without sampling, and the answer ends once the grammar
-    stops. A depth-first walk over every token the grammar allows, memoized on the answer's bytes
+def walk_answers(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokenizer) -> tuple[int, int] | None:
+    """(the most tokens any complete answer samples, the most tokens any complete answer has), the
+    engine's way: after each sampled token the grammar's forced tokens are appended without
+    sampling, and the answer ends once the grammar stops (a sampled end token counts as one of
+    each). A depth-first walk over every token the grammar allows, memoized on the answer's bytes
     so far (the grammar's state is a function of them); None when the answers are too many to walk
     (free text, wide ranges): admission then plans every answer token as a step."""
     width = ll_tokenizer.vocab_size
     words = np.zeros((width + 31) // 32, dtype=np.int32)
     ends, memo = set(ll_tokenizer.eos_tokens), {}
 
-    def most_after(matcher: llguidance.LLMatcher, answer: bytes) -> int:
+    def most_after(matcher: llguidance.LLMatcher, answer: bytes) -> tuple[int, int]:
         forced = matcher.compute_ff_tokens()
         if forced:
             matcher.consume_tokens(forced)
             answer += ll_tokenizer.decode_bytes(forced)
         if matcher.is_stopped():
-            return 0
+            return 0, len(forced)
         if answer not in memo:
-            memo[answer] = 1 + max(_each_allowed(matcher, answer), default=-1)
-        return memo[answer]
+            children = list(_each_allowed(matcher, answer))
+            memo[answer] = (1 + max(d for d, _ in children), 1 + max(t for _, t in children))
+        decisions, tokens = memo[answer]
+        return decisions, len(forced) + tokens
 
     def _each_allowed(matcher: llguidance.LLMatcher, answer: bytes):
         if len(memo) >= MAX_DECISION_STATES:
@@ -149,16 +155,17 @@ def most_decisions(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLToken
             raise OverflowError
         for token in allowed.tolist():
             if token in ends:
-                yield 0  # ending the answer is itself the last decision
+                yield 0, 0  # ending the answer is itself the last decision, and its last token
                 continue
             child = matcher.deep_copy()
             child.consume_tokens([token])
             yield most_after(child, answer + ll_tokenizer.decode_bytes([token]))
 
     try:  # a request samples at least once, even when its arrival forced the whole answer
-        return max(most_after(fresh.deep_copy(), b""), 1)
+        decisions, tokens = most_after(fresh.deep_copy(), b"")
     except OverflowError:
         return None
+    return max(decisions, 1), max(tokens, 1)
 
 
 def _grammar_text(spec: StructuredSpec) -> str:
