@@ -112,9 +112,9 @@ class AdmissionConfig(StrictModel):
                                          "deadline requests are in flight; the bound charges them to every step",
                                      ge=1)
     stall_reserve_steps: int = setting(
-        1024, "every finish bound also reserves the worst single-step overrun of the prediction seen over this many "
-              "recent busy steps (a first step after an idle gap is charged apart, once), so one stalled step "
-              "cannot break a promise; 0: no reserve", ge=0)
+        1024, "every finish bound with a busy step also reserves the worst single-step overrun of the prediction "
+              "seen over this many recent busy steps (a first step after an idle gap is charged apart, once), so "
+              "one stalled step cannot break a promise; 0: no reserve", ge=0)
     stall_reserve_max_ms: float = setting(
         50.0, "the most the stall reserve holds (ms): a longer stall is the machine taken away, which the "
               "step multipliers and the slowdown detector answer, not one slow step", ge=0)
