@@ -429,3 +429,31 @@ def test_the_reserve_forgets_a_stall_once_it_leaves_the_window():
     assert model.stall_reserve == pytest.approx(0.02)
     model.observe(StepFeatures(0, 1, 10), 0.01)  # the 20 ms stall leaves the four-step window
     assert model.stall_reserve == pytest.approx(0.005)
+
+
+def test_a_promise_seated_by_preempting_best_effort_takes_it_out_of_the_step(tiny_gguf):
+    """Three best-effort decodes hold all but one block; a promised request then needs three. The
+    step seats the promise by preempting best effort it had already scheduled: that sequence
+    leaves the step (its blocks are gone, so its K/V has nowhere to go), the promise is served at
+    once and meets its deadline, and every best-effort answer is the one it gives without the promise."""
+    def bulk_requests(engine):
+        return [engine.add_request(prompt(330, 300 + i), SamplingParams(max_tokens=6, ignore_eos=True))
+                for i in range(3)]
+
+    alone, _ = make_engine(tiny_gguf, max_num_batched_tokens=1024)
+    bulk_requests(alone)
+    expected = sorted(o.token_ids for o in drain(alone))
+    engine, _ = make_engine(tiny_gguf, max_num_batched_tokens=1024)  # the three prompts prefill in one step
+    assert engine.kv_cache.geometry.num_blocks == 64
+    bulk = bulk_requests(engine)
+    while not all(s.in_decode for s in bulk):
+        engine.step()
+    assert engine.cache.pool.num_free <= 1
+    promise = engine.add_request(prompt(40, 310), SamplingParams(max_tokens=2, deadline_ms=60_000, ignore_eos=True))
+    assert promise.promised
+    outputs = engine.step()
+    assert promise.num_computed_tokens == 40 and engine.scheduler.num_preemptions >= 1
+    outputs += drain(engine)
+    done = {o.request_id: o for o in outputs}
+    assert done[promise.request_id].deadline_met
+    assert sorted(done[s.request_id].token_ids for s in bulk) == expected  # no K/V written where it must not be

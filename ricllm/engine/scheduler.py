@@ -110,7 +110,9 @@ class Scheduler:
                                                              self._running_best_effort()))
         budget, more_preempted = self._continue(prefilling, budget, items)
         if not (preempted or more_preempted):
-            items += self._schedule_waiting(budget, now)
+            seated = self._schedule_waiting(budget, now)
+            # a promise seated now may have preempted best effort this step already carried: it leaves the step
+            items = [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING] + seated
         return ScheduledBatch(items)
 
     def _apply_rescue(self, order: list[Sequence], now: float) -> list[Sequence]:
