@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ricllm.affinity import format_cpu_list, pin_current_thread
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
 from ricllm.cache.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
 from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
-from ricllm.engine.affinity import format_cpu_list, pin_current_thread
 from ricllm.engine.chat_prefix import ChatPrefix, render_chat_prefix
 from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore
