@@ -260,7 +260,7 @@ class DeadlineClass(_Strict):
     priority: Literal["near_rt", "non_rt", "best_effort"] | None = None
     temperature: float = Field(0.0, ge=0)
     ignore_eos: bool = False
-    # sink + window KV retention for this class (ricllm.cache.kv_window); None: the engine's, 0: exact
+    # sink + window KV retention for this class (ricllm.kv_window); None: the engine's, 0: exact
     kv_window: int | None = Field(None, ge=0)
     kv_sinks: int | None = Field(None, ge=0)
 

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from ricllm.engine.chat_prefix import ChatPrefix
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.engine.llm_engine import LLMEngine
-    from ricllm.engine.sequence import Sequence
     from ricllm.outputs import RequestOutput
     from ricllm.sampling_params import SamplingParams
+    from ricllm.sequence import Sequence
     from ricllm.serve.state import ServerState
     from ricllm.structured.compiler import CompiledGrammar
     from ricllm.structured.spec import StructuredSpec
