@@ -8,9 +8,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ricllm import protocol as p
 from ricllm.engine.engine_loop import EngineDriver
 from ricllm.errors import CapacityError, InvalidRequestError
-from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
 from ricllm.serve.metrics import EngineSnapshot, FinishedRequest, deadline_class
 from ricllm.serve.reload import apply_live_changes
