@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
-from ricllm.replay.records import timeline_sample
+from ricllm.report.records import timeline_sample
 
 if TYPE_CHECKING:
     from ricllm.engine.chat_prefix import ChatPrefix

@@ -28,8 +28,8 @@ from pydantic import (
 from ricllm.config import EngineSettings
 from ricllm.replay.generator import GENERATED_KPIS, GENERATED_PASSTHROUGH
 from ricllm.replay.prompts import check_template
-from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
+from ricllm.report.targets import parse_target
 from ricllm.sampling_params import default_priority
 
 DEFAULT_USER_PROMPT = (
