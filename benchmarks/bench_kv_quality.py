@@ -43,11 +43,11 @@ from benchmarks.results import publish
 from ricllm import LLM, SamplingParams
 from ricllm.cache.kv_cache import plan_cache
 from ricllm.cache.kv_format import kv_format
-from ricllm.cache.kv_window import KVWindow, most_blocks
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.engine.sequence import Sequence
+from ricllm.kv_window import KVWindow, most_blocks
 from ricllm.replay.loading import load_scenario, load_scenario_trace
 from ricllm.replay.templates import answer_check, scenario_policies, scenario_templates
+from ricllm.sequence import Sequence
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "

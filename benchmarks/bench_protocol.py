@@ -284,8 +284,8 @@ def main() -> None:
     import torch
 
     from benchmarks.results import publish
+    from ricllm.affinity import format_cpu_list, other_cpus, pin_current_thread
     from ricllm.config import EngineConfig
-    from ricllm.engine.affinity import format_cpu_list, other_cpus, pin_current_thread
 
     torch.set_num_threads(2)
     config = EngineConfig(model=args.model, admission="off", max_num_seqs=64, engine_cpus=args.engine_cpus)

@@ -15,7 +15,7 @@ from ricllm.attention.backends import select_backend
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_format import kv_format
-from ricllm.model.llama import LlamaModel
+from ricllm.engine.runtime.llama import LlamaModel
 from ricllm.model.spec import ModelSpec
 
 SMOLLM2 = ModelSpec(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

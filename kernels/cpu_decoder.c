@@ -4,7 +4,7 @@
  * one by one from Python (about ten calls a layer, each with its tensor allocations and
  * argument conversions) costs as much again: half of a one-stream step on a 2-core CPU. This
  * file runs the same kernels, in the same order and with the same roundings, for every layer,
- * so the step's Python work is one call. The torch model (``ricllm/model/llama.py``) stays the
+ * so the step's Python work is one call. The torch model (``ricllm/engine/runtime/llama.py``) stays the
  * reference; the Python wrapper checks that the model fits (every projection packed in ricllm's
  * own layout, decode-only step) and otherwise the per-op path runs.
  *

@@ -32,7 +32,7 @@
  *
  * int8 caches (cache_type CACHE_INT8: a row is D int8 values and its fp32 scale, cpu_common.h) are
  * widened to fp32 in registers the same way and scaled there. Sink + window retention (``sinks``,
- * ``windows``: per sequence, NULL when no sequence of the step has one; ricllm/cache/kv_window.py):
+ * ``windows``: per sequence, NULL when no sequence of the step has one; ricllm/kv_window.py):
  * query p sees key j iff j < sinks or j > p - window, so a work item walks two segments of keys,
  * the sinks and the window, and never touches the blocks in between (their table entries are -1).
  *

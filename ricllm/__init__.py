@@ -1,6 +1,6 @@
 """ricllm: a deadline-aware LLM inference engine for the O-RAN near-RT RIC.
 
-The public names load lazily, so ``ricllm.model.llama`` or ``ricllm.kernels`` can be imported
+The public names load lazily, so ``ricllm.engine.runtime.llama`` or ``ricllm.kernels`` can be imported
 where only torch is installed (the GPU check script runs so).
 """
 

@@ -2,7 +2,7 @@
 
 Only pyzmq, pydantic and msgpack are needed (no torch), so an xApp or a test harness can talk to
 the engine without carrying it. Both use one DEALER socket with LINGER 0 (closing never hangs
-on a dead server) and the frame layout of :mod:`ricllm.serve.protocol`.
+on a dead server) and the frame layout of :mod:`ricllm.protocol`.
 
 A request that hears nothing within ``timeout_s`` raises :class:`TimeoutError`; the socket is
 then closed and made anew, as the RAN connectors do, so queued requests to a lost server are
@@ -26,7 +26,7 @@ import zmq.auth
 from pydantic import BaseModel
 
 from ricllm.errors import RicllmError
-from ricllm.serve.protocol import (
+from ricllm.protocol import (
     DEFAULT_ENDPOINT,
     Accepted,
     Cancelled,

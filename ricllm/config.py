@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ricllm.affinity import check_cpu_list_field, check_engine_cpus
 from ricllm.errors import ConfigError
 from ricllm.units import parse_bytes
 
@@ -59,8 +60,6 @@ def _tuple_as_list(value: Any) -> Any:
 
 
 def _parses_as_cpus(value: str | list[int]) -> str | list[int]:
-    from ricllm.engine.affinity import check_cpu_list_field
-
     return check_cpu_list_field(value)
 
 
@@ -197,7 +196,7 @@ class EngineSettings(StrictModel):
     seed: int = setting(0, "engine sampling seed", ge=0)
     threads: Annotated[int, Field(ge=1)] | None = setting(
         None, "CPU threads; null: one per engine_cpus CPU, else OMP_NUM_THREADS, else the physical cores")
-    # ricllm.engine.affinity says why the other threads keep off these CPUs
+    # ricllm.affinity says why the other threads keep off these CPUs
     engine_cpus: CpuList | None = setting(
         None, "CPUs the engine computes on (Linux), as a list or a cpulist such as '0-3,6', counted from 0 "
               "within the CPUs the process may run on (its affinity mask, e.g. a pod's cpuset); the server's "
@@ -217,7 +216,7 @@ class EngineConfig(EngineSettings):
     """The settings the engine runs with, checked once: ``EngineConfig(model=..., admission="deadline")``.
 
     Unlike the files and flags it comes from, it holds resolved values: ``kv_cache_budget`` in bytes,
-    ``engine_cpus`` as a sorted tuple of the CPU numbers it names (see ``ricllm.engine.affinity``).
+    ``engine_cpus`` as a sorted tuple of the CPU numbers it names (see ``ricllm.affinity``).
     """
 
     def __init__(self, **values: Any) -> None:
@@ -230,8 +229,6 @@ class EngineConfig(EngineSettings):
     def _resolve(self) -> EngineConfig:
         self.kv_cache_budget = parse_bytes(self.kv_cache_budget)
         if self.engine_cpus is not None:
-            from ricllm.engine.affinity import check_engine_cpus
-
             self.engine_cpus = check_engine_cpus(self.engine_cpus)
         return self
 

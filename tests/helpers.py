@@ -118,8 +118,8 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
 
 def sample_server_stats(inbound: int = 0):
     """A complete ``stats`` reply body, as a server of this version sends it."""
+    from ricllm import protocol as p
     from ricllm.engine.stats import KVCacheStats, LatencyStats
-    from ricllm.serve import protocol as p
 
     kv = KVCacheStats(num_blocks=728, block_size=16, bytes_per_block=368640, budget_bytes=268435456,
                       allocated_bytes=268369920, used_blocks=10, free_blocks=718, cached_free_blocks=4,

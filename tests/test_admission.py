@@ -17,8 +17,8 @@ from ricllm.config import AdmissionConfig, EngineConfig
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.engine.scheduler import StepFeatures
-from ricllm.engine.sequence import Sequence
 from ricllm.errors import InvalidRequestError
+from ricllm.sequence import Sequence
 
 COEFFICIENTS = [0.010, 0.0002, 0.002, 1e-6, 0.0]  # a, per prefill token, per decode seq, per context token, Q
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from ricllm.affinity import format_cpu_list, parse_cpu_list
 from ricllm.config import EngineConfig
-from ricllm.engine.affinity import format_cpu_list, parse_cpu_list
 from ricllm.errors import ConfigError
 
 ALLOWED = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -64,7 +64,7 @@ def test_engine_cpus_past_the_cpuset_are_refused_with_the_cpuset(monkeypatch):
 
 
 def test_the_service_threads_get_the_rest_of_the_cpuset(monkeypatch):
-    from ricllm.engine.affinity import other_cpus
+    from ricllm.affinity import other_cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {12, 13, 14, 15})
     assert other_cpus(EngineConfig(engine_cpus="1-3").engine_cpus) == {12}

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from ricllm import LLM, SamplingParams
-from ricllm.cache.kv_window import EVICTED, KVWindow
 from ricllm.errors import InvalidRequestError
+from ricllm.kv_window import EVICTED, KVWindow
 from tests.test_budget import check_pool_invariants
 from tests.test_oracle_parity import random_prompts
 

@@ -15,8 +15,8 @@ import torch
 
 from ricllm import LLM, SamplingParams
 from ricllm.engine.runtime import numpy_sampler, sampler
+from ricllm.engine.runtime import native_convert
 from ricllm.errors import ConfigError
-from ricllm.model import native_convert
 from tests.helpers import write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_oracle_parity import random_prompts

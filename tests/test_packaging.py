@@ -128,7 +128,7 @@ def test_an_engine_command_without_the_engine_names_the_extra_to_install(command
 
 
 def test_a_report_without_matplotlib_is_written_without_plots_and_says_what_to_install(tmp_path):
-    from ricllm.replay.records import write_report_json
+    from ricllm.report.records import write_report_json
     from tests.report.test_html_report import synthetic_report
 
     write_report_json(synthetic_report(), tmp_path)

@@ -86,7 +86,7 @@ def test_cache_can_be_turned_off(cache_dir, tiny_q4):
 
 
 def test_only_the_most_recently_used_entries_are_kept(cache_dir, tiny_q4, monkeypatch):
-    from ricllm.model import weight_cache
+    from ricllm.engine.runtime import weight_cache
 
     monkeypatch.setattr(weight_cache, "MAX_ENTRIES", 2)
     LLM(str(tiny_q4), dtype="float32", kv_cache_budget="4MiB")
@@ -113,7 +113,7 @@ def test_tied_head_shares_the_embedding_and_lean_mode_keeps_no_bf16_copy(cache_d
 
 
 def test_an_edit_to_the_conversion_code_misses_the_cache(cache_dir, tiny_q4, monkeypatch):
-    from ricllm.model import weight_cache
+    from ricllm.engine.runtime import weight_cache
 
     LLM(str(tiny_q4), dtype="float32", kv_cache_budget="4MiB")
     monkeypatch.setattr(weight_cache, "_conversion_code_digest", lambda: "edited")

@@ -558,7 +558,7 @@ def test_packed_formats_really_pack_and_run_packed(tiny_q4_1_gguf, weights, laye
 def test_a_converting_start_never_holds_the_whole_dense_model(tiny_q4_1_gguf, monkeypatch):
     """Each weight gets memory as it is read and each layer is packed once complete, so at most
     one layer's dense projections exist at any moment of a conversion (a first start's peak)."""
-    from ricllm.model.llama import LlamaModel
+    from ricllm.engine.runtime.llama import LlamaModel
 
     dense_when_packing = []
     pack_layer = LlamaModel.pack_layer

@@ -28,7 +28,7 @@ class AttentionMetadata:
         (never read, since positions past ``context_lens`` are masked), evicted ones -1 (never
         read either: outside the sequence's window).
     kv_sinks, kv_windows: ``[B]`` int32 when some sequence of the step keeps a sink + window
-        cache (``ricllm.cache.kv_window``): query ``p`` sees key ``j <= p`` iff ``j < sinks`` or
+        cache (``ricllm.kv_window``): query ``p`` sees key ``j <= p`` iff ``j < sinks`` or
         ``j > p - window``; window 0 is an exact sequence. None when every sequence is exact.
     """
 

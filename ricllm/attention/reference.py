@@ -69,7 +69,7 @@ def decode_mask(context_lens: torch.Tensor, max_context_len: int, kv_sinks: torc
 
 
 def in_window(key: torch.Tensor, query: torch.Tensor, sinks: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-    """Sink + window visibility (``ricllm.cache.kv_window``), broadcast; window 0: every key."""
+    """Sink + window visibility (``ricllm.kv_window``), broadcast; window 0: every key."""
     return (windows == 0) | (key < sinks) | (key > query - windows)
 
 

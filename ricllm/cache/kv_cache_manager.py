@@ -7,7 +7,7 @@ The prefix hit of a prompt is capped at ``num_tokens - 1`` tokens (rounded down 
 blocks): the last token is always recomputed, because its logits are what the first output
 token is sampled from, and logits are not cached.
 
-A windowed sequence (``ricllm.cache.kv_window``) drops its reference on each block that no later
+A windowed sequence (``ricllm.kv_window``) drops its reference on each block that no later
 query of it can see; its table keeps the entry as ``EVICTED``, so positions still index blocks.
 Dropping a reference frees nothing that another holder (a pin, another sequence) still holds.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ricllm.cache.block_pool import Block, BlockPool, hash_block
-from ricllm.cache.kv_window import EVICTED
-from ricllm.engine.sequence import Sequence
+from ricllm.kv_window import EVICTED
+from ricllm.sequence import Sequence
 
 
 @dataclass

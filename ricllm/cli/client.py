@@ -22,7 +22,7 @@ EXIT_SERVER_ERROR, EXIT_REJECTED, EXIT_TIMEOUT = 2, 3, 4
 
 
 def _connection_args() -> argparse.ArgumentParser:
-    from ricllm.serve.protocol import DEFAULT_ENDPOINT
+    from ricllm.protocol import DEFAULT_ENDPOINT
 
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("connection")

@@ -73,13 +73,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
-from ricllm.cache.kv_window import pinned_blocks_held
 from ricllm.config import AdmissionConfig
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
-from ricllm.engine.sequence import Sequence, SequenceStatus
+from ricllm.kv_window import pinned_blocks_held
 from ricllm.outputs import Degradation, Rejection
+from ricllm.sequence import Sequence, SequenceStatus
 
 DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
 

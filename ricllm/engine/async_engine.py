@@ -17,10 +17,10 @@ from typing import Any
 
 from ricllm.engine.engine_loop import EngineDriver, EngineLoop, EngineSource
 from ricllm.engine.llm_engine import LLMEngine
-from ricllm.engine.sequence import Sequence
 from ricllm.logging import get_logger
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
+from ricllm.sequence import Sequence
 
 __all__ = ["AsyncLLMEngine", "EngineSource", "EngineThread", "RequestFutures"]
 

@@ -17,26 +17,26 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ricllm.affinity import format_cpu_list, pin_current_thread
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
-from ricllm.cache.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
 from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
-from ricllm.engine.affinity import format_cpu_list, pin_current_thread
 from ricllm.engine.chat_prefix import ChatPrefix, render_chat_prefix
 from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore
 from ricllm.engine.scheduler import ScheduledBatch, Scheduler, StepFeatures
-from ricllm.engine.sequence import Sequence, SequenceStatus
 from ricllm.engine.slowdown import SlowdownDetector
 from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats, SlowdownEvent
 from ricllm.engine.step_errors import IDLE_GAP_S
 from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
 from ricllm.logging import get_logger
 from ricllm.model.loader import resolve_model_path
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ricllm.outputs import Rejection, RequestOutput
 from ricllm.sampling_params import SamplingParams
+from ricllm.sequence import Sequence, SequenceStatus
 from ricllm.structured.spec import StructuredSpec
 from ricllm.units import format_bytes
 

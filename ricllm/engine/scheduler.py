@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.cache.kv_cache_manager import KVCacheManager
-from ricllm.engine.sequence import Sequence, SequenceStatus
+from ricllm.sequence import Sequence, SequenceStatus
 
 NEVER = float("inf")
 

@@ -3,7 +3,7 @@
 ``LLMEngine.snapshot()`` is the only place these numbers are gathered; the offline API's
 ``kv_cache_stats``, the server's ``stats`` reply and Prometheus metrics, and the replay timeline
 and report all read it. The dataclasses import nothing heavy, so the wire protocol carries them
-as they are (``ricllm.serve.protocol.ServerStats``).
+as they are (``ricllm.protocol.ServerStats``).
 """
 
 from __future__ import annotations

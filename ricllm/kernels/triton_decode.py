@@ -7,7 +7,7 @@ int8 values then their fp32 scale ``max|x| / 127`` (little-endian) at byte ``hea
 GQA: query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``; the ``group`` query heads
 of one KV head are computed together so every K/V tile is read once per (sequence, KV head).
 
-Sink + window retention (``ricllm.cache.kv_window``): given ``kv_sinks``/``kv_windows``, the decode
+Sink + window retention (``ricllm.kv_window``): given ``kv_sinks``/``kv_windows``, the decode
 query (at position ``ctx - 1``) sees key ``j`` iff ``j < sinks`` or ``j >= ctx - window`` (window 0:
 every key). Keys outside are neither loaded nor their block-table entries used: evicted blocks
 have entry -1 and their pool blocks may already belong to another sequence.

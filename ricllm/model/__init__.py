@@ -1,1 +1,4 @@
-"""Model files (GGUF, HF folders), the tokenizer, and the Llama-family transformer."""
+"""A model's files (GGUF, HF folders): its shape, its tokenizer, its weights and their formats.
+
+What runs the weights (the torch and native networks) is execution: ``ricllm.engine.runtime``.
+"""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ricllm.replay.records import RequestRecord
+from ricllm.report.records import RequestRecord
 
 #: admission settings of each audit run (the scenario's own run is the deadline one)
 AUDIT_POLICIES: dict[str, dict[str, Any]] = {

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ricllm.replay.expressions import Threshold
+from ricllm.report.records import MISSING
 from ricllm.structured.spec import StructuredSpec
 
 ANSWER_FIELD = "answer"  # the one field of a choice or regex template's answer
-MISSING = object()
 
 
 class AnswerCheck:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
-from ricllm.replay.records import timeline_sample
+from ricllm.report.records import timeline_sample
 
 if TYPE_CHECKING:
     from ricllm.engine.chat_prefix import ChatPrefix
@@ -91,7 +91,7 @@ class InProcessBackend:
         cpus = self.engine_kwargs.get("engine_cpus")
         if cpus is None:
             return tuple(sorted(os.sched_getaffinity(0)))
-        from ricllm.engine.affinity import check_engine_cpus
+        from ricllm.affinity import check_engine_cpus
 
         return check_engine_cpus(cpus)  # counted within this process's CPUs, as the engine reads them
 

@@ -24,6 +24,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from ricllm.report.aggregate import window_counts
+
 
 class FaultSchedule:
     """Starts and stops each phase's hog at its replay time; ``stop_all`` ends whatever still runs."""
@@ -165,23 +167,6 @@ def mark_windows(records: Sequence, phases: list[dict[str, Any]]) -> None:
             if record.sent_s < window["end_s"] and unfinished:
                 record.reaction_window = phase["index"]
                 break
-
-
-def late_ms(record) -> float | None:
-    """How far past its deadline a missed request finished (engine clock), ms."""
-    if record.deadline_ms is None or record.met or record.server_e2e_s is None:
-        return None
-    return max(0.0, 1000 * record.server_e2e_s - record.deadline_ms)
-
-
-def window_counts(records: Sequence) -> dict[str, Any]:
-    """Admitted, met and missed requests of a window (or any group), and how late each miss was."""
-    completed = [r for r in records if r.status == "completed"]
-    missed = [r for r in completed if not r.met]
-    late = sorted(v for r in missed if (v := late_ms(r)) is not None)
-    return {"admitted": sum(1 for r in records if r.admitted), "met": sum(1 for r in records if r.met),
-            "missed": len(missed), "max_late_ms": round(late[-1], 1) if late else 0.0,
-            "late_ms": [round(v, 1) for v in late]}
 
 
 def fault_section(phases: list[dict[str, Any]], events: list[dict[str, Any]] | None, records: Sequence,

@@ -19,8 +19,8 @@ def build_report(scenario, overrides: list[str], trace, plan: list, result: Repl
     """Everything ``report.json`` holds (``docs/replay.md`` lists the fields)."""
     import ricllm
     from ricllm.replay.fault_phases import fault_section
-    from ricllm.replay.records import SCHEMA_VERSION, machine_info, records_to_json
     from ricllm.report.aggregate import aggregate, evaluate_targets
+    from ricllm.report.records import SCHEMA_VERSION, machine_info, records_to_json
 
     faults = fault_section(result.faults, result.slowdowns, result.records, result.timeline)  # marks the windows
     kv = _kv_peak(result)

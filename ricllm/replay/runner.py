@@ -120,7 +120,7 @@ class Replayer:
         print("\ninterrupted: writing the report of what ran (Ctrl-C again aborts)", file=sys.stderr, flush=True)
 
     async def _send_all(self) -> list[asyncio.Task]:
-        from ricllm.replay.records import RequestRecord
+        from ricllm.report.records import RequestRecord
 
         tasks = []
         for planned in self.plan:

@@ -28,8 +28,8 @@ from pydantic import (
 from ricllm.config import EngineSettings
 from ricllm.replay.generator import GENERATED_KPIS, GENERATED_PASSTHROUGH
 from ricllm.replay.prompts import check_template
-from ricllm.replay.targets import parse_target
 from ricllm.replay.traces import TraceSpec
+from ricllm.report.targets import parse_target
 from ricllm.sampling_params import default_priority
 
 DEFAULT_USER_PROMPT = (
@@ -260,7 +260,7 @@ class DeadlineClass(_Strict):
     priority: Literal["near_rt", "non_rt", "best_effort"] | None = None
     temperature: float = Field(0.0, ge=0)
     ignore_eos: bool = False
-    # sink + window KV retention for this class (ricllm.cache.kv_window); None: the engine's, 0: exact
+    # sink + window KV retention for this class (ricllm.kv_window); None: the engine's, 0: exact
     kv_window: int | None = Field(None, ge=0)
     kv_sinks: int | None = Field(None, ge=0)
 

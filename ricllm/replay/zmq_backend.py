@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
-from ricllm.replay.records import timeline_sample
+from ricllm.report.records import timeline_sample
 
 if TYPE_CHECKING:
     from ricllm.template import Template

@@ -1,5 +1,9 @@
 """Replay reports: write report.json + report.html + PNG plots, re-render them, compare two runs.
 
+``records`` (what a replay records, and report.json), ``targets`` (compliance targets) and
+``aggregate`` (the metrics, and whether the targets hold) need nothing of replay, which writes
+the records and imports them from here.
+
 ``ricllm report PATH`` re-renders the HTML and plots from a report.json alone, so a report can be
 regenerated on another machine or after a ricllm upgrade; ``ricllm report A B`` writes a
 side-by-side comparison (prefix caching on vs off, two KV budgets, ...). matplotlib and rich are
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ricllm.extras import install_hint
-from ricllm.replay.records import load_report, write_report_json
+from ricllm.report.records import load_report, write_report_json
 
 PLOT_FILES = {"latency_cdf": "latency_cdf.png", "timeline": "timeline.png", "trace": "trace.png",
               "decisions": "decisions.png"}
@@ -124,7 +128,7 @@ def add_report_subparser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ricllm.replay.records import ReportError
+    from ricllm.report.records import ReportError
 
     if len(args.paths) > 2:
         raise ReportError(f"give one report (to re-render) or two (to compare), not {len(args.paths)}")

@@ -41,9 +41,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ricllm.replay.decisions import MISSING
-from ricllm.replay.records import RequestRecord
-from ricllm.replay.targets import Target, parse_target
+from ricllm.report.records import MISSING, RequestRecord
+from ricllm.report.targets import Target, parse_target
 
 PERCENTILES = (50, 95, 99)
 INVALID, ABSENT = "invalid", "(absent)"  # confusion-matrix columns besides the answered values
@@ -104,12 +103,27 @@ def bound_summary(completed: Sequence[RequestRecord]) -> dict[str, Any]:
             "bound_over_actual_p50": percentile(ratios, 50), "bound_over_actual_p99": percentile(ratios, 99)}
 
 
+def late_ms(record: RequestRecord) -> float | None:
+    """How far past its deadline a missed request finished (engine clock), ms."""
+    if record.deadline_ms is None or record.met or record.server_e2e_s is None:
+        return None
+    return max(0.0, 1000 * record.server_e2e_s - record.deadline_ms)
+
+
+def window_counts(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Admitted, met and missed requests of a window (or any group), and how late each miss was."""
+    completed = [r for r in records if r.status == "completed"]
+    missed = [r for r in completed if not r.met]
+    late = sorted(v for r in missed if (v := late_ms(r)) is not None)
+    return {"admitted": sum(1 for r in records if r.admitted), "met": sum(1 for r in records if r.met),
+            "missed": len(missed), "max_late_ms": round(late[-1], 1) if late else 0.0,
+            "late_ms": [round(v, 1) for v in late]}
+
+
 def window_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Admitted requests inside a fault phase's reaction window (``reaction_window`` set: admitted
     before the slowdown detector reacted) apart from the rest; without fault phases every admitted
     request is outside, so ``met_of_admitted_outside_window`` is ``met_of_admitted``."""
-    from ricllm.replay.fault_phases import window_counts
-
     inside = window_counts([r for r in records if r.admitted and r.reaction_window is not None])
     outside = [r for r in records if r.admitted and r.reaction_window is None]
     met_outside = sum(1 for r in outside if r.met)

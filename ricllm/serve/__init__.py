@@ -1,6 +1,6 @@
 """The xApp service: ricllm behind a ZeroMQ ROUTER socket, with O-RAN health and metrics over HTTP.
 
-``ricllm.serve.protocol`` is the wire format (pydantic + msgpack only, no torch) shared by the
-server and by ``ricllm.client``; see ``docs/protocol.md``. Nothing is imported here so that a
-client process never pulls in the engine.
+The wire format is ``ricllm.protocol`` (pydantic + msgpack, no torch), below both the server and
+``ricllm.client``: the server's HTTP side is itself a client of the socket. See
+``docs/protocol.md``. Nothing is imported here, so ``ricllm keys`` (``keys``) loads no engine.
 """

@@ -12,8 +12,8 @@ import zmq
 from pydantic import BaseModel
 
 import ricllm
+from ricllm import protocol as p
 from ricllm.errors import ConfigError
-from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal
 from ricllm.serve.metrics import deadline_class
 

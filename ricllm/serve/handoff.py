@@ -17,8 +17,8 @@ from typing import Any
 import zmq
 from pydantic import BaseModel
 
+from ricllm import protocol as p
 from ricllm.logging import get_logger
-from ricllm.serve import protocol as p
 
 log = get_logger("ricllm.serve")
 clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare

@@ -62,9 +62,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ricllm import protocol as p
 from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats
 from ricllm.sampling_params import PRIORITIES, default_priority
-from ricllm.serve import protocol as p
 
 NAMESPACE = "ricxapp"
 SUBSYSTEM = "ricllm"

@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies (``POST /v1/completions``, ``POST /v1/chat/completions``) as pydantic
-models, and how each maps onto the wire protocol's :class:`~ricllm.serve.protocol.GenerateRequest`
+models, and how each maps onto the wire protocol's :class:`~ricllm.protocol.GenerateRequest`
 (docs/serve.md, OpenAI-compatible API).
 
 Unlike the ZeroMQ protocol these bodies are lenient where OpenAI clients are: numbers may come as
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ricllm.serve import protocol as p
+from ricllm import protocol as p
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI's chat default is "the rest of the context"; admission reserves KV for max_tokens, so an

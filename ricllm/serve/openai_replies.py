@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from ricllm.serve import protocol as p
+from ricllm import protocol as p
 from ricllm.serve.openai_models import OpenAIError
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "abort"}

@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ricllm import protocol as p
 from ricllm.client import AsyncRicClient, RejectedError, ServerError
 from ricllm.logging import get_logger
 from ricllm.serve import openai_replies as r
-from ricllm.serve import protocol as p
 from ricllm.serve.openai_models import ChatCompletionBody, CompletionBody, OpenAIError, describe, invalid
 
 if TYPE_CHECKING:

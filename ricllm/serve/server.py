@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ricllm.engine.affinity import format_cpu_list, other_cpus, threads_started_on
+from ricllm.affinity import format_cpu_list, other_cpus, threads_started_on
 from ricllm.engine.engine_loop import EngineLoop
 from ricllm.errors import ConfigError, RicllmError
 from ricllm.logging import configure_logging

@@ -25,7 +25,7 @@ from pydantic import Field, StringConstraints, ValidationError, model_validator
 from ricllm.config import EngineConfig, EngineSettings, NonEmpty, StrictModel, describe_errors, merge_layers, setting
 from ricllm.errors import ConfigError
 from ricllm.logging import LogFormat, LogLevel
-from ricllm.serve.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
+from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 
 __all__ = [
     "CONFIG_ENV",

@@ -8,9 +8,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ricllm import protocol as p
 from ricllm.engine.engine_loop import EngineDriver
 from ricllm.errors import CapacityError, InvalidRequestError
-from ricllm.serve import protocol as p
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
 from ricllm.serve.metrics import EngineSnapshot, FinishedRequest, deadline_class
 from ricllm.serve.reload import apply_live_changes
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from ricllm.engine.chat_prefix import ChatPrefix
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.engine.llm_engine import LLMEngine
-    from ricllm.engine.sequence import Sequence
     from ricllm.outputs import RequestOutput
     from ricllm.sampling_params import SamplingParams
+    from ricllm.sequence import Sequence
     from ricllm.serve.state import ServerState
     from ricllm.structured.compiler import CompiledGrammar
     from ricllm.structured.spec import StructuredSpec

@@ -226,7 +226,7 @@ def test_an_int8_row_read_without_its_scale_would_fail(kernel):
 
 def windowed(case, sinks, windows, poison):
     """Evict what the windows let go (table entries -1, their blocks poisoned: a read shows as NaN)."""
-    from ricllm.cache.kv_window import KVWindow
+    from ricllm.kv_window import KVWindow
 
     query, k_cache, v_cache, meta = case
     meta.kv_sinks = torch.tensor(sinks, dtype=torch.int32)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ricllm.attention.reference import store_kv
-from ricllm.model.llama import apply_rope
+from ricllm.engine.runtime.llama import apply_rope
 from tests.helpers import require
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -22,8 +22,8 @@ import torch
 from ricllm.attention import reference
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.cache.kv_format import dequantize_rows, quantize_rows
-from ricllm.cache.kv_window import EVICTED, KVWindow
 from ricllm.kernels import paged_decode_attention, store_kv, triton_available
+from ricllm.kv_window import EVICTED, KVWindow
 from tests.helpers import require
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import pytest
 from ricllm.replay.decisions import AnswerCheck, Policy, is_correct, judge
 from ricllm.replay.loading import ScenarioError, load_scenario, load_scenario_trace
 from ricllm.replay.planning import plan_requests
-from ricllm.replay.records import RequestRecord
 from ricllm.replay.templates import scenario_templates
+from ricllm.report.records import RequestRecord
 from ricllm.structured.spec import StructuredSpec
 
 KPIS = ["RRU.PrbTotDl", "DRB.RlcSduDelayDl", "L1M.DL-SS-SINR"]

@@ -16,9 +16,9 @@ import pytest
 from ricllm.cli import main
 from ricllm.replay.fault_phases import FaultSchedule, fault_section, mark_windows, reaction_windows
 from ricllm.replay.loading import ScenarioError, load_scenario
-from ricllm.replay.records import RequestRecord
 from ricllm.replay.schema import FaultPhase
 from ricllm.report.aggregate import aggregate, evaluate_targets
+from ricllm.report.records import RequestRecord
 from tests.replay.test_replay import parse_html, scenario_file
 from tests.test_faults import alive, wait_gone
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ricllm.replay.decisions import AnswerCheck, judge
-from ricllm.replay.records import RequestRecord
-from ricllm.replay.targets import parse_target
+from ricllm.report.records import RequestRecord
+from ricllm.report.targets import parse_target
 from ricllm.report.aggregate import (
     aggregate,
     confusion,

@@ -7,10 +7,10 @@ import io
 from html.parser import HTMLParser
 
 from ricllm.replay.decisions import AnswerCheck, judge
-from ricllm.replay.records import SCHEMA_VERSION, RequestRecord, records_to_json
 from ricllm.report import compare, write_report
 from ricllm.report.aggregate import aggregate, evaluate_targets
 from ricllm.report.html import comparison_rows
+from ricllm.report.records import SCHEMA_VERSION, RequestRecord, records_to_json
 from ricllm.structured.spec import StructuredSpec
 
 ACTIONS = ["offload", "hold", "escalate"]

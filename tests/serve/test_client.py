@@ -15,7 +15,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from ricllm.client import AsyncRicClient, RejectedError, RicClient, ServerError
-from ricllm.serve.protocol import (
+from ricllm.protocol import (
     DEFAULT_ENDPOINT,
     DEFAULT_ZMQ_PORT,
     Accepted,
@@ -158,7 +158,7 @@ def server(request, tmp_path):
 
 
 def test_client_imports_without_torch():
-    code = ("import sys, ricllm.client, ricllm.serve.protocol; "
+    code = ("import sys, ricllm.client, ricllm.protocol; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

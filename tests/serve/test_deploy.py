@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from ricllm.serve.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
+from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
 from tests.serve.kube import render_kustomization, validation_errors
 
 ROOT = Path(__file__).parents[2]
@@ -74,7 +74,7 @@ def test_guaranteed_qos_with_whole_cpus(objects):
 def test_engine_cpus_fit_the_pods_cpus_and_leave_one_for_the_server(objects, monkeypatch):
     """deploy/config-file.json is what the server reads; its engine_cpus count within the pod's
     cpuset, whichever CPUs the node gives it, and leave the server's other threads a CPU."""
-    from ricllm.engine.affinity import parse_cpu_list
+    from ricllm.affinity import parse_cpu_list
     from ricllm.serve.settings import resolve_settings
 
     cpus = int(_cpus(str(_container(objects)["resources"]["limits"]["cpu"])))

@@ -7,7 +7,7 @@ import threading
 import pytest
 import zmq
 
-from ricllm.serve import protocol as p
+from ricllm import protocol as p
 from ricllm.serve.handoff import Outbox
 
 

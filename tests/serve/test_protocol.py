@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ricllm import protocol
 from ricllm.sampling_params import SamplingParams
-from ricllm.serve import protocol
-from ricllm.serve.protocol import (
+from ricllm.protocol import (
     PROTOCOL_VERSION,
     REPLY_TYPES,
     REQUEST_TYPES,

@@ -20,8 +20,8 @@ import msgpack
 import pytest
 import zmq
 
+from ricllm import protocol as p
 from ricllm.client import AsyncRicClient, RejectedError, RicClient, ServerError
-from ricllm.serve import protocol as p
 from tests.helpers import require_module
 from tests.serve.conftest import free_port
 
@@ -414,7 +414,7 @@ def test_vanished_client_does_not_hurt_the_server(server):
 def test_stats_reply(server):
     """Typed on both sides (the engine's snapshot inside), with the wire keys it always had."""
     from ricllm.engine.stats import KVCacheStats
-    from ricllm.serve.protocol import ServerStats
+    from ricllm.protocol import ServerStats
 
     with RicClient(server.endpoint, timeout_s=30) as client:
         typed = client.stats()

@@ -2,8 +2,10 @@
 
 - ``interface``: the ``Runtime`` the engine holds (model, KV store, runner, sampler, device).
 - ``choice``: which runtime serves a configuration (``build_runtime``), and why.
-- ``torch_runtime`` with ``model_runner`` and ``sampler``: the torch model on any device.
-- ``native_runtime`` with ``native_model`` and ``numpy_sampler``: ricllm's C kernels, no torch.
+- ``torch_runtime`` with ``llama`` (the network), ``model_runner``, ``sampler`` and
+  ``weight_cache`` (its converted weights on disk): the torch model on any device.
+- ``native_runtime`` with ``native_model``, ``numpy_sampler`` and ``native_convert`` (its weights,
+  converted by the torch runtime's code): ricllm's C kernels, no torch.
 - ``flat_batch``: a scheduled batch laid out flat, what both runners turn into arrays.
 
 Nothing is imported here: importing one runtime must not load the other's dependencies (torch).

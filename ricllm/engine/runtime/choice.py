@@ -49,7 +49,7 @@ def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
     from ricllm.model.loader import read_tensor_types
 
     if config.weights == "auto" and config.weight_cache:
-        from ricllm.model.native_convert import entry_path
+        from ricllm.engine.runtime.native_convert import entry_path
 
         entry = entry_path(model_path, config.weights)
         if entry.is_file() or entry.with_suffix(".unsupported").is_file():
@@ -69,8 +69,8 @@ def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     if config.runtime == "torch":
         reason = "runtime 'torch' was asked for"
     if reason is None:
+        from ricllm.engine.runtime.native_convert import NativeUnsupported
         from ricllm.engine.runtime.native_runtime import build_native_runtime
-        from ricllm.model.native_convert import NativeUnsupported
 
         try:
             return build_native_runtime(config, model_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.engine.sequence import Sequence
+from ricllm.sequence import Sequence
 
 
 @dataclass

@@ -20,9 +20,9 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
     import torch
 
     from ricllm.cache.kv_cache import KVCache, NativeKVCache
+    from ricllm.engine.runtime.llama import LlamaModel
     from ricllm.engine.runtime.model_runner import ModelRunner
     from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
-    from ricllm.model.llama import LlamaModel
     from ricllm.sampling_params import SamplingParams
 
 # strings, so that nothing above is needed when the module runs

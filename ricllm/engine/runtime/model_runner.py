@@ -7,8 +7,8 @@ import torch
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.cache.kv_cache import KVCache
 from ricllm.engine.runtime.flat_batch import flatten
+from ricllm.engine.runtime.llama import LlamaModel
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.model.llama import LlamaModel
 
 
 class ModelRunner:

@@ -7,7 +7,7 @@ the C attention kernel attends causally through the block tables. Where the torc
 uses the stack (decode steps, small prefills) the two give bit-identical logits.
 
 The weights come from a native weights file (``ricllm.model.native_weights``), converted once
-from the model file by the torch runtime's code in a child process (``ricllm.model.native_convert``:
+from the model file by the torch runtime's code in a child process (``ricllm.engine.runtime.native_convert``:
 this process never imports torch), then mapped: later starts read it in milliseconds.
 """
 
@@ -22,8 +22,8 @@ from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
 from ricllm.engine.runtime import numpy_sampler
 from ricllm.engine.runtime.interface import Runtime
+from ricllm.engine.runtime.native_convert import load_weights
 from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
-from ricllm.model.native_convert import load_weights
 
 
 def default_threads(config: EngineConfig) -> int:

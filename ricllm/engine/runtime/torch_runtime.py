@@ -1,4 +1,4 @@
-"""The torch runtime: the torch model (``ricllm.model.llama``) on any device, in every weight
+"""The torch runtime: the torch model (``ricllm.engine.runtime.llama``) on any device, in every weight
 format, with the attention backend the configuration picks."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from ricllm.attention.backends import select_backend
 from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
+from ricllm.engine.runtime import weight_cache
 from ricllm.engine.runtime.interface import Runtime
+from ricllm.engine.runtime.llama import LlamaModel
 from ricllm.engine.runtime.model_runner import ModelRunner
 from ricllm.engine.runtime.sampler import mask, sample
-from ricllm.model import weight_cache
 from ricllm.model.heap import release_free_heap
-from ricllm.model.llama import LlamaModel
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.packed_linear import resolve_formats
 

@@ -47,13 +47,13 @@ class CachedModel:
 def _conversion_code_digest() -> str:
     """The source of the code that turns a file into tensors: an edit to it (a fix in packing
     or dequantization) must not be hidden by entries written before, even at the same version."""
-    model_dir = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in ("loader.py", "llama.py", "packed_linear.py", "weight_cache.py"):
-        digest.update((model_dir / name).read_bytes())
     from ricllm.kernels import cpu_quant  # the VNNI layout's packing code
+    from ricllm.model import loader, packed_linear
 
-    digest.update(Path(cpu_quant.__file__).read_bytes())
+    runtime_dir = Path(__file__).parent  # the torch model whose state an entry holds: llama.py
+    digest = hashlib.sha256()
+    for path in (loader.__file__, runtime_dir / "llama.py", packed_linear.__file__, __file__, cpu_quant.__file__):
+        digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -1,4 +1,7 @@
-"""A request inside the engine: its tokens, how many have K/V in the cache, and its blocks."""
+"""A request inside the engine: its tokens, how many have K/V in the cache, and its blocks.
+
+Admission, the scheduler and the cache manager all hold it, so it lies below the three of them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ricllm.cache.kv_window import KVWindow, most_blocks
+from ricllm.kv_window import KVWindow, most_blocks
 from ricllm.sampling_params import SamplingParams
 
 

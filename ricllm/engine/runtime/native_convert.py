@@ -1,5 +1,5 @@
 """The native runtime's weights on disk: found in the cache, else converted from the model file
-with the torch runtime's code, in a child process (``python -m ricllm.model.native_convert
+with the torch runtime's code, in a child process (``python -m ricllm.engine.runtime.native_convert
 MODEL WEIGHTS OUT``) so that torch never enters the serving process. The child prints one JSON
 line: ``{"written": OUT}``, or ``{"unsupported": reason}`` for a model the C decoder stack
 cannot serve (remembered beside the entry, so later starts skip converting)."""
@@ -47,9 +47,10 @@ def conversion_code_digest() -> str:
     import ricllm.kernels
 
     model_dir, kernels_dir = Path(native_weights.__file__).parent, Path(ricllm.kernels.__file__).parent
+    runtime_dir = Path(__file__).parent  # the torch model the conversion runs: llama.py
     digest = hashlib.sha256()
-    for path in [model_dir / name for name in ("loader.py", "llama.py", "packed_linear.py", "native_weights.py")] + [
-            kernels_dir / "cpu_quant.py", Path(__file__)]:
+    for path in [model_dir / name for name in ("loader.py", "packed_linear.py", "native_weights.py")] + [
+            runtime_dir / "llama.py", kernels_dir / "cpu_quant.py", Path(__file__)]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -66,7 +67,7 @@ def _convert(model_path: Path, weights: str, out: Path) -> str | None:
         release_free_heap()  # the torch model it packed from is garbage now
         return reason
     model_path, out = model_path.resolve(), out.resolve()
-    command = [sys.executable, "-m", "ricllm.model.native_convert", str(model_path), weights, str(out)]
+    command = [sys.executable, "-m", "ricllm.engine.runtime.native_convert", str(model_path), weights, str(out)]
     log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
     # run from the cache folder: ``-m`` puts the working directory first on the import path, and a
     # ricllm checkout there would convert with its code instead of this process's
@@ -141,7 +142,7 @@ def convert(model_path: Path, weights: str, out: Path) -> str | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m ricllm.model.native_convert MODEL WEIGHTS OUT", file=sys.stderr)
+        print("usage: python -m ricllm.engine.runtime.native_convert MODEL WEIGHTS OUT", file=sys.stderr)
         return 2
     from ricllm.errors import RicllmError
 

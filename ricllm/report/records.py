@@ -27,6 +27,8 @@ STATUSES = ("completed", "rejected", "error", "interrupted", "timeout")
 #: The finish reasons of a request that produced an answer: it ended by itself or at its length
 #: limit (``deadline`` and ``cancelled`` are cut off by the engine, with no answer to act on).
 ANSWERED_REASONS = ("stop", "length")
+#: ``answer.get(field, MISSING)`` for a field the answer lacks: ``None`` is a value an answer may hold.
+MISSING = object()
 
 
 def timeline_sample(kv_cache: Any, running: int, waiting: int) -> dict[str, Any]:
