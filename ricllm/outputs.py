@@ -47,6 +47,8 @@ class RequestOutput:
     A constrained answer that ends by ``length`` is incomplete (it does not parse): never hidden.
     ``predicted_e2e_s`` is the bound admission promised it against (safety margin not included),
     for the work known at its arrival: ``predicted_e2e_s / e2e_s`` is how tight the bound was.
+    ``promised_e2e_s`` is its bound as of the last admission that counted it: a request admitted
+    later may share its steps, and was admitted only if this one stayed on time beside it.
     """
 
     request_id: str
@@ -66,6 +68,7 @@ class RequestOutput:
     degradation: Degradation | None = None  # set when admission shrank max_tokens (degrade policy)
     num_forced_tokens: int = 0  # output tokens the answer's grammar forced (appended without sampling)
     predicted_e2e_s: float | None = None  # admission's finish bound for it, from arrival (promised requests)
+    promised_e2e_s: float | None = None  # the same, as of the last admission that counted it
 
     @property
     def tpot_s(self) -> float | None:

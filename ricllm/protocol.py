@@ -255,7 +255,8 @@ class Timings(_Strict):
     ttft_s: Seconds | None = None
     e2e_s: Seconds
     tpot_s: Seconds | None = None
-    predicted_e2e_s: Seconds | None = None  # admission's finish bound for a promised request
+    predicted_e2e_s: Seconds | None = None  # admission's finish bound for a promised request, at its arrival
+    promised_e2e_s: Seconds | None = None  # the same, as of the last admission that counted it
 
 
 class Result(_Message):

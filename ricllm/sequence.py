@@ -58,6 +58,7 @@ class Sequence:
     rejection: object = None  # ricllm.outputs.Rejection when admission refused it
     degradation: object = None  # ricllm.outputs.Degradation when admission shrank max_tokens
     predicted_finish: float | None = None  # the finish bound it was promised at admission (engine clock)
+    promised_finish: float | None = None  # its bound at the last admission that counted it (its own or a later one's)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

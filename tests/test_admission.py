@@ -343,6 +343,20 @@ def test_a_cached_prefix_is_credited_at_admission_and_held_until_the_request_run
     assert out.num_cached_tokens == 96 and engine.step_history[0].features.num_prefill_tokens == 10
 
 
+def test_a_later_admission_re_promises_the_earlier_request_with_its_work_beside_it(tiny_gguf):
+    """A request due sooner, admitted after another, runs ahead of it: the earlier one's bound as
+    last promised takes that work in, and its finish keeps within it where the bound at its own
+    arrival could not know of it."""
+    engine, clock = make_engine(tiny_gguf)
+    first = engine.add_request(prompt(40, 60), SamplingParams(max_tokens=8, deadline_ms=10_000, ignore_eos=True))
+    sooner = engine.add_request(prompt(40, 61), SamplingParams(max_tokens=8, deadline_ms=5_000, ignore_eos=True))
+    assert first.promised and sooner.promised
+    assert first.promised_finish > first.predicted_finish and sooner.promised_finish == sooner.predicted_finish
+    done = {o.request_id: o for o in drain(engine)}
+    late = done[first.request_id]
+    assert late.e2e_s > late.predicted_e2e_s and late.e2e_s <= late.promised_e2e_s
+
+
 def test_a_request_an_idle_engine_serves_in_one_step_holds_no_stall_reserve():
     """The stall reserve is room for a busy step to run late; a request whose only step is the
     first after an idle gap is charged that step's after-idle excess instead, and one more step

@@ -245,12 +245,12 @@ class AdmissionController:
         if isinstance(verdict, Rejection):
             self._count(verdict.code)
             return verdict
-        need, promise, bound = verdict
-        return self._admit(seq, need, promise, bound)
+        need, promise, bounds = verdict
+        return self._admit(seq, need, promise, bounds)
 
     def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool, float | None]:
-        """The refusal, or ``(blocks to reserve, promised, the finish bound promised)``; changes nothing."""
+               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool, dict[Sequence, float] | None]:
+        """The refusal, or ``(blocks to reserve, promised, the finish bounds promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
             return Rejection("CONTEXT_TOO_LONG",
@@ -288,7 +288,7 @@ class AdmissionController:
         return Rejection("QUEUE_FULL", f"{queued} {what} already wait (max_queue {self.config.max_queue})",
                          dict(waiting=queued, max_queue=self.config.max_queue))
 
-    def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool, float | None]:
+    def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool, dict[Sequence, float] | None]:
         """Binary search for the largest ``max_tokens`` that passes (every check is monotone in it)."""
         requested = seq.params
 
@@ -310,13 +310,15 @@ class AdmissionController:
         self._count("degraded")
         return verdict
 
-    def _first_late(self, seq: Sequence, now: float, busy_s: float, after_idle: bool) -> Rejection | float:
-        """The refusal for the first request the new one would make late, or the new one's bound."""
+    def _first_late(self, seq: Sequence, now: float, busy_s: float,
+                    after_idle: bool) -> Rejection | dict[Sequence, float]:
+        """The refusal for the first request the new one would make late, or the bound of every
+        request with the new one admitted (the new one's included)."""
         candidates = sorted([*self.admitted.values(), seq], key=_edf)
         works = [work_of(s) for s in candidates]
         bounds = self._bounds(candidates, now, NO_BEST_EFFORT, busy_s, after_idle=after_idle)
         late = self._refusal(seq, works, bounds, now)
-        return late if late is not None else bounds[candidates.index(seq)]
+        return late if late is not None else dict(zip(candidates, bounds))
 
     def _refusal(self, seq: Sequence, works: list[Work], bounds: list[float], now: float) -> Rejection | None:
         margin = 1 + self.config.safety_margin
@@ -349,10 +351,14 @@ class AdmissionController:
     def _count(self, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
 
-    def _admit(self, seq: Sequence, reserve: int, promise: bool, bound: float | None) -> None:
+    def _admit(self, seq: Sequence, reserve: int, promise: bool, bounds: dict[Sequence, float] | None) -> None:
+        """``bounds``: every promised request's bound with this one admitted. Each earlier promise now
+        holds with this request's work beside it: that bound is the one it was last promised."""
         seq.reserved_blocks = reserve
         seq.promised = promise
-        seq.predicted_finish = bound
+        seq.predicted_finish = bounds[seq] if bounds else None
+        for promised, bound in (bounds or {}).items():
+            promised.promised_finish = bound
         self.reserved_blocks += reserve
         if promise:
             self.admitted[seq.request_id] = seq

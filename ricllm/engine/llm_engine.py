@@ -571,7 +571,7 @@ class LLMEngine:
             e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
             admitted=not rejected, rejection=seq.rejection, deadline_met=met,
             deadline_ms=seq.params.deadline_ms, degradation=seq.degradation, num_forced_tokens=seq.num_forced_tokens,
-            predicted_e2e_s=since_arrival(seq.predicted_finish))
+            predicted_e2e_s=since_arrival(seq.predicted_finish), promised_e2e_s=since_arrival(seq.promised_finish))
 
     # ------------------------------------------------------------ pinned prefixes (templates)
 

@@ -254,4 +254,5 @@ def _fill_from_output(record, output, sent: float, first: float | None, done: fl
                   prompt_tokens=len(output.prompt_token_ids), output_tokens=len(output.token_ids),
                   cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text,
                   granted_max_tokens=output.degradation.granted_max_tokens if output.degradation else None,
-                  num_forced_tokens=output.num_forced_tokens, predicted_e2e_s=output.predicted_e2e_s, **common)
+                  num_forced_tokens=output.num_forced_tokens, predicted_e2e_s=output.predicted_e2e_s,
+                  promised_e2e_s=output.promised_e2e_s, **common)

@@ -118,4 +118,5 @@ def _fill_from_result(record, result, sent: float, first: float | None, done: fl
                   prompt_tokens=result.num_prompt_tokens, output_tokens=len(result.token_ids),
                   cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
                   granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None,
-                  num_forced_tokens=result.num_forced_tokens, predicted_e2e_s=timings.predicted_e2e_s)
+                  num_forced_tokens=result.num_forced_tokens, predicted_e2e_s=timings.predicted_e2e_s,
+                  promised_e2e_s=timings.promised_e2e_s)

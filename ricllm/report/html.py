@@ -135,7 +135,9 @@ def refusals_section(report: dict[str, Any]) -> list[str]:
     """Every refused request with its reason and, for time, the bound and the time its deadline left."""
     refused = [r for r in report["requests"] if r.get("status") == "rejected"]
     note = ("The per-class table's finish bound / actual is admission's bound for an admitted request "
-            "(predicted_e2e_s, safety margin not included) over its measured end-to-end time.")
+            "(predicted_e2e_s, safety margin not included) over its measured end-to-end time; the last promised "
+            "bound (promised_e2e_s) is the same bound as of the last admission that counted the request, since a "
+            "request admitted later may share its steps.")
     if not refused:
         return ["<h2>Refusals</h2>", f'<p class="meta">{escape(note)} No request was refused.</p>']
     rows = [[r["id"], r.get("deadline_class", ""), r.get("rejection_code") or "",
@@ -167,7 +169,7 @@ def _dict_table(data: dict[str, Any]) -> str:
 
 def _requests_table(report: dict[str, Any]) -> str:
     columns = ("id", "entity", "trace_time_s", "deadline_class", "template", "status", "rejection_code",
-               "server_ttft_s", "server_e2e_s", "predicted_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
+               "server_ttft_s", "server_e2e_s", "predicted_e2e_s", "promised_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
                "output_tokens", "met", "valid", "correct", "expected", "answer", "text")
     if (report.get("faults") or {}).get("phases"):
         columns = (*columns[:15], "reaction_window", *columns[15:])

@@ -77,6 +77,7 @@ class RequestRecord:
     text: str | None = None
     num_forced_tokens: int | None = None  # tokens the grammar forced (no sampling), when the engine says
     predicted_e2e_s: float | None = None  # admission's finish bound for it (promised requests): server_e2e_s's bound
+    promised_e2e_s: float | None = None  # that bound as of the last admission that counted it
     expected: dict[str, Any] | None = None  # the reference policy's fields for this row (template's expect)
     valid: bool | None = None  # the answer satisfies its template's constraint; None: no constraint or no answer
     answer: Any = None  # the parsed answer object of a valid answer

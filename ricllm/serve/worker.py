@@ -550,7 +550,7 @@ def _timings(out: RequestOutput) -> p.Timings:
     e2e = out.e2e_s or 0.0
     queue_s = out.queue_s
     return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=out.ttft_s, e2e_s=e2e,
-                     tpot_s=out.tpot_s, predicted_e2e_s=out.predicted_e2e_s)
+                     tpot_s=out.tpot_s, predicted_e2e_s=out.predicted_e2e_s, promised_e2e_s=out.promised_e2e_s)
 
 
 
