@@ -282,19 +282,24 @@ def test_a_fit_is_not_reused_after_the_kernels_or_the_packing_change(tiny_gguf, 
     assert calibration.fit_key(engine) != key
 
 
-def test_the_fit_separates_the_fixed_cost_of_steps_run_op_by_op():
+def test_the_fit_separates_the_costs_of_steps_run_op_by_op():
+    """A step past the CPU kernel's limits pays a fixed cost and dearer prefill tokens and attention
+    of its own; the fit finds all three apart from the small chunks' costs."""
     from ricllm.engine.latency_model import FEATURES, feature_vector, fit, runs_op_by_op
 
-    truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006]  # a step run op by op pays 6 ms more
-    samples = [StepFeatures(p, d, c, p * c // 2) for p in (0, 16, 64, 256) for d in (0, 1, 4, 16)
+    truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006, 4e-4, 2e-8]  # op by op: 6 ms more, 20x dearer tokens
+    samples = [StepFeatures(p, d, c, p * c // 2) for p in (0, 8, 16, 48, 64, 128, 256) for d in (0, 1, 4, 16)
                for c in (64, 512, 2048) if p or d]
     assert {runs_op_by_op(f) for f in samples} == {True, False}
     assert not runs_op_by_op(StepFeatures(0, 32, 4096)) and runs_op_by_op(StepFeatures(256, 0, 256, 256 * 128))
     model = fit([(f, float(feature_vector(f) @ truth)) for f in samples])
-    assert dict(zip(FEATURES, model.coefficients))["op_by_op_step"] == pytest.approx(0.006, rel=0.02)
-    older = LatencyModel.from_json({"coefficients": truth[:5]})  # a fit saved before the term existed
-    assert older.coefficients == truth[:5] + [0.0]
-    with pytest.raises(ValueError, match="7 coefficients, but the model has 6 terms"):
+    fitted = dict(zip(FEATURES, model.coefficients))
+    assert fitted["op_by_op_step"] == pytest.approx(0.006, rel=0.02)
+    assert fitted["prefill_tokens"] == pytest.approx(2e-5, rel=0.05)
+    assert fitted["op_by_op_prefill_tokens"] == pytest.approx(4e-4, rel=0.02)
+    older = LatencyModel.from_json({"coefficients": truth[:5]})  # a fit saved before the terms existed
+    assert older.coefficients == truth[:5] + [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="9 coefficients, but the model has 8 terms"):
         LatencyModel(truth + [1.0])
 
 

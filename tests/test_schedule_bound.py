@@ -101,3 +101,14 @@ def test_prefill_waits_while_decodes_take_the_whole_budget():
     bounds = schedule_bounds(works, model, 8, 0.0, NO_BEST_EFFORT)
     assert bounds[-1] > max(bounds[:8]) + 4 * COEFFICIENTS[0]  # its prefill step (its first token), 3 decodes after
     assert schedule_bounds(works[-1:], model, 8, 0.0, BestEffortLoad(8, 800))[0] == float("inf")
+
+
+def test_a_small_chunk_is_charged_the_c_kernels_costs_and_a_large_one_the_op_by_op_terms():
+    """A prompt's tail behind its template (8 tokens at 700 positions) runs in the CPU kernel's one
+    C call; 200 tokens pass its limits and run op by op, at the fixed cost and dearer tokens the
+    fit gives such steps. Both bounds, the closed form and the schedule's, charge each its own."""
+    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 0.0, 0.01, 1e-3, 0.0])
+    small, large = [Work(1.0, 8, 1, 700, "small")], [Work(1.0, 200, 1, 700, "large")]
+    for bound in (finish_bounds, lambda w, m, b, t: schedule_bounds(w, m, b, t, NO_BEST_EFFORT)):
+        assert bound(small, model, 512, 0.0) == pytest.approx([8 * 1e-4])
+        assert bound(large, model, 512, 0.0) == pytest.approx([200 * (1e-4 + 1e-3) + 0.01])

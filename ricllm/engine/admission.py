@@ -74,7 +74,7 @@ from dataclasses import dataclass, replace
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.config import AdmissionConfig
-from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
 from ricllm.kv_window import pinned_blocks_held
@@ -153,7 +153,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     scheduler holds them to both: ``best_effort_prefill_cap``); ``busy_s`` is what remains of the
     step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
-    Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
+    The op-by-op terms are charged only when a step may pass the CPU kernel's limits
+    (``may_run_op_by_op``). Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
     multipliers and, with ``follow_last_step`` (promises re-checked between a busy engine's steps),
     of the last busy step's own ratio.
     Each bound also holds ``model.reserve``: the stall reserve (room for one busy step to run as
@@ -163,22 +164,38 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.final_context for w in works) + best_effort.context
-    a, b, c, d, e, f = model.coefficients  # LatencyModel pads a shorter fit with zeros
+    a, b, c, d, e, f, g, h = model.coefficients  # LatencyModel pads a shorter fit with zeros
     step = a + c * batch + d * context_max
-    if best_effort.longest_pending and best_effort_chunk:
-        attention = min(best_effort_chunk * best_effort.longest_pending, C_KERNEL_PREFILL_WORK)
-        step += b * best_effort_chunk + e * attention
-    if model.roofline is not None:
-        step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
     prefill_all = sum(w.prefill_left for w in works)
     attention_all = sum(w.prefill_left * w.final_context for w in works)
-    prefill_cost = b * prefill_all + e * attention_all
+    chunk, chunk_attention = 0, 0
+    if best_effort.longest_pending and best_effort_chunk:
+        chunk = best_effort_chunk
+        chunk_attention = min(best_effort_chunk * best_effort.longest_pending, C_KERNEL_PREFILL_WORK)
+    op = may_run_op_by_op(works, token_budget, chunk, chunk_attention)
+    step += (b + g * op) * chunk + (e + h * op) * chunk_attention
+    if model.roofline is not None:
+        step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
+    prefill_cost = (b + g * op) * prefill_all + (e + h * op) * attention_all
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
         reserve = model.reserve(steps - after_idle, after_idle)
-        bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * prefill_steps) + reserve)
+        bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * op * prefill_steps) + reserve)
     return bounds
+
+
+def may_run_op_by_op(works: list[Work], token_budget: int, chunk: int = 0, chunk_attention: int = 0) -> bool:
+    """Whether any step of ``works`` may pass the CPU kernel's limits (``runs_op_by_op``): the most
+    admitted prefill one step can carry, beside ``chunk`` best-effort tokens of ``chunk_attention``
+    work, at the widest context any of it attends to. When none can, every step is one C call and
+    no op-by-op term is charged."""
+    pending = [w for w in works if w.prefill_left > 0]
+    if not pending:
+        return False
+    tokens = min(token_budget, sum(w.prefill_left for w in pending))
+    widest = max(w.final_context for w in pending)
+    return runs_op_by_op(StepFeatures(tokens + chunk, 0, 0, tokens * widest + chunk_attention))
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Predict one engine step's time from what it carries, so admission can promise deadlines.
 
-    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + f·S )
+    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q) )
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
-term in P misses for long prompts), S = 1 for a step that runs its layers op by op from
-Python: on the CPU, decode steps and small prefill steps run as one C call, larger prefill
-steps (attention in SDPA or the C prefill kernel) op by op, a fixed cost of its own. The roofline ``(weight bytes + KV bytes read) / bandwidth``
-is the floor: no step can be faster than reading its bytes once.
+term in P misses for long prompts), S = 1 for a step past the CPU attention kernel's limits
+(``runs_op_by_op``): on the CPU, decode steps and small prefill chunks (a prompt's tail behind its
+template) run as one C call, whose prefill rows ride on the weights the decodes read anyway,
+while larger prefill steps run op by op (attention in SDPA or the C prefill kernel), a fixed cost
+and dearer tokens of their own. The roofline ``(weight bytes + KV bytes read) / bandwidth`` is the
+floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep. Online, ``StepErrors``
 (``step_errors.py``) tracks how far measured steps run from it, per kind of step (decode, prefill,
@@ -32,7 +34,8 @@ from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.step_errors import BUSY_KINDS, STEP_KINDS, StepErrors, busy_kind
 
-FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step")
+FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step",
+            "op_by_op_prefill_tokens", "op_by_op_prefill_attention")
 
 
 def runs_op_by_op(f: StepFeatures) -> bool:
@@ -43,8 +46,9 @@ def runs_op_by_op(f: StepFeatures) -> bool:
 
 
 def feature_vector(f: StepFeatures) -> np.ndarray:
+    op = 1.0 if runs_op_by_op(f) else 0.0
     return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention,
-                     1.0 if runs_op_by_op(f) else 0.0])
+                     op, op * f.num_prefill_tokens, op * f.prefill_attention])
 
 
 @dataclass

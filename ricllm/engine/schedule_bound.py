@@ -14,7 +14,7 @@ step's real composition:
 
 Between two events (a prefill done, a request finished) the composition is constant, so every step
 of the segment costs the same: each is charged at the contexts of the segment's last step (contexts
-grow by one a step, so that is an upper bound) and, when it carries prefill, the op-by-op fixed cost.
+grow by one a step, so that is an upper bound) and, when a step of it may pass the CPU kernel's limits, the op-by-op terms.
 Prefill tokens and their attention are charged once, where they run, as the closed form charges
 them. Best effort is charged as the closed form charges it, on every step: its sequences at their
 final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
-from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import StepFeatures
 
 UNREACHED = math.inf  # a request the plan never finishes (the budget leaves no room for its prefill)
@@ -45,30 +45,36 @@ class StepCost:
     per_prefill_token: float
     per_attention: float
     op_by_op: float
+    op_by_op_prefill_token: float
+    op_by_op_attention: float
     model: LatencyModel
     best_effort_seqs: int = 0
     best_effort_context: int = 0
 
-    def segment_seconds(self, steps: int, seqs: int, context: int, prefill: int, attention: int) -> float:
+    def segment_seconds(self, steps: int, seqs: int, context: int, prefill: int, attention: int,
+                        op_by_op: bool = True) -> float:
         """``steps`` alike steps of ``seqs`` sequences at ``context`` positions, carrying ``prefill``
-        tokens of ``attention`` work among them (charged once)."""
+        tokens of ``attention`` work among them (charged once); ``op_by_op``: the steps may pass the
+        CPU kernel's limits, so their op-by-op terms are charged."""
         seqs += self.best_effort_seqs
         context += self.best_effort_context
         step = self.fixed + self.per_seq * seqs + self.per_context * context
         if self.model.roofline is not None:
             step = max(step, self.model.roofline.seconds(StepFeatures(0, seqs, context)))
-        step += self.op_by_op if prefill else 0.0
-        return steps * step + self.per_prefill_token * prefill + self.per_attention * attention
+        op = bool(prefill) and op_by_op
+        step += self.op_by_op if op else 0.0
+        return (steps * step + (self.per_prefill_token + self.op_by_op_prefill_token * op) * prefill
+                + (self.per_attention + self.op_by_op_attention * op) * attention)
 
 
 def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int) -> StepCost:
     """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step."""
-    a, b, c, d, e, f = model.coefficients
+    a, b, c, d, e, f, g, h = model.coefficients
     fixed = a
-    if best_effort.longest_pending and best_effort_chunk:
-        fixed += b * best_effort_chunk + e * min(best_effort_chunk * best_effort.longest_pending,
-                                                 C_KERNEL_PREFILL_WORK)
-    return StepCost(fixed, c, d, b, e, f, model, best_effort.seqs, best_effort.context)
+    if best_effort.longest_pending and best_effort_chunk:  # charged as if its steps ran op by op
+        fixed += (b + g) * best_effort_chunk + (e + h) * min(best_effort_chunk * best_effort.longest_pending,
+                                                             C_KERNEL_PREFILL_WORK)
+    return StepCost(fixed, c, d, b, e, f, g, h, model, best_effort.seqs, best_effort.context)
 
 
 @dataclass
@@ -146,12 +152,22 @@ class Plan:
         attention = sum(got * self.attends(i) for i, got, _ in taken)
         context = self.decoding.context_at(end) + sum(self.attends(i) for i, _, _ in taken)
         seqs = len(self.decoding.ends) + len(taken)
-        self.seconds += self.cost.segment_seconds(steps, seqs, context, prefill, attention)
+        self.seconds += self.cost.segment_seconds(steps, seqs, context, prefill, attention,
+                                                  self.may_run_op_by_op(taken, per_step))
         self.step = end
         self.leave_at(end)
         for index, _, done in taken:
             if done:
                 self.start_decoding(index, first_sampled_by_prefill(self.works[index]))
+
+    def may_run_op_by_op(self, taken: list[tuple[int, int, bool]], per_step: int) -> bool:
+        """Whether a step of the segment may pass the CPU kernel's limits: its chunk (at most
+        ``per_step`` tokens, and the best-effort chunk) at the widest context the chunk attends to."""
+        if not taken:
+            return False
+        tokens = min(per_step, sum(got for _, got, _ in taken)) + self.budget.best_effort_chunk
+        widest = max(self.attends(i) for i, _, _ in taken)
+        return runs_op_by_op(StepFeatures(tokens, 0, 0, tokens * widest))
 
     def attends(self, index: int) -> int:
         """The most positions a prefill chunk of ``works[index]`` attends to: all but the tokens
