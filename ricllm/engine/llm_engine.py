@@ -488,6 +488,17 @@ class LLMEngine:
             self.slack_ms.append((seq.deadline - now) * 1000)
         return self._output(seq)
 
+    def queue_position(self, seq: Sequence) -> int | None:
+        """Where ``seq`` waits (0: next to be seated), or None when it is not waiting."""
+        return next((i for i, s in enumerate(self.scheduler.waiting) if s is seq), None)
+
+    def abort_all(self, reason: str = "cancelled") -> int:
+        """End every unfinished request now (``abort`` each); how many there were."""
+        unfinished = [*self.scheduler.running, *self.scheduler.waiting]
+        for seq in unfinished:
+            self.abort(seq, reason)
+        return len(unfinished)
+
     def abort(self, seq: Sequence, reason: str = "cancelled") -> RequestOutput:
         """End a waiting or running request now (cancel, shutdown); returns its output so far.
 
@@ -605,6 +616,10 @@ class LLMEngine:
                 f"pinning {len(token_ids)} tokens needs {needed} full KV blocks, but only {room} can be pinned "
                 f"now ({self.cache.num_pinned_blocks} already pinned, {reserved} reserved by admitted requests, "
                 f"one kept for decoding)")
+
+    def is_pinned(self, handle: PinHandle) -> bool:
+        """Whether ``handle``'s prefix is still pinned (not yet unpinned)."""
+        return handle.handle_id in self.cache.pins
 
     def unpin_prefix(self, handle: PinHandle) -> None:
         if handle.handle_id not in self.cache.pins:

@@ -219,10 +219,7 @@ def _latency_figures(latency) -> dict[str, float | None]:
 
 def _cancel_all(engine) -> int:
     """Runs on the engine thread: end every unfinished request now (finish reason ``cancelled``)."""
-    unfinished = [*engine.scheduler.running, *engine.scheduler.waiting]
-    for seq in unfinished:
-        engine.abort(seq, "cancelled")
-    return len(unfinished)
+    return engine.abort_all("cancelled")
 
 
 def _engine_info(engine) -> dict[str, Any]:

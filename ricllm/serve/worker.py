@@ -212,7 +212,7 @@ class Worker(EngineDriver):
         self._generates[command.key] = pending
         self._internal[internal_id] = pending
         self.outbox.put(command.identity, p.Accepted(id=request.id, bound_ms=self._bound_ms(pending),
-                                                     queue_position=self._queue_position(seq),
+                                                     queue_position=self.engine.queue_position(seq),
                                                      degraded=_degraded(seq.degradation)))
 
     def _template(self, template_id: str | None, request_id: str) -> _Template | None:
@@ -320,10 +320,6 @@ class Worker(EngineDriver):
             log.exception("bound_ms_failed")
             return None
         return None if finish is None else round((finish - pending.command.received) * 1000, 3)
-
-    def _queue_position(self, seq: Sequence) -> int | None:
-        waiting = self.engine.scheduler.waiting
-        return next((i for i, s in enumerate(waiting) if s is seq), None)
 
     # -- after a step
 
@@ -492,7 +488,7 @@ class Worker(EngineDriver):
                  constraint=template.constraint)
 
     def _unpin(self, template: _Template) -> None:
-        if template.handle.handle_id in self.engine.cache.pins:
+        if self.engine.is_pinned(template.handle):
             self.engine.unpin_prefix(template.handle)
 
     def _unregister(self, command: Command) -> None:
