@@ -184,11 +184,6 @@ class LLMEngine:
         sinks = self.config.kv_sinks if params.kv_sinks is None else params.kv_sinks
         return window_of(sinks, window)
 
-    def _pinned_share(self, prompt_token_ids: list[int]) -> tuple[int, int]:
-        """(blocks pinned in all, leading full blocks of this prompt that are pinned)."""
-        pinned_blocks, pinned_hits, _ = self._prefix_share(prompt_token_ids)
-        return pinned_blocks, pinned_hits
-
     def _prefix_share(self, token_ids: list[int]) -> tuple[int, int, list]:
         """(blocks pinned in all, leading cached blocks of ``token_ids`` that are pinned, every
         leading cached block: pinned or not)."""
@@ -197,7 +192,7 @@ class LLMEngine:
         return len(pinned_ids), sum(1 for b in hits if b.block_id in pinned_ids), hits
 
     def _check_fits_budget(self, prompt_token_ids: list[int], total_tokens: int, kv_window: KVWindow | None) -> None:
-        pinned, shared = self._pinned_share(prompt_token_ids)
+        pinned, shared, _ = self._prefix_share(prompt_token_ids)
         needed = most_blocks(total_tokens, kv_window, self.config.block_size, self.config.max_num_batched_tokens)
         needed -= pinned_blocks_held(shared, kv_window, self.config.block_size)
         available = self.kv_cache.geometry.num_blocks - pinned
