@@ -31,14 +31,12 @@ from pydantic import (
     model_validator,
 )
 
+from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 from ricllm.engine.stats import KVCacheStats, LatencyStats
 from ricllm.structured.spec import StructuredSpec
 from ricllm.template import Template
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 1 << 20  # default bound on one request frame; the server may configure its own
-DEFAULT_ZMQ_PORT = 5555
-DEFAULT_HTTP_PORT = 8080
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
 
 Priority = Literal["near_rt", "non_rt", "best_effort"]
