@@ -33,19 +33,18 @@ from pydantic import (
 
 from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 from ricllm.engine.stats import KVCacheStats, LatencyStats
+from ricllm.sampling_params import Priority
 from ricllm.structured.spec import StructuredSpec
 from ricllm.template import Template
 
 PROTOCOL_VERSION = 1
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
 
-Priority = Literal["near_rt", "non_rt", "best_effort"]
 RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING",
                      "OUTPUT_TOO_SHORT"]
 ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
                     "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]  # deadline: aborted once it passed
-PRIORITIES: tuple[str, ...] = get_args(Priority)
 REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
