@@ -33,6 +33,7 @@ from pydantic import (
 
 from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 from ricllm.engine.stats import KVCacheStats, LatencyStats
+from ricllm.model.identity import ServedModel
 from ricllm.sampling_params import Priority
 from ricllm.structured.spec import StructuredSpec
 from ricllm.template import Template
@@ -327,13 +328,12 @@ class ModelIdentity(_Report):
     threads: int
     runtime: str
     ricllm: str
+    served_name: str  # the name clients use for it (/v1/models, the metrics' model_name): ServedModel's
     served_model_name: str | None = None  # the operator's name for it (the engine setting), if any
 
-    @property
-    def served_name(self) -> str:
-        """The name clients use for it (``/v1/models``, the metrics' ``model_name``): the operator's, else
-        its own, else its file's."""
-        return self.served_model_name or self.name or Path(self.path).stem
+    def served_model(self) -> ServedModel:
+        """The served model these names describe (``ricllm.model.identity``)."""
+        return ServedModel(Path(self.path), self.name, self.served_name)
 
 
 class QueueStats(_Report):

@@ -3,7 +3,9 @@
 - settings: every settings model (a class built on the strict settings base or on a settings
   model, or with a field made by ``setting(...)``) is defined in ``ricllm/config/``, as two
   input/resolved pairs; the config-file watcher holds no copy of its own;
-- priorities: the scheduling classes are listed once, in ``ricllm/sampling_params.py``.
+- priorities: the scheduling classes are listed once, in ``ricllm/sampling_params.py``;
+- the served model's name: the fallbacks from the ``served_model_name`` setting are taken once, in
+  ``ricllm/model/identity.py`` (``tests/serve/test_model_identity.py`` checks every front reports it).
 """
 
 from __future__ import annotations
@@ -113,3 +115,15 @@ def test_every_front_reads_the_one_priority_list(capsys):
         build_parser().parse_args(["client", "generate", "hello", "--priority", "urgent"])
     error = capsys.readouterr().err
     assert "invalid choice: 'urgent'" in error and all(name in error.split("choose from")[1] for name in PRIORITIES)
+
+
+def test_the_served_name_is_derived_once():
+    derived = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, tree in sources() for node in ast.walk(tree)
+               if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or)
+               and any(isinstance(v, (ast.Name, ast.Attribute)) and (getattr(v, "id", None) or v.attr)
+                       == "served_model_name" for v in node.values)]
+    assert derived == [f"ricllm/model/identity.py:{_line_of(PACKAGE / 'model' / 'identity.py', 'served_model_name or')}"]
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(number for number, line in enumerate(path.read_text().splitlines(), 1) if text in line)
