@@ -5,7 +5,7 @@ let an xApp take a new one without a restart. Here the ``ricllm-config`` thread 
 (``watchfiles``) and, when it changes, resolves the settings again, every layer in its place (a
 flag the user gave still wins over the file), then compares them with the running ones:
 
-- a changed control in :data:`LIVE_CONTROLS` (read afresh at each admission decision, step or log
+- a changed control in :data:`ricllm.config.LIVE_CONTROLS` (read afresh at each admission decision, step or log
   event) is handed to the engine thread, which applies it between two steps
   (:func:`apply_live_changes`): the watcher never touches the engine;
 - any other changed control shaped what was built at start (the model, the KV cache, the sockets):
