@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
+from ricllm.config import DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 from ricllm.engine.stats import KVCacheStats, LatencyStats
 from ricllm.model.identity import ServedModel
 from ricllm.sampling_params import Priority

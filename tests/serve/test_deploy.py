@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
+from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
 from tests.serve.kube import render_kustomization, validation_errors
 
 ROOT = Path(__file__).parents[2]

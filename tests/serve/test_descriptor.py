@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
+from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
 from tests.helpers import require_module
 
 ROOT = Path(__file__).parents[2]
