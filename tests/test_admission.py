@@ -13,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from ricllm import LLM, SamplingParams
-from ricllm.config import AdmissionConfig, EngineConfig
+from ricllm.config import AdmissionSettings, EngineConfig
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.engine.scheduler import StepFeatures
@@ -46,7 +46,7 @@ def heavy_step_time(features, slowdown: float = 1.0) -> float:
 def make_engine(tiny_gguf, slowdown=lambda: 1.0, step_time=true_step_time, **overrides) -> tuple[LLMEngine, FakeClock]:
     clock = FakeClock()
     admission = dict(policy="deadline", safety_margin=0.0)
-    admission.update({name: overrides.pop(name) for name in list(overrides) if name in AdmissionConfig.model_fields})
+    admission.update({name: overrides.pop(name) for name in list(overrides) if name in AdmissionSettings.model_fields})
     settings = dict(model=str(tiny_gguf), dtype="float32", kv_cache_budget=64 * 16 * 512, block_size=16,
                     max_num_batched_tokens=64, admission=admission)
     settings.update(overrides)

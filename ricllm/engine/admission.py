@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
-from ricllm.config import AdmissionConfig
+from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
@@ -215,7 +215,7 @@ class AdmissionController:
     share every step with admitted work, and the bound charges them.
     """
 
-    def __init__(self, config: AdmissionConfig, latency: LatencyModel, num_blocks: int, block_size: int,
+    def __init__(self, config: AdmissionSettings, latency: LatencyModel, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int):
         self.config = config
         self.latency = latency

@@ -31,6 +31,7 @@ from ricllm.engine.step_errors import IDLE_GAP_S
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
 from ricllm.logging import get_logger
+from ricllm.model.identity import ServedModel
 from ricllm.model.loader import resolve_model_path
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -83,6 +84,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         # the model, its KV store and how it runs; its load_s is the weights alone (startup_s adds calibration)
         self.runtime = build_runtime(config, self.model_path)
+        self.served_model = ServedModel.of(self.model_path, self.spec.name, config.served_model_name)
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         geometry = self.kv_cache.geometry
         self.cache = KVCacheManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching)

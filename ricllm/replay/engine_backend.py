@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
@@ -224,16 +223,13 @@ def _cancel_all(engine) -> int:
 
 def _engine_info(engine) -> dict[str, Any]:
     """Runs on the engine thread at the end: settings, final counters, model identity."""
-    from ricllm.paths import file_digest
-
     kv = engine.kv_cache_stats()
     return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": kv,
             "admission": engine.admission_stats(), "startup_s": engine.startup_s,
             "device": str(engine.runtime.device), "dtype": str(engine.runtime.dtype).removeprefix("torch."),
             "attention_backend": engine.runtime.attention_backend, "threads": engine.runtime.threads,
             "runtime": engine.runtime.name,
-            "model": {"path": str(engine.model_path), "name": engine.spec.name,
-                      "sha256": file_digest(Path(engine.model_path))}}
+            "model": engine.served_model.record()}
 
 
 def _fill_from_output(record, output, sent: float, first: float | None, done: float, t0: float) -> None:

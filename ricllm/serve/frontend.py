@@ -18,7 +18,7 @@ from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log,
 from ricllm.serve.metrics import deadline_class
 
 if TYPE_CHECKING:
-    from ricllm.serve.settings import ServerOptions
+    from ricllm.config import ServerOptions
     from ricllm.serve.state import ServerState
 
 

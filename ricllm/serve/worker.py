@@ -525,7 +525,8 @@ class Worker(EngineDriver):
     def _model_identity(self) -> p.ModelIdentity:
         runtime = self.engine.runtime
         layers, head = runtime.weight_formats
-        return p.ModelIdentity(name=runtime.spec.name, path=str(self.engine.model_path),
+        served = self.engine.served_model
+        return p.ModelIdentity(name=served.name, path=str(served.path), served_name=served.served_name,
                                dtype=str(runtime.dtype).removeprefix("torch."),
                                weights=p.WeightFormats(layers=layers, head=head),
                                attention_backend=runtime.attention_backend, device=str(runtime.device),
