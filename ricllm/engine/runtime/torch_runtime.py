@@ -13,6 +13,7 @@ from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
 from ricllm.engine.runtime import weight_cache
+from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES, NO_LIMITS, RuntimeCapabilities
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.llama import LlamaModel
 from ricllm.engine.runtime.model_runner import ModelRunner
@@ -99,4 +100,12 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
         kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample, mask=mask,
         new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
-        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s)
+        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,
+        capabilities=capabilities_of(loaded.attention_backend))
+
+
+def capabilities_of(attention_backend: str) -> RuntimeCapabilities:
+    """The C kernels' limits where the ``cpu`` backend attends (and the decoder stack may run the
+    step whole); none for the GPU kernels and the torch reference, whose step costs have no
+    threshold in the size of the prefill."""
+    return C_KERNEL_CAPABILITIES if attention_backend == "cpu" else NO_LIMITS
