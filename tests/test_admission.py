@@ -16,6 +16,7 @@ from ricllm import LLM, SamplingParams
 from ricllm.config import AdmissionSettings, EngineConfig
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.llm_engine import LLMEngine
+from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.errors import InvalidRequestError
 from ricllm.sequence import Sequence
@@ -40,7 +41,7 @@ def true_step_time(features, slowdown: float = 1.0) -> float:
 def heavy_step_time(features, slowdown: float = 1.0) -> float:
     """Not the model's own form: a step that runs op by op costs three times the linear fit, as such
     steps did on CPUs before the fit had a term for them."""
-    return true_step_time(features, slowdown) * (3.0 if runs_op_by_op(features) else 1.0)
+    return true_step_time(features, slowdown) * (3.0 if runs_op_by_op(features, C_KERNEL_LIMITS) else 1.0)
 
 
 def make_engine(tiny_gguf, slowdown=lambda: 1.0, step_time=true_step_time, **overrides) -> tuple[LLMEngine, FakeClock]:
@@ -290,9 +291,11 @@ def test_the_fit_separates_the_costs_of_steps_run_op_by_op():
     truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006, 4e-4, 2e-8]  # op by op: 6 ms more, 20x dearer tokens
     samples = [StepFeatures(p, d, c, p * c // 2) for p in (0, 8, 16, 48, 64, 128, 256) for d in (0, 1, 4, 16)
                for c in (64, 512, 2048) if p or d]
-    assert {runs_op_by_op(f) for f in samples} == {True, False}
-    assert not runs_op_by_op(StepFeatures(0, 32, 4096)) and runs_op_by_op(StepFeatures(256, 0, 256, 256 * 128))
-    model = fit([(f, float(feature_vector(f) @ truth)) for f in samples])
+    assert {runs_op_by_op(f, C_KERNEL_LIMITS) for f in samples} == {True, False}
+    assert not runs_op_by_op(StepFeatures(0, 32, 4096), C_KERNEL_LIMITS)
+    assert runs_op_by_op(StepFeatures(256, 0, 256, 256 * 128), C_KERNEL_LIMITS)
+    model = fit([(f, float(feature_vector(f, C_KERNEL_LIMITS) @ truth)) for f in samples],
+                kernel_limits=C_KERNEL_LIMITS)
     fitted = dict(zip(FEATURES, model.coefficients))
     assert fitted["op_by_op_step"] == pytest.approx(0.006, rel=0.02)
     assert fitted["prefill_tokens"] == pytest.approx(2e-5, rel=0.05)
@@ -542,7 +545,7 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
 def test_the_bound_counts_the_fixed_cost_of_steps_run_op_by_op():
     from ricllm.engine.admission import Work, finish_bounds
 
-    model = LatencyModel([0.0, 0.0, 0.0, 0.0, 0.0, 0.05])  # only the op-by-op term
+    model = LatencyModel([0.0, 0.0, 0.0, 0.0, 0.0, 0.05], kernel_limits=C_KERNEL_LIMITS)  # only the op-by-op term
     work = Work(deadline=1.0, prefill_left=600, decode_left=3, final_context=603)
     assert model.predict(StepFeatures(600, 0, 600, 600 * 600)) == pytest.approx(0.05)
     [bound] = finish_bounds([work], model, token_budget=512, now=0.0)

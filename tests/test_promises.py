@@ -16,6 +16,7 @@ import pytest
 from ricllm import SamplingParams
 from ricllm.engine.admission import BestEffortLoad, Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
 from ricllm.engine.scheduler import StepFeatures
 from tests.test_admission import (
     drain,
@@ -180,7 +181,8 @@ def test_the_bound_charges_best_effort_at_its_own_context():
 
 
 def test_best_effort_prefill_is_charged_only_while_some_may_come_and_at_its_size():
-    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 1e-7])  # prefill tokens and attention work only
+    # prefill tokens and attention work only
+    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 1e-7], kernel_limits=C_KERNEL_LIMITS)
     work = Work(deadline=1.0, prefill_left=0, decode_left=10, final_context=100)
 
     def bound(load):

@@ -135,6 +135,7 @@ class LLMEngine:
 
         latency = latency_model or load_or_calibrate(self)
         latency.clock = self.clock  # its recent errors age on the clock the engine's steps are timed with
+        latency.kernel_limits = self.runtime.capabilities.kernel_limits  # which steps pass them is the runtime's
         return AdmissionController(self.config.admission, latency, self.kv_cache.geometry.num_blocks,
                                    self.config.block_size,
                                    self.config.max_num_batched_tokens, self.max_model_len)

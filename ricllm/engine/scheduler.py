@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.sequence import Sequence, SequenceStatus
 
@@ -118,7 +117,7 @@ class Scheduler:
     def _apply_rescue(self, order: list[Sequence], now: float) -> list[Sequence]:
         """Set the step's best-effort allowance; drop the sequences a rescue pauses from ``order``."""
         self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
-        self._best_effort_work_left = C_KERNEL_PREFILL_WORK
+        self._best_effort_work_left = self.gate.best_effort_work_allowance() if self.gate is not None else NEVER
         self._prefill_until = NEVER
         rescue = self.gate.rescue(now, self._running_best_effort()) if self.gate is not None else None
         if rescue is None:
