@@ -6,7 +6,6 @@ Admission, the scheduler and the cache manager all hold it, so it lies below the
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from ricllm.kv_window import KVWindow, most_blocks
@@ -32,6 +31,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    arrival_time: float  # when it reached the engine, on the engine's clock (its one clock stamps every request)
     prompt: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -45,7 +45,6 @@ class Sequence:
     detokenizer: object = None
     generator: object = None  # a seeded torch.Generator or numpy Generator (the runtime's) for sampled requests
     pin_on_finish: object = None  # a PinHandle to fill with this sequence's full prompt blocks
-    arrival_time: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # absolute, on the engine clock
     reserved_blocks: int = 0  # worst-case blocks set aside by admission
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory

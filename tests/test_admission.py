@@ -455,7 +455,8 @@ def test_pace_cap_is_the_largest_prefill_within_the_tightest_pace(tiny_gguf):
     seq = engine.add_request(prompt(8, 90), SamplingParams(max_tokens=11, deadline_ms=500, ignore_eos=True))
     engine.step()  # prefill; now it decodes with 10 tokens left and 500 − 11.6 ms to go
     gate = engine.admission
-    first = Sequence(request_id="x", token_ids=prompt(300, 91), num_prompt_tokens=300, params=SamplingParams())
+    first = Sequence(request_id="x", token_ids=prompt(300, 91), num_prompt_tokens=300, params=SamplingParams(),
+                     arrival_time=clock.now)
     cap = gate.prefill_token_cap(clock.now, [seq], first, 512)
     pace = (seq.deadline - clock.now) / 10
     step = lambda p: true_step_time(StepFeatures(p, 1, seq.num_computed_tokens + 1 + p, p * p))  # noqa: E731

@@ -74,9 +74,9 @@ def _checkable_after(params: SamplingParams) -> bool:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.perf_counter, latency_model=None):
-        started = time.perf_counter()
+        self.clock = clock  # the one clock: it stamps every request and times every step
+        started = clock()
         self.config = config
-        self.clock = clock
         self._built_on = self._stepping_on = threading.get_ident()
         if config.engine_cpus:  # before the runtime starts any OpenMP worker: they inherit it
             pin_current_thread(config.engine_cpus)
@@ -112,7 +112,7 @@ class LLMEngine:
                      tokens=tightest.tightest_deadline_tokens, caps=self.caps)
         _freeze_heap()
         self._last_step_end = self.clock()  # the build has just run or loaded the model: no idle gap yet
-        self.startup_s = time.perf_counter() - started
+        self.startup_s = self.clock() - started
         self._log_start()
 
     # the runtime's, read so often (requests, pins, stats) that they are named here too
@@ -284,7 +284,8 @@ class LLMEngine:
         if now - self._last_probe < PROBE_INTERVAL_S:
             return
         self._last_probe = now
-        seq = Sequence(request_id="probe", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(max_tokens=1))
+        seq = Sequence(request_id="probe", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(max_tokens=1),
+                       arrival_time=now)
         if not self.cache.allocate(seq, 1):
             return
         batch = ScheduledBatch([(seq, 1)])
