@@ -137,7 +137,7 @@ def test_reservations_never_oversubscribe_and_admitted_requests_are_never_late(t
     assert len(outputs) == 120 and 0 < len(admitted) < 120
     assert all(o.deadline_met for o in admitted), [o.request_id for o in admitted if not o.deadline_met]
     assert engine.deadline_counts == {"met": len(admitted), "missed": 0, "ended_early": 0}
-    assert engine.kv_cache_stats()["preemptions"] == 0
+    assert engine.snapshot().kv_cache.preemptions == 0
 
 
 def test_earliest_deadline_first(tiny_gguf):
@@ -236,8 +236,9 @@ def test_caps_and_stats_are_computed_from_the_model(tiny_gguf):
         assert finish_bounds([Work(0.5, 128, 16, 144)] * (best + 1), latency, budget, 0.0)[-1] > 0.5
     engine.add_request(prompt(10, 1), SamplingParams(max_tokens=4, deadline_ms=1, ignore_eos=True))
     drain(engine)
-    stats = engine.admission_stats()
-    assert stats["rejected"] == {"DEADLINE_INFEASIBLE": 1} and stats["deadlines"] == {"met": 0, "missed": 0, "ended_early": 0}
+    stats = engine.snapshot()
+    assert stats.rejected == {"DEADLINE_INFEASIBLE": 1}
+    assert (stats.deadlines_met, stats.deadlines_missed, stats.deadlines_ended_early) == (0, 0, 0)
 
 
 def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, monkeypatch):
@@ -257,7 +258,7 @@ def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, m
     assert len(stored.residuals["after_idle"]) == calibration.AFTER_IDLE_PAUSES
     assert len(stored.residuals["decode"]) > 20 and stored.residuals["prefill"]
     assert stored.residuals == first.admission.latency.residuals
-    assert first.kv_cache_stats()["prefix_cache_queries_tokens"] == 0  # sweep counters reset
+    assert first.snapshot().kv_cache.prefix_cache_queries_tokens == 0  # sweep counters reset
     monkeypatch.setattr(calibration, "calibrate", lambda engine, budget_s=20: pytest.fail("recalibrated"))
     second = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline"))
     assert second.admission.latency.coefficients == stored.coefficients
@@ -491,7 +492,7 @@ def test_degrade_admits_with_the_largest_max_tokens_that_meets_the_deadline(tiny
     [out] = drain(engine)
     assert out.admitted and out.deadline_met and out.finish_reason == "length"
     assert len(out.token_ids) == fits and out.degradation == d
-    assert engine.admission_stats()["degraded"] == 1 and engine.admission_stats()["rejected"] == {}
+    assert engine.snapshot().degraded == 1 and engine.snapshot().rejected == {}
 
 
 def test_degrade_shrinks_to_the_context_and_the_kv_budget(tiny_gguf):
@@ -573,5 +574,5 @@ def test_best_effort_pauses_when_a_slowdown_puts_an_admitted_request_at_risk(tin
     slow["factor"] = 1.4
     outputs = {o.request_id: o for o in drain(engine)}
     assert outputs[near.request_id].deadline_met
-    assert engine.admission_stats()["best_effort_paused_steps"] > 0
+    assert engine.snapshot().best_effort_paused_steps > 0
     assert all(outputs[s.request_id].finish_reason == "length" for s in bulk)  # paused, then finished

@@ -140,7 +140,7 @@ def test_when_pausing_is_not_enough_only_the_request_at_risk_prefills(tiny_gguf)
     assert rescue is not None and rescue.paused == [] and rescue.prefill_until == urgent.deadline
     batch = engine.scheduler.schedule(clock.now)
     assert [s for s, _ in batch.items] == [urgent]  # `later` waits a step: its deadline is far
-    assert engine.admission_stats()["rescue_prefill_steps"] == 1
+    assert engine.snapshot().rescue_prefill_steps == 1
 
 
 # ---------------------------------------------------------------- ending early, by policy

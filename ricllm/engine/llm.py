@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import asdict
 from typing import Any
 
 from ricllm.cache.kv_cache_manager import PinHandle
@@ -99,7 +100,8 @@ class LLM:
         self.engine.unpin_prefix(handle)
 
     def kv_cache_stats(self) -> dict:
-        return self.engine.kv_cache_stats()
+        """The KV cache's part of the engine's snapshot (``LLMEngine.snapshot``), as a dict."""
+        return asdict(self.engine.snapshot().kv_cache)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -100,6 +100,7 @@ class LLMEngine:
         self.slowdown_detector = SlowdownDetector()  # is the typical step slower than it has lately been?
         self.slowdown_events: list[SlowdownEvent] = []  # when the detector said slow / back to speed
         self.admission = None
+        self.caps: list[dict] | None = None  # the tightest deadline class's largest batches (admission on)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    jump_forward=config.jump_forward,
                                    order="fcfs" if config.admission.policy == "fcfs" else "edf")
@@ -653,52 +654,37 @@ class LLMEngine:
 
     def snapshot(self) -> EngineStats:
         """The engine's numbers now: the one place they are gathered (:mod:`ricllm.engine.stats`)."""
-        admission = self.admission
+        admission = self.admission.stats() if self.admission is not None else None
         latency = None
-        if admission is not None:
-            errors = admission.latency.error_summary()
-            multipliers = admission.latency.multipliers
+        if self.admission is not None:
+            model = self.admission.latency
+            errors, multipliers = model.error_summary(), model.multipliers
             latency = LatencyStats(errors["steps"], errors["median_abs_error"], errors["p95_abs_error"],
                                    correction=max(multipliers.values()), decode_multiplier=multipliers["decode"],
                                    prefill_multiplier=multipliers["prefill"],
-                                   after_idle_excess_s=admission.latency.after_idle_excess)
-        counts = admission.stats() if admission is not None else {}
+                                   after_idle_excess_s=model.after_idle_excess)
+        counts, scheduler = admission or {}, self.scheduler
         return EngineStats(
-            kv_cache=self._kv_cache_stats(), running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting), policy=self.config.admission.policy,
-            reserved_blocks=admission.reserved_blocks if admission is not None else 0,
-            admitted=counts.get("admitted", 0), rejected=counts.get("rejected", {}),
+            kv_cache=_kv_cache_stats(self.kv_cache, self.cache, scheduler), running=len(scheduler.running),
+            waiting=len(scheduler.waiting), policy=self.config.admission.policy,
+            reserved_blocks=self.admission.reserved_blocks if self.admission is not None else 0,
+            admitted=counts.get("admitted", 0),
+            rejected=counts.get("rejected", {}), degraded=counts.get("degraded", 0),
             deadlines_met=self.deadline_counts["met"], deadlines_missed=self.deadline_counts["missed"],
-            latency=latency, steps=self.num_steps)
+            deadlines_ended_early=self.deadline_counts["ended_early"], slack_ms=tuple(self.slack_ms),
+            best_effort_paused_steps=scheduler.num_paused_steps,
+            rescue_prefill_steps=scheduler.num_rescue_prefill_steps, slowdowns=tuple(self.slowdown_events),
+            caps=self.caps, admission=admission, latency=latency, steps=self.num_steps)
 
-    # ------------------------------------------------------------ stats
 
-    def admission_stats(self) -> dict:
-        """Admitted / rejected by reason, deadlines met / missed, slack, latency-model error, caps."""
-        slack = sorted(self.slack_ms)
-
-        def pct(q: float) -> float | None:
-            return slack[min(len(slack) - 1, int(q * len(slack)))] if slack else None
-
-        base = self.admission.stats() if self.admission else {"policy": "off"}
-        return {**base, "deadlines": dict(self.deadline_counts),
-                "best_effort_paused_steps": self.scheduler.num_paused_steps,
-                "rescue_prefill_steps": self.scheduler.num_rescue_prefill_steps,
-                "slowdowns": [asdict(e) for e in self.slowdown_events],
-                "slack_ms": {"p5": pct(0.05), "p50": pct(0.5), "p95": pct(0.95)},
-                "caps": getattr(self, "caps", None)}
-
-    def kv_cache_stats(self) -> dict:
-        return asdict(self._kv_cache_stats())
-
-    def _kv_cache_stats(self) -> KVCacheStats:
-        g, pool = self.kv_cache.geometry, self.cache.pool
-        return KVCacheStats(
-            num_blocks=g.num_blocks, block_size=g.block_size, bytes_per_block=g.bytes_per_block,
-            budget_bytes=g.budget_bytes, allocated_bytes=self.kv_cache.total_bytes(),
-            used_blocks=pool.num_used, free_blocks=pool.num_free, cached_free_blocks=pool.num_cached_free,
-            pinned_blocks=self.cache.num_pinned_blocks, peak_used_blocks=self.cache.peak_used_blocks,
-            prefix_cache_queries_tokens=self.cache.prefix_queries_tokens,
-            prefix_cache_hits_tokens=self.cache.prefix_hits_tokens,
-            preemptions=self.scheduler.num_preemptions, waits=self.scheduler.num_waits,
-            kv_cache_dtype=g.kv_format.name)
+def _kv_cache_stats(kv_cache: KVStore, cache: KVCacheManager, scheduler: Scheduler) -> KVCacheStats:
+    g, pool = kv_cache.geometry, cache.pool
+    return KVCacheStats(
+        num_blocks=g.num_blocks, block_size=g.block_size, bytes_per_block=g.bytes_per_block,
+        budget_bytes=g.budget_bytes, allocated_bytes=kv_cache.total_bytes(),
+        used_blocks=pool.num_used, free_blocks=pool.num_free, cached_free_blocks=pool.num_cached_free,
+        pinned_blocks=cache.num_pinned_blocks, peak_used_blocks=cache.peak_used_blocks,
+        prefix_cache_queries_tokens=cache.prefix_queries_tokens,
+        prefix_cache_hits_tokens=cache.prefix_hits_tokens,
+        preemptions=scheduler.num_preemptions, waits=scheduler.num_waits,
+        kv_cache_dtype=g.kv_format.name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,9 +227,9 @@ def _engine_info(engine) -> dict[str, Any]:
     """Runs on the engine thread at the end: settings, final counters, model identity."""
     from ricllm.paths import file_digest
 
-    kv = engine.kv_cache_stats()
-    return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": kv,
-            "admission": engine.admission_stats(), "startup_s": engine.startup_s,
+    snap = engine.snapshot()
+    return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": asdict(snap.kv_cache),
+            "admission": snap.admission_report(), "startup_s": engine.startup_s,
             "device": str(engine.runtime.device), "dtype": str(engine.runtime.dtype).removeprefix("torch."),
             "attention_backend": engine.runtime.attention_backend, "threads": engine.runtime.threads,
             "runtime": engine.runtime.name,
