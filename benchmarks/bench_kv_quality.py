@@ -124,7 +124,7 @@ def teacher_forced(llm: LLM, token_ids: list[int]) -> tuple[torch.Tensor, torch.
     computed in chunks through the engine's own cache (a window evicts between chunks)."""
     engine, runtime = llm.engine, llm.engine.runtime
     seq = Sequence(request_id="teacher-forced", token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
-                   params=SamplingParams(max_tokens=1), kv_window=engine.kv_window_of(SamplingParams()),
+                   params=SamplingParams(max_tokens=1), kv_window=engine.checks.kv_window_of(SamplingParams()),
                    arrival_time=engine.clock())
     best, logprobs = [], []
     for start in range(0, len(token_ids) - 1, TF_CHUNK):

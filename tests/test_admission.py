@@ -136,7 +136,8 @@ def test_reservations_never_oversubscribe_and_admitted_requests_are_never_late(t
     admitted = [o for o in outputs if o.admitted]
     assert len(outputs) == 120 and 0 < len(admitted) < 120
     assert all(o.deadline_met for o in admitted), [o.request_id for o in admitted if not o.deadline_met]
-    assert engine.deadline_counts == {"met": len(admitted), "missed": 0, "ended_early": 0}
+    snap = engine.snapshot()
+    assert (snap.deadlines_met, snap.deadlines_missed, snap.deadlines_ended_early) == (len(admitted), 0, 0)
     assert engine.snapshot().kv_cache.preemptions == 0
 
 
@@ -184,7 +185,7 @@ def test_drift_is_caught_online_and_misses_are_counted(tiny_gguf, drift):
     slowdowns = [e for e in logs if e["event"] == "sustained_slowdown"]
     assert len(slowdowns) == 1 and slowdowns[0]["step_multiplier"] >= 1.25  # said once, with the number
     late = [o for o in outputs if o.admitted and not o.deadline_met]
-    assert engine.deadline_counts["missed"] == len(late)  # counted, not hidden
+    assert engine.snapshot().deadlines_missed == len(late)  # counted, not hidden
     if drift > 2:
         assert late, "a 3x slowdown must make some admitted requests late"
     caught_up = arrivals[90][0]
@@ -396,7 +397,7 @@ def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machin
         for i in range(60):
             clock.now += 0.1  # idle time passes between refusals
             engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=20))
-        assert engine.num_steps >= 40  # each refusal, at most every 50 ms, measured one probe step
+        assert engine.snapshot().steps >= 40  # each refusal, at most every 50 ms, measured one probe step
         probe = engine.step_history[-1].features
         assert probe.num_prefill_tokens == 1
         assert latency.after_idle_excess == pytest.approx((factor - 1) * latency.base(probe), abs=1e-9)
@@ -528,13 +529,14 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
     compiled = engine.compile_structured(longer)
     assert compiled.min_tokens == fits + 5
     # every letter a decode step, as if the grammar forced nothing (here it forces all after the first)
-    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
+    longer_grammar = replace(compiled, max_decisions=None)
     shorter = {"choice": ["x" * (fits - 2), "y" * (fits - 2)]}
-    compiled = engine.compile_structured(shorter)
-    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
-    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=longer))
+    shorter_grammar = replace(engine.compile_structured(shorter), max_decisions=None)
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=longer),
+                             grammar=longer_grammar)
     assert seq.rejection is not None and seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
-    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter))
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter),
+                             grammar=shorter_grammar)
     assert seq.rejection is None and seq.degradation is None  # the answer's own bound fits: nothing to shrink
     assert seq.params.max_tokens == fits - 2  # its longest answer, the engine's way: the grammar stops after it
     [out] = [o for o in drain(engine) if o.request_id == seq.request_id]

@@ -167,17 +167,11 @@ def prefix_text(prefix: ChatPrefix) -> str:
 
 
 def _pin_template(engine, template: Template) -> tuple[dict[str, int], ChatPrefix]:
-    """Runs on the engine thread before any request: compile the template's constraint (once, so no
-    request pays for it; a schema the engine cannot compile fails here), then compute the whole
-    conversation's KV (system prompt and worked examples) and pin it."""
-    if template.structured is not None:
-        engine.compile_structured(template.structured)
-    prefix = engine.render_chat_prefix(template.message_list)
-    handle, seq = engine.pin_prefix(prefix.token_ids)
-    while not seq.is_finished:
-        engine.step()
-    pinned = {"tokens": len(prefix.token_ids), "pinned_tokens": len(handle.block_ids) * engine.config.block_size}
-    return pinned, prefix
+    """Runs on the engine thread before any request: the engine pins the template (its constraint
+    compiled once, so no request pays for it; a schema it cannot compile fails here) and computes
+    the whole conversation's KV (system prompt and worked examples)."""
+    pinned = engine.pin_template(template)
+    return {"tokens": pinned.num_tokens, "pinned_tokens": pinned.num_pinned_tokens}, pinned.prefix
 
 
 class _EngineSampler:
