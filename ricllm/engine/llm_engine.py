@@ -163,7 +163,7 @@ class LLMEngine:
                 self.steps.probe(now)
             return False
         if seq.promised and hits:
-            self.cache.hold_prefix(seq, hits)  # its bound credited them: no eviction may take them now
+            seq.take_blocks(self.cache.hold_prefix(seq, hits))  # its bound credited them: no eviction may take them now
         if seq.degradation is not None:
             d = seq.degradation
             log.info("request_degraded", request_id=seq.request_id, code=d.code,
@@ -228,8 +228,8 @@ class LLMEngine:
         logits, _ = self.runtime.runner.run(batch)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
-            self.cache.cache_full_blocks(seq)
-            self.cache.evict_outside_window(seq)
+            seq.block_hashes += self.cache.cache_full_blocks(seq)
+            seq.evict_blocks(self.cache.evict_outside_window(seq))
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
         return ready, self.constraints.sample(logits, ready)
 

@@ -97,11 +97,14 @@ class StepRecorder:
         self.last_probe = now
         seq = Sequence(request_id="probe", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(max_tokens=1),
                        arrival_time=now)
-        if not self.cache.allocate(seq, 1):
+        grant = self.cache.allocate(seq, 1)
+        if grant is None:
             return
+        seq.take_blocks(grant)
         batch = ScheduledBatch([(seq, 1)])
         started = self.clock()
         self.runtime.runner.run(batch)
         self.record(batch.features(), self.clock() - started, after_idle=True)
         self.cache.free(seq)
+        seq.drop_blocks()
         log.info("latency_probe", after_idle_excess_ms=round(self.latency.after_idle_excess * 1000, 3))
