@@ -16,8 +16,8 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ricllm.affinity import format_cpu_list, pin_current_thread
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
@@ -40,6 +40,10 @@ from ricllm.sampling_params import SamplingParams
 from ricllm.sequence import Sequence
 from ricllm.template import Template
 from ricllm.units import format_bytes
+
+if TYPE_CHECKING:  # llguidance is imported with the first constraint, not with the engine
+    from ricllm.structured.compiler import CompiledGrammar
+    from ricllm.structured.spec import StructuredSpec
 
 log = get_logger("ricllm.engine")
 
@@ -109,7 +113,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     pin_on_finish: PinHandle | None = None, arrival_time: float | None = None,
-                    grammar=None) -> Sequence:
+                    grammar: CompiledGrammar | None = None) -> Sequence:
         """Check and queue a request; returns at once. Malformed input raises.
 
         Without admission a request that can never fit raises ``CapacityError``. With admission
@@ -170,7 +174,7 @@ class LLMEngine:
                      requested_max_tokens=d.requested_max_tokens, granted_max_tokens=d.granted_max_tokens)
         return True
 
-    def compile_structured(self, spec):
+    def compile_structured(self, spec: StructuredSpec | Mapping[str, Any]) -> CompiledGrammar:
         """Compile a constraint once (cached by its text); ``InvalidRequestError`` if it cannot be.
         A caller that compiles a request's constraint first (to answer its error itself) passes
         the result to ``add_request`` as ``grammar``; templates compile theirs when pinned."""
