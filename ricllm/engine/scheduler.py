@@ -186,7 +186,7 @@ class Scheduler:
             if num_new == 0:
                 break
             allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
-                         else self._within_unreserved(seq, num_new, hits) and self.cache.allocate(seq, num_new, hits))
+                         else self._within_unreserved(seq, num_new, hits) and self._allocate(seq, num_new, hits))
             if not allocated:
                 self.num_waits += 1
                 break
@@ -231,7 +231,7 @@ class Scheduler:
         that suffices); a best-effort one that cannot get blocks is preempted itself.
         """
         while True:
-            if (seq.promised or self._within_unreserved(seq, num_new, hits)) and self.cache.allocate(seq, num_new, hits):
+            if (seq.promised or self._within_unreserved(seq, num_new, hits)) and self._allocate(seq, num_new, hits):
                 return True
             victim = self._victim(exclude=scheduled | {seq}, best_effort_only=seq.promised or self.gate is not None)
             if victim is None:
@@ -242,6 +242,13 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
+    def _allocate(self, seq: Sequence, num_new: int, hits=()) -> bool:
+        """Blocks for ``num_new`` more tokens (after ``hits``), recorded in ``seq``; False if the pool is short."""
+        grant = self.cache.allocate(seq, num_new, hits)
+        if grant is not None:
+            seq.take_blocks(grant)
+        return grant is not None
+
     def _victim(self, exclude: set, best_effort_only: bool) -> Sequence | None:
         candidates = [s for s in self.running if s not in exclude and not (best_effort_only and s.promised)]
         return max(candidates, key=lambda s: (not s.promised, s.arrival_time), default=None)
@@ -249,6 +256,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue: it resumes by recomputing prompt + outputs."""
         self.cache.free(seq)
+        seq.drop_blocks()
         seq.num_computed_tokens = seq.prefix_hit_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.add(seq)
@@ -264,3 +272,4 @@ class Scheduler:
         if seq.pin_on_finish is not None:
             self.cache.pin(seq, seq.pin_on_finish)
         self.cache.free(seq)
+        seq.drop_blocks()

@@ -198,11 +198,11 @@ class Worker(EngineDriver):
     def _generate(self, command: Command) -> None:
         request: p.GenerateRequest = command.request
         template = self._template(request.template_id, request.id)
-        constraint = self._constraint(request, template)
+        grammar = self._constraint(request, template)
         token_ids = self._prompt_tokens(request, template)
-        params = self._sampling(request, command.received, constraint)
+        params = self._sampling(request, command.received, grammar.spec if grammar is not None else None)
         internal_id = str(next(self._ids))
-        seq = self._add(request, token_ids, params, internal_id, command.received)
+        seq = self._add(request, token_ids, params, internal_id, command.received, grammar)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
             raise Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
         cls = deadline_class(request)
@@ -224,18 +224,17 @@ class Worker(EngineDriver):
                                   "registered", request_id)
         return template
 
-    def _constraint(self, request: p.GenerateRequest, template: _Template | None) -> StructuredSpec | None:
-        """The request's own constraint, else its template's; compiled now (cached by the engine),
-        so one that cannot be is an error reply before the request reaches the engine's queues."""
+    def _constraint(self, request: p.GenerateRequest, template: _Template | None) -> CompiledGrammar | None:
+        """The request's own constraint, else its template's, compiled now: the request's one compile
+        (the engine caches it by its text, and ``add_request`` takes it as it is), so one that cannot
+        be is an error reply before the request reaches the engine's queues."""
         from ricllm.structured.spec import StructuredSpec
 
         if request.structured is not None:
             spec = StructuredSpec.parse(request.structured)  # checked at receipt: cannot fail here
         else:
             spec = template.template.structured if template is not None else None
-        if spec is not None:
-            self._compile(spec, request.id)
-        return spec
+        return self._compile(spec, request.id) if spec is not None else None
 
     def _compile(self, spec: StructuredSpec, request_id: str) -> CompiledGrammar:
         try:
@@ -288,9 +287,9 @@ class Worker(EngineDriver):
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
     def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
-             internal_id: str, received: float) -> Sequence:
+             internal_id: str, received: float, grammar: CompiledGrammar | None) -> Sequence:
         engine = self.engine
-        max_tokens = self._planned_tokens(params)
+        max_tokens = self._planned_tokens(params, grammar)
         total = len(token_ids) + max_tokens
         if engine.admission is None and total > engine.max_model_len:
             raise Refused("CONTEXT_TOO_LONG", f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) "
@@ -298,18 +297,18 @@ class Worker(EngineDriver):
                            prompt_tokens=len(token_ids), max_tokens=max_tokens,
                            max_model_len=engine.max_model_len)
         try:
-            return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received)
+            return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received,
+                                      grammar=grammar)
         except CapacityError as exc:  # admission off: can never fit the KV budget
             raise Refused("KV_BUDGET", str(exc), prompt_tokens=len(token_ids), max_tokens=params.max_tokens) from None
         except InvalidRequestError as exc:
             source = "token_ids" if request.token_ids is not None else "prompt"
             raise p.ProtocolError("VALIDATION", f"field {source!r}: {exc}", request.id) from None
 
-    def _planned_tokens(self, params: SamplingParams) -> int:
+    @staticmethod
+    def _planned_tokens(params: SamplingParams, grammar: CompiledGrammar | None) -> int:
         """``max_tokens``, or the constraint's longest answer when that is shorter (the engine caps it so)."""
-        if params.structured is None:
-            return params.max_tokens
-        longest = self.engine.compile_structured(params.structured).max_tokens  # compiled already: cached
+        longest = grammar.max_tokens if grammar is not None else None
         return params.max_tokens if longest is None else min(params.max_tokens, longest)
 
     def _bound_ms(self, pending: _Pending) -> float | None:
@@ -434,18 +433,19 @@ class Worker(EngineDriver):
             self._register_again(command, existing, template)
             return
         if template.structured is not None:
-            self._compile(template.structured, request.id)  # once, here: its requests find it cached
-        self._pin(command, template_id, template, self._render_template(template, request))
+            self._compile(template.structured, request.id)  # its own error reply; the pin finds it compiled
+        self._pin(command, template_id, template)
 
-    def _pin(self, command: Command, template_id: str, template: Template, prefix: ChatPrefix) -> None:
-        """Queue the pin; the register request is answered once its prefill has run (``_pinned``)."""
+    def _pin(self, command: Command, template_id: str, template: Template) -> None:
+        """Queue the pin (``engine.pin_template``); the register request is answered once its
+        prefill has run (``_pinned``)."""
         request: p.RegisterTemplateRequest = command.request
         internal_id = f"template:{next(self._ids)}"
         try:
-            handle, _ = self.engine.pin_prefix(prefix.token_ids, request_id=internal_id)
-        except (CapacityError, InvalidRequestError) as exc:
+            pinned = self.engine.pin_template(template, request_id=internal_id, wait=False)
+        except (CapacityError, InvalidRequestError) as exc:  # no room, or the chat template refused it
             raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: {exc}", request.id) from None
-        registered = _Template(template_id, template, prefix, handle, [command])
+        registered = _Template(template_id, template, pinned.prefix, pinned.handle, [command])
         self._templates[template_id] = registered
         self._internal[internal_id] = registered
 
@@ -466,14 +466,6 @@ class Worker(EngineDriver):
             template_id = f"t-{next(self._template_ids)}"
             if template_id not in self._templates:
                 return template_id
-
-    def _render_template(self, template: Template, request: p.RegisterTemplateRequest) -> ChatPrefix:
-        """The conversation as chat requests start with it (contents one per line without a chat template)."""
-        try:
-            return self.engine.render_chat_prefix(template.message_list)
-        except Exception as exc:  # the chat template's raise_exception
-            raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: cannot apply the model's "
-                                  f"chat template: {exc}", request.id) from None
 
     def _pinned(self, template: _Template) -> None:
         template.pinned = True
