@@ -80,6 +80,11 @@ def test_the_avx2_familys_products_match_the_reference():
     pytest_avx2_only("tests/kernels/test_quant_gemm.py", "-k", "parity or quantization_step", at_least=7)
 
 
+def test_the_avx2_familys_lora_updates_match_the_reference():
+    """test_cpu_lora's parity tests: several adapters per batch, fp32 and bf16 activations and weights."""
+    pytest_avx2_only("tests/kernels/test_cpu_lora.py", "-k", "parity", at_least=28)
+
+
 def test_the_runtimes_compute_the_same_bits_on_the_avx2_family():
     pytest_avx2_only("tests/test_native_runtime.py", "-k", "bit_identical or unchunked", at_least=2)
 

@@ -4,8 +4,9 @@ their Python side; the C and CUDA sources are the repository's top-level ``kerne
 
 - CPU (``kernels/cpu_*.c``, built on first use into one shared library by ``cpu_library``): paged
   attention (``cpu_attention``), fused layer steps (``cpu_fused``), int4/int8 weight products
-  (``cpu_quant``) and the whole decoder stack in one call (``cpu_decoder``, its argument block in
-  ``decoder_stack_call``, which the torch-free native runtime uses too).
+  (``cpu_quant``), the whole decoder stack in one call (``cpu_decoder``, its argument block in
+  ``decoder_stack_call``, which the torch-free native runtime uses too) and LoRA updates for rows
+  grouped by adapter (``cpu_lora``, numpy only).
 - GPU: paged decode attention and the K/V store in Triton (``triton_decode``, exposed below) and
   as a CUDA extension (``cuda_ext``), with the split-K choice they share (``splits``).
 
