@@ -13,9 +13,9 @@
  * one gate_up row). Activations are fp32 or bf16 (``is_bf16``), the A and B values fp32 or bf16
  * (``weights_bf16``).
  *
- * At rank 8-64 this is a few percent of the projection's own multiply-adds; what it costs is
- * reading A and B. Rows of one segment share each read: blocks of ROWS_AT_ONCE rows take each
- * row of A and B once from memory and reuse it from L1 for the other rows.
+ * At rank 8-64 this is a few percent of the projection's own multiply-adds. Rows of one segment
+ * share each read of A and B: a block of up to ROWS_AT_ONCE rows loads each vector of A and B once
+ * for all its rows.
  */
 #include "cpu_common.h"
 #ifdef _OPENMP
@@ -24,10 +24,30 @@
 
 #define ROWS_AT_ONCE 4
 #define PARALLEL_ROWS 32  /* below this many rows, one thread: waking a team costs more than the work */
+/* GCC's vector types, so that each family's build holds its sums in its own registers: 16 floats a
+ * vector with AVX-512, 8 with AVX2. Each block of rows keeps at least four independent sums going
+ * (a multiply-add's latency is about four of its issue slots), and at most 16 vectors of them (AVX2 has 16
+ * registers): a block of R rows sums A_ROWS(R) rows of A at once, and OUT_VECTORS(R) vectors of
+ * outputs in t · Bᵀ. */
+#if defined(__AVX512F__)
+#define LANES 16
+#define A_ROWS(rows) 4
+#else
+#define LANES 8
+#define A_ROWS(rows) ((rows) <= 2 ? 4 : 2)
+#endif
+#define MOST_A_ROWS 4
+#define OUT_VECTORS(rows) ((rows) == 1 ? 4 : 2)
+#define MOST_OUT_VECTORS 4
+typedef float vfloat __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+typedef uint32_t vbits __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+typedef uint16_t vhalf __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
 
-/* The row functions take the two type flags as compile-time constants (always inlined into a
- * dispatch on them), so their loops vectorize. */
+/* The row functions take the two type flags, the row count and the block of A's rows as compile-
+ * time constants (always inlined into a dispatch on them), so their loops unroll into registers. */
 #define INLINE static inline __attribute__((always_inline))
+/* loops over a block's rows, rows of A and vectors of outputs, unrolled: their sums stay in registers */
+#define UNROLL _Pragma("GCC unroll 16")
 #define DISPATCH2(is_bf16, weights_bf16, call) do {                                   \
         if (is_bf16) { const int xb = 1; if (weights_bf16) { const int wb = 1; call; } \
                        else { const int wb = 0; call; } }                              \
@@ -35,33 +55,108 @@
                else { const int wb = 0; call; } }                                     \
     } while (0)
 
-/* Rows [first, first + rows) of one segment, rows <= ROWS_AT_ONCE; ``scratch`` holds
- * ROWS_AT_ONCE · (in + out + rank) floats. */
-INLINE void lora_block(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int first,
-                       int rows, int rank, const void *a, const void *b_t, float scale, const int xb, const int wb,
-                       float *scratch) {
-    float *xs = scratch, *delta = xs + ROWS_AT_ONCE * in, *t = delta + ROWS_AT_ONCE * out;
-    for (int i = 0; i < rows; i++) load_row(x, (int64_t)(first + i) * x_stride, in, xb, xs + (int64_t)i * in);
-    for (int j = 0; j < rank; j++) {
-        const int64_t row_of_a = (int64_t)j * in;
+/* LANES values from index i, widened from bf16 (fp32's upper half) or loaded as fp32 */
+INLINE vfloat load_lanes(const void *base, int64_t i, const int bf) {
+    if (bf) return (vfloat)(__builtin_convertvector(*(const vhalf *)((const uint16_t *)base + i), vbits) << 16);
+    return *(const vfloat *)((const float *)base + i);
+}
+
+/* LANES values to index i, rounded to bf16 (to nearest even, as f32_to_bf16) or stored as fp32 */
+INLINE void store_lanes(void *base, int64_t i, const int bf, vfloat v) {
+    if (bf) {
+        const vbits bits = (vbits)v;
+        const vbits rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+        *(vhalf *)((uint16_t *)base + i) = __builtin_convertvector(rounded, vhalf);
+    } else {
+        *(vfloat *)((float *)base + i) = v;
+    }
+}
+
+INLINE float sum_lanes(vfloat v) {
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += v[l];
+    return sum;
+}
+
+/* t[i, j + jj] = scale · x_i · A[j + jj] for jj < a_rows: each A vector loaded once for all rows. */
+INLINE void low_rank(const float *xs, int in, const int rows, const void *a, int j, const int a_rows, int rank,
+                     float scale, const int wb, float *t) {
+    vfloat sums[MOST_A_ROWS][ROWS_AT_ONCE];
+    UNROLL for (int jj = 0; jj < a_rows; jj++)
+        UNROLL for (int i = 0; i < rows; i++) sums[jj][i] = (vfloat){0};
+    int k = 0;
+    for (; k + LANES <= in; k += LANES) {
+        vfloat xv[ROWS_AT_ONCE];
+        UNROLL for (int i = 0; i < rows; i++) xv[i] = *(const vfloat *)(xs + (int64_t)i * in + k);
+        UNROLL for (int jj = 0; jj < a_rows; jj++) {
+            const vfloat weights = load_lanes(a, (int64_t)(j + jj) * in + k, wb);
+            UNROLL for (int i = 0; i < rows; i++) sums[jj][i] += xv[i] * weights;
+        }
+    }
+    UNROLL for (int jj = 0; jj < a_rows; jj++) {
         for (int i = 0; i < rows; i++) {
-            const float *xi = xs + (int64_t)i * in;
+            float sum = sum_lanes(sums[jj][i]);
+            const int64_t row_of_a = (int64_t)(j + jj) * in;
+            for (int kk = k; kk < in; kk++) sum += xs[(int64_t)i * in + kk] * load_at(a, row_of_a + kk, wb);
+            t[i * rank + j + jj] = sum * scale;
+        }
+    }
+}
+
+/* Rows [first, first + rows) of one segment, rows <= ROWS_AT_ONCE: t = scale · x · Aᵀ, then y += t · Bᵀ,
+ * OUT_VECTORS(rows) vectors of outputs at a time, each B vector loaded once for all rows. ``scratch``
+ * holds ROWS_AT_ONCE · (in + rank) floats. */
+INLINE void lora_block(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int first,
+                       const int rows, int rank, const void *a, const void *b_t, float scale, const int xb,
+                       const int wb, float *scratch) {
+    float *xs = scratch, *t = xs + ROWS_AT_ONCE * in;
+    for (int i = 0; i < rows; i++) load_row(x, (int64_t)(first + i) * x_stride, in, xb, xs + (int64_t)i * in);
+    int j = 0;
+    const int a_rows = A_ROWS(rows);
+    for (; j + a_rows <= rank; j += a_rows) low_rank(xs, in, rows, a, j, a_rows, rank, scale, wb, t);
+    for (; j < rank; j++) low_rank(xs, in, rows, a, j, 1, rank, scale, wb, t);
+    int o = 0;
+    const int vectors = OUT_VECTORS(rows);
+    for (; o + vectors * LANES <= out; o += vectors * LANES) {
+        vfloat sums[ROWS_AT_ONCE][MOST_OUT_VECTORS];
+        UNROLL for (int i = 0; i < rows; i++)
+            UNROLL for (int c = 0; c < vectors; c++) sums[i][c] = (vfloat){0};
+        for (int jj = 0; jj < rank; jj++) {
+            vfloat weights[MOST_OUT_VECTORS];
+            UNROLL for (int c = 0; c < vectors; c++)
+                weights[c] = load_lanes(b_t, (int64_t)jj * out + o + c * LANES, wb);
+            UNROLL for (int i = 0; i < rows; i++)
+                UNROLL for (int c = 0; c < vectors; c++) sums[i][c] += t[i * rank + jj] * weights[c];
+        }
+        UNROLL for (int i = 0; i < rows; i++) {
+            const int64_t at = (int64_t)(first + i) * y_stride + o;
+            UNROLL for (int c = 0; c < vectors; c++)
+                store_lanes(y, at + c * LANES, xb, load_lanes(y, at + c * LANES, xb) + sums[i][c]);
+        }
+    }
+    for (; o < out; o++) {
+        for (int i = 0; i < rows; i++) {
             float sum = 0.0f;
-            for (int k = 0; k < in; k++) sum += xi[k] * load_at(a, row_of_a + k, wb);
-            t[i * rank + j] = sum * scale;
+            for (int jj = 0; jj < rank; jj++) sum += t[i * rank + jj] * load_at(b_t, (int64_t)jj * out + o, wb);
+            const int64_t at = (int64_t)(first + i) * y_stride + o;
+            store_at(y, at, xb, load_at(y, at, xb) + sum);
         }
     }
-    for (int i = 0; i < rows; i++) {
-        float *di = delta + (int64_t)i * out;
-        for (int o = 0; o < out; o++) di[o] = 0.0f;
-        for (int j = 0; j < rank; j++) {
-            const float tj = t[i * rank + j];
-            const int64_t row_of_b = (int64_t)j * out;
-            for (int o = 0; o < out; o++) di[o] += tj * load_at(b_t, row_of_b + o, wb);
-        }
-        const int64_t at = (int64_t)(first + i) * y_stride;
-        for (int o = 0; o < out; o++) store_at(y, at + o, xb, load_at(y, at + o, xb) + di[o]);
+}
+
+/* lora_block with its row count a compile-time constant */
+INLINE void lora_rows(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int first,
+                      int rows, int rank, const void *a, const void *b_t, float scale, const int xb, const int wb,
+                      float *scratch) {
+#define LORA_BLOCK(count) lora_block(x, x_stride, y, y_stride, in, out, first, count, rank, a, b_t, scale, xb, wb, \
+                                     scratch)
+    switch (rows) {
+    case 1: LORA_BLOCK(1); break;
+    case 2: LORA_BLOCK(2); break;
+    case 3: LORA_BLOCK(3); break;
+    default: LORA_BLOCK(4); break;
     }
+#undef LORA_BLOCK
 }
 
 static int blocks_of(int rows) { return (rows + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE; }
@@ -81,7 +176,7 @@ int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int 
     }
     if (blocks == 0) return 0;
     const int threads = rows >= PARALLEL_ROWS ? num_threads : 1;
-    const size_t per_thread = ((size_t)ROWS_AT_ONCE * (in + out + max_rank) * sizeof(float) + CACHE_LINE - 1)
+    const size_t per_thread = ((size_t)ROWS_AT_ONCE * (in + max_rank) * sizeof(float) + CACHE_LINE - 1)
                               / CACHE_LINE * CACHE_LINE;
     char *scratch = alloc_lines(per_thread * (threads > 0 ? threads : 1));
     if (!scratch) return -2;
@@ -99,8 +194,8 @@ int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int 
 #else
         float *mine = (float *)scratch;
 #endif
-        DISPATCH2(is_bf16, weights_bf16, lora_block(x, x_stride, y, y_stride, in, out, first, count, ranks[s], a[s],
-                                                   b_t[s], scales[s], xb, wb, mine));
+        DISPATCH2(is_bf16, weights_bf16, lora_rows(x, x_stride, y, y_stride, in, out, first, count, ranks[s], a[s],
+                                                  b_t[s], scales[s], xb, wb, mine));
     }
     free_lines(scratch);
     return 0;
