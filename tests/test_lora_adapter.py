@@ -15,6 +15,7 @@ from ricllm.engine.runtime.lora_delta import lora_delta
 from ricllm.errors import ModelLoadError, RicllmError
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.lora import PROJECTION_MODULES, PROJECTIONS, load_lora_adapter, projection_shape
+from tests.helpers import require_module
 from tests.lora_adapters import random_lora_tensors, lora_config, tensor_name, write_lora_adapter
 
 
@@ -203,7 +204,8 @@ def _peft_deltas_match_ours(peft_model, adapter, spec) -> int:
 def test_peft_applies_the_updates_ricllm_reads(spec, tiny_gguf, tmp_path):
     """The tiny writer's adapter, loaded by PEFT onto HF's model of the same GGUF: each projection's
     update equals ricllm's, patterns and rsLoRA included."""
-    peft = pytest.importorskip("peft", reason="peft is not installed (the [adapt] extra's package)")
+    require_module("peft")  # the dev extra's; CI fails without it
+    import peft
     from tests.conftest import load_hf_oracle
 
     folder = write_lora_adapter(tmp_path / "ours", spec, rank=4, alpha=8, seed=2, config={
@@ -215,7 +217,8 @@ def test_peft_applies_the_updates_ricllm_reads(spec, tiny_gguf, tmp_path):
 def test_what_peft_saves_ricllm_reads(spec, tiny_gguf, tmp_path):
     """An adapter PEFT itself makes and saves (random B, per-module ranks and alphas, rsLoRA, some
     projections of one layer) loads here with PEFT's updates."""
-    peft = pytest.importorskip("peft", reason="peft is not installed (the [adapt] extra's package)")
+    require_module("peft")  # the dev extra's; CI fails without it
+    import peft
     from tests.conftest import load_hf_oracle
 
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
@@ -236,7 +239,8 @@ def test_what_peft_saves_ricllm_reads(spec, tiny_gguf, tmp_path):
     ({"bias": "lora_only"}, "bias is 'lora_only'"),
 ], ids=["dora", "modules_to_save", "embedding", "bias"])
 def test_what_peft_saves_beyond_plain_lora_is_refused(spec, tiny_gguf, tmp_path, fields, message):
-    peft = pytest.importorskip("peft", reason="peft is not installed (the [adapt] extra's package)")
+    require_module("peft")  # the dev extra's; CI fails without it
+    import peft
     from tests.conftest import load_hf_oracle
 
     config = peft.LoraConfig(r=4, lora_alpha=8, **{"target_modules": ["q_proj", "v_proj"], **fields})
