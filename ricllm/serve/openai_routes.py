@@ -145,7 +145,7 @@ class OpenAIApi:
     async def _generate(self, request: Request, model: type[CompletionBody | ChatCompletionBody],
                         chat: bool, received: float) -> Response:
         """``received``: the request's arrival on the engine's clock, stamped before its body is read."""
-        body = await _parse(request, model)
+        body = await _parse(request, model, self._intake.state.options.max_message_bytes)
         answer = r.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", await self._check_model(body.model))
         generate = body.to_generate(answer.id)
         log.debug("openai_request", id=answer.id, route=request.url.path, stream=body.stream,
@@ -182,9 +182,14 @@ async def _answered(work: Any) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def _parse(request: Request, model: type[CompletionBody | ChatCompletionBody]) -> Any:
+async def _parse(request: Request, model: type[CompletionBody | ChatCompletionBody], max_bytes: int) -> Any:
+    """The body, checked by its model; one over ``max_bytes`` (``max_message_bytes``, the bound a
+    ZeroMQ frame meets too) is 413 ``TOO_LARGE`` unread."""
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise r.server_error("TOO_LARGE", f"the body is {len(raw)} bytes; the limit is {max_bytes}")
     try:
-        document = json.loads(await request.body())
+        document = json.loads(raw)
     except ValueError as exc:
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(document, dict):
