@@ -109,7 +109,7 @@ class Frontend:
     def _finish(self) -> None:
         """The engine thread has ended: send its last replies; the intake answers what it left."""
         self._send_replies()
-        self.intake.close()
+        self.intake.close(self.state.failure, self.state.end_message())
         self._send_replies()
 
     # -- sending

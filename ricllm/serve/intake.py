@@ -32,20 +32,26 @@ from ricllm.serve.handoff import Command, Key, Refused, clock, log_refusal
 from ricllm.serve.metrics import deadline_class
 
 if TYPE_CHECKING:
-    from ricllm.serve.state import ServerState
+    from ricllm.serve.metrics import ServerMetrics
 
 DRAINING_MESSAGE = "the server is shutting down and takes no new work"
 
 
 class Intake:
-    """The checks every request meets, and the keys in flight. ``offer`` and ``release`` are called
-    from any thread (a lock guards the keys and the closing); ``check_*`` on the engine thread."""
+    """The checks every request meets, the inbound queue (``inbound``: the engine thread's inbox) and
+    the keys in flight. ``offer`` and ``release`` are called from any thread (a lock guards the keys
+    and the closing); ``check_*`` on the engine thread. ``draining`` is the server's event."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, inbound_queue_size: int, metrics: ServerMetrics, draining: threading.Event) -> None:
+        self.inbound: queue.Queue[Command] = queue.Queue(maxsize=inbound_queue_size)
+        self.inbound_queue_size = inbound_queue_size
+        self.metrics = metrics
+        self.draining = draining
         self._in_flight: dict[Key, Command] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._failure: BaseException | None = None
+        self._end_message = ""
 
     # -- the fronts' threads
 
@@ -72,12 +78,12 @@ class Intake:
         if self._closed:
             return self._ended(command)
         is_generate = isinstance(request, p.GenerateRequest)
-        if is_generate and self.state.draining.is_set():
+        if is_generate and self.draining.is_set():
             return Refused("DRAINING", DRAINING_MESSAGE)
         try:
-            self.state.inbound.put_nowait(command)
+            self.inbound.put_nowait(command)
         except queue.Full:
-            size = self.state.options.inbound_queue_size
+            size = self.inbound_queue_size
             message = f"the server's inbound queue already holds {size} requests (its limit); retry later"
             if is_generate:
                 return Refused("QUEUE_FULL", message, inbound_queue=size)
@@ -92,9 +98,9 @@ class Intake:
 
     def _ended(self, command: Command) -> Refused | p.ErrorReply:
         """The answer to a command the engine thread will never take."""
-        if isinstance(command.request, p.GenerateRequest) and self.state.failure is None:
+        if isinstance(command.request, p.GenerateRequest) and self._failure is None:
             return Refused("DRAINING", DRAINING_MESSAGE)
-        return p.ErrorReply(id=command.request.id, code="INTERNAL", message=self.state.end_message())
+        return p.ErrorReply(id=command.request.id, code="INTERNAL", message=self._end_message)
 
     def _count(self, command: Command, code: str, message: str, rejected: bool) -> None:
         """A generate refused before the engine: its metric and its one end-of-request log event."""
@@ -102,23 +108,24 @@ class Intake:
         if not isinstance(request, p.GenerateRequest):
             return
         if rejected:
-            self.state.metrics.rejected(code, deadline_class(request))
+            self.metrics.rejected(code, deadline_class(request))
         else:
-            self.state.metrics.error(code, deadline_class(request))
+            self.metrics.error(code, deadline_class(request))
         log_refusal(command, code, message, rejected=rejected)
 
     # -- after the engine thread
 
-    def close(self) -> None:
+    def close(self, failure: BaseException | None, message: str) -> None:
         """Once the engine thread has ended: answer every command still queued (``DRAINING``, or
-        ``INTERNAL`` after a failure) and every key still in flight (``INTERNAL``: only after an
-        engine fault), each through its own route; later offers are answered at once."""
+        ``INTERNAL`` with ``message`` after a ``failure``) and every key still in flight (``INTERNAL``:
+        only after an engine fault), each through its own route; later offers are answered at once."""
         with self._lock:
-            self._closed = True
+            if not self._closed:
+                self._closed, self._failure, self._end_message = True, failure, message
             left = []
             while True:
                 try:
-                    left.append(self.state.inbound.get_nowait())
+                    left.append(self.inbound.get_nowait())
                 except queue.Empty:
                     break
             for command in left:
@@ -134,7 +141,7 @@ class Intake:
                 self._count(command, answer.code, answer.message, rejected=False)
                 command.reply(answer)
         for command in stranded:
-            command.reply(p.ErrorReply(id=command.request.id, code="INTERNAL", message=self.state.end_message()))
+            command.reply(p.ErrorReply(id=command.request.id, code="INTERNAL", message=self._end_message))
 
     # -- the engine thread, before the engine sees a generate
 

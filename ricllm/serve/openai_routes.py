@@ -82,8 +82,10 @@ class EngineExchange:
 class OpenAIApi:
     """The routes, and the intake they hand their requests to."""
 
-    def __init__(self, intake: Intake) -> None:
+    def __init__(self, intake: Intake, max_message_bytes: int) -> None:
+        """``max_message_bytes``: the largest body read, the bound a ZeroMQ frame meets too."""
         self._intake = intake
+        self._max_bytes = max_message_bytes
         self._model: p.ModelIdentity | None = None
 
     def routes(self) -> list[Route]:
@@ -145,7 +147,7 @@ class OpenAIApi:
     async def _generate(self, request: Request, model: type[CompletionBody | ChatCompletionBody],
                         chat: bool, received: float) -> Response:
         """``received``: the request's arrival on the engine's clock, stamped before its body is read."""
-        body = await _parse(request, model, self._intake.state.options.max_message_bytes)
+        body = await _parse(request, model, self._max_bytes)
         answer = r.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", await self._check_model(body.model))
         generate = body.to_generate(answer.id)
         log.debug("openai_request", id=answer.id, route=request.url.path, stream=body.stream,
@@ -183,8 +185,7 @@ async def _answered(work: Any) -> Response:
 
 
 async def _parse(request: Request, model: type[CompletionBody | ChatCompletionBody], max_bytes: int) -> Any:
-    """The body, checked by its model; one over ``max_bytes`` (``max_message_bytes``, the bound a
-    ZeroMQ frame meets too) is 413 ``TOO_LARGE`` unread."""
+    """The body, checked by its model; one over ``max_bytes`` is 413 ``TOO_LARGE``."""
     raw = await request.body()
     if len(raw) > max_bytes:
         raise r.server_error("TOO_LARGE", f"the body is {len(raw)} bytes; the limit is {max_bytes}")

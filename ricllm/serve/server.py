@@ -139,7 +139,7 @@ class Server:
         if self.options.openai_api:
             from ricllm.serve.openai_routes import OpenAIApi
 
-            openai = OpenAIApi(self._state.intake)
+            openai = OpenAIApi(self._state.intake, self.options.max_message_bytes)
         try:
             self._http = HttpServer(self.options.http_host, self.options.http_port, self._state.is_ready,
                                     self.metrics.render, openai, self._config_body)
@@ -193,7 +193,7 @@ class Server:
         self._closed = True
         if self._watcher is not None:
             self._watcher.stop()
-        self._state.intake.close()  # the socket thread's end closes it; after a fault of its own, this does
+        self._state.intake.close(self.failure, self._state.end_message())  # the socket thread's end closes it; after a fault of its own, this does
         if self._http is not None:
             self._http.stop()
         if self._auth is not None:

@@ -60,8 +60,8 @@ class ServerState:
     effective_config: EffectiveConfig | None = None
 
     def __post_init__(self) -> None:
-        self.inbound = queue.Queue(maxsize=self.options.inbound_queue_size)
-        self.intake = Intake(self)
+        self.intake = Intake(self.options.inbound_queue_size, self.metrics, self.draining)
+        self.inbound = self.intake.inbound
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new generates; cancel admitted ones after ``timeout_s``. A later call may only

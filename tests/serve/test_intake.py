@@ -91,7 +91,7 @@ def test_closing_answers_what_the_engine_left_and_every_later_offer(state):
     state.inbound.get_nowait()  # the engine thread took it, then ended without answering (a fault)
     assert state.intake.offer(command(state, p.GenerateRequest(id="queued", prompt="x"))) is None
     state.record_failure(RuntimeError("boom"))
-    state.intake.close()
+    state.intake.close(state.failure, state.end_message())
     replies = {reply.id: reply for reply in sent(state)}
     assert replies["queued"].code == "INTERNAL" and replies["left"].code == "INTERNAL"
     assert "boom" in replies["left"].message
