@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from pydantic import BaseModel
@@ -30,17 +30,16 @@ LOCAL_IDENTITY = b""  # the in-process clients' (the HTTP API): no ZeroMQ peer h
 _wake_ids = itertools.count()
 
 
-class Route:
+class Route(Protocol):
     """Where a command's replies go. ``identity`` names its client in the keys of requests in
     flight; ``send`` is called on the engine thread (and, after it has ended, by the intake)."""
 
     identity: bytes
 
-    def send(self, reply: BaseModel) -> None:
-        raise NotImplementedError
+    def send(self, reply: BaseModel) -> None: ...
 
 
-class SocketRoute(Route):
+class SocketRoute:
     """A ZeroMQ client's: encoded into the outbox, sent by the socket thread."""
 
     __slots__ = ("outbox", "identity")
@@ -52,7 +51,7 @@ class SocketRoute(Route):
         self.outbox.put(self.identity, reply)
 
 
-class LocalRoute(Route):
+class LocalRoute:
     """An HTTP request's: each reply, as the model it is, handed to ``deliver`` on the HTTP thread's
     event loop. A final reply frees its key at once (``release``): nothing on this route waits for a
     socket to send it. Replies after the loop has closed are dropped."""
