@@ -63,6 +63,7 @@ sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed packa
 from ricllm.client import RicClient  # noqa: E402  (no torch: the client child stays light)
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]  # 8 tokens: the model step stays small
+TINY_PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]  # 8 tokens of the tests' tiny model's vocabulary
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -79,6 +80,7 @@ class Load:
     clients: int
     requests: int
     rate: float | None = None
+    prompt: tuple[int, ...] = tuple(PROMPT)
 
     def schedule(self, client: int) -> list[float]:
         """Seconds from the start at which this client means to send each of its requests."""
@@ -118,8 +120,9 @@ def in_process(config, loads: list[Load]) -> list[tuple[list[float], float]]:
 
     worker = EngineThread(lambda: LLMEngine(config))  # built on its own thread, as the server's
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    worker.submit(PROMPT, params).result()  # warm-up
-    results = [run_clients(load, lambda c, i: worker.submit(PROMPT, params).result()) for load in loads]
+    worker.submit(list(loads[0].prompt), params).result()  # warm-up
+    results = [run_clients(load, lambda c, i, prompt=list(load.prompt): worker.submit(prompt, params).result())
+               for load in loads]
     worker.stop()
     return results
 
@@ -128,11 +131,12 @@ def zeromq_clients(endpoint: str, load: Load) -> tuple[list[float], float, list[
     """The client side, run in a child process: one connection per client thread. Also returns
     each result's ``timings.e2e_s`` (the server's own time, receipt to result)."""
     connections = [RicClient(endpoint, timeout_s=60) for _ in range(load.clients)]
-    connections[0].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)  # warm-up
+    prompt = list(load.prompt)
+    connections[0].generate(token_ids=prompt, max_tokens=1, ignore_eos=True)  # warm-up
     inside = [0.0] * (load.clients * load.requests)
 
     def one_request(c: int, i: int) -> None:
-        result = connections[c].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)
+        result = connections[c].generate(token_ids=prompt, max_tokens=1, ignore_eos=True)
         inside[c * load.requests + i] = result.timings.e2e_s
 
     latencies, wall = run_clients(load, one_request)
@@ -146,7 +150,7 @@ def http_clients(base_url: str, load: Load) -> tuple[list[float], float]:
     ``POST /v1/completions`` with the ZeroMQ path's request (same token ids, one token)."""
     where = urlsplit(base_url)
     connections = [http.client.HTTPConnection(where.hostname, where.port, timeout=60) for _ in range(load.clients)]
-    body = json.dumps({"model": served_model(connections[0]), "prompt": PROMPT, "max_tokens": 1,
+    body = json.dumps({"model": served_model(connections[0]), "prompt": list(load.prompt), "max_tokens": 1,
                        "ignore_eos": True, "temperature": 0}).encode()
     complete(connections[0], body)  # warm-up
     latencies, wall = run_clients(load, lambda c, i: complete(connections[c], body))
@@ -286,6 +290,7 @@ def run_build(tree: Path, args: argparse.Namespace) -> list[dict[str, float]]:
               "--rounds", "1", "--no-append"] + (["--http"] if args.http else [])
     passed += (["--model", args.model] if args.model else []) + (["--engine-cpus", args.engine_cpus]
                                                                  if args.engine_cpus else [])
+    passed += ["--tiny"] if args.tiny else []
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "figures.json"
@@ -319,6 +324,17 @@ def compare_builds(args: argparse.Namespace, loads: list[Load]) -> str:
     return "\n".join(lines)
 
 
+def tiny_model() -> str:
+    """The tests' tiny random model (2 layers, hidden 64), written once to a temporary file."""
+    from tests.helpers import write_tiny_llama_gguf
+
+    return str(write_tiny_llama_gguf(Path(tempfile.mkdtemp(prefix="ricllm-bench-")) / "tiny.gguf", seed=0))
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return "the tests' tiny random model" if args.tiny else f"model {args.model or 'SmolLM2 (installed)'}"
+
+
 def title(load: Load) -> str:
     if load.rate is not None:
         return f"{load.clients} concurrent clients, open loop at {load.rate:g} requests/s in all"
@@ -333,6 +349,9 @@ def main() -> None:
                         help="open-loop load: requests/s from all clients together (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds alternating the paths (with --baseline: the builds)")
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tests' tiny random model instead: a step of well under a millisecond, so the "
+                        "protocol's own cost is what the latencies hold")
     parser.add_argument("--engine-cpus", default=None, metavar="LIST",
                         help="CPUs for the engine (e.g. 0); clients and the server's other threads get the rest")
     parser.add_argument("--http", action="store_true",
@@ -360,10 +379,11 @@ def main() -> None:
     from ricllm.affinity import format_cpu_list, other_cpus, pin_current_thread
     from ricllm.config import EngineConfig
 
-    loads = [Load(1, args.requests * 4), Load(args.clients, args.requests),
-             Load(args.clients, args.requests, args.rate)]
+    prompt = tuple(TINY_PROMPT if args.tiny else PROMPT)
+    loads = [Load(1, args.requests * 4, prompt=prompt), Load(args.clients, args.requests, prompt=prompt),
+             Load(args.clients, args.requests, args.rate, prompt=prompt)]
     if args.baseline:
-        publish("Protocol overhead, two builds", f"max_tokens 1; per round and build, in a child process of "
+        publish("Protocol overhead, two builds", f"{model_name(args)}, max_tokens 1; per round and build, in a child process of "
                 f"its own: one client x {loads[0].requests} requests, then {args.clients} clients x "
                 f"{args.requests} requests closed loop, then the same open loop at {args.rate:g} requests/s "
                 f"(seeded Poisson sends, the same on every path); the builds alternate, their order flipping "
@@ -371,7 +391,8 @@ def main() -> None:
                 append=not args.no_append)
         return
     torch.set_num_threads(2)
-    config = EngineConfig(model=args.model, admission="off", max_num_seqs=64, engine_cpus=args.engine_cpus)
+    model = tiny_model() if args.tiny else args.model
+    config = EngineConfig(model=model, admission="off", max_num_seqs=64, engine_cpus=args.engine_cpus)
     placement = "engine, clients and server threads share every CPU"
     if config.engine_cpus:
         rest = other_cpus(config.engine_cpus)
@@ -392,7 +413,7 @@ def main() -> None:
     lines.append(noise_floor([r[-2][LOCAL] for r in rounds], [r[-1] for r in rounds], loads[-1]))
     if args.json:
         Path(args.json).write_text(json.dumps([figures([r[i] for r in rounds], load) for i, load in enumerate(loads)]))
-    publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0].requests} requests, then "
+    publish("Protocol overhead", f"{model_name(args)}, max_tokens 1; per round one client x {loads[0].requests} requests, then "
             f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
             f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
             f"alternating the paths; ZeroMQ clients in a separate process; {placement}"
