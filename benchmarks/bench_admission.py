@@ -48,7 +48,7 @@ Reported per (load, slowdown, policy), medians over repeats with [min-max]:
   goodput in the same repeat (paired: same arrivals, same slowdown).
 - served: deadline requests admitted (ricllm) or queued and not refused (baselines).
 - the detector window (slowdown runs): from the slowdown's start to the engine's slowdown
-  detector's first ``slow`` verdict after it (``engine.slowdown_events``; the run's end if it never
+  detector's first ``slow`` verdict after it (``engine.snapshot().slowdowns``; the run's end if it never
   fires). A request is in the window if it arrived before the verdict and was unfinished when the
   slowdown began: it was served on the speed before. Misses inside the window are counted apart
   with how late; misses outside it (every miss without slowdown) must be 0 for ricllm. A miss is
@@ -348,7 +348,7 @@ def drive(worker: EngineThread, policy: str, arrivals, seconds: float, slowdown:
         now = clock()
         left = [engine.abort(s, "cancelled") for s in [*engine.scheduler.running, *engine.scheduler.waiting]]
         worker.requests.on_outputs(left)  # their futures get these outputs
-        events = [(e.time, e.slow) for e in engine.slowdown_events]
+        events = [(e.time, e.slow) for e in engine.snapshot().slowdowns]
         return now, events, engine.runtime.threads, typical_ratio(engine)
 
     now, events, threads, ratio_end = worker.call(cut).result()

@@ -51,6 +51,8 @@ The summary, ratios and the decode targets (PASS/FAIL) are appended to benchmark
     python benchmarks/bench_cpu.py --quick --repeats 1  # smoke test: tiny sizes, prints only
     python benchmarks/bench_cpu.py [--configs int4:native int4:torch int8:native bf16:torch] [--repeats N]
         [--no-amx] [--ricllm-env KEY=VALUE ...] [--skip-hf] [--skip-llamacpp] [--no-publish]
+    python benchmarks/bench_cpu.py --tree main=../main-tree --tree branch=. --skip-hf --skip-llamacpp
+        # two revisions of ricllm side by side, interleaved, under this script's one harness
 
 This file is also the children's program (``--child measure|ready``, spec as JSON on stdin):
 its module level imports only the standard library, so any python with llama-cpp-python runs it.
@@ -506,8 +508,11 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
 def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True) -> list[Config]:
     """ricllm's configurations (with the --no-amx / --ricllm-env environment), then the peers."""
     ricllm_env = {**args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}), **(AVX2_ONLY if args.avx2_only else {})}
-    configs = [Config(f"ricllm {weights} {runtime}", "ricllm", sys.executable, {"weights": weights, "runtime": runtime},
-                      ricllm_env) for weights, runtime in (c.split(":") for c in args.configs)]
+    trees = args.tree or [None]
+    configs = [Config(f"ricllm {weights} {runtime}" + (f" [{tree[0]}]" if tree else ""), "ricllm", sys.executable,
+                      {"weights": weights, "runtime": runtime},
+                      {**ricllm_env, **({"PYTHONPATH": tree[1]} if tree else {})})
+               for weights, runtime in (c.split(":") for c in args.configs) for tree in trees]
     if llamacpp_ok:
         configs += [Config(f"llama.cpp, flash attention {'on' if on else 'off'}", "llamacpp", args.llamacpp_python,
                            {"flash_attn": on, "extra_buffers": extra_buffers}) for on in (False, True)]
@@ -868,6 +873,16 @@ def env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
+def source_tree(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` for --tree: PATH must be a checkout with ricllm/ in it."""
+    name, sep, path = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    if not (Path(path) / "ricllm" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{path!r} is not a checkout of ricllm (no ricllm/__init__.py in it)")
+    return name, str(Path(path).resolve())
+
+
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}")
@@ -875,6 +890,10 @@ def positive_int(text: str) -> int:
 
 
 def parse_args() -> argparse.Namespace:
+    return parse_args_from(sys.argv[1:])
+
+
+def parse_args_from(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2 Q4_1)")
     parser.add_argument("--configs", nargs="+", default=["int4:native", "int4:torch", "int8:native", "bf16:torch"],
@@ -892,6 +911,10 @@ def parse_args() -> argparse.Namespace:
                         "held to AVX2 (cpu_caps.AVX2_ONLY)")
     parser.add_argument("--ricllm-env", type=env_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for the ricllm children only (repeatable), e.g. a kernel cap")
+    parser.add_argument("--tree", type=source_tree, action="append", default=[], metavar="NAME=PATH",
+                        help="run every ricllm configuration once per source tree (a checkout of another revision, "
+                             "e.g. from `git worktree add --detach PATH REV`), interleaved in the same run, labelled "
+                             "[NAME]: the ricllm children import ricllm from PATH")
     parser.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
     parser.add_argument("--skip-llamacpp", action="store_true", help="do not run llama.cpp")
     parser.add_argument("--llamacpp-python", default=sys.executable,
@@ -899,7 +922,7 @@ def parse_args() -> argparse.Namespace:
                              f"installs it)")
     parser.add_argument("--no-publish", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--child", choices=["measure", "ready", "probe"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.ricllm_env = dict(args.ricllm_env)
     return args
 

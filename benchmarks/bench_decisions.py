@@ -126,10 +126,10 @@ def forced_tokens(scenario, name: str, cases: list[Case], repeats: int) -> list[
     steps, seconds, forced, tokens = {True: [], False: []}, {True: [], False: []}, 0, 0
     for _ in range(repeats):
         for on, llm in engines.items():
-            before, started = llm.engine.num_steps, time.perf_counter()
+            before, started = llm.engine.snapshot().steps, time.perf_counter()
             outs = llm.chat(conversations, params)
             seconds[on].append(time.perf_counter() - started)
-            steps[on].append(llm.engine.num_steps - before)
+            steps[on].append(llm.engine.snapshot().steps - before)
             forced, tokens = sum(o.num_forced_tokens for o in outs), sum(len(o.token_ids) for o in outs)
     return [f"| {name} | {'on' if on else 'off'} | {statistics.median(steps[on]):.0f} | "
             f"{statistics.median(seconds[on]):.2f} [{min(seconds[on]):.2f}-{max(seconds[on]):.2f}] | "

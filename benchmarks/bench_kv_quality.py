@@ -124,21 +124,25 @@ def teacher_forced(llm: LLM, token_ids: list[int]) -> tuple[torch.Tensor, torch.
     computed in chunks through the engine's own cache (a window evicts between chunks)."""
     engine, runtime = llm.engine, llm.engine.runtime
     seq = Sequence(request_id="teacher-forced", token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
-                   params=SamplingParams(max_tokens=1), kv_window=engine.kv_window_of(SamplingParams()))
+                   params=SamplingParams(max_tokens=1), kv_window=engine.checks.kv_window_of(SamplingParams()),
+                   arrival_time=engine.clock())
     best, logprobs = [], []
     for start in range(0, len(token_ids) - 1, TF_CHUNK):
         count = min(TF_CHUNK, len(token_ids) - 1 - start)
-        if not engine.cache.allocate(seq, count):
+        grant = engine.cache.allocate(seq, count)
+        if grant is None:
             raise RuntimeError("the KV budget does not hold the text: raise BUDGET")
+        seq.take_blocks(grant)
         input_ids, positions, meta, _ = runtime.runner.prepare(ScheduledBatch([(seq, count)]))
         logits = runtime.model.compute_logits(runtime.model(input_ids, positions, runtime.kv_cache.layers, meta))
         targets = torch.tensor(token_ids[start + 1:start + 1 + count])
         best.append(logits.argmax(-1))
         logprobs.append(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0])
         seq.num_computed_tokens += count
-        engine.cache.cache_full_blocks(seq)
-        engine.cache.evict_outside_window(seq)
+        seq.block_hashes += engine.cache.cache_full_blocks(seq)
+        seq.evict_blocks(engine.cache.evict_outside_window(seq))
     engine.cache.free(seq)
+    seq.drop_blocks()
     return torch.cat(best), torch.cat(logprobs)
 
 

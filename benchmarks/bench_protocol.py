@@ -182,7 +182,7 @@ def over_server(config, loads: list[Load], http: bool = False) -> list[dict[str,
     path and, with ``http``, the HTTP path against the same server (ZeroMQ first, the listener idle)."""
     from ricllm.engine.latency_model import LatencyModel
     from ricllm.serve.server import Server
-    from ricllm.serve.settings import ServerOptions
+    from ricllm.config import ServerOptions
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

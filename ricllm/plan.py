@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ricllm.errors import ConfigError
+from ricllm.model.identity import ServedModel
 from ricllm.model.spec import ModelSpec
 from ricllm.units import parse_bytes
 
@@ -487,7 +488,7 @@ def resolve_model(model: str | None, bytes_per_parameter: float | None) -> tuple
     from ricllm.model.loader import open_checkpoint  # imports torch: only when a file is planned
 
     ckpt = open_checkpoint(model)
-    spec = ckpt.spec if ckpt.spec.name else replace(ckpt.spec, name=ckpt.path.name)
+    spec = replace(ckpt.spec, name=ServedModel.of(ckpt.path, ckpt.spec.name).name)
     if bytes_per_parameter:
         return spec, weights_bytes(spec, bytes_per_parameter), \
             f"{spec.num_parameters():,} parameters × {bytes_per_parameter:g} B"

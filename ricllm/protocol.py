@@ -31,23 +31,21 @@ from pydantic import (
     model_validator,
 )
 
+from ricllm.config import DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 from ricllm.engine.stats import KVCacheStats, LatencyStats
+from ricllm.model.identity import ServedModel
+from ricllm.sampling_params import Priority
 from ricllm.structured.spec import StructuredSpec
 from ricllm.template import Template
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 1 << 20  # default bound on one request frame; the server may configure its own
-DEFAULT_ZMQ_PORT = 5555
-DEFAULT_HTTP_PORT = 8080
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
 
-Priority = Literal["near_rt", "non_rt", "best_effort"]
 RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING",
                      "OUTPUT_TOO_SHORT"]
 ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
                     "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]  # deadline: aborted once it passed
-PRIORITIES: tuple[str, ...] = get_args(Priority)
 REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
@@ -330,13 +328,12 @@ class ModelIdentity(_Report):
     threads: int
     runtime: str
     ricllm: str
+    served_name: str  # the name clients use for it (/v1/models, the metrics' model_name): ServedModel's
     served_model_name: str | None = None  # the operator's name for it (the engine setting), if any
 
-    @property
-    def served_name(self) -> str:
-        """The name clients use for it (``/v1/models``, the metrics' ``model_name``): the operator's, else
-        its own, else its file's."""
-        return self.served_model_name or self.name or Path(self.path).stem
+    def served_model(self) -> ServedModel:
+        """The served model these names describe (``ricllm.model.identity``)."""
+        return ServedModel(Path(self.path), self.name, self.served_name)
 
 
 class QueueStats(_Report):

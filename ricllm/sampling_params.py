@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ricllm.errors import InvalidRequestError
 from ricllm.structured.spec import StructuredSpec
 
-PRIORITIES = ("near_rt", "non_rt", "best_effort")
+# the scheduling classes, the one list: the wire protocol, the OpenAI API, scenarios, the CLI and the
+# metrics' deadline_class label all read it
+Priority = Literal["near_rt", "non_rt", "best_effort"]
+PRIORITIES: tuple[str, ...] = get_args(Priority)
 NEAR_RT_MAX_MS = 1000.0  # the near-RT RIC's control loop: 10 ms to 1 s
 
 

@@ -6,10 +6,9 @@ Admission, the scheduler and the cache manager all hold it, so it lies below the
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
-from ricllm.kv_window import KVWindow, most_blocks
+from ricllm.kv_window import EVICTED, KVWindow, most_blocks
 from ricllm.sampling_params import SamplingParams
 
 
@@ -17,6 +16,20 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class BlockGrant:
+    """Blocks the KV cache manager grants a sequence (``KVCacheManager.allocate`` and ``hold_prefix``),
+    for it to record (``Sequence.take_blocks``): ``block_ids`` go to the end of its block table in
+    order, the first ``len(hit_hashes)`` of them prefix-cache hits whose K/V is computed already
+    (then ``num_computed_tokens`` is what it has computed with them). ``num_cached_tokens`` is the
+    prefix hit counted at its first allocation (None on later ones)."""
+
+    block_ids: list[int]
+    hit_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in sets and lists by identity
@@ -32,6 +45,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    arrival_time: float  # when it reached the engine, on the engine's clock (its one clock stamps every request)
     prompt: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -45,7 +59,6 @@ class Sequence:
     detokenizer: object = None
     generator: object = None  # a seeded torch.Generator or numpy Generator (the runtime's) for sampled requests
     pin_on_finish: object = None  # a PinHandle to fill with this sequence's full prompt blocks
-    arrival_time: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # absolute, on the engine clock
     reserved_blocks: int = 0  # worst-case blocks set aside by admission
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
@@ -66,6 +79,28 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    # the KV cache manager hands back what a sequence takes and gives up; the sequence records it
+
+    def take_blocks(self, grant: BlockGrant) -> None:
+        self.block_table += grant.block_ids
+        self.block_hashes += grant.hit_hashes
+        if grant.num_computed_tokens is not None:
+            self.num_computed_tokens = grant.num_computed_tokens
+        if grant.num_cached_tokens is not None:
+            self.num_cached_tokens = grant.num_cached_tokens
+
+    def evict_blocks(self, positions: list[int]) -> None:
+        """Its window let these block-table positions go (``KVCacheManager.evict_outside_window``)."""
+        for i in positions:
+            self.block_table[i] = EVICTED
+        self.num_evicted_blocks += len(positions)
+
+    def drop_blocks(self) -> None:
+        """It holds no block any more (``KVCacheManager.free`` released them)."""
+        self.block_table = []
+        self.block_hashes = []
+        self.num_evicted_blocks = 0
 
     @property
     def num_output_tokens(self) -> int:

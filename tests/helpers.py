@@ -125,7 +125,8 @@ def sample_server_stats(inbound: int = 0):
                       allocated_bytes=268369920, used_blocks=10, free_blocks=718, cached_free_blocks=4,
                       pinned_blocks=2, peak_used_blocks=12, prefix_cache_queries_tokens=640,
                       prefix_cache_hits_tokens=512, preemptions=0, waits=0)
-    model = p.ModelIdentity(name="SmolLM2-135M-Instruct", path="/m.gguf", dtype="bfloat16",
+    model = p.ModelIdentity(name="SmolLM2-135M-Instruct", served_name="SmolLM2-135M-Instruct", path="/m.gguf",
+                            dtype="bfloat16",
                             weights=p.WeightFormats(layers="int4", head="int4"), attention_backend="cpu",
                             device="cpu", threads=2, runtime="native", ricllm="0.1.0")
     return p.ServerStats(model=model, kv_cache=kv,

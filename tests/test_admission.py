@@ -13,9 +13,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from ricllm import LLM, SamplingParams
-from ricllm.config import AdmissionConfig, EngineConfig
+from ricllm.config import AdmissionSettings, EngineConfig
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.llm_engine import LLMEngine
+from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.errors import InvalidRequestError
 from ricllm.sequence import Sequence
@@ -40,13 +41,13 @@ def true_step_time(features, slowdown: float = 1.0) -> float:
 def heavy_step_time(features, slowdown: float = 1.0) -> float:
     """Not the model's own form: a step that runs op by op costs three times the linear fit, as such
     steps did on CPUs before the fit had a term for them."""
-    return true_step_time(features, slowdown) * (3.0 if runs_op_by_op(features) else 1.0)
+    return true_step_time(features, slowdown) * (3.0 if runs_op_by_op(features, C_KERNEL_LIMITS) else 1.0)
 
 
 def make_engine(tiny_gguf, slowdown=lambda: 1.0, step_time=true_step_time, **overrides) -> tuple[LLMEngine, FakeClock]:
     clock = FakeClock()
     admission = dict(policy="deadline", safety_margin=0.0)
-    admission.update({name: overrides.pop(name) for name in list(overrides) if name in AdmissionConfig.model_fields})
+    admission.update({name: overrides.pop(name) for name in list(overrides) if name in AdmissionSettings.model_fields})
     settings = dict(model=str(tiny_gguf), dtype="float32", kv_cache_budget=64 * 16 * 512, block_size=16,
                     max_num_batched_tokens=64, admission=admission)
     settings.update(overrides)
@@ -136,8 +137,9 @@ def test_reservations_never_oversubscribe_and_admitted_requests_are_never_late(t
     admitted = [o for o in outputs if o.admitted]
     assert len(outputs) == 120 and 0 < len(admitted) < 120
     assert all(o.deadline_met for o in admitted), [o.request_id for o in admitted if not o.deadline_met]
-    assert engine.deadline_counts == {"met": len(admitted), "missed": 0, "ended_early": 0}
-    assert engine.kv_cache_stats()["preemptions"] == 0
+    snap = engine.snapshot()
+    assert (snap.deadlines_met, snap.deadlines_missed, snap.deadlines_ended_early) == (len(admitted), 0, 0)
+    assert engine.snapshot().kv_cache.preemptions == 0
 
 
 def test_earliest_deadline_first(tiny_gguf):
@@ -184,7 +186,7 @@ def test_drift_is_caught_online_and_misses_are_counted(tiny_gguf, drift):
     slowdowns = [e for e in logs if e["event"] == "sustained_slowdown"]
     assert len(slowdowns) == 1 and slowdowns[0]["step_multiplier"] >= 1.25  # said once, with the number
     late = [o for o in outputs if o.admitted and not o.deadline_met]
-    assert engine.deadline_counts["missed"] == len(late)  # counted, not hidden
+    assert engine.snapshot().deadlines_missed == len(late)  # counted, not hidden
     if drift > 2:
         assert late, "a 3x slowdown must make some admitted requests late"
     caught_up = arrivals[90][0]
@@ -236,8 +238,9 @@ def test_caps_and_stats_are_computed_from_the_model(tiny_gguf):
         assert finish_bounds([Work(0.5, 128, 16, 144)] * (best + 1), latency, budget, 0.0)[-1] > 0.5
     engine.add_request(prompt(10, 1), SamplingParams(max_tokens=4, deadline_ms=1, ignore_eos=True))
     drain(engine)
-    stats = engine.admission_stats()
-    assert stats["rejected"] == {"DEADLINE_INFEASIBLE": 1} and stats["deadlines"] == {"met": 0, "missed": 0, "ended_early": 0}
+    stats = engine.snapshot()
+    assert stats.rejected == {"DEADLINE_INFEASIBLE": 1}
+    assert (stats.deadlines_met, stats.deadlines_missed, stats.deadlines_ended_early) == (0, 0, 0)
 
 
 def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, monkeypatch):
@@ -257,7 +260,7 @@ def test_calibration_sweep_is_bounded_cached_and_loadable(tiny_gguf, tmp_path, m
     assert len(stored.residuals["after_idle"]) == calibration.AFTER_IDLE_PAUSES
     assert len(stored.residuals["decode"]) > 20 and stored.residuals["prefill"]
     assert stored.residuals == first.admission.latency.residuals
-    assert first.kv_cache_stats()["prefix_cache_queries_tokens"] == 0  # sweep counters reset
+    assert first.snapshot().kv_cache.prefix_cache_queries_tokens == 0  # sweep counters reset
     monkeypatch.setattr(calibration, "calibrate", lambda engine, budget_s=20: pytest.fail("recalibrated"))
     second = LLMEngine(EngineConfig(model=str(tiny_gguf), dtype="float32", admission="deadline"))
     assert second.admission.latency.coefficients == stored.coefficients
@@ -290,9 +293,11 @@ def test_the_fit_separates_the_costs_of_steps_run_op_by_op():
     truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006, 4e-4, 2e-8]  # op by op: 6 ms more, 20x dearer tokens
     samples = [StepFeatures(p, d, c, p * c // 2) for p in (0, 8, 16, 48, 64, 128, 256) for d in (0, 1, 4, 16)
                for c in (64, 512, 2048) if p or d]
-    assert {runs_op_by_op(f) for f in samples} == {True, False}
-    assert not runs_op_by_op(StepFeatures(0, 32, 4096)) and runs_op_by_op(StepFeatures(256, 0, 256, 256 * 128))
-    model = fit([(f, float(feature_vector(f) @ truth)) for f in samples])
+    assert {runs_op_by_op(f, C_KERNEL_LIMITS) for f in samples} == {True, False}
+    assert not runs_op_by_op(StepFeatures(0, 32, 4096), C_KERNEL_LIMITS)
+    assert runs_op_by_op(StepFeatures(256, 0, 256, 256 * 128), C_KERNEL_LIMITS)
+    model = fit([(f, float(feature_vector(f, C_KERNEL_LIMITS) @ truth)) for f in samples],
+                kernel_limits=C_KERNEL_LIMITS)
     fitted = dict(zip(FEATURES, model.coefficients))
     assert fitted["op_by_op_step"] == pytest.approx(0.006, rel=0.02)
     assert fitted["prefill_tokens"] == pytest.approx(2e-5, rel=0.05)
@@ -395,7 +400,7 @@ def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machin
         for i in range(60):
             clock.now += 0.1  # idle time passes between refusals
             engine.add_request(prompt(10, 60 + i), SamplingParams(max_tokens=4, deadline_ms=20))
-        assert engine.num_steps >= 40  # each refusal, at most every 50 ms, measured one probe step
+        assert engine.snapshot().steps >= 40  # each refusal, at most every 50 ms, measured one probe step
         probe = engine.step_history[-1].features
         assert probe.num_prefill_tokens == 1
         assert latency.after_idle_excess == pytest.approx((factor - 1) * latency.base(probe), abs=1e-9)
@@ -455,7 +460,8 @@ def test_pace_cap_is_the_largest_prefill_within_the_tightest_pace(tiny_gguf):
     seq = engine.add_request(prompt(8, 90), SamplingParams(max_tokens=11, deadline_ms=500, ignore_eos=True))
     engine.step()  # prefill; now it decodes with 10 tokens left and 500 − 11.6 ms to go
     gate = engine.admission
-    first = Sequence(request_id="x", token_ids=prompt(300, 91), num_prompt_tokens=300, params=SamplingParams())
+    first = Sequence(request_id="x", token_ids=prompt(300, 91), num_prompt_tokens=300, params=SamplingParams(),
+                     arrival_time=clock.now)
     cap = gate.prefill_token_cap(clock.now, [seq], first, 512)
     pace = (seq.deadline - clock.now) / 10
     step = lambda p: true_step_time(StepFeatures(p, 1, seq.num_computed_tokens + 1 + p, p * p))  # noqa: E731
@@ -490,7 +496,7 @@ def test_degrade_admits_with_the_largest_max_tokens_that_meets_the_deadline(tiny
     [out] = drain(engine)
     assert out.admitted and out.deadline_met and out.finish_reason == "length"
     assert len(out.token_ids) == fits and out.degradation == d
-    assert engine.admission_stats()["degraded"] == 1 and engine.admission_stats()["rejected"] == {}
+    assert engine.snapshot().degraded == 1 and engine.snapshot().rejected == {}
 
 
 def test_degrade_shrinks_to_the_context_and_the_kv_budget(tiny_gguf):
@@ -526,13 +532,14 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
     compiled = engine.compile_structured(longer)
     assert compiled.min_tokens == fits + 5
     # every letter a decode step, as if the grammar forced nothing (here it forces all after the first)
-    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
+    longer_grammar = replace(compiled, max_decisions=None)
     shorter = {"choice": ["x" * (fits - 2), "y" * (fits - 2)]}
-    compiled = engine.compile_structured(shorter)
-    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
-    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=longer))
+    shorter_grammar = replace(engine.compile_structured(shorter), max_decisions=None)
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=longer),
+                             grammar=longer_grammar)
     assert seq.rejection is not None and seq.rejection.code == "DEADLINE_INFEASIBLE" and seq.degradation is None
-    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter))
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=60, deadline_ms=150, structured=shorter),
+                             grammar=shorter_grammar)
     assert seq.rejection is None and seq.degradation is None  # the answer's own bound fits: nothing to shrink
     assert seq.params.max_tokens == fits - 2  # its longest answer, the engine's way: the grammar stops after it
     [out] = [o for o in drain(engine) if o.request_id == seq.request_id]
@@ -542,7 +549,7 @@ def test_degrade_never_grants_fewer_tokens_than_a_whole_constrained_answer(tiny_
 def test_the_bound_counts_the_fixed_cost_of_steps_run_op_by_op():
     from ricllm.engine.admission import Work, finish_bounds
 
-    model = LatencyModel([0.0, 0.0, 0.0, 0.0, 0.0, 0.05])  # only the op-by-op term
+    model = LatencyModel([0.0, 0.0, 0.0, 0.0, 0.0, 0.05], kernel_limits=C_KERNEL_LIMITS)  # only the op-by-op term
     work = Work(deadline=1.0, prefill_left=600, decode_left=3, final_context=603)
     assert model.predict(StepFeatures(600, 0, 600, 600 * 600)) == pytest.approx(0.05)
     [bound] = finish_bounds([work], model, token_budget=512, now=0.0)
@@ -572,5 +579,5 @@ def test_best_effort_pauses_when_a_slowdown_puts_an_admitted_request_at_risk(tin
     slow["factor"] = 1.4
     outputs = {o.request_id: o for o in drain(engine)}
     assert outputs[near.request_id].deadline_met
-    assert engine.admission_stats()["best_effort_paused_steps"] > 0
+    assert engine.snapshot().best_effort_paused_steps > 0
     assert all(outputs[s.request_id].finish_reason == "length" for s in bulk)  # paused, then finished

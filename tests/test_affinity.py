@@ -98,7 +98,7 @@ def test_the_engine_thread_computes_on_its_cpus_with_a_thread_each(tiny_native_g
 
 
 def test_a_descriptor_names_a_bad_cpu_list(tmp_path):
-    from ricllm.serve.settings import SettingsError, load_controls_file
+    from ricllm.config import SettingsError, load_controls_file
 
     path = tmp_path / "config-file.json"
     path.write_text('{"controls": {"engine_cpus": "0-x"}}')

@@ -55,7 +55,7 @@ def test_stream_yields_deltas_then_the_output(tiny_gguf, prompts, offline):
 
 def test_thread_calls_and_malformed_requests(tiny_gguf):
     worker = EngineThread(EngineConfig(model=str(tiny_gguf), dtype="float32"))
-    assert worker.call(lambda engine: engine.kv_cache_stats()["used_blocks"]).result(timeout=30) == 0
+    assert worker.call(lambda engine: engine.snapshot().kv_cache.used_blocks).result(timeout=30) == 0
     bad = worker.submit([], PARAMS)
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         bad.result(timeout=30)

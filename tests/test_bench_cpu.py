@@ -171,6 +171,23 @@ def test_ricllm_env_takes_key_value_pairs_and_rejects_anything_else():
         bench.env_pair("RICLLM_NO_AMX")
 
 
+def test_each_source_tree_gets_its_own_ricllm_configurations_importing_from_it(tmp_path):
+    other = tmp_path / "other-revision"
+    (other / "ricllm").mkdir(parents=True)
+    (other / "ricllm" / "__init__.py").write_text("")
+    root = str(Path(__file__).resolve().parents[1])
+    args = bench.parse_args_from(["--configs", "int4:native", "int8:native", "--tree", f"old={other}",
+                                  "--tree", f"new={root}", "--skip-hf", "--skip-llamacpp"])
+    configs = bench.configurations(args, llamacpp_ok=False)
+    assert [c.label for c in configs] == ["ricllm int4 native [old]", "ricllm int4 native [new]",
+                                          "ricllm int8 native [old]", "ricllm int8 native [new]"]
+    assert [c.env["PYTHONPATH"] for c in configs] == [str(other.resolve()), root] * 2
+    with pytest.raises(Exception, match="not a checkout of ricllm"):
+        bench.source_tree(f"bad={tmp_path}")
+    with pytest.raises(Exception, match="NAME=PATH"):
+        bench.source_tree(str(other))
+
+
 def test_the_benchmark_rejects_a_malformed_option_without_a_traceback():
     result = subprocess.run([sys.executable, str(bench.THIS), "--ricllm-env", "oops", "--repeats", "1"],
                             check=False, capture_output=True, text=True, timeout=60)

@@ -22,8 +22,9 @@ above. Why each layer sits where it does:
   CPUs the engine computes on); each knows nothing of LLMs.
 - ``kernels``: the C, Triton and CUDA kernels' Python side; of ricllm it needs only errors and
   paths (where the built libraries lie).
-- ``config``: the engine's settings, checked and resolved; resolving ``dtype: auto`` asks the
-  kernels what the CPU runs, and ``engine_cpus`` is checked by ``affinity``.
+- ``config``: the settings, the engine's and the service's, each an input model and what it
+  resolves to; resolving ``dtype: auto`` asks the kernels what the CPU runs, and ``engine_cpus``
+  is checked by ``affinity``. It knows nothing of the engine or the server that read it.
 - ``model``: a model's files: the shape (``ModelSpec``), the tokenizer, loading, the weight
   formats. The networks that run those weights, and the caches of their converted weights, are
   execution, in ``engine/runtime``.

@@ -16,6 +16,7 @@ import pytest
 from ricllm import SamplingParams
 from ricllm.engine.admission import BestEffortLoad, Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
 from ricllm.engine.scheduler import StepFeatures
 from tests.test_admission import (
     drain,
@@ -87,7 +88,7 @@ def test_abort_drops_requests_already_late_waiting_or_running(tiny_gguf):
         out = outputs[seq.request_id]
         assert out.finish_reason == "deadline" and out.deadline_met is False
     assert len(outputs[first.request_id].token_ids) < 40 and outputs[second.request_id].token_ids == []
-    assert engine.deadline_counts["missed"] == 2
+    assert engine.snapshot().deadlines_missed == 2
 
 
 # ---------------------------------------------------------------- priority is an input
@@ -140,7 +141,7 @@ def test_when_pausing_is_not_enough_only_the_request_at_risk_prefills(tiny_gguf)
     assert rescue is not None and rescue.paused == [] and rescue.prefill_until == urgent.deadline
     batch = engine.scheduler.schedule(clock.now)
     assert [s for s, _ in batch.items] == [urgent]  # `later` waits a step: its deadline is far
-    assert engine.admission_stats()["rescue_prefill_steps"] == 1
+    assert engine.snapshot().rescue_prefill_steps == 1
 
 
 # ---------------------------------------------------------------- ending early, by policy
@@ -155,7 +156,8 @@ def test_end_early_answers_on_time_with_what_it_has_and_counts_it(tiny_gguf):
     [out] = drain(engine)
     assert out.finish_reason == "deadline" and out.deadline_met is False
     assert 0 < len(out.token_ids) < 30 and out.e2e_s <= 0.4  # on time, with the tokens it had
-    assert engine.deadline_counts == {"met": 0, "missed": 0, "ended_early": 1}
+    snap = engine.snapshot()
+    assert (snap.deadlines_met, snap.deadlines_missed, snap.deadlines_ended_early) == (0, 0, 1)
 
 
 def test_without_end_early_the_same_request_is_late_and_counted_missed(tiny_gguf):
@@ -166,7 +168,7 @@ def test_without_end_early_the_same_request_is_late_and_counted_missed(tiny_gguf
     slow["factor"] = 4.0
     [out] = drain(engine)
     assert out.finish_reason == "length" and out.deadline_met is False and out.e2e_s > 0.4
-    assert engine.deadline_counts["missed"] == 1
+    assert engine.snapshot().deadlines_missed == 1
 
 
 # ---------------------------------------------------------------- the bound
@@ -180,7 +182,8 @@ def test_the_bound_charges_best_effort_at_its_own_context():
 
 
 def test_best_effort_prefill_is_charged_only_while_some_may_come_and_at_its_size():
-    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 1e-7])  # prefill tokens and attention work only
+    # prefill tokens and attention work only
+    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 1e-7], kernel_limits=C_KERNEL_LIMITS)
     work = Work(deadline=1.0, prefill_left=0, decode_left=10, final_context=100)
 
     def bound(load):
@@ -243,7 +246,7 @@ def test_a_slowdown_after_calibration_misses_only_inside_the_detector_window(tin
     engine.step = drifting_step
     seqs_by_id = record_sequences(engine)
     outputs = run_arrivals(engine, clock, arrivals)
-    detected = [e.time for e in engine.slowdown_events if e.slow]
+    detected = [e.time for e in engine.snapshot().slowdowns if e.slow]
     assert detected and detected[0] >= slow_from  # said once the steps were slower, not before
     reacted = detected[0]
     promised = [o for o in outputs if seqs_by_id[o.request_id].promised]
@@ -254,7 +257,7 @@ def test_a_slowdown_after_calibration_misses_only_inside_the_detector_window(tin
     before = [o for o in promised if o not in in_window and o not in after]
     assert before and all(o.deadline_met for o in before)  # noise and overhead alone break no promise
     misses = [o for o in in_window if not o.deadline_met]
-    assert len(misses) <= 3 and engine.deadline_counts["missed"] == len(misses)
+    assert len(misses) <= 3 and engine.snapshot().deadlines_missed == len(misses)
     assert reacted - slow_from < 2.0  # about half the detector's 64-step window of slowed steps (~40 ms each)
 
 
@@ -404,8 +407,7 @@ def test_a_constrained_answer_is_planned_by_its_decisions_not_its_longest_answer
     assert seq.promised
     [out] = drain(engine)
     assert out.deadline_met and out.finish_reason == "stop"
-    engine._grammars._cache[compiled.spec.key] = replace(compiled, max_decisions=None)
-    refused = engine.add_request(prompt(20, 2), params)
+    refused = engine.add_request(prompt(20, 2), params, grammar=replace(compiled, max_decisions=None))
     assert refused.rejection.code == "DEADLINE_INFEASIBLE"
     steps = refused.rejection.numbers["decode_steps"]  # every answer token after the forced start
     assert steps >= 3 * compiled.max_decisions and f"{steps} decode steps to run" in refused.rejection.message

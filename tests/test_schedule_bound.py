@@ -15,6 +15,7 @@ import pytest
 from ricllm import SamplingParams
 from ricllm.engine.admission import NO_BEST_EFFORT, BestEffortLoad, Work, finish_bounds, work_of
 from ricllm.engine.latency_model import LatencyModel
+from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
 from ricllm.engine.schedule_bound import schedule_bounds
 from tests.test_admission import COEFFICIENTS, drain, make_engine, prompt, true_step_time
 
@@ -107,7 +108,7 @@ def test_a_small_chunk_is_charged_the_c_kernels_costs_and_a_large_one_the_op_by_
     """A prompt's tail behind its template (8 tokens at 700 positions) runs in the CPU kernel's one
     C call; 200 tokens pass its limits and run op by op, at the fixed cost and dearer tokens the
     fit gives such steps. Both bounds, the closed form and the schedule's, charge each its own."""
-    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 0.0, 0.01, 1e-3, 0.0])
+    model = LatencyModel([0.0, 1e-4, 0.0, 0.0, 0.0, 0.01, 1e-3, 0.0], kernel_limits=C_KERNEL_LIMITS)
     small, large = [Work(1.0, 8, 1, 700, "small")], [Work(1.0, 200, 1, 700, "large")]
     for bound in (finish_bounds, lambda w, m, b, t: schedule_bounds(w, m, b, t, NO_BEST_EFFORT)):
         assert bound(small, model, 512, 0.0) == pytest.approx([8 * 1e-4])

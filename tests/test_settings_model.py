@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from ricllm.cli import build_parser
 from ricllm.cli.flags import add_settings_flags, given_settings
-from ricllm.config import AdmissionConfig, EngineConfig, EngineSettings, setting
+from ricllm.config import AdmissionSettings, EngineConfig, EngineSettings, setting
 
 
 def leaf_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> set[str]:
@@ -65,12 +65,12 @@ def test_only_typed_flags_are_given_and_defaults_come_from_the_model():
     assert given_settings(args) == {"admission": {"policy": "deadline"}, "kv_cache_budget": "8MiB"}
     config = EngineConfig(**given_settings(args))
     assert config.kv_cache_budget == 8 << 20 and config.admission.policy == "deadline"
-    assert config.admission.safety_margin == AdmissionConfig().safety_margin and config.block_size == 16
+    assert config.admission.safety_margin == AdmissionSettings().safety_margin and config.block_size == 16
 
 
 def test_one_default_per_field_admission_is_off_in_the_model():
     assert EngineSettings().admission.policy == EngineConfig().admission.policy == "off"
-    assert EngineConfig(admission="deadline").admission == AdmissionConfig(policy="deadline")
+    assert EngineConfig(admission="deadline").admission == AdmissionSettings(policy="deadline")
 
 
 def test_the_scenario_engine_section_is_the_settings_model_partly_filled():

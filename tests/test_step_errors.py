@@ -195,7 +195,7 @@ def test_the_engine_charges_steps_after_a_gap_and_probes_to_after_idle_only(tiny
     assert latency.multipliers == pytest.approx({"decode": 1.0, "prefill": 1.0})
     assert len(cold["steps"]) == 4 and len({(f.num_prefill_tokens, f.num_decode_seqs) for f in cold["steps"]}) == 1
     assert latency.after_idle_excess == pytest.approx(9 * true_step_time(cold["steps"][-1]), rel=0.05)
-    assert engine.slowdown_events == []
+    assert engine.snapshot().slowdowns == ()
     busy = engine.add_request(prompt(12, 99), SamplingParams(max_tokens=30, deadline_ms=60_000, ignore_eos=True))
     engine.step()  # the engine is busy now: a request that joins is not charged a cold step
     joining = engine.add_request(prompt(12, 98), SamplingParams(max_tokens=6, deadline_ms=400, ignore_eos=True))

@@ -55,6 +55,17 @@ SCHEMAS = st.builds(
     st.integers(0, 3))
 
 
+def test_an_answer_forced_whole_at_arrival_is_bounded_with_its_sampled_end(llm):
+    """The grammar forces every token of ``{"action":""}`` at arrival; the request still samples once
+    (the end token), and the bound counts that token too."""
+    schema = {"type": "object", "properties": {"action": {"type": "string", "maxLength": 0}},
+              "required": ["action"], "additionalProperties": False}
+    out = llm.generate(["the cell is congested"], SamplingParams(max_tokens=200, structured={"json": schema}))[0]
+    compiled = llm.engine.compile_structured({"json": schema})
+    assert out.text == '{"action":""}' and out.finish_reason == "stop"
+    assert len(out.token_ids) == out.num_forced_tokens + 1 <= compiled.max_tokens and compiled.max_decisions == 1
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS, seed=st.integers(0, 10_000), prompt=st.sampled_from(PROMPTS))
 def test_a_constrained_answer_always_parses_and_matches_its_schema(llm, schema, seed, prompt):
@@ -89,18 +100,18 @@ def test_forced_tokens_as_one_chunk_give_the_tokens_they_give_one_per_step(tiny_
         for jump in (True, False):
             llm = tiny(tiny_native_gguf, runtime, jump_forward=jump)
             outs = [llm.generate([p], sp)[0] for p in PROMPTS for sp in params]
-            tokens[jump], steps[jump] = [o.token_ids for o in outs], llm.engine.num_steps
+            tokens[jump], steps[jump] = [o.token_ids for o in outs], llm.engine.snapshot().steps
             assert all(o.num_forced_tokens > 0 for o in outs)
         assert tokens[True] == tokens[False], runtime
         assert steps[True] < steps[False], (runtime, steps)
 
 
 def test_the_forced_start_of_an_answer_costs_no_step(llm):
-    before = llm.engine.num_steps
+    before = llm.engine.snapshot().steps
     out = llm.generate(["hello world"], SamplingParams(max_tokens=64, structured={"json": DECISION}))[0]
     sampled = len(out.token_ids) - out.num_forced_tokens
     assert out.text.startswith('{"action":"')
-    assert llm.engine.num_steps - before <= sampled  # one step per sampling decision, forced runs ride along
+    assert llm.engine.snapshot().steps - before <= sampled  # one step per sampling decision, forced runs ride along
 
 
 # ------------------------------------------------------------------ sharing a batch
@@ -260,12 +271,12 @@ def test_a_pinned_template_compiles_its_constraint_and_its_examples_hit_the_cach
                                {"role": "assistant", "content": '{"action":"hold","cio_delta_db":0}'}],
                               structured={"json": DECISION})
     llm.pin_prefix(template)
-    assert llm.engine._grammars.num_compiled == 1
+    assert llm.engine.constraints.num_compiled == 1
     out = llm.chat(template.message_list + [{"role": "user", "content": "the cell is congested"}],
                    SamplingParams(max_tokens=64, structured=template.structured))[0]
     assert out.num_cached_tokens >= 16 and json.loads(out.text)["action"] in ("offload", "hold", "escalate",
                                                                               "rebalance")
-    assert llm.engine._grammars.num_compiled == 1  # the request found it compiled
+    assert llm.engine.constraints.num_compiled == 1  # the request found it compiled
 
 
 def test_generate_takes_a_constraint_from_the_command_line(tiny_native_gguf, tmp_path, capsys):

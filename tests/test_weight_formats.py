@@ -558,10 +558,10 @@ def test_packed_formats_really_pack_and_run_packed(tiny_q4_1_gguf, weights, laye
 def test_a_converting_start_never_holds_the_whole_dense_model(tiny_q4_1_gguf, monkeypatch):
     """Each weight gets memory as it is read and each layer is packed once complete, so at most
     one layer's dense projections exist at any moment of a conversion (a first start's peak)."""
-    from ricllm.engine.runtime.llama import LlamaModel
+    from ricllm.engine.runtime import llama_weights
 
     dense_when_packing = []
-    pack_layer = LlamaModel.pack_layer
+    pack_layer = llama_weights.pack_layer
 
     def recording(model, index, fmt, max_rows):
         dense_when_packing.append([i for i, layer in enumerate(model.layers) for m in (
@@ -569,7 +569,7 @@ def test_a_converting_start_never_holds_the_whole_dense_model(tiny_q4_1_gguf, mo
             if not isinstance(m, PackedLinear) and not m.weight.is_meta])
         pack_layer(model, index, fmt, max_rows)
 
-    monkeypatch.setattr(LlamaModel, "pack_layer", recording)
+    monkeypatch.setattr(llama_weights, "pack_layer", recording)
     model = tiny_llm(tiny_q4_1_gguf, "int4").engine.runtime.model
     assert dense_when_packing == [[i] * 4 for i in range(len(model.layers))]
     assert not any(t.is_meta for t in model.state_dict().values())

@@ -36,7 +36,7 @@ class CpuKernelAttention:
     """The reference's ``store_kv``, then the C kernel for decode steps: no gathered copy of the context.
 
     It also offers the model ``fused_ops``, the C versions of the layers' elementwise steps
-    (the model then stores K/V itself, fused with RoPE, and calls ``attend``).
+    (the fused model then stores K/V itself, fused with RoPE, and calls ``attend``).
     """
 
     name = "cpu"

@@ -1,5 +1,7 @@
-"""Which steps the CPU attention kernel serves whole, as plain numbers (no torch): the torch
-runtime's ``cpu`` backend and the latency model's step features both read it."""
+"""Which steps the CPU attention kernel serves whole, as plain numbers (no torch): the ``cpu``
+backend reads it, and the runtimes report it as their capabilities
+(``ricllm.engine.runtime.capabilities``), the only way it reaches admission, the scheduler and the
+latency model."""
 
 from __future__ import annotations
 

@@ -3,6 +3,12 @@
 A sequence holds one reference on every block in its ``block_table``; a block shared through
 the prefix cache has one reference per holder. Only full blocks are ever shared.
 
+The manager reads a sequence but never writes it: each call takes or releases references in the
+pool and hands back what changed (a ``BlockGrant``, the hashes of blocks that became full, the
+table positions a window let go), which the sequence records (``Sequence.take_blocks``,
+``evict_blocks``, ``drop_blocks``) before the next call about it. So the invariant holds between
+calls: the pool's references are exactly the blocks in the sequences' tables and in the pins.
+
 The prefix hit of a prompt is capped at ``num_tokens - 1`` tokens (rounded down to whole
 blocks): the last token is always recomputed, because its logits are what the first output
 token is sampled from, and logits are not cached.
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ricllm.cache.block_pool import Block, BlockPool, hash_block
 from ricllm.kv_window import EVICTED
-from ricllm.sequence import Sequence
+from ricllm.sequence import BlockGrant, Sequence
 
 
 @dataclass
@@ -81,76 +87,73 @@ class KVCacheManager:
         revived = sum(1 for b in hits if b.ref_count == 0)
         return needed + revived <= self.pool.num_free
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[Block] = ()) -> bool:
-        """Take the hit blocks and enough new ones for ``num_new_tokens``; False, unchanged, if short."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[Block] = ()) -> BlockGrant | None:
+        """Take the hit blocks and enough new ones for ``num_new_tokens``; None, nothing taken, if short."""
         if not self.can_allocate(seq, num_new_tokens, hits):
-            return False
-        if hits:
-            self._take_hits(seq, hits)
-        if seq.num_cached_tokens < 0:
-            self._count_query(seq, len(hits))
-        target = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < target:
-            seq.block_table.append(self.pool.allocate().block_id)
+            return None
+        computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
+        new = self.blocks_for_tokens(computed + num_new_tokens) - len(seq.block_table) - len(hits)
+        grant = BlockGrant([*self._take(hits), *(self.pool.allocate().block_id for _ in range(new))],
+                           [b.block_hash for b in hits], computed if hits else None,
+                           self._count_query(seq, len(hits)) if seq.num_cached_tokens < 0 else None)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used)
-        return True
+        return grant
 
-    def hold_prefix(self, seq: Sequence, hits: list[Block]) -> None:
+    def hold_prefix(self, seq: Sequence, hits: list[Block]) -> BlockGrant:
         """Take a waiting sequence's prefix hits before it is scheduled: admission credited them to
         its bound, and a cached block nobody holds may be evicted by any allocation until then.
         The sequence then starts ``len(hits)`` blocks in, as if scheduled with them."""
-        self._take_hits(seq, hits)
-        self._count_query(seq, len(hits))
+        return BlockGrant(self._take(hits), [b.block_hash for b in hits], len(hits) * self.block_size,
+                          self._count_query(seq, len(hits)))
 
-    def _take_hits(self, seq: Sequence, hits: list[Block]) -> None:
+    def _take(self, hits: list[Block]) -> list[int]:
         for block in hits:
             self.pool.acquire(block)
-            seq.block_table.append(block.block_id)
-            seq.block_hashes.append(block.block_hash)
-        seq.num_computed_tokens = len(hits) * self.block_size
+        return [block.block_id for block in hits]
 
-    def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
-        seq.num_cached_tokens = num_hit_blocks * self.block_size
+    def _count_query(self, seq: Sequence, num_hit_blocks: int) -> int:
+        """Count a prompt's prefix-cache query; the tokens it hit."""
+        hit_tokens = num_hit_blocks * self.block_size
         if self.enable_prefix_caching:
             self.prefix_queries_tokens += seq.num_prompt_tokens
-            self.prefix_hits_tokens += seq.num_cached_tokens
+            self.prefix_hits_tokens += hit_tokens
+        return hit_tokens
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full with computed K/V, so later prompts can hit them."""
+    def cache_full_blocks(self, seq: Sequence) -> list[int]:
+        """Register blocks that became full with computed K/V, so later prompts can hit them; their
+        chained hashes, for the end of the sequence's ``block_hashes``."""
         if not self.enable_prefix_caching:
-            return
+            return []
         num_full = seq.num_computed_tokens // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else None
+        hashes = []
         for i in range(len(seq.block_hashes), num_full):
             chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hash_block(parent, chunk)
             if seq.block_table[i] != EVICTED:
                 self.pool.register(self.pool.blocks[seq.block_table[i]], parent, chunk)
-            seq.block_hashes.append(parent)
+            hashes.append(parent)
+        return hashes
 
-    def evict_outside_window(self, seq: Sequence) -> int:
+    def evict_outside_window(self, seq: Sequence) -> list[int]:
         """Release the blocks its window no longer shows any later query (after ``cache_full_blocks``,
-        so they stay findable by their hashes); returns how many went."""
+        so they stay findable by their hashes); the block-table positions that went."""
         if seq.kv_window is None:
-            return 0
-        gone, evictable = 0, seq.kv_window.evictable(seq.num_computed_tokens, self.block_size)
+            return []
+        evictable = seq.kv_window.evictable(seq.num_computed_tokens, self.block_size)
         # the evicted entries are always the front of this range (it only grows): start past them
-        for i in range(evictable.start + seq.num_evicted_blocks, evictable.stop):
-            if seq.block_table[i] != EVICTED:
-                self.pool.release(self.pool.blocks[seq.block_table[i]])
-                seq.block_table[i] = EVICTED
-                gone += 1
-        seq.num_evicted_blocks += gone
+        gone = [i for i in range(evictable.start + seq.num_evicted_blocks, evictable.stop)
+                if seq.block_table[i] != EVICTED]
+        for i in gone:
+            self.pool.release(self.pool.blocks[seq.block_table[i]])
         return gone
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references, tail first (tails are evicted before heads)."""
+        """Drop the sequence's references, tail first (tails are evicted before heads); the sequence
+        then holds none (``Sequence.drop_blocks``)."""
         for block_id in reversed(seq.block_table):
             if block_id != EVICTED:
                 self.pool.release(self.pool.blocks[block_id])
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_evicted_blocks = 0
 
     # ------------------------------------------------------------ pins
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ricllm.cli.flags import add_structured_flags, structured_from_args  # pydantic only: no torch, no engine
+from ricllm.sampling_params import PRIORITIES
 
 EXIT_SERVER_ERROR, EXIT_REJECTED, EXIT_TIMEOUT = 2, 3, 4
 
@@ -52,7 +53,7 @@ def add_client_subparser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--deadline-ms", type=float, default=None, help="end-to-end latency budget in ms")
-    gen.add_argument("--priority", choices=("near_rt", "non_rt", "best_effort"), default=None,
+    gen.add_argument("--priority", choices=PRIORITIES, default=None,
                      help="scheduling class (default: near_rt up to 1 s of deadline, non_rt above, else best_effort)")
     gen.add_argument("--template-id", default=None,
                      help="a registered template to start from (its constraint applies unless one is given here)")

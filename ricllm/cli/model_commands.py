@@ -53,13 +53,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from ricllm.model.identity import ServedModel
     from ricllm.model.loader import open_checkpoint
     from ricllm.units import format_bytes
 
     ckpt = open_checkpoint(args.model)
     spec = ckpt.spec
     rows = [
-        ("file", str(ckpt.path)), ("format", ckpt.format), ("name", spec.name),
+        ("file", str(ckpt.path)), ("format", ckpt.format), ("name", ServedModel.of(ckpt.path, spec.name).name),
         ("layers (L)", spec.num_layers), ("hidden size", spec.hidden_size),
         ("query heads", spec.num_heads), ("KV heads (n_kv)", spec.num_kv_heads),
         ("head dim (d_h)", spec.head_dim), ("FFN size", spec.intermediate_size),

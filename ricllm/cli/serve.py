@@ -1,19 +1,12 @@
-"""``ricllm serve``: the xApp service. Its flags are generated from the controls model
-(:class:`ricllm.serve.settings.Controls`); the engine is imported only when it runs."""
+"""``ricllm serve``: the xApp service. Its flags are generated from the serve settings model
+(:class:`ricllm.config.ServeSettings`); the engine is imported only when it runs."""
 
 from __future__ import annotations
 
 import argparse
 
 from ricllm.cli.flags import add_settings_flags, given_settings
-from ricllm.config import EngineSettings
-from ricllm.serve.settings import (
-    CONFIG_ENV,
-    SERVE_PROFILE,
-    Controls,
-    ServeSettings,
-    resolve_settings,
-)
+from ricllm.config import CONFIG_ENV, SERVE_PROFILE, EngineSettings, ServeConfig, ServeSettings, resolve_settings
 
 
 def add_serve_subparser(sub: argparse._SubParsersAction) -> None:
@@ -28,13 +21,12 @@ def add_serve_subparser(sub: argparse._SubParsersAction) -> None:
                        help=f"xApp descriptor JSON whose 'controls' section holds the settings "
                             f"(overrides ${CONFIG_ENV}, which names a file of the same format)")
     add_settings_flags(serve, EngineSettings, "engine", shown_defaults=SERVE_PROFILE)
-    service_only = frozenset(Controls.model_fields) - set(EngineSettings.model_fields)
-    add_settings_flags(serve, Controls, "service", only=service_only)
+    add_settings_flags(serve, ServeSettings, "service", only=ServeSettings.service_fields())
     serve.set_defaults(func=_cmd_serve)
 
 
-def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
-    """The service's settings from parsed ``serve`` arguments, the files they name and the environment."""
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeConfig:
+    """The service's resolved settings from parsed ``serve`` arguments, the files they name and the environment."""
     return resolve_settings(given_settings(args), args.config, environ)
 
 

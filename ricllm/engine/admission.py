@@ -71,15 +71,18 @@ Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for ru
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
-from ricllm.config import AdmissionConfig
+from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
 from ricllm.kv_window import pinned_blocks_held
 from ricllm.outputs import Degradation, Rejection
 from ricllm.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from ricllm.engine.runtime.capabilities import KernelLimits
 
 DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
 
@@ -149,11 +152,11 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
 
     ``best_effort`` sequences share every step at their final contexts, and while any of them may
     still prefill, up to ``best_effort_chunk`` prefill tokens a step, of at most that many tokens
-    times the longest such context, and at most ``C_KERNEL_PREFILL_WORK``, of attention work (the
+    times the longest such context, and at most ``model.kernel_prefill_work``, of attention work (the
     scheduler holds them to both: ``best_effort_prefill_cap``); ``busy_s`` is what remains of the
     step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
-    The op-by-op terms are charged only when a step may pass the CPU kernel's limits
+    The op-by-op terms are charged only when a step may pass the runtime's kernel limits
     (``may_run_op_by_op``). Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
     multipliers and, with ``follow_last_step`` (promises re-checked between a busy engine's steps),
     of the last busy step's own ratio.
@@ -171,8 +174,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     chunk, chunk_attention = 0, 0
     if best_effort.longest_pending and best_effort_chunk:
         chunk = best_effort_chunk
-        chunk_attention = min(best_effort_chunk * best_effort.longest_pending, C_KERNEL_PREFILL_WORK)
-    op = may_run_op_by_op(works, token_budget, chunk, chunk_attention)
+        chunk_attention = min(best_effort_chunk * best_effort.longest_pending, model.kernel_prefill_work)
+    op = may_run_op_by_op(works, token_budget, model.kernel_limits, chunk, chunk_attention)
     step += (b + g * op) * chunk + (e + h * op) * chunk_attention
     if model.roofline is not None:
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
@@ -185,8 +188,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     return bounds
 
 
-def may_run_op_by_op(works: list[Work], token_budget: int, chunk: int = 0, chunk_attention: int = 0) -> bool:
-    """Whether any step of ``works`` may pass the CPU kernel's limits (``runs_op_by_op``): the most
+def may_run_op_by_op(works: list[Work], token_budget: int, limits: KernelLimits | None, chunk: int = 0,
+                     chunk_attention: float = 0) -> bool:
+    """Whether any step of ``works`` may pass the runtime's kernel ``limits`` (``runs_op_by_op``): the most
     admitted prefill one step can carry, beside ``chunk`` best-effort tokens of ``chunk_attention``
     work, at the widest context any of it attends to. When none can, every step is one C call and
     no op-by-op term is charged."""
@@ -195,7 +199,7 @@ def may_run_op_by_op(works: list[Work], token_budget: int, chunk: int = 0, chunk
         return False
     tokens = min(token_budget, sum(w.prefill_left for w in pending))
     widest = max(w.final_context for w in pending)
-    return runs_op_by_op(StepFeatures(tokens + chunk, 0, 0, tokens * widest + chunk_attention))
+    return runs_op_by_op(StepFeatures(tokens + chunk, 0, 0, tokens * widest + chunk_attention), limits)
 
 
 @dataclass
@@ -215,7 +219,7 @@ class AdmissionController:
     share every step with admitted work, and the bound charges them.
     """
 
-    def __init__(self, config: AdmissionConfig, latency: LatencyModel, num_blocks: int, block_size: int,
+    def __init__(self, config: AdmissionSettings, latency: LatencyModel, num_blocks: int, block_size: int,
                  max_num_batched_tokens: int, max_model_len: int):
         self.config = config
         self.latency = latency
@@ -528,11 +532,15 @@ class AdmissionController:
             return None
         return self._chunk
 
+    def best_effort_work_allowance(self) -> float:
+        """The attention work best-effort prefill may do in a step: all the bound charges for it, the
+        runtime's kernel limit (so the step stays one C call on a CPU; unbounded without a limit)."""
+        return self.latency.kernel_prefill_work
+
     @staticmethod
-    def best_effort_prefill_cap(start: int, tokens: int, work: int = C_KERNEL_PREFILL_WORK) -> int:
+    def best_effort_prefill_cap(start: int, tokens: int, work: float) -> int:
         """The largest chunk of at most ``tokens``, from position ``start``, whose attention work stays
-        within ``work``: what is left of the step's ``C_KERNEL_PREFILL_WORK``, all the bound charges
-        for best effort (and the step stays one C call on a CPU)."""
+        within ``work``: what is left of the step's ``best_effort_work_allowance``."""
         low, high = 0, tokens
         while low < high:
             middle = (low + high + 1) // 2

@@ -55,6 +55,7 @@ def fit_key(engine) -> dict:
         "max_packed_rows": engine.config.max_packed_rows, "runtime": engine.runtime.name,
         "decoder_stack": engine.runtime.name == "native" or engine.runtime.model.decoder_stack is not None,
         "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "capabilities": repr(engine.runtime.capabilities),
     }
 
 
@@ -162,9 +163,10 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
     samples += _prefix_chunk_samples(engine, prompt)
-    model = fit(samples, roofline_of(engine))
+    model = fit(samples, roofline_of(engine), engine.runtime.capabilities.kernel_limits)
     model = LatencyModel(model.coefficients, model.roofline,
-                         {**model.residuals, "after_idle": _after_idle_excesses(engine, model, prompt)})
+                         {**model.residuals, "after_idle": _after_idle_excesses(engine, model, prompt)},
+                         kernel_limits=model.kernel_limits)
     model.errors.extend((t - model.base(f)) / t for f, t in samples)  # in-sample error, reported below
     _reset_counters(engine)
     log.info("latency_model_calibrated", seconds=round(time.perf_counter() - started, 1),

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ricllm.cache.kv_cache_manager import PinHandle
 from ricllm.model.tokenizer import Tokenizer
+from ricllm.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,28 @@ def render_chat_request(tokenizer: Tokenizer, prefix: ChatPrefix | None, message
     if prefix is not None and prefix.text is not None and text.startswith(prefix.text):
         return prefix.token_ids + tokenizer.encode(text[len(prefix.text):], add_special_tokens=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class PinnedTemplate:
+    """A template's conversation pinned (``LLMEngine.pin_template``): ``prefix`` is what its chat
+    requests start with, ``handle`` its pin, and ``seq`` the request computing its K/V; its
+    blocks are held once ``seq`` has finished (``computed``)."""
+
+    prefix: ChatPrefix
+    handle: PinHandle
+    seq: Sequence
+    block_size: int
+
+    @property
+    def computed(self) -> bool:
+        return self.seq.is_finished
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prefix.token_ids)
+
+    @property
+    def num_pinned_tokens(self) -> int:
+        """Tokens its pinned blocks hold: its full blocks (0 until ``computed``)."""
+        return len(self.handle.block_ids) * self.block_size

@@ -4,12 +4,13 @@
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
-term in P misses for long prompts), S = 1 for a step past the CPU attention kernel's limits
-(``runs_op_by_op``): on the CPU, decode steps and small prefill chunks (a prompt's tail behind its
-template) run as one C call, whose prefill rows ride on the weights the decodes read anyway,
-while larger prefill steps run op by op (attention in SDPA or the C prefill kernel), a fixed cost
-and dearer tokens of their own. The roofline ``(weight bytes + KV bytes read) / bandwidth`` is the
-floor: no step can be faster than reading its bytes once.
+term in P misses for long prompts), S = 1 for a step past the runtime's kernel limits
+(``runs_op_by_op``; ``RuntimeCapabilities.kernel_limits``): with the C kernels, decode steps and
+small prefill chunks (a prompt's tail behind its template) run as one C call, whose prefill rows
+ride on the weights the decodes read anyway, while larger prefill steps run op by op (attention in
+SDPA or the C prefill kernel), a fixed cost and dearer tokens of their own. A runtime without such
+limits (a GPU, the torch reference) has S = 0 on every step. The roofline ``(weight bytes + KV
+bytes read) / bandwidth`` is the floor: no step can be faster than reading its bytes once.
 
 The fit is non-negative least squares on a calibration sweep. Online, ``StepErrors``
 (``step_errors.py``) tracks how far measured steps run from it, per kind of step (decode, prefill,
@@ -21,32 +22,36 @@ recorded.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_ROWS, C_KERNEL_PREFILL_WORK
 from ricllm.engine.scheduler import StepFeatures
 from ricllm.engine.step_errors import BUSY_KINDS, STEP_KINDS, StepErrors, busy_kind
+
+if TYPE_CHECKING:
+    from ricllm.engine.runtime.capabilities import KernelLimits
 
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step",
             "op_by_op_prefill_tokens", "op_by_op_prefill_attention")
 
 
-def runs_op_by_op(f: StepFeatures) -> bool:
-    """A step with prefill beyond what the CPU attention kernel takes (``c_kernel_attends``; a
-    one-token prefill chunk counts as prefill here and as a decode row there)."""
-    return f.num_prefill_tokens > 0 and (f.num_prefill_tokens > C_KERNEL_PREFILL_ROWS
-                                         or f.prefill_attention > C_KERNEL_PREFILL_WORK)
+def runs_op_by_op(f: StepFeatures, limits: KernelLimits | None) -> bool:
+    """A step with prefill beyond the runtime's kernel ``limits`` (None: it has none, so no step
+    passes them; a one-token prefill chunk counts as prefill here and as a decode row in the kernel)."""
+    return limits is not None and f.num_prefill_tokens > 0 and not limits.cover(f.num_prefill_tokens,
+                                                                                 f.prefill_attention)
 
 
-def feature_vector(f: StepFeatures) -> np.ndarray:
-    op = 1.0 if runs_op_by_op(f) else 0.0
+def feature_vector(f: StepFeatures, limits: KernelLimits | None) -> np.ndarray:
+    op = 1.0 if runs_op_by_op(f, limits) else 0.0
     return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention,
                      op, op * f.num_prefill_tokens, op * f.prefill_attention])
 
@@ -67,6 +72,7 @@ class LatencyModel:
     roofline: Roofline | None = None
     residuals: dict[str, list[float]] = field(default_factory=dict)  # the calibration's, per step kind
     quantile: float = 0.9  # of each kind's recent ratios: promises hold for all but its slowest tenth of steps
+    kernel_limits: KernelLimits | None = None  # the runtime's, which the op-by-op terms are about (the engine sets it)
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # the engine's (it sets it)
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     overruns: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)  # s past the prediction
@@ -81,8 +87,13 @@ class LatencyModel:
         self.coefficients = list(self.coefficients) + [0.0] * (len(FEATURES) - len(self.coefficients))
         self.step_errors = StepErrors(self.residuals, self.quantile)
 
+    @property
+    def kernel_prefill_work(self) -> float:
+        """The attention work a step's prefill may do within ``kernel_limits``: unbounded without any."""
+        return math.inf if self.kernel_limits is None else self.kernel_limits.prefill_work
+
     def base(self, f: StepFeatures) -> float:
-        linear = float(feature_vector(f) @ np.asarray(self.coefficients))
+        linear = float(feature_vector(f, self.kernel_limits) @ np.asarray(self.coefficients))
         floor = self.roofline.seconds(f) if self.roofline else 0.0
         return max(linear, floor)
 
@@ -205,7 +216,8 @@ class LatencyModel:
         return cls.from_json(json.loads(Path(path).read_text())["model"])
 
 
-def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = None) -> LatencyModel:
+def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = None,
+        kernel_limits: KernelLimits | None = None) -> LatencyModel:
     """Non-negative least squares over ``(features, seconds)`` samples, refitted once without outliers.
 
     Relative (not absolute) error is minimised: rows are weighted by 1/t, so a 2 ms decode
@@ -215,16 +227,17 @@ def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = N
     The kept steps' ratios measured / fitted, per kind, are the model's ``residuals``: where the
     error model starts (a stall is the stall reserve's, learned online, not a fit's spread).
     """
-    x = np.stack([feature_vector(f) for f, _ in samples])
+    x = np.stack([feature_vector(f, kernel_limits) for f, _ in samples])
     y = np.array([t for _, t in samples])
     coefficients = _nnls(x, y)
     ratio = y / np.maximum(x @ coefficients, 1e-9)
     keep = (ratio < 2.0) & (ratio > 0.5)
     if keep.sum() >= x.shape[1] * 2:
         coefficients = _nnls(x[keep], y[keep])
-    model = LatencyModel(coefficients=coefficients.tolist(), roofline=roofline)
+    model = LatencyModel(coefficients=coefficients.tolist(), roofline=roofline, kernel_limits=kernel_limits)
     kept = [sample for sample, kept in zip(samples, keep) if kept]
-    return LatencyModel(coefficients=model.coefficients, roofline=roofline, residuals=busy_residuals(model, kept))
+    return LatencyModel(coefficients=model.coefficients, roofline=roofline, residuals=busy_residuals(model, kept),
+                        kernel_limits=kernel_limits)
 
 
 def busy_residuals(model: LatencyModel, samples: list[tuple[StepFeatures, float]]) -> dict[str, list[float]]:

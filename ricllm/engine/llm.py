@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import asdict
 from typing import Any
 
 from ricllm.cache.kv_cache_manager import PinHandle
 from ricllm.config import EngineConfig
-from ricllm.engine.chat_prefix import render_chat_request
+from ricllm.engine.chat_prefix import render_chat_prefix, render_chat_request
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.errors import InvalidRequestError
 from ricllm.outputs import RequestOutput
@@ -59,7 +60,7 @@ class LLM:
         """A conversation's tokens: as a request (with the generation prompt) or as a prefix to pin."""
         if add_generation_prompt:
             return render_chat_request(self.tokenizer, None, messages)
-        return self.engine.render_chat_prefix(messages).token_ids
+        return render_chat_prefix(self.tokenizer, messages).token_ids
 
     def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
@@ -81,17 +82,12 @@ class LLM:
 
         A list of chat messages (e.g. one system message) is pinned in its rendered form, which
         is what ``chat`` requests start with. A :class:`ricllm.template.Template` pins its
-        conversation and compiles its constraint now, so its requests find it compiled.
+        conversation and compiles its constraint now, so its requests find it compiled
+        (``LLMEngine.pin_template``, the one way a template is pinned).
         """
-        if isinstance(prefix, Template):
-            if prefix.structured is not None:
-                self.engine.compile_structured(prefix.structured)
-            prefix = prefix.message_list
-        if isinstance(prefix, list) and prefix and isinstance(prefix[0], dict):
-            token_ids = self.render_chat(prefix, add_generation_prompt=False)
-        else:
-            token_ids = self.engine.encode_prompt(prefix)[1]
-        handle, seq = self.engine.pin_prefix(token_ids)
+        if isinstance(prefix, Template) or (isinstance(prefix, list) and prefix and isinstance(prefix[0], dict)):
+            return self.engine.pin_template(prefix).handle
+        handle, seq = self.engine.pin_prefix(self.engine.encode_prompt(prefix)[1])
         self._run([seq], use_tqdm=False)
         return handle
 
@@ -99,7 +95,8 @@ class LLM:
         self.engine.unpin_prefix(handle)
 
     def kv_cache_stats(self) -> dict:
-        return self.engine.kv_cache_stats()
+        """The KV cache's part of the engine's snapshot (``LLMEngine.snapshot``), as a dict."""
+        return asdict(self.engine.snapshot().kv_cache)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

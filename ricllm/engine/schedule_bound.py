@@ -14,7 +14,8 @@ step's real composition:
 
 Between two events (a prefill done, a request finished) the composition is constant, so every step
 of the segment costs the same: each is charged at the contexts of the segment's last step (contexts
-grow by one a step, so that is an upper bound) and, when a step of it may pass the CPU kernel's limits, the op-by-op terms.
+grow by one a step, so that is an upper bound) and, when a step of it may pass the runtime's
+kernel limits, the op-by-op terms.
 Prefill tokens and their attention are charged once, where they run, as the closed form charges
 them. Best effort is charged as the closed form charges it, on every step: its sequences at their
 final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
@@ -28,7 +29,6 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import StepFeatures
 
@@ -73,7 +73,7 @@ def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int) -> StepC
     fixed = a
     if best_effort.longest_pending and best_effort_chunk:  # charged as if its steps ran op by op
         fixed += (b + g) * best_effort_chunk + (e + h) * min(best_effort_chunk * best_effort.longest_pending,
-                                                             C_KERNEL_PREFILL_WORK)
+                                                             model.kernel_prefill_work)
     return StepCost(fixed, c, d, b, e, f, g, h, model, best_effort.seqs, best_effort.context)
 
 
@@ -167,7 +167,7 @@ class Plan:
             return False
         tokens = min(per_step, sum(got for _, got, _ in taken)) + self.budget.best_effort_chunk
         widest = max(self.attends(i) for i, _, _ in taken)
-        return runs_op_by_op(StepFeatures(tokens, 0, 0, tokens * widest))
+        return runs_op_by_op(StepFeatures(tokens, 0, 0, tokens * widest), self.cost.model.kernel_limits)
 
     def attends(self, index: int) -> int:
         """The most positions a prefill chunk of ``works[index]`` attends to: all but the tokens

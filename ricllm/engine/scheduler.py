@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from ricllm.attention.cpu_policy import C_KERNEL_PREFILL_WORK
 from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.sequence import Sequence, SequenceStatus
 
@@ -118,7 +117,7 @@ class Scheduler:
     def _apply_rescue(self, order: list[Sequence], now: float) -> list[Sequence]:
         """Set the step's best-effort allowance; drop the sequences a rescue pauses from ``order``."""
         self._best_effort_left = self.gate.best_effort_prefill_allowance() if self.gate is not None else None
-        self._best_effort_work_left = C_KERNEL_PREFILL_WORK
+        self._best_effort_work_left = self.gate.best_effort_work_allowance() if self.gate is not None else NEVER
         self._prefill_until = NEVER
         rescue = self.gate.rescue(now, self._running_best_effort()) if self.gate is not None else None
         if rescue is None:
@@ -187,7 +186,7 @@ class Scheduler:
             if num_new == 0:
                 break
             allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
-                         else self._within_unreserved(seq, num_new, hits) and self.cache.allocate(seq, num_new, hits))
+                         else self._within_unreserved(seq, num_new, hits) and self._allocate(seq, num_new, hits))
             if not allocated:
                 self.num_waits += 1
                 break
@@ -232,7 +231,7 @@ class Scheduler:
         that suffices); a best-effort one that cannot get blocks is preempted itself.
         """
         while True:
-            if (seq.promised or self._within_unreserved(seq, num_new, hits)) and self.cache.allocate(seq, num_new, hits):
+            if (seq.promised or self._within_unreserved(seq, num_new, hits)) and self._allocate(seq, num_new, hits):
                 return True
             victim = self._victim(exclude=scheduled | {seq}, best_effort_only=seq.promised or self.gate is not None)
             if victim is None:
@@ -243,6 +242,13 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
+    def _allocate(self, seq: Sequence, num_new: int, hits=()) -> bool:
+        """Blocks for ``num_new`` more tokens (after ``hits``), recorded in ``seq``; False if the pool is short."""
+        grant = self.cache.allocate(seq, num_new, hits)
+        if grant is not None:
+            seq.take_blocks(grant)
+        return grant is not None
+
     def _victim(self, exclude: set, best_effort_only: bool) -> Sequence | None:
         candidates = [s for s in self.running if s not in exclude and not (best_effort_only and s.promised)]
         return max(candidates, key=lambda s: (not s.promised, s.arrival_time), default=None)
@@ -250,6 +256,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue: it resumes by recomputing prompt + outputs."""
         self.cache.free(seq)
+        seq.drop_blocks()
         seq.num_computed_tokens = seq.prefix_hit_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.add(seq)
@@ -265,3 +272,4 @@ class Scheduler:
         if seq.pin_on_finish is not None:
             self.cache.pin(seq, seq.pin_on_finish)
         self.cache.free(seq)
+        seq.drop_blocks()

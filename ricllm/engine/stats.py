@@ -2,13 +2,14 @@
 
 ``LLMEngine.snapshot()`` is the only place these numbers are gathered; the offline API's
 ``kv_cache_stats``, the server's ``stats`` reply and Prometheus metrics, and the replay timeline
-and report all read it. The dataclasses import nothing heavy, so the wire protocol carries them
-as they are (``ricllm.protocol.ServerStats``).
+and report (``EngineStats.admission_report``) all read it. The dataclasses import nothing heavy,
+so the wire protocol carries them as they are (``ricllm.protocol.ServerStats``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class SlowdownEvent:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine at one moment. ``latency`` is None without admission (no latency model)."""
+    """The engine at one moment. ``latency`` is None without admission (no latency model), and so
+    are ``caps`` and ``admission`` (the controller's own account: paced steps, promises in flight,
+    the latency model's fit and errors)."""
 
     kv_cache: KVCacheStats
     running: int
@@ -78,3 +81,32 @@ class EngineStats:
     deadlines_missed: int = 0
     latency: LatencyStats | None = None
     steps: int = 0  # steps run since start
+    degraded: int = 0  # admitted with fewer tokens than asked (the degrade policy)
+    deadlines_ended_early: int = 0  # answered at their deadline with what they had (on_late: end_early)
+    slack_ms: tuple[float, ...] = ()  # deadline − finish of the latest finished deadline requests, ms
+    best_effort_paused_steps: int = 0  # steps some best effort sat out so admitted requests stay on time
+    rescue_prefill_steps: int = 0  # steps whose prefill ran only for admitted requests at risk
+    slowdowns: tuple[SlowdownEvent, ...] = ()  # the slowdown detector's verdicts, oldest first
+    caps: list[dict] | None = None  # the tightest deadline class's largest batch per context
+    admission: dict[str, Any] | None = None
+
+    def slack_percentiles(self) -> dict[str, float | None]:
+        """p5, p50 and p95 of ``slack_ms`` (None before any deadline request finished)."""
+        slack = sorted(self.slack_ms)
+
+        def pct(q: float) -> float | None:
+            return slack[min(len(slack) - 1, int(q * len(slack)))] if slack else None
+
+        return {"p5": pct(0.05), "p50": pct(0.5), "p95": pct(0.95)}
+
+    def admission_report(self) -> dict[str, Any]:
+        """What admission did, as the replay report records it: admitted and rejected by reason,
+        deadlines met, missed and ended early, slack, rescues, slowdowns, caps and the controller's
+        own account."""
+        base = self.admission if self.admission is not None else {"policy": "off"}
+        return {**base, "deadlines": {"met": self.deadlines_met, "missed": self.deadlines_missed,
+                                      "ended_early": self.deadlines_ended_early},
+                "best_effort_paused_steps": self.best_effort_paused_steps,
+                "rescue_prefill_steps": self.rescue_prefill_steps,
+                "slowdowns": [asdict(e) for e in self.slowdowns],
+                "slack_ms": self.slack_percentiles(), "caps": self.caps}

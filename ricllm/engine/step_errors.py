@@ -5,7 +5,7 @@ Three kinds, because they err differently:
 - ``decode``: a step that carries no prefill token;
 - ``prefill``: a step that carries prefill (a prompt's chunk, forced tokens), decodes beside it or not;
 - ``after_idle``: the first step after the engine ran none for more than ``IDLE_GAP_S``, and every
-  probe step (``LLMEngine._probe``, run only while idle). Cold caches and a CPU clock that ramps back
+  probe step (``StepRecorder.probe``, run only while idle). Cold caches and a CPU clock that ramps back
   up make it run many times its fit; the next step is already warm.
 
 ``decode`` and ``prefill`` hold the ratio measured / fitted: a slower machine (a neighbour, thermal

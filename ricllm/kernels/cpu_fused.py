@@ -1,7 +1,7 @@
 """Fused elementwise layer steps for the CPU (``kernels/cpu_fused_ops.c``), one C call each.
 
-``CpuFusedOps`` is what the model's layers call instead of their torch ops when the engine runs
-the ``cpu`` attention backend: add + RMSNorm, RoPE + K/V store, SiLU·up. Each rounds where
+``CpuFusedOps`` is what the fused layers (``ricllm.engine.runtime.llama_fused``) call instead of the
+torch ops when the engine runs the ``cpu`` attention backend: add + RMSNorm, RoPE + K/V store, SiLU·up. Each rounds where
 eager torch rounds, so a model computes the same thing either way up to the order of the fp32
 sums in the norm; the torch layers remain the reference (tests compare the two).
 Activations must be contiguous bf16 or fp32 tensors on the CPU.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from pathlib import Path
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
@@ -166,17 +166,11 @@ def prefix_text(prefix: ChatPrefix) -> str:
 
 
 def _pin_template(engine, template: Template) -> tuple[dict[str, int], ChatPrefix]:
-    """Runs on the engine thread before any request: compile the template's constraint (once, so no
-    request pays for it; a schema the engine cannot compile fails here), then compute the whole
-    conversation's KV (system prompt and worked examples) and pin it."""
-    if template.structured is not None:
-        engine.compile_structured(template.structured)
-    prefix = engine.render_chat_prefix(template.message_list)
-    handle, seq = engine.pin_prefix(prefix.token_ids)
-    while not seq.is_finished:
-        engine.step()
-    pinned = {"tokens": len(prefix.token_ids), "pinned_tokens": len(handle.block_ids) * engine.config.block_size}
-    return pinned, prefix
+    """Runs on the engine thread before any request: the engine pins the template (its constraint
+    compiled once, so no request pays for it; a schema it cannot compile fails here) and computes
+    the whole conversation's KV (system prompt and worked examples)."""
+    pinned = engine.pin_template(template)
+    return {"tokens": pinned.num_tokens, "pinned_tokens": pinned.num_pinned_tokens}, pinned.prefix
 
 
 class _EngineSampler:
@@ -224,16 +218,13 @@ def _cancel_all(engine) -> int:
 
 def _engine_info(engine) -> dict[str, Any]:
     """Runs on the engine thread at the end: settings, final counters, model identity."""
-    from ricllm.paths import file_digest
-
-    kv = engine.kv_cache_stats()
-    return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": kv,
-            "admission": engine.admission_stats(), "startup_s": engine.startup_s,
+    snap = engine.snapshot()
+    return {"source": "in_process", "settings": engine.config.model_dump(mode="json"), "kv_cache": asdict(snap.kv_cache),
+            "admission": snap.admission_report(), "startup_s": engine.startup_s,
             "device": str(engine.runtime.device), "dtype": str(engine.runtime.dtype).removeprefix("torch."),
             "attention_backend": engine.runtime.attention_backend, "threads": engine.runtime.threads,
             "runtime": engine.runtime.name,
-            "model": {"path": str(engine.model_path), "name": engine.spec.name,
-                      "sha256": file_digest(Path(engine.model_path))}}
+            "model": engine.served_model.record()}
 
 
 def _fill_from_output(record, output, sent: float, first: float | None, done: float, t0: float) -> None:

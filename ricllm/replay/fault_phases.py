@@ -6,7 +6,7 @@ its start and stops it at its end, in replay seconds (``(trace time - pacing.sta
 as requests are sent). Hogs are stopped when the replay ends, however it ends.
 
 The **reaction window** of a phase runs from its start to the detector's first ``slow`` verdict
-after it (the engine's ``slowdown_events``; the phase's end when the detector never fired during
+after it (the engine snapshot's ``slowdowns``; the phase's end when the detector never fired during
 it; the phase's start when the detector already said slow then). A request is *in the window*
 when it was admitted (sent, in-process: its arrival is stamped at submission) before the window
 closed and was still unfinished when the phase began: admission planned it with steps as fast

@@ -28,6 +28,7 @@ from pydantic import (
 from ricllm.config import EngineSettings
 from ricllm.replay.generator import GENERATED_KPIS, GENERATED_PASSTHROUGH
 from ricllm.replay.prompts import check_template
+from ricllm.sampling_params import Priority
 from ricllm.replay.traces import TraceSpec
 from ricllm.report.targets import parse_target
 from ricllm.sampling_params import default_priority
@@ -257,7 +258,7 @@ class DeadlineClass(_Strict):
     deadline_ms: float | None = Field(gt=0)
     max_tokens: int = Field(16, ge=1)
     weight: float = Field(1.0, ge=0)
-    priority: Literal["near_rt", "non_rt", "best_effort"] | None = None
+    priority: Priority | None = None
     temperature: float = Field(0.0, ge=0)
     ignore_eos: bool = False
     # sink + window KV retention for this class (ricllm.kv_window); None: the engine's, 0: exact

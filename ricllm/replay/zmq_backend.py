@@ -98,7 +98,7 @@ class ZmqBackend:
         try:
             stats = await self.client.stats(timeout_s=5)
             info.update(kv_cache=asdict(stats.kv_cache), server_stats=stats.model_dump(mode="json"),
-                        model={"path": stats.model.path, "name": stats.model.name, "sha256": None})
+                        model=stats.model.served_model().record(digest=False))
             for template_id in self.template_ids.values():
                 await self.client.unregister_template(template_id, timeout_s=5)
         except (TimeoutError, RicllmError) as exc:

@@ -1,4 +1,4 @@
-"""``xapp_descriptor/schema.json``, generated from the controls model (:class:`Controls`).
+"""``xapp_descriptor/schema.json``, generated from the serve settings model (:class:`ricllm.config.ServeSettings`).
 
 The OSC onboarder validates a descriptor's ``controls`` with a draft-07 JSON schema and without
 ricllm, so the schema is a file in the repository; this module writes it from the one settings
@@ -17,20 +17,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ricllm.serve.settings import Controls
+from ricllm.config import ServeSettings
 
 HEADER = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "$id": "https://ricllm/xapp_descriptor/schema.json",
     "title": "ricllm xApp controls",
     "description": "Validates the controls section of config-file.json: the engine and service settings of "
-                   "ricllm serve. Generated from ricllm.serve.settings.Controls; do not edit by hand.",
+                   "ricllm serve. Generated from ricllm.config.ServeSettings; do not edit by hand.",
 }
 _DROPPED = ("title", "default", "flag", "metavar")  # the defaults a descriptor gets are the serve profile's
 
 
 def controls_schema() -> dict[str, Any]:
-    generated = Controls.model_json_schema(mode="validation")
+    generated = ServeSettings.model_json_schema(mode="validation")
     definitions = generated.pop("$defs", {})
     body = _draft7(generated, definitions)
     body.pop("description", None)

@@ -16,7 +16,7 @@ from ricllm.errors import ConfigError
 from ricllm.serve.handoff import Command, SocketRoute, client_name, clock, log
 
 if TYPE_CHECKING:
-    from ricllm.serve.settings import ServerOptions
+    from ricllm.config import ServerOptions
     from ricllm.serve.state import ServerState
 
 

@@ -19,7 +19,6 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -113,8 +112,8 @@ class OpenAIApi:
     async def _check_model(self, requested: str) -> str:
         """The model a request names must be this one: its name, or its file's name (with or without suffix)."""
         identity = await self._identity()
-        name = await self._served_name()
-        if requested not in {name, Path(identity.path).name, Path(identity.path).stem}:
+        name = identity.served_name
+        if not identity.served_model().answers_to(requested):
             raise OpenAIError(404, f"The model {requested!r} does not exist; this server serves {name!r}",
                               code="model_not_found", param="model")
         return name

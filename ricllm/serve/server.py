@@ -48,13 +48,13 @@ import zmq
 from ricllm.affinity import format_cpu_list, other_cpus, threads_started_on
 from ricllm.engine.engine_loop import EngineLoop
 from ricllm.errors import ConfigError, RicllmError
+from ricllm.config import ServeConfig, ServerOptions
 from ricllm.logging import configure_logging
 from ricllm.serve.frontend import Frontend
 from ricllm.serve.handoff import Outbox, clock, log, new_wake_address
 from ricllm.serve.http import HttpServer
 from ricllm.serve.metrics import ServerMetrics
-from ricllm.serve.reload import ConfigWatcher, EffectiveConfig
-from ricllm.serve.settings import ServerOptions, ServeSettings
+from ricllm.serve.reload import ConfigWatcher, config_body
 from ricllm.serve.state import ServerState
 from ricllm.serve.worker import Worker
 
@@ -80,13 +80,13 @@ class Server:
     """
 
     def __init__(self, config: EngineConfig, options: ServerOptions | None = None,
-                 latency_model: LatencyModel | None = None, settings: ServeSettings | None = None) -> None:
+                 latency_model: LatencyModel | None = None, settings: ServeConfig | None = None) -> None:
         self.options = options or ServerOptions()
         self.metrics = ServerMetrics()
         self._context = zmq.Context()
         self._state = ServerState(self.options, self.metrics, Outbox(self._context, new_wake_address()))
-        self._state.publish_config(EffectiveConfig.of(settings) if settings is not None
-                                   else EffectiveConfig.of_arguments(config, self.options))
+        self._state.publish_config(settings if settings is not None
+                                   else ServeConfig.of_arguments(config, self.options))
         self._watcher = self._config_watcher(settings)
         self._auth = None
         self._http: HttpServer | None = None
@@ -126,9 +126,9 @@ class Server:
                  service_cpus=format_cpu_list(self._service_cpus) if self._service_cpus else None)
         return self
 
-    def _config_watcher(self, settings: ServeSettings | None) -> ConfigWatcher | None:
+    def _config_watcher(self, settings: ServeConfig | None) -> ConfigWatcher | None:
         """A watcher of ``$CONFIG_FILE`` whose live changes go to the engine thread's queue."""
-        if settings is None or settings.inputs.watched_file is None:
+        if settings is None or settings.watched_file is None:
             return None
         return ConfigWatcher(settings, self._state.live_changes.put)
 
@@ -151,7 +151,7 @@ class Server:
     def _config_body(self) -> dict:
         """``/ric/v1/config`` (HTTP thread): the configuration the engine thread last published."""
         watching = self._watcher is not None and self._watcher.watching.is_set()
-        return self._state.effective_config.body(watching)
+        return config_body(self._state.effective_config, watching)
 
     def _start_auth(self) -> None:
         """CURVE clients are admitted only with a public key found in ``authorized_keys_dir``."""
@@ -249,7 +249,7 @@ class Server:
         return state.ready.is_set()
 
 
-def serve_forever(settings: ServeSettings) -> int:
+def serve_forever(settings: ServeConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0 (a second signal cancels what runs)."""
     configure_logging(settings.log_format, settings.log_level)
     server = Server(settings.engine_config(), settings.server, settings=settings)

@@ -14,11 +14,11 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+from ricllm.config import ServeConfig, ServerOptions
 from ricllm.serve.handoff import Command, Outbox, clock, log
 from ricllm.serve.intake import Intake
 from ricllm.serve.metrics import ServerMetrics
-from ricllm.serve.reload import EffectiveConfig, LiveChange
-from ricllm.serve.settings import ServerOptions
+from ricllm.serve.reload import LiveChange
 
 
 @dataclass(eq=False)
@@ -57,7 +57,7 @@ class ServerState:
     endpoint: str | None = None  # the bound endpoint, once the socket is bound (for the ready log)
     http_port: int | None = None
     live_changes: queue.SimpleQueue[LiveChange] = field(default_factory=queue.SimpleQueue)
-    effective_config: EffectiveConfig | None = None
+    effective_config: ServeConfig | None = None
 
     def __post_init__(self) -> None:
         self.intake = Intake(self.options.inbound_queue_size, self.metrics, self.draining)
@@ -74,7 +74,7 @@ class ServerState:
             log.info("server_draining", timeout_s=timeout_s)
         self.draining.set()
 
-    def publish_config(self, effective: EffectiveConfig) -> None:
+    def publish_config(self, effective: ServeConfig) -> None:
         """The configuration running now (engine thread, once a live change applies; one assignment)."""
         self.effective_config = effective
 

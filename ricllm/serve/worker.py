@@ -179,10 +179,10 @@ class Worker(EngineDriver):
         request = command.request
         try:
             handlers[type(request)](command)
-        except Refused as refused:
-            command.reply(refused.reply(request.id))
+        except Refused as refused:  # counted before it is answered: an HTTP client hears at once
             self.metrics.rejected(refused.code, deadline_class(request))
             log_refusal(command, refused.code, refused.message, rejected=True)
+            command.reply(refused.reply(request.id))
         except p.ProtocolError as exc:
             self._fail(command, exc.code, exc.message)
         except Exception as exc:  # a bug: answer it, keep serving
@@ -190,21 +190,21 @@ class Worker(EngineDriver):
             self._fail(command, "INTERNAL", f"{type(exc).__name__}: {exc}")
 
     def _fail(self, command: Command, code: str, message: str) -> None:
-        command.reply(p.ErrorReply(id=command.request.id, code=code, message=message))
         if isinstance(command.request, p.GenerateRequest):
             self.metrics.error(code, deadline_class(command.request))
             log_refusal(command, code, message, rejected=False)
+        command.reply(p.ErrorReply(id=command.request.id, code=code, message=message))
 
     # -- generate
 
     def _generate(self, command: Command) -> None:
         request: p.GenerateRequest = command.request
         template = self._template(request.template_id, request.id)
-        constraint = self._constraint(request, template)
+        grammar = self._constraint(request, template)
         token_ids = self._prompt_tokens(request, template)
-        params = self._sampling(request, command.received, constraint)
+        params = self._sampling(request, command.received, grammar.spec if grammar is not None else None)
         internal_id = str(next(self._ids))
-        seq = self._add(request, token_ids, params, internal_id, command.received)
+        seq = self._add(request, token_ids, params, internal_id, command.received, grammar)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
             raise Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
         cls = deadline_class(request)
@@ -225,18 +225,17 @@ class Worker(EngineDriver):
                                   "registered", request_id)
         return template
 
-    def _constraint(self, request: p.GenerateRequest, template: _Template | None) -> StructuredSpec | None:
-        """The request's own constraint, else its template's; compiled now (cached by the engine),
-        so one that cannot be is an error reply before the request reaches the engine's queues."""
+    def _constraint(self, request: p.GenerateRequest, template: _Template | None) -> CompiledGrammar | None:
+        """The request's own constraint, else its template's, compiled now: the request's one compile
+        (the engine caches it by its text, and ``add_request`` takes it as it is), so one that cannot
+        be is an error reply before the request reaches the engine's queues."""
         from ricllm.structured.spec import StructuredSpec
 
         if request.structured is not None:
             spec = StructuredSpec.parse(request.structured)  # checked at receipt: cannot fail here
         else:
             spec = template.template.structured if template is not None else None
-        if spec is not None:
-            self._compile(spec, request.id)
-        return spec
+        return self._compile(spec, request.id) if spec is not None else None
 
     def _compile(self, spec: StructuredSpec, request_id: str) -> CompiledGrammar:
         try:
@@ -283,23 +282,23 @@ class Worker(EngineDriver):
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
     def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
-             internal_id: str, received: float) -> Sequence:
+             internal_id: str, received: float, grammar: CompiledGrammar | None) -> Sequence:
         engine = self.engine
         if engine.admission is None:
-            self.intake.check_context(len(token_ids), self._planned_tokens(params), engine.max_model_len)
+            self.intake.check_context(len(token_ids), self._planned_tokens(params, grammar), engine.max_model_len)
         try:
-            return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received)
+            return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received,
+                                      grammar=grammar)
         except CapacityError as exc:  # admission off: can never fit the KV budget
             raise Refused("KV_BUDGET", str(exc), prompt_tokens=len(token_ids), max_tokens=params.max_tokens) from None
         except InvalidRequestError as exc:
             source = "token_ids" if request.token_ids is not None else "prompt"
             raise p.ProtocolError("VALIDATION", f"field {source!r}: {exc}", request.id) from None
 
-    def _planned_tokens(self, params: SamplingParams) -> int:
+    @staticmethod
+    def _planned_tokens(params: SamplingParams, grammar: CompiledGrammar | None) -> int:
         """``max_tokens``, or the constraint's longest answer when that is shorter (the engine caps it so)."""
-        if params.structured is None:
-            return params.max_tokens
-        longest = self.engine.compile_structured(params.structured).max_tokens  # compiled already: cached
+        longest = grammar.max_tokens if grammar is not None else None
         return params.max_tokens if longest is None else min(params.max_tokens, longest)
 
     def _bound_ms(self, pending: _Pending) -> float | None:
@@ -423,18 +422,19 @@ class Worker(EngineDriver):
             self._register_again(command, existing, template)
             return
         if template.structured is not None:
-            self._compile(template.structured, request.id)  # once, here: its requests find it cached
-        self._pin(command, template_id, template, self._render_template(template, request))
+            self._compile(template.structured, request.id)  # its own error reply; the pin finds it compiled
+        self._pin(command, template_id, template)
 
-    def _pin(self, command: Command, template_id: str, template: Template, prefix: ChatPrefix) -> None:
-        """Queue the pin; the register request is answered once its prefill has run (``_pinned``)."""
+    def _pin(self, command: Command, template_id: str, template: Template) -> None:
+        """Queue the pin (``engine.pin_template``); the register request is answered once its
+        prefill has run (``_pinned``)."""
         request: p.RegisterTemplateRequest = command.request
         internal_id = f"template:{next(self._ids)}"
         try:
-            handle, _ = self.engine.pin_prefix(prefix.token_ids, request_id=internal_id)
-        except (CapacityError, InvalidRequestError) as exc:
+            pinned = self.engine.pin_template(template, request_id=internal_id, wait=False)
+        except (CapacityError, InvalidRequestError) as exc:  # no room, or the chat template refused it
             raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: {exc}", request.id) from None
-        registered = _Template(template_id, template, prefix, handle, [command])
+        registered = _Template(template_id, template, pinned.prefix, pinned.handle, [command])
         self._templates[template_id] = registered
         self._internal[internal_id] = registered
 
@@ -446,7 +446,7 @@ class Worker(EngineDriver):
             raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
                                   "another conversation or constraint; unregister it first", request.id)
         if registered.pinned:
-            self.outbox.put(command.identity, registered.registered(request.id, self.engine.config.block_size))
+            command.reply(registered.registered(request.id, self.engine.config.block_size))
         else:
             registered.waiters.append(command)
 
@@ -456,21 +456,13 @@ class Worker(EngineDriver):
             if template_id not in self._templates:
                 return template_id
 
-    def _render_template(self, template: Template, request: p.RegisterTemplateRequest) -> ChatPrefix:
-        """The conversation as chat requests start with it (contents one per line without a chat template)."""
-        try:
-            return self.engine.render_chat_prefix(template.message_list)
-        except Exception as exc:  # the chat template's raise_exception
-            raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: cannot apply the model's "
-                                  f"chat template: {exc}", request.id) from None
-
     def _pinned(self, template: _Template) -> None:
         template.pinned = True
         block_size = self.engine.config.block_size
         if self._templates.get(template.template_id) is not template:  # unregistered while it was pinning
             self._unpin(template)
         for waiter in template.waiters:
-            self.outbox.put(waiter.identity, template.registered(waiter.request.id, block_size))
+            waiter.reply(template.registered(waiter.request.id, block_size))
         template.waiters.clear()
         log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
                  pinned_tokens=template.pinned_tokens(block_size), examples=template.template.num_examples,
@@ -488,7 +480,7 @@ class Worker(EngineDriver):
                                   "is registered", request.id)
         if template.pinned:
             self._unpin(template)
-        self.outbox.put(command.identity, p.TemplateUnregistered(id=request.id, template_id=request.template_id))
+        command.reply(p.TemplateUnregistered(id=request.id, template_id=request.template_id))
         log.info("template_unregistered", template=request.template_id)
 
     # -- stats and metrics
@@ -514,7 +506,8 @@ class Worker(EngineDriver):
     def _model_identity(self) -> p.ModelIdentity:
         runtime = self.engine.runtime
         layers, head = runtime.weight_formats
-        return p.ModelIdentity(name=runtime.spec.name, path=str(self.engine.model_path),
+        served = self.engine.served_model
+        return p.ModelIdentity(name=served.name, path=str(served.path), served_name=served.served_name,
                                dtype=str(runtime.dtype).removeprefix("torch."),
                                weights=p.WeightFormats(layers=layers, head=head),
                                attention_backend=runtime.attention_backend, device=str(runtime.device),

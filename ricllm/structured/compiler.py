@@ -161,11 +161,13 @@ def walk_answers(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokeniz
             child.consume_tokens([token])
             yield most_after(child, answer + ll_tokenizer.decode_bytes([token]))
 
-    try:  # a request samples at least once, even when its arrival forced the whole answer
+    try:
         decisions, tokens = most_after(fresh.deep_copy(), b"")
     except OverflowError:
         return None
-    return max(decisions, 1), max(tokens, 1)
+    if decisions == 0:  # its arrival forced the whole answer: it still samples once, the end token
+        return 1, tokens + 1
+    return decisions, tokens
 
 
 def _grammar_text(spec: StructuredSpec) -> str:

@@ -1,7 +1,7 @@
 """One request's place in its grammar, and the token masks of a batch's constrained rows.
 
 A row without a constraint never reaches this module: it pays nothing. A mask is built only for
-a constrained row that samples this step and needs one (``LLMEngine._sample``); the runtime
+a constrained row that samples this step and needs one (``ConstrainedDecoding.sample``); the runtime
 applies it to the row's logits (``Runtime.mask``), so a constrained answer can only ever be a
 prefix of a valid one.
 """

@@ -58,9 +58,8 @@ class RunningServer:
 
 def _start(engine_kwargs: dict, ready: bool = True, **options) -> RunningServer:
     require_module("prometheus_client")
-    from ricllm.config import EngineConfig
+    from ricllm.config import EngineConfig, ServerOptions
     from ricllm.serve.server import Server
-    from ricllm.serve.settings import ServerOptions
 
     settings = dict(zmq_endpoint="tcp://127.0.0.1:*", http_port=0, http_host="127.0.0.1")
     settings.update(options)

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
+from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
 from tests.serve.kube import render_kustomization, validation_errors
 
 ROOT = Path(__file__).parents[2]
@@ -75,7 +75,7 @@ def test_engine_cpus_fit_the_pods_cpus_and_leave_one_for_the_server(objects, mon
     """deploy/config-file.json is what the server reads; its engine_cpus count within the pod's
     cpuset, whichever CPUs the node gives it, and leave the server's other threads a CPU."""
     from ricllm.affinity import parse_cpu_list
-    from ricllm.serve.settings import resolve_settings
+    from ricllm.config import resolve_settings
 
     cpus = int(_cpus(str(_container(objects)["resources"]["limits"]["cpu"])))
     cpuset = set(range(20, 20 + cpus))  # as the static CPU manager might hand them out
@@ -147,7 +147,7 @@ def test_the_image_is_the_descriptors(objects):
 
 
 def test_drain_fits_the_termination_grace_period(objects):
-    from ricllm.serve.settings import ServerOptions
+    from ricllm.config import ServerOptions
 
     grace = _one(objects, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert ServerOptions().drain_timeout_s < grace

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
+from ricllm.config import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT
 from tests.helpers import require_module
 
 ROOT = Path(__file__).parents[2]
@@ -274,8 +274,7 @@ def test_probes_agree_with_the_dockerfile_healthcheck():
 
 def test_controls_defaults_are_the_engines():
     """The descriptor's controls are the engine's defaults, but for what the serve profile overrides."""
-    from ricllm.config import EngineSettings
-    from ricllm.serve.settings import SERVE_PROFILE, ServerOptions, merge_layers
+    from ricllm.config import SERVE_PROFILE, EngineSettings, ServerOptions, merge_layers
 
     defaults = merge_layers(EngineSettings().model_dump(mode="json"), SERVE_PROFILE)
     controls = DESCRIPTOR["controls"]

@@ -29,7 +29,7 @@ def state():
     require_module("prometheus_client")
     from ricllm.serve.handoff import Outbox, new_wake_address
     from ricllm.serve.metrics import ServerMetrics
-    from ricllm.serve.settings import ServerOptions
+    from ricllm.config import ServerOptions
     from ricllm.serve.state import ServerState
 
     context = zmq.Context()

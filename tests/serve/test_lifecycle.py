@@ -63,7 +63,7 @@ def write_atomically(path: Path, text: str) -> None:
 @pytest.fixture
 def config_server(engine_kwargs, tmp_path) -> Iterator[ConfigServer]:
     from ricllm.serve.server import Server
-    from ricllm.serve.settings import resolve_settings
+    from ricllm.config import resolve_settings
 
     path = tmp_path / "config-file.json"
     controls = {**engine_kwargs, "admission": {"policy": "deadline"}, "zmq_endpoint": "tcp://127.0.0.1:*",
@@ -183,7 +183,7 @@ def test_a_bad_file_keeps_the_running_config_and_says_why(config_server, text, r
 
 def test_the_watcher_ends_with_the_server(engine_kwargs, tmp_path):
     from ricllm.serve.server import Server
-    from ricllm.serve.settings import resolve_settings
+    from ricllm.config import resolve_settings
 
     path = tmp_path / "config-file.json"
     path.write_text(json.dumps({"controls": {**engine_kwargs, "zmq_endpoint": "tcp://127.0.0.1:*",

@@ -653,7 +653,7 @@ def test_curve_admits_authorized_keys_only(start_server, tmp_path):
     authorized = tmp_path / "authorized"
     authorized.mkdir()
     (authorized / "client.key").write_bytes(client_public.read_bytes())
-    from ricllm.serve.settings import CurveOptions
+    from ricllm.config import CurveOptions
 
     running = start_server(curve=CurveOptions(str(server_secret), str(authorized)), http_port=None)
     with RicClient(running.endpoint, timeout_s=30, curve_server_key=server_public,

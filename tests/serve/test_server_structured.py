@@ -57,6 +57,19 @@ def test_forced_tokens_are_counted_and_streamed_like_any_other(server):
     assert [t.token_id for t in tokens] == result.token_ids and "".join(t.text for t in tokens) == result.text
 
 
+def test_a_request_compiles_its_constraint_once(start_server, monkeypatch):
+    """Checked at receipt, compiled once on the engine thread: the worker hands the engine its compile."""
+    from ricllm.engine.constrained import ConstrainedDecoding
+
+    compiled, compile_once = [], ConstrainedDecoding.compile
+    monkeypatch.setattr(ConstrainedDecoding, "compile",
+                        lambda self, spec: compiled.append(spec) or compile_once(self, spec))
+    running = start_server()
+    with RicClient(running.endpoint, timeout_s=60) as client:
+        result = client.generate("Cell 17 is congested.", structured={"choice": ACTIONS}, max_tokens=16)
+    assert result.text in ACTIONS and len(compiled) == 1
+
+
 # ------------------------------------------------------------------------------ templates
 
 def test_a_template_with_worked_examples_and_a_constraint_constrains_its_requests(server):

@@ -13,8 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from ricllm.cli.serve import settings_from_args
-from ricllm.config import AdmissionConfig
-from ricllm.serve.settings import Controls, CurveControls, CurveOptions, SettingsError, flatten_controls
+from ricllm.config import AdmissionSettings, CurveOptions, CurveSettings, ServeSettings, SettingsError, flatten_settings
 
 ROOT = Path(__file__).parents[2]
 DESCRIPTOR = json.loads((ROOT / "xapp_descriptor" / "config-file.json").read_text())
@@ -38,13 +37,13 @@ def descriptor_file(tmp_path: Path, name: str, **controls) -> Path:
 # ------------------------------------------------------------------------------ agreement with the schema
 
 def test_the_descriptor_controls_are_valid_and_are_the_serve_defaults():
-    assert Controls.model_validate(DESCRIPTOR["controls"]) == settings_from_args(parse(), environ={}).controls
+    assert ServeSettings.model_validate(DESCRIPTOR["controls"]) == settings_from_args(parse(), environ={}).controls
 
 
 @pytest.mark.parametrize("model, schema", [
-    (Controls, SCHEMA),
-    (AdmissionConfig, SCHEMA["properties"]["admission"]),
-    (CurveControls, SCHEMA["properties"]["curve"]),
+    (ServeSettings, SCHEMA),
+    (AdmissionSettings, SCHEMA["properties"]["admission"]),
+    (CurveSettings, SCHEMA["properties"]["curve"]),
 ])
 def test_fields_are_the_schemas(model: type[BaseModel], schema: dict):
     assert set(model.model_fields) == set(schema["properties"])
@@ -55,8 +54,8 @@ def test_fields_are_the_schemas(model: type[BaseModel], schema: dict):
 def test_enums_are_the_schemas():
     properties = SCHEMA["properties"]
     for name in ("dtype", "weights", "attention_backend"):
-        assert set(typing.get_args(Controls.model_fields[name].annotation)) == set(properties[name]["enum"]), name
-    policy = AdmissionConfig.model_fields["policy"].annotation
+        assert set(typing.get_args(ServeSettings.model_fields[name].annotation)) == set(properties[name]["enum"]), name
+    policy = AdmissionSettings.model_fields["policy"].annotation
     assert set(typing.get_args(policy)) == set(properties["admission"]["properties"]["policy"]["enum"])
 
 
@@ -98,7 +97,7 @@ def test_invalid_controls_are_rejected_naming_the_field(tmp_path, change, field)
 
 
 def test_a_partial_controls_section_fills_in_defaults():
-    assert Controls.model_validate({"block_size": 32}).kv_cache_budget == "256MiB"
+    assert ServeSettings.model_validate({"block_size": 32}).kv_cache_budget == "256MiB"
 
 
 # ------------------------------------------------------------------------------ precedence
@@ -123,7 +122,7 @@ def test_flags_over_config_over_env_over_defaults(tmp_path):
     assert settings.sources["admission.policy"] == f"--config {config_file}"
     assert settings.sources["admission.max_queue"] == f"CONFIG_FILE={env_file}"
     assert settings.sources["admission.safety_margin"] == "default"
-    assert set(settings.sources) == set(flatten_controls(c.model_dump()))
+    assert set(settings.sources) == set(flatten_settings(c.model_dump()))
 
 
 @pytest.mark.parametrize("log_json, log_format", [(True, "json"), (False, "console")])
@@ -166,7 +165,7 @@ def test_a_config_written_before_on_late_still_reads(tmp_path):
 
 def test_defaults_without_any_file():
     settings = settings_from_args(parse(), environ={})
-    assert settings.controls == Controls(admission={"policy": "deadline"})  # the serve profile, over the defaults
+    assert settings.controls == ServeSettings(admission={"policy": "deadline"})  # the serve profile, over the defaults
     assert settings.server.zmq_endpoint == "tcp://0.0.0.0:5555" and settings.server.http_port == 8080
     assert settings.server.drain_timeout_s == 25.0
     assert settings.server.curve is None and settings.engine_config().admission.policy == "deadline"

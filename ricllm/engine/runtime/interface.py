@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from ricllm.engine.runtime.capabilities import RuntimeCapabilities
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
 
@@ -56,3 +57,4 @@ class Runtime:
     weights_source: str
     weight_cache_entry: Path | None
     load_s: float  # loading (and converting) the weights
+    capabilities: RuntimeCapabilities  # what admission, the scheduler and the latency model may rely on

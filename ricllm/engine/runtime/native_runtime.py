@@ -21,6 +21,7 @@ from ricllm.cache.kv_cache import NativeKVCache, plan_cache
 from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
 from ricllm.engine.runtime import numpy_sampler
+from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.native_convert import load_weights
 from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
@@ -58,4 +59,4 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
         sample=numpy_sampler.sample, mask=numpy_sampler.mask,
         new_generator=numpy_sampler.new_generator, device="cpu", dtype="bfloat16",
         threads=threads, attention_backend="cpu", weight_formats=weights.weight_formats, weights_source=source,
-        weight_cache_entry=entry, load_s=load_s)
+        weight_cache_entry=entry, load_s=load_s, capabilities=C_KERNEL_CAPABILITIES)

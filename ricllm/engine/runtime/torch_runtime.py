@@ -1,5 +1,6 @@
-"""The torch runtime: the torch model (``ricllm.engine.runtime.llama``) on any device, in every weight
-format, with the attention backend the configuration picks."""
+"""The torch runtime: the torch model (``ricllm.engine.runtime.llama``, with the C kernels swapped in
+by ``llama_fused`` for the ``cpu`` backend) on any device, in every weight format (``llama_weights``),
+with the attention backend the configuration picks."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from ricllm.attention.backends import select_backend
 from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
-from ricllm.engine.runtime import weight_cache
+from ricllm.engine.runtime import llama_weights, weight_cache
+from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES, NO_LIMITS, RuntimeCapabilities
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.llama import LlamaModel
+from ricllm.engine.runtime.llama_fused import enable_decoder_stack, model_class
 from ricllm.engine.runtime.model_runner import ModelRunner
 from ricllm.engine.runtime.sampler import mask, sample
 from ricllm.model.heap import release_free_heap
@@ -45,7 +48,7 @@ class LoadedModel:
             return False
         self.weight_formats = cached.weight_formats
         with torch.device("meta"):
-            model = LlamaModel(cached.spec, backend)
+            model = model_class(backend)(cached.spec, backend)
         self.model = weight_cache.adopt(model, cached, self.config.max_packed_rows).to(self.device).eval()
         self.spec, self.tokenizer = cached.spec, cached.tokenizer
         self.weights_source = f"cache {self.weight_cache_entry}"
@@ -71,15 +74,15 @@ class LoadedModel:
         max_rows = self.config.max_packed_rows
         # each weight gets memory as it is read and each layer is packed once complete: the whole
         # dense model never exists at once (a first start's peak RSS)
-        model = LlamaModel.build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
+        model = model_class(backend).build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
 
         def pack(index: int) -> None:
-            model.pack_layer(index, layer_format, max_rows)
+            llama_weights.pack_layer(model, index, layer_format, max_rows)
             release_free_heap()  # else the heap keeps its freed dense weights, between packed ones
 
-        model.load_weights(tensors, None if layer_format == "dense" else pack)
-        model.pack_head(head_format, max_rows)
+        llama_weights.load_weights(model, tensors, self.device, None if layer_format == "dense" else pack)
+        llama_weights.pack_head(model, head_format, max_rows)
         return model.eval()
 
 
@@ -90,7 +93,7 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
     dtype = config.torch_dtype(device)
     loaded = LoadedModel(config, model_path, device, dtype)
     load_s = time.perf_counter() - started
-    loaded.model.enable_decoder_stack()
+    enable_decoder_stack(loaded.model)
     geometry = plan_cache(loaded.spec, config.kv_cache_budget, config.block_size,
                           kv_format(config.kv_cache_dtype, str(dtype)))
     kv_cache = KVCache(loaded.spec, geometry, dtype, device)
@@ -99,4 +102,12 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
         kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample, mask=mask,
         new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
-        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s)
+        weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,
+        capabilities=capabilities_of(loaded.attention_backend))
+
+
+def capabilities_of(attention_backend: str) -> RuntimeCapabilities:
+    """The C kernels' limits where the ``cpu`` backend attends (and the decoder stack may run the
+    step whole); none for the GPU kernels and the torch reference, whose step costs have no
+    threshold in the size of the prefill."""
+    return C_KERNEL_CAPABILITIES if attention_backend == "cpu" else NO_LIMITS

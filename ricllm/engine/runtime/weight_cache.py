@@ -50,9 +50,10 @@ def _conversion_code_digest() -> str:
     from ricllm.kernels import cpu_quant  # the VNNI layout's packing code
     from ricllm.model import loader, packed_linear
 
-    runtime_dir = Path(__file__).parent  # the torch model whose state an entry holds: llama.py
+    runtime_dir = Path(__file__).parent  # the torch model whose state an entry holds, and its loading
     digest = hashlib.sha256()
-    for path in (loader.__file__, runtime_dir / "llama.py", packed_linear.__file__, __file__, cpu_quant.__file__):
+    for path in (loader.__file__, runtime_dir / "llama.py", runtime_dir / "llama_weights.py", packed_linear.__file__,
+                 __file__, cpu_quant.__file__):
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -1,59 +1,59 @@
-"""Settings of ``ricllm serve``: the xApp descriptor's ``controls`` section, its layers and precedence.
+"""The serve pair: :class:`ServeSettings` (input) and :class:`ServeConfig` (resolved).
 
-:class:`Controls` is the engine's settings model (:class:`ricllm.config.EngineSettings`) plus the
-service's own options; ``xapp_descriptor/schema.json`` is generated from it
-(:mod:`ricllm.serve.descriptor`). Every field has its default, so a partial ``controls`` section
-is valid and fills in from lower layers.
+- :class:`ServeSettings` is the xApp descriptor's ``controls`` section: every engine setting
+  (:class:`ricllm.config.EngineSettings`) plus the service's own, its ``curve`` section
+  (:class:`CurveSettings`) among them. ``xapp_descriptor/schema.json`` is generated from it
+  (:mod:`ricllm.serve.descriptor`). Every field has its default, so a partial ``controls`` section
+  is valid and fills in from lower layers.
+- :class:`ServeConfig` is what ``ricllm serve`` runs with: the merged settings, the engine's part
+  resolved on this host (:meth:`ServeConfig.engine_config`), how the service listens
+  (:class:`ServerOptions`), where each setting came from, and what was read, so that it can be
+  resolved again when ``$CONFIG_FILE`` changes.
 
 Precedence, highest first: command-line flags the user actually gave, ``--config FILE``, the
 file named by ``$CONFIG_FILE``, the serve profile (:data:`SERVE_PROFILE`: deadline admission), the
 model's defaults. Each layer is validated on its own (an error names the field and where it came
 from), then the layers are merged field by field (nested sections too) and validated once more.
-This module imports neither torch nor the engine, so the CLI can build its parser without them.
+This module imports neither torch nor the engine nor the server, so the CLI can build its parser
+without them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, ValidationError, model_validator
 
-from ricllm.config import EngineConfig, EngineSettings, NonEmpty, StrictModel, describe_errors, merge_layers, setting
-from ricllm.errors import ConfigError
+from ricllm.config.engine import LIVE_ADMISSION_CONTROLS, EngineConfig, EngineSettings
+from ricllm.config.fields import (
+    NonEmpty,
+    SettingsError,
+    StrictModel,
+    describe_errors,
+    flatten_settings,
+    merge_layers,
+    setting,
+)
 from ricllm.logging import LogFormat, LogLevel
-from ricllm.protocol import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
-
-__all__ = [
-    "CONFIG_ENV",
-    "SERVE_PROFILE",
-    "Controls",
-    "CurveOptions",
-    "ServeSettings",
-    "ServerOptions",
-    "SettingsError",
-    "SettingsInputs",
-    "effective_log_level",
-    "flatten_controls",
-    "load_controls_file",
-    "resolve_settings",
-]
 
 CONFIG_ENV = "CONFIG_FILE"
+DEFAULT_ZMQ_PORT = 5555
+DEFAULT_HTTP_PORT = 8080
+MAX_MESSAGE_BYTES = 1 << 20  # default bound on one request frame; the server may configure its own
 DEFAULT_BIND = f"tcp://0.0.0.0:{DEFAULT_ZMQ_PORT}"
 DEFAULT_DRAIN_TIMEOUT_S = 25.0  # under Kubernetes' default 30 s termination grace period
 # A service promises deadlines: the engine's own default (off) only refuses what can never fit.
 SERVE_PROFILE: dict[str, Any] = {"admission": {"policy": "deadline"}}
+# read afresh at each admission decision, step or log event, so a changed $CONFIG_FILE applies them live
+LIVE_CONTROLS: tuple[str, ...] = (*(f"admission.{name}" for name in LIVE_ADMISSION_CONTROLS), "log_level")
+ARGUMENTS_SOURCE = "Server arguments"  # the source of every setting of a server built in Python
 
 
-class SettingsError(ConfigError):
-    """A setting is missing, of the wrong type or out of range; the message names the field."""
-
-
-class CurveControls(StrictModel):
+class CurveSettings(StrictModel):
     """CurveZMQ: the server's ``.key_secret`` file and the folder of authorized client ``.key`` files."""
 
     model_config = {"json_schema_extra": {  # the rule the merged settings check, for the onboarder too
@@ -75,7 +75,7 @@ class CurveControls(StrictModel):
         return [name for name in ("server_secret_key_file", "authorized_keys_dir") if getattr(self, name) is None]
 
 
-class Controls(EngineSettings):
+class ServeSettings(EngineSettings):
     """The ``controls`` section of ``xapp_descriptor/config-file.json``: engine settings and the service's."""
 
     zmq_endpoint: Annotated[str, StringConstraints(pattern=r"^(tcp|ipc)://.+$")] = setting(
@@ -90,7 +90,7 @@ class Controls(EngineSettings):
         DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM, seconds admitted requests get to finish before they are cancelled "
                                  "(keep it below the pod's termination grace period)", ge=0, flag="drain-timeout",
         metavar="SECONDS")
-    curve: CurveControls = Field(default_factory=CurveControls)
+    curve: CurveSettings = Field(default_factory=CurveSettings)
     log_format: LogFormat = setting(
         "json", "structlog on stderr: json (JSON lines), osc (the O-RAN SC MDC JSON layout: ts, crit, id, mdc, msg) "
                 "or console (key-value lines)")
@@ -116,22 +116,26 @@ class Controls(EngineSettings):
                              "keep log_format only")
         return data
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's part of the controls, checked on this host (e.g. ``engine_cpus`` available)."""
-        return EngineConfig(**self.model_dump(include=set(EngineSettings.model_fields)))
+    @classmethod
+    def service_fields(cls) -> frozenset[str]:
+        """The fields the service adds to the engine's."""
+        return frozenset(cls.model_fields) - frozenset(EngineSettings.model_fields)
 
 
-# ------------------------------------------------------------------------------ what comes out
+# ------------------------------------------------------------------------------ resolved
 
 @dataclass(frozen=True)
 class CurveOptions:
+    """The ``curve`` section resolved: CURVE is on, with both key locations."""
+
     server_secret_key_file: str
     authorized_keys_dir: str
 
 
 @dataclass
 class ServerOptions:
-    """How the service listens. ``http_port`` 0 binds any free port; None runs no HTTP listener.
+    """How the service listens, the service's part of :class:`ServeConfig` (and what a ``Server``
+    embedded in Python is given). ``http_port`` 0 binds any free port; None runs no HTTP listener.
 
     Frames up to ``max_message_bytes`` are parsed; larger ones that still arrive (up to twice
     that, libzmq's ``ZMQ_MAXMSGSIZE``, beyond which it drops the connection) get ``TOO_LARGE``.
@@ -151,32 +155,30 @@ class ServerOptions:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     drain_linger_ms: int = 1000
 
+    @classmethod
+    def of(cls, controls: ServeSettings) -> ServerOptions:
+        curve = None
+        if controls.curve.enabled:
+            curve = CurveOptions(controls.curve.server_secret_key_file, controls.curve.authorized_keys_dir)
+        return cls(zmq_endpoint=controls.zmq_endpoint, http_port=controls.http_port, curve=curve,
+                   drain_timeout_s=controls.drain_timeout_s, openai_api=controls.openai_api)
+
 
 @dataclass(frozen=True)
-class SettingsInputs:
-    """What :func:`resolve_settings` read, kept so that the settings can be resolved again, every layer
-    in its place, when ``$CONFIG_FILE`` changes (a flag the user gave still wins over the file)."""
+class ServeConfig:
+    """The serve settings resolved: the merged ``controls``, how the service listens, where each
+    setting came from, and what was read to resolve them (``flags``, ``config_file``,
+    ``watched_file``: ``$CONFIG_FILE``), so that :meth:`resolve_again` puts every layer back in its
+    place (a flag the user gave still wins over the file). ``reloads`` counts the live changes
+    applied since start."""
 
-    flags: dict[str, Any] = field(default_factory=dict)
-    config_file: str | None = None
-    environ: dict[str, str] = field(default_factory=dict)  # only what resolve_settings reads: $CONFIG_FILE
-
-    @property
-    def watched_file(self) -> str | None:
-        return self.environ.get(CONFIG_ENV) or None
-
-    def resolve(self) -> ServeSettings:
-        return resolve_settings(self.flags, self.config_file, self.environ)
-
-
-@dataclass
-class ServeSettings:
-    """The resolved settings: the controls, where each came from, and the server options derived from them."""
-
-    controls: Controls
+    controls: ServeSettings
     server: ServerOptions = field(default_factory=ServerOptions)
-    sources: dict[str, str] = field(default_factory=dict)  # dotted control name -> the layer that set it
-    inputs: SettingsInputs = field(default_factory=SettingsInputs)
+    sources: dict[str, str] = field(default_factory=dict)  # dotted setting name -> the layer that set it
+    flags: dict[str, Any] = field(default_factory=dict)  # the settings the user typed, as nested sections
+    config_file: str | None = None
+    watched_file: str | None = None
+    reloads: int = 0
 
     @property
     def log_format(self) -> str:
@@ -187,23 +189,48 @@ class ServeSettings:
         return effective_log_level(self.controls.log_level)
 
     def engine_config(self) -> EngineConfig:
-        return self.controls.engine_config()
+        """The engine's part of the controls, checked on this host (e.g. ``engine_cpus`` available)."""
+        return EngineConfig(**self.controls.model_dump(include=set(EngineSettings.model_fields)))
+
+    def resolve_again(self) -> ServeConfig:
+        """The same layers read afresh; raises :class:`SettingsError` when one no longer validates."""
+        return resolve_settings(self.flags, self.config_file,
+                                {CONFIG_ENV: self.watched_file} if self.watched_file else {})
+
+    def with_live(self, values: dict[str, Any], sources: dict[str, str]) -> ServeConfig:
+        """Live changes applied: ``values`` (dotted names in :data:`LIVE_CONTROLS`, already validated)
+        over the running controls, each credited to its layer in ``sources``; one more reload."""
+        admission = {name.removeprefix("admission."): value for name, value in values.items()
+                     if name.startswith("admission.")}
+        top = {name: value for name, value in values.items() if "." not in name}
+        controls = self.controls.model_copy(
+            update={**top, "admission": self.controls.admission.model_copy(update=admission)})
+        moved = {name: sources.get(name, "default") for name in values}
+        return replace(self, controls=controls, sources={**self.sources, **moved}, reloads=self.reloads + 1)
+
+    @classmethod
+    def of_arguments(cls, engine: EngineConfig, server: ServerOptions) -> ServeConfig:
+        """A server built in Python from an engine config and options: those values, no file.
+
+        The controls are taken as given, unchecked: a Python caller may ask what no descriptor
+        may (``http_port`` 0 for any free port, or None for none)."""
+        curve = server.curve
+        engine_values = {name: getattr(engine, name) for name in EngineSettings.model_fields}
+        if engine.engine_cpus is not None:  # resolved: a tuple of CPU numbers
+            engine_values["engine_cpus"] = list(engine.engine_cpus)
+        controls = ServeSettings.model_construct(
+            **engine_values, zmq_endpoint=server.zmq_endpoint, http_port=server.http_port, openai_api=server.openai_api,
+            drain_timeout_s=server.drain_timeout_s,
+            curve=CurveSettings(enabled=curve is not None,
+                                server_secret_key_file=curve.server_secret_key_file if curve else None,
+                                authorized_keys_dir=curve.authorized_keys_dir if curve else None))
+        sources = dict.fromkeys(flatten_settings(controls.model_dump()), ARGUMENTS_SOURCE)
+        return cls(controls, server, sources)
 
 
 def effective_log_level(control: str | None) -> str:
     """The ``log_level`` control, else ``$RICLLM_LOG_LEVEL`` (the environment of the process), else INFO."""
     return (control or os.environ.get("RICLLM_LOG_LEVEL") or "INFO").upper()
-
-
-def flatten_controls(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"admission": {"max_queue": 4}}`` -> ``{"admission.max_queue": 4}``: one entry per control."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(flatten_controls(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 # ------------------------------------------------------------------------------ layers
@@ -213,7 +240,7 @@ def validate_layer(values: dict[str, Any], source: str) -> dict[str, Any]:
 
     Rules across fields wait for the merged settings."""
     try:
-        return Controls.model_validate(values).model_dump(exclude_unset=True)
+        return ServeSettings.model_validate(values).model_dump(exclude_unset=True)
     except ValidationError as exc:
         raise SettingsError(describe_errors(exc, source)) from None
 
@@ -232,7 +259,7 @@ def load_controls_file(path: str | os.PathLike[str], source: str) -> dict[str, A
 
 
 def resolve_settings(flags: dict[str, Any] | None = None, config_file: str | None = None,
-                     environ: dict[str, str] | None = None) -> ServeSettings:
+                     environ: dict[str, str] | None = None) -> ServeConfig:
     """Flags over ``--config`` over ``$CONFIG_FILE`` over the serve profile over the defaults.
 
     ``flags`` holds only the settings the user typed, as nested sections; raises :class:`SettingsError`.
@@ -248,22 +275,21 @@ def resolve_settings(flags: dict[str, Any] | None = None, config_file: str | Non
     merged: dict[str, Any] = {}
     for _, layer in layers:
         merged = merge_layers(merged, layer)
-    controls = Controls.model_validate(merged)  # each layer is valid, and so is any merge of valid layers
+    controls = ServeSettings.model_validate(merged)  # each layer is valid, and so is any merge of valid layers
     missing = controls.curve.missing_keys()
     if missing:
         sources = ", ".join(source for source, layer in layers[1:] if layer) or "defaults"
         names, verb = " and ".join("curve." + m for m in missing), "is" if len(missing) == 1 else "are"
         raise SettingsError(f"settings from {sources}: curve.enabled is true but {names} {verb} null")
-    inputs = SettingsInputs(dict(flags or {}), config_file,
-                            {CONFIG_ENV: environ[CONFIG_ENV]} if environ.get(CONFIG_ENV) else {})
-    return ServeSettings(controls, server_options(controls), control_sources(layers), inputs)
+    return ServeConfig(controls, ServerOptions.of(controls), control_sources(layers), dict(flags or {}),
+                       config_file, environ.get(CONFIG_ENV) or None)
 
 
 def control_sources(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
     """Each control's dotted name and the highest-precedence layer that set it (``default`` if none did)."""
-    sources = dict.fromkeys(flatten_controls(Controls().model_dump()), "default")
+    sources = dict.fromkeys(flatten_settings(ServeSettings().model_dump()), "default")
     for source, layer in layers:
-        sources.update(dict.fromkeys(flatten_controls(layer), source))
+        sources.update(dict.fromkeys(flatten_settings(layer), source))
     return sources
 
 
@@ -273,11 +299,3 @@ def _keys_turn_curve_on(flags: dict[str, Any]) -> dict[str, Any]:
     if ({"server_secret_key_file", "authorized_keys_dir"} & set(curve)) and "enabled" not in curve:
         return {**flags, "curve": {**curve, "enabled": True}}
     return flags
-
-
-def server_options(controls: Controls) -> ServerOptions:
-    curve = None
-    if controls.curve.enabled:
-        curve = CurveOptions(controls.curve.server_secret_key_file, controls.curve.authorized_keys_dir)
-    return ServerOptions(zmq_endpoint=controls.zmq_endpoint, http_port=controls.http_port, curve=curve,
-                         drain_timeout_s=controls.drain_timeout_s, openai_api=controls.openai_api)

@@ -1,0 +1,130 @@
+"""Constrained decoding: each constraint compiled once, each constrained request's place in its
+grammar, the tokens its grammar forces, and the masks that keep what it samples valid.
+
+A constraint is compiled once per engine and cached by its text (``StructuredSpec.key``, the hash
+of its canonical JSON), so a template's requests, and a request the server checked at receipt,
+find it compiled. A request without a constraint costs one ``is None`` here per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ricllm.engine.runtime.interface import Runtime
+from ricllm.model.tokenizer import Tokenizer
+from ricllm.outputs import Rejection
+from ricllm.sampling_params import SamplingParams
+from ricllm.sequence import Sequence
+from ricllm.structured.spec import StructuredSpec
+
+if TYPE_CHECKING:  # llguidance is imported with the first constraint, not with the engine
+    from ricllm.structured.compiler import CompiledGrammar
+
+
+def _checkable_after(params: SamplingParams) -> bool:
+    """Whether a constrained row may draw first and be checked after (no top-k, no top-p filter)."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
+
+
+class ConstrainedDecoding:
+    """The engine's grammars: ``compile`` (cached), ``start`` a request on its grammar, ``force_start``
+    and ``advance`` it (appending the tokens the grammar forces), ``sample`` a step's tokens.
+
+    Invariant: a constrained request's ``token_ids`` past its prompt are always a prefix of an
+    answer its grammar accepts, and its ``guide`` has consumed exactly those tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, runtime: Runtime, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.runtime = runtime
+        self.max_model_len = max_model_len
+        self._compiler = None  # a GrammarCompiler, built with the first constraint (llguidance's bridge costs ~0.2 s)
+
+    @property
+    def num_compiled(self) -> int:
+        """Constraints compiled so far (a cached one is not compiled again)."""
+        return self._compiler.num_compiled if self._compiler is not None else 0
+
+    def compile(self, spec: StructuredSpec | Mapping[str, Any]) -> CompiledGrammar:
+        """The compiled constraint, from the cache when its text was compiled before;
+        ``InvalidRequestError`` (a ``ValueError``) names what cannot be compiled."""
+        if self._compiler is None:
+            from ricllm.structured.compiler import GrammarCompiler
+
+            self._compiler = GrammarCompiler(self.tokenizer)
+        return self._compiler.compile(StructuredSpec.parse(spec))
+
+    def grammar_of(self, params: SamplingParams, compiled: CompiledGrammar | None = None) -> CompiledGrammar | None:
+        """The request's compiled constraint (None without one): ``compiled`` when the caller
+        compiled it already, else compiled (or found in the cache) now."""
+        if params.structured is None:
+            return None
+        if compiled is not None and compiled.spec == params.structured:
+            return compiled
+        return self.compile(params.structured)
+
+    def start(self, seq: Sequence, grammar: CompiledGrammar) -> Rejection | None:
+        """Put ``seq`` at the start of its grammar. A ``max_tokens`` shorter than any complete answer
+        is refused (it could only end as invalid output); one longer than the longest is capped."""
+        from ricllm.structured.guide import Guide
+
+        seq.guide = Guide(grammar)
+        seq.min_output_tokens = grammar.min_tokens
+        requested = seq.params.max_tokens
+        if requested < grammar.min_tokens:
+            return Rejection(
+                "OUTPUT_TOO_SHORT", f"max_tokens {requested} is shorter than the shortest complete answer "
+                f"the constraint allows ({grammar.min_tokens} tokens); it would end as invalid output",
+                {"max_tokens": requested, "shortest_answer_tokens": grammar.min_tokens})
+        if grammar.max_tokens is not None and grammar.max_tokens < requested:
+            seq.params = replace(seq.params, max_tokens=grammar.max_tokens)  # admission plans with the bound
+        return None
+
+    def force_start(self, seq: Sequence) -> None:
+        """Append the answer's forced start (prefilled with the prompt)."""
+        if seq.guide is not None:
+            seq.num_forced_at_arrival = len(self._append_forced(seq))
+
+    def advance(self, seq: Sequence, token: int) -> list[int]:
+        """Feed a sampled token to the grammar; append and return what it then forces."""
+        seq.guide.accept([token])
+        return self._append_forced(seq)
+
+    def _append_forced(self, seq: Sequence) -> list[int]:
+        """The grammar's forced tokens, appended without sampling: the next step computes them as one chunk."""
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        forced = seq.guide.forced_tokens()[:max(room, 0)]
+        seq.guide.accept(forced)
+        seq.token_ids += forced
+        seq.num_forced_tokens += len(forced)
+        return forced
+
+    def sample(self, logits, ready: list[Sequence]) -> list[int]:
+        """One token per row; a constrained row's token is one its grammar allows.
+
+        Greedy and temperature-only rows draw first and are masked only when the grammar refuses
+        the draw, then draw again: keeping an allowed draw from p, else drawing from p masked,
+        is exactly p restricted to the allowed tokens, and checking one token costs far less than
+        masking a vocabulary. Rows with top-k or top-p are masked before their one draw, since
+        those filters must see the masked distribution.
+        """
+        params, generators = [s.params for s in ready], [s.generator for s in ready]
+        masked_first = [r for r, s in enumerate(ready) if s.guide is not None and not _checkable_after(s.params)]
+        if masked_first:
+            logits = self._mask_rows(logits, [ready[r] for r in masked_first], masked_first)
+        tokens = self.runtime.sample(logits, params, generators)
+        refused = [r for r, s in enumerate(ready) if s.guide is not None and _checkable_after(s.params)
+                   and not s.guide.allows(tokens[r])]
+        if refused:
+            again = self._mask_rows(logits[refused], [ready[r] for r in refused], list(range(len(refused))))
+            for row, token in zip(refused, self.runtime.sample(again, [params[r] for r in refused],
+                                                               [generators[r] for r in refused])):
+                tokens[row] = token
+        return tokens
+
+    def _mask_rows(self, logits, seqs: list[Sequence], rows: list[int]):
+        from ricllm.structured.guide import allowed_tokens
+
+        return self.runtime.mask(logits, rows, allowed_tokens([s.guide for s in seqs], logits.shape[-1]))

@@ -1,0 +1,78 @@
+"""What a request must be to enter the engine: well formed, within the model's context, and able
+to fit the KV budget beside the pinned prefixes; and what room a new pin may take."""
+
+from __future__ import annotations
+
+from ricllm.cache.block_pool import Block
+from ricllm.cache.kv_cache_manager import KVCacheManager
+from ricllm.config import EngineConfig
+from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
+from ricllm.sampling_params import SamplingParams
+from ricllm.units import format_bytes
+
+
+class RequestChecks:
+    """Each check raises ``InvalidRequestError`` (malformed) or ``CapacityError`` (can never fit)
+    with a message naming the numbers; none changes anything."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int, num_blocks: int,
+                 cache: KVCacheManager) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.cache = cache
+
+    def well_formed(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)")
+        for position, token in enumerate(prompt_token_ids):
+            if not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token!r} at position {position} is outside the vocabulary [0, {self.vocab_size})")
+
+    def fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise for a prompt that can never fit the context or the KV budget."""
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise CapacityError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens")
+        pinned, shared, _ = self.prefix_share(prompt_token_ids)
+        kv_window, block_size = self.kv_window_of(params), self.config.block_size
+        needed = most_blocks(total, kv_window, block_size, self.config.max_num_batched_tokens)
+        needed -= pinned_blocks_held(shared, kv_window, block_size)
+        available = self.num_blocks - pinned
+        if needed > available:
+            raise CapacityError(
+                f"request needs {needed} KV blocks ({total} tokens: prompt + max_tokens, "
+                f"{block_size} tokens per block) but the KV budget of {format_bytes(self.config.kv_cache_budget)} "
+                f"holds {available} blocks ({available * block_size} tokens)"
+                + (f" besides {pinned} pinned blocks" if pinned else ""))
+
+    def kv_window_of(self, params: SamplingParams) -> KVWindow | None:
+        """The request's sink + window retention: its own, else the engine's (None: exact)."""
+        window = self.config.kv_window if params.kv_window is None else params.kv_window
+        sinks = self.config.kv_sinks if params.kv_sinks is None else params.kv_sinks
+        return window_of(sinks, window)
+
+    def prefix_share(self, token_ids: list[int]) -> tuple[int, int, list[Block]]:
+        """(blocks pinned in all, leading cached blocks of ``token_ids`` that are pinned, every
+        leading cached block: pinned or not)."""
+        pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
+        hits = self.cache.find_cached_prefix(token_ids)
+        return len(pinned_ids), sum(1 for b in hits if b.block_id in pinned_ids), hits
+
+    def pin_fits(self, token_ids: list[int], reserved: int) -> None:
+        """The one rule for room: pins may not take blocks that admitted requests reserved
+        (``reserved``), nor the last free block (decoding needs one)."""
+        if not token_ids:
+            raise InvalidRequestError("prefix to pin is empty")
+        needed = len(token_ids) // self.cache.block_size
+        room = self.num_blocks - self.cache.num_pinned_blocks - reserved - 1
+        if needed > room:
+            raise CapacityError(
+                f"pinning {len(token_ids)} tokens needs {needed} full KV blocks, but only {room} can be pinned "
+                f"now ({self.cache.num_pinned_blocks} already pinned, {reserved} reserved by admitted requests, "
+                f"one kept for decoding)")
