@@ -28,8 +28,15 @@ then shows in-process, ZeroMQ and HTTP side by side, what each adds over in-proc
 adds over ZeroMQ. A quick check that it runs (not a measurement; about a minute on two busy cores):
 ``--clients 2 --requests 5 --rounds 1 --http --no-append`` (the prompt's token ids need SmolLM2's vocabulary).
 
+With ``--baseline DIR`` (another checkout of ricllm, e.g. a worktree of main) the script compares two
+builds instead: each round runs one round of the measurement above in a child process per build, the
+builds alternating (their order flips every round), the child importing ricllm from ``DIR`` or from
+this checkout. The table gives each build's figures, median and range over the rounds: each path's
+p50 and requests per second, and what the ZeroMQ and HTTP paths add over in-process. ``--json PATH``
+writes one run's figures (what the comparison reads).
+
     python benchmarks/bench_protocol.py [--clients 16] [--requests 40] [--rate 100] [--rounds 5] [--model PATH]
-                                        [--engine-cpus LIST] [--http]
+                                        [--engine-cpus LIST] [--http] [--baseline DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -54,6 +63,7 @@ sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed packa
 from ricllm.client import RicClient  # noqa: E402  (no torch: the client child stays light)
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]  # 8 tokens: the model step stays small
+TINY_PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]  # 8 tokens of the tests' tiny model's vocabulary
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -70,6 +80,7 @@ class Load:
     clients: int
     requests: int
     rate: float | None = None
+    prompt: tuple[int, ...] = tuple(PROMPT)
 
     def schedule(self, client: int) -> list[float]:
         """Seconds from the start at which this client means to send each of its requests."""
@@ -109,8 +120,9 @@ def in_process(config, loads: list[Load]) -> list[tuple[list[float], float]]:
 
     worker = EngineThread(lambda: LLMEngine(config))  # built on its own thread, as the server's
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    worker.submit(PROMPT, params).result()  # warm-up
-    results = [run_clients(load, lambda c, i: worker.submit(PROMPT, params).result()) for load in loads]
+    worker.submit(list(loads[0].prompt), params).result()  # warm-up
+    results = [run_clients(load, lambda c, i, prompt=list(load.prompt): worker.submit(prompt, params).result())
+               for load in loads]
     worker.stop()
     return results
 
@@ -119,11 +131,12 @@ def zeromq_clients(endpoint: str, load: Load) -> tuple[list[float], float, list[
     """The client side, run in a child process: one connection per client thread. Also returns
     each result's ``timings.e2e_s`` (the server's own time, receipt to result)."""
     connections = [RicClient(endpoint, timeout_s=60) for _ in range(load.clients)]
-    connections[0].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)  # warm-up
+    prompt = list(load.prompt)
+    connections[0].generate(token_ids=prompt, max_tokens=1, ignore_eos=True)  # warm-up
     inside = [0.0] * (load.clients * load.requests)
 
     def one_request(c: int, i: int) -> None:
-        result = connections[c].generate(token_ids=PROMPT, max_tokens=1, ignore_eos=True)
+        result = connections[c].generate(token_ids=prompt, max_tokens=1, ignore_eos=True)
         inside[c * load.requests + i] = result.timings.e2e_s
 
     latencies, wall = run_clients(load, one_request)
@@ -137,7 +150,7 @@ def http_clients(base_url: str, load: Load) -> tuple[list[float], float]:
     ``POST /v1/completions`` with the ZeroMQ path's request (same token ids, one token)."""
     where = urlsplit(base_url)
     connections = [http.client.HTTPConnection(where.hostname, where.port, timeout=60) for _ in range(load.clients)]
-    body = json.dumps({"model": served_model(connections[0]), "prompt": PROMPT, "max_tokens": 1,
+    body = json.dumps({"model": served_model(connections[0]), "prompt": list(load.prompt), "max_tokens": 1,
                        "ignore_eos": True, "temperature": 0}).encode()
     complete(connections[0], body)  # warm-up
     latencies, wall = run_clients(load, lambda c, i: complete(connections[c], body))
@@ -226,6 +239,15 @@ def table(name: str, rounds: list[dict[str, tuple]], load: Load) -> list[str]:
     return lines
 
 
+def added_p50(path: str, base: str, rounds: list[dict[str, tuple]], load: Load) -> float:
+    """What ``path`` adds to ``base``'s p50 (ms): closed loop, the median of the rounds' p50
+    differences; open loop, the median of the per-request differences."""
+    if load.rate is not None:
+        pooled = {name: [x for r in rounds for x in r[name][0]] for name in (path, base)}
+        return percentile([(b - a) * 1000 for a, b in zip(pooled[base], pooled[path])], 0.5)
+    return statistics.median((statistics.median(r[path][0]) - statistics.median(r[base][0])) * 1000 for r in rounds)
+
+
 def added(path: str, base: str, rounds: list[dict[str, tuple]], pooled: dict[str, list[float]], load: Load) -> str:
     """One line: what ``path`` adds to ``base``'s latency."""
     label = f"added by the {SHORT[path]} path" + ("" if base == LOCAL else f" over the {SHORT[base]} path")
@@ -233,7 +255,7 @@ def added(path: str, base: str, rounds: list[dict[str, tuple]], pooled: dict[str
     added99 = (percentile(pooled[path], 0.99) - percentile(pooled[base], 0.99)) * 1000
     if load.rate is not None:
         paired = [(b - a) * 1000 for a, b in zip(pooled[base], pooled[path])]
-        return (f"\n{label}, request by request: p50 {percentile(paired, 0.5):+.2f} ms, "
+        return (f"\n{label}, request by request: p50 {added_p50(path, base, rounds, load):+.2f} ms, "
                 f"p90 {percentile(paired, 0.9):+.2f} ms; p99 {added99:+.2f} ms pooled ({who})")
     per_round = [(statistics.median(r[path][0]) - statistics.median(r[base][0])) * 1000 for r in rounds]
     return (f"\n{label}: p50 {statistics.median(per_round):+.2f} ms (median of {len(rounds)} rounds, range "
@@ -249,6 +271,70 @@ def noise_floor(first: list[tuple], second: list[tuple], load: Load) -> str:
             f"by request: p50 {percentile(paired, 0.5):+.2f} ms ({load.clients} clients)\n")
 
 
+def figures(rounds: list[dict[str, tuple]], load: Load) -> dict[str, float]:
+    """One load's numbers, by name: each path's p50 (ms) and requests per second, and what each
+    server path adds over in-process at p50 (ms)."""
+    numbers = {}
+    for path in (p for p in (LOCAL, REMOTE, HTTP) if p in rounds[0]):
+        latencies = [x for r in rounds for x in r[path][0]]
+        numbers[f"{SHORT[path]} p50 (ms)"] = percentile(latencies, 0.5) * 1000
+        numbers[f"{SHORT[path]} req/s"] = len(latencies) / sum(r[path][1] for r in rounds)
+        if path != LOCAL:
+            numbers[f"added by {SHORT[path]}, p50 (ms)"] = added_p50(path, LOCAL, rounds, load)
+    return numbers
+
+
+def run_build(tree: Path, args: argparse.Namespace) -> list[dict[str, float]]:
+    """One round of the measurement in a child process that imports ricllm from ``tree``."""
+    passed = ["--clients", str(args.clients), "--requests", str(args.requests), "--rate", str(args.rate),
+              "--rounds", "1", "--no-append"] + (["--http"] if args.http else [])
+    passed += (["--model", args.model] if args.model else []) + (["--engine-cpus", args.engine_cpus]
+                                                                 if args.engine_cpus else [])
+    passed += ["--tiny"] if args.tiny else []
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "figures.json"
+        subprocess.run([sys.executable, __file__, *passed, "--json", str(out)], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def compare_builds(args: argparse.Namespace, loads: list[Load]) -> str:
+    """Rounds alternating the builds (the order flips each round); per load and figure, each build's
+    median and range over the rounds."""
+    builds = {"baseline": Path(args.baseline).resolve(), "this checkout": ROOT}
+    runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in builds}
+    for index in range(args.rounds):
+        order = list(builds) if index % 2 == 0 else list(builds)[::-1]
+        for name in order:
+            runs[name].append(run_build(builds[name], args))
+            print(f"round {index + 1}: {name} done", file=sys.stderr)
+    head = " | ".join(f"{name} ({builds[name]})" for name in builds)
+    lines = []
+    for index, load in enumerate(loads):
+        lines += [f"{title(load)}, median [min–max] of {args.rounds} rounds:", "",
+                  f"| figure | {head} |", "|---|---:|---:|"]
+        for figure in runs["baseline"][0][index]:
+            cells = []
+            for name in builds:
+                values = [run[index][figure] for run in runs[name]]
+                cells.append(f"{statistics.median(values):.2f} [{min(values):.2f}–{max(values):.2f}]")
+            lines.append(f"| {figure} | {' | '.join(cells)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def tiny_model() -> str:
+    """The tests' tiny random model (2 layers, hidden 64), written once to a temporary file."""
+    from tests.helpers import write_tiny_llama_gguf
+
+    return str(write_tiny_llama_gguf(Path(tempfile.mkdtemp(prefix="ricllm-bench-")) / "tiny.gguf", seed=0))
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return "the tests' tiny random model" if args.tiny else f"model {args.model or 'SmolLM2 (installed)'}"
+
+
 def title(load: Load) -> str:
     if load.rate is not None:
         return f"{load.clients} concurrent clients, open loop at {load.rate:g} requests/s in all"
@@ -261,13 +347,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="per client")
     parser.add_argument("--rate", type=float, default=100.0,
                         help="open-loop load: requests/s from all clients together (default 100)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating in-process / ZeroMQ rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds alternating the paths (with --baseline: the builds)")
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tests' tiny random model instead: a step of well under a millisecond, so the "
+                        "protocol's own cost is what the latencies hold")
     parser.add_argument("--engine-cpus", default=None, metavar="LIST",
                         help="CPUs for the engine (e.g. 0); clients and the server's other threads get the rest")
     parser.add_argument("--http", action="store_true",
                         help="serve HTTP (health, metrics, OpenAI API) beside ZeroMQ, and add the HTTP path: the "
                         "same loads through POST /v1/completions")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="another checkout of ricllm: compare its build with this one, rounds alternating")
+    parser.add_argument("--json", metavar="PATH", help="also write this run's figures as JSON")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--client-child", metavar="ENDPOINT", help=argparse.SUPPRESS)
     parser.add_argument("--http-child", metavar="URL", help=argparse.SUPPRESS)
@@ -287,8 +379,20 @@ def main() -> None:
     from ricllm.affinity import format_cpu_list, other_cpus, pin_current_thread
     from ricllm.config import EngineConfig
 
+    prompt = tuple(TINY_PROMPT if args.tiny else PROMPT)
+    loads = [Load(1, args.requests * 4, prompt=prompt), Load(args.clients, args.requests, prompt=prompt),
+             Load(args.clients, args.requests, args.rate, prompt=prompt)]
+    if args.baseline:
+        publish("Protocol overhead, two builds", f"{model_name(args)}, max_tokens 1; per round and build, in a child process of "
+                f"its own: one client x {loads[0].requests} requests, then {args.clients} clients x "
+                f"{args.requests} requests closed loop, then the same open loop at {args.rate:g} requests/s "
+                f"(seeded Poisson sends, the same on every path); the builds alternate, their order flipping "
+                f"each round{HTTP_DETAILS if args.http else ''}.", compare_builds(args, loads),
+                append=not args.no_append)
+        return
     torch.set_num_threads(2)
-    config = EngineConfig(model=args.model, admission="off", max_num_seqs=64, engine_cpus=args.engine_cpus)
+    model = tiny_model() if args.tiny else args.model
+    config = EngineConfig(model=model, admission="off", max_num_seqs=64, engine_cpus=args.engine_cpus)
     placement = "engine, clients and server threads share every CPU"
     if config.engine_cpus:
         rest = other_cpus(config.engine_cpus)
@@ -298,8 +402,6 @@ def main() -> None:
         placement = (f"engine on CPU {format_cpu_list(config.engine_cpus)} ({len(config.engine_cpus)} thread"
                      f"{'s' if len(config.engine_cpus) > 1 else ''}), clients and the server's other threads "
                      f"on CPU {format_cpu_list(rest)}")
-    loads = [Load(1, args.requests * 4), Load(args.clients, args.requests),
-             Load(args.clients, args.requests, args.rate)]
     rounds = []  # per round: per load, {path: (latencies, wall[, inside the server])}
     for _ in range(args.rounds):
         local, remote = in_process(config, loads), over_server(config, loads, args.http)
@@ -309,7 +411,9 @@ def main() -> None:
     for index, load in enumerate(loads):
         lines += table(title(load), [r[index] for r in rounds], load)
     lines.append(noise_floor([r[-2][LOCAL] for r in rounds], [r[-1] for r in rounds], loads[-1]))
-    publish("Protocol overhead", f"max_tokens 1; per round one client x {loads[0].requests} requests, then "
+    if args.json:
+        Path(args.json).write_text(json.dumps([figures([r[i] for r in rounds], load) for i, load in enumerate(loads)]))
+    publish("Protocol overhead", f"{model_name(args)}, max_tokens 1; per round one client x {loads[0].requests} requests, then "
             f"{args.clients} clients x {args.requests} requests closed loop, then the same open loop at "
             f"{args.rate:g} requests/s (seeded Poisson sends, the same on both paths); {args.rounds} rounds "
             f"alternating the paths; ZeroMQ clients in a separate process; {placement}"

@@ -1,21 +1,19 @@
-"""The socket thread of ``ricllm serve`` (docs/serve.md): it owns the ROUTER socket, its end of the
-wake-up pair and the set of (client, id) pairs in flight, and runs on the ``ricllm-socket`` thread.
-It shares only the ``ServerState`` with the engine thread."""
+"""The socket thread of ``ricllm serve`` (docs/serve.md): it owns the ROUTER socket and its end of
+the wake-up pair, and runs on the ``ricllm-socket`` thread. It offers each request to the intake
+(``ServerState.intake``, shared with the HTTP API) and sends the replies the engine thread leaves
+in the outbox."""
 
 from __future__ import annotations
 
 import queue
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 from pydantic import BaseModel
 
-import ricllm
 from ricllm import protocol as p
 from ricllm.errors import ConfigError
-from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal
-from ricllm.serve.metrics import deadline_class
+from ricllm.serve.handoff import Command, SocketRoute, client_name, clock, log
 
 if TYPE_CHECKING:
     from ricllm.config import ServerOptions
@@ -32,26 +30,19 @@ def _readable(socket: zmq.Socket) -> bool:
 
 
 class Frontend:
-    """The socket thread. Only it uses the ROUTER socket and the in-flight set."""
+    """The socket thread. Only it uses the ROUTER socket."""
 
     RECEIVE_BATCH = 256  # frames read per poll round, so replies go out between bursts
 
-    def __init__(self, state: ServerState, context: zmq.Context, local_address: str | None = None) -> None:
-        """Binds the ROUTER socket (``ConfigError`` if it cannot) and the wake-up end of ``state.outbox``.
-
-        ``local_address``: an inproc address the ROUTER binds too, for clients in this process (the
-        HTTP API). inproc skips CURVE (libzmq applies mechanisms to stream transports only): those
-        clients are the process itself.
-        """
+    def __init__(self, state: ServerState, context: zmq.Context) -> None:
+        """Binds the ROUTER socket (``ConfigError`` if it cannot) and the wake-up end of ``state.outbox``."""
         self.state = state
         self.options = state.options
-        self.in_flight: set[Key] = set()
+        self.intake = state.intake
         self.router = context.socket(zmq.ROUTER)
         try:
             self._bind(self.options)
             self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-            if local_address is not None:  # after reading the endpoint: the last bind is what it reports
-                self.router.bind(local_address)
         except BaseException:
             self.router.close(linger=0)
             raise
@@ -116,25 +107,10 @@ class Frontend:
             self.wake.recv(zmq.NOBLOCK)
 
     def _finish(self) -> None:
-        """The engine thread has ended: send its last replies, answer what it left queued."""
+        """The engine thread has ended: send its last replies; the intake answers what it left."""
         self._send_replies()
-        while True:
-            try:
-                command = self.state.inbound.get_nowait()
-            except queue.Empty:
-                break
-            self._refuse_leftover(command)
-        for identity, request_id in sorted(self.in_flight):  # only after an engine fault
-            self._send(identity, p.ErrorReply(id=request_id, code="INTERNAL", message=self.state.end_message()))
-        self.in_flight.clear()
-
-    def _refuse_leftover(self, command: Command) -> None:
-        self.in_flight.discard(command.key)
-        if isinstance(command.request, p.GenerateRequest) and self.state.failure is None:
-            self._reject(command, "DRAINING", "the server is shutting down and takes no new work")
-        else:
-            self._error(command.identity, command.request.id, "INTERNAL", self.state.end_message(),
-                        command=command)
+        self.intake.close(self.state.failure, self.state.end_message())
+        self._send_replies()
 
     # -- sending
 
@@ -146,9 +122,9 @@ class Frontend:
             except queue.Empty:
                 outbox.sent.set()  # the engine thread may be waiting to go on (Outbox)
                 return
-            if final:
-                self.in_flight.discard((identity, request_id))
             self._send_frame(identity, frame)
+            if final:
+                self.intake.release((identity, request_id))
 
     def _send(self, identity: bytes, reply: BaseModel) -> None:
         self._send_frame(identity, p.encode(reply))
@@ -158,18 +134,6 @@ class Frontend:
             self.router.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a gone or stuck peer: its reply is dropped
             log.debug("reply_dropped", client=client_name(identity), error=str(exc))
-
-    def _error(self, identity: bytes, request_id: str | None, code: str, message: str,
-               command: Command | None = None) -> None:
-        self._send(identity, p.ErrorReply(id=request_id, code=code, message=message))
-        if command is not None and isinstance(command.request, p.GenerateRequest):
-            self.state.metrics.error(code, deadline_class(command.request))
-            log_refusal(command, code, message, rejected=False)
-
-    def _reject(self, command: Command, code: str, message: str, **numbers: Any) -> None:
-        self._send(command.identity, Refused(code, message, **numbers).reply(command.request.id))
-        self.state.metrics.rejected(code, deadline_class(command.request))
-        log_refusal(command, code, message, rejected=True)
 
     # -- receiving
 
@@ -192,30 +156,7 @@ class Frontend:
             log.debug("request_unreadable", client=client_name(identity), code=exc.code, detail=exc.message)
             self._send(identity, exc.to_reply())
             return
-        self._on_request(Command(identity, request, received))
-
-    def _on_request(self, command: Command) -> None:
-        request = command.request
-        if command.key in self.in_flight:
-            self._error(command.identity, request.id, "DUPLICATE_ID",
-                        f"field 'id': request {request.id!r} of this client is still in flight", command=None)
-        elif isinstance(request, p.PingRequest):
-            self._send(command.identity, p.Pong(id=request.id, server_time=time.time(), version=ricllm.__version__))
-        elif isinstance(request, p.GenerateRequest) and self.state.draining.is_set():
-            self._reject(command, "DRAINING", "the server is shutting down and takes no new work")
-        else:
-            self._enqueue(command)
-
-    def _enqueue(self, command: Command) -> None:
-        try:
-            self.state.inbound.put_nowait(command)
-        except queue.Full:
-            size = self.options.inbound_queue_size
-            if isinstance(command.request, p.GenerateRequest):
-                self._reject(command, "QUEUE_FULL", f"the server's inbound queue already holds {size} requests "
-                             "(its limit); retry later", inbound_queue=size)
-            else:
-                self._error(command.identity, command.request.id, "INTERNAL",
-                            f"the server's inbound queue already holds {size} requests (its limit); retry later")
-            return
-        self.in_flight.add(command.key)
+        command = Command(SocketRoute(self.state.outbox, identity), request, received)
+        answer = self.intake.offer(command)
+        if answer is not None:
+            self._send(identity, answer)

@@ -1,18 +1,21 @@
-"""What passes between the socket thread and the engine thread of ``ricllm serve``: checked
-commands in (``Command``, on the bounded inbound queue), encoded replies out (``Outbox``), and
-the refusal both threads answer with (``Refused``). Both threads use this module; the docstrings
-say which side calls what."""
+"""What passes between the fronts of ``ricllm serve`` (the socket thread, the HTTP thread) and its
+engine thread: checked commands in (``Command``, on the bounded inbound queue), replies out along
+each command's ``Route`` (``SocketRoute``: encoded, through the ``Outbox`` to the socket thread;
+``LocalRoute``: as they are, onto the HTTP thread's event loop), and the refusal they answer with
+(``Refused``). The docstrings say which side calls what."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from pydantic import BaseModel
@@ -22,21 +25,72 @@ from ricllm.logging import get_logger
 
 log = get_logger("ricllm.serve")
 clock = time.perf_counter  # the engine's default clock, so receipt stamps and engine times compare
-Key = tuple[bytes, str]  # (ZeroMQ identity of the client, its request id)
+Key = tuple[bytes, str]  # (the client's identity, its request id)
+LOCAL_IDENTITY = b""  # the in-process clients' (the HTTP API): no ZeroMQ peer has an empty routing id
 _wake_ids = itertools.count()
+
+
+class Route(Protocol):
+    """Where a command's replies go. ``identity`` names its client in the keys of requests in
+    flight; ``send`` is called on the engine thread (and, after it has ended, by the intake)."""
+
+    identity: bytes
+
+    def send(self, reply: BaseModel) -> None: ...
+
+
+class SocketRoute:
+    """A ZeroMQ client's: encoded into the outbox, sent by the socket thread."""
+
+    __slots__ = ("outbox", "identity")
+
+    def __init__(self, outbox: Outbox, identity: bytes) -> None:
+        self.outbox, self.identity = outbox, identity
+
+    def send(self, reply: BaseModel) -> None:
+        self.outbox.put(self.identity, reply)
+
+
+class LocalRoute:
+    """An HTTP request's: each reply, as the model it is, handed to ``deliver`` on the HTTP thread's
+    event loop. A final reply frees its key at once (``release``): nothing on this route waits for a
+    socket to send it. Replies after the loop has closed are dropped."""
+
+    identity = LOCAL_IDENTITY
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[BaseModel], None],
+                 release: Callable[[Key], None]) -> None:
+        self._loop, self._deliver, self._release = loop, deliver, release
+
+    def send(self, reply: BaseModel) -> None:
+        if p.is_final(reply):
+            self._release((LOCAL_IDENTITY, reply.id))
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, reply)
+        except RuntimeError:  # the HTTP thread's loop has closed: nobody waits for it
+            log.debug("reply_dropped", client="http", id=getattr(reply, "id", None))
 
 
 @dataclass(frozen=True)
 class Command:
-    """A checked request on its way to the engine thread; ``received`` is on :data:`clock`."""
+    """A checked request on its way to the engine thread; ``received`` (on :data:`clock`) is when
+    its front saw it arrive, and everything about it counts from then: its deadline, its timings."""
 
-    identity: bytes
+    route: Route
     request: Any
     received: float
 
     @property
+    def identity(self) -> bytes:
+        return self.route.identity
+
+    @property
     def key(self) -> Key:
-        return (self.identity, self.request.id)
+        return (self.route.identity, self.request.id)
+
+    def reply(self, reply: BaseModel) -> None:
+        """Engine thread: send a reply to this command's client."""
+        self.route.send(reply)
 
 
 class Refused(Exception):
@@ -58,7 +112,7 @@ def wire_numbers(numbers: dict[str, Any]) -> dict[str, int | float]:
 
 
 def client_name(identity: bytes) -> str:
-    return identity.hex()
+    return identity.hex() if identity else "http"
 
 
 def log_refusal(command: Command, code: str, message: str, rejected: bool) -> None:
@@ -75,12 +129,6 @@ def log_refusal(command: Command, code: str, message: str, rejected: bool) -> No
 def new_wake_address() -> str:
     """An inproc address for one server's wake-up pair (unique within the process)."""
     return f"inproc://ricllm-wake-{os.getpid()}-{next(_wake_ids)}"
-
-
-def new_local_address() -> str:
-    """An inproc address the ROUTER socket also binds, for clients inside the process (the HTTP
-    API): they reach the engine by the same path, queue and admission as remote clients."""
-    return f"inproc://ricllm-local-{os.getpid()}-{next(_wake_ids)}"
 
 
 class Outbox:

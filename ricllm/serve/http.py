@@ -12,18 +12,17 @@ A Starlette app served by uvicorn on its own event loop, in the ``ricllm-http`` 
   unless the API is off.
 
 Anything else is 404 (405 for another method on a known path). The health and metrics handlers
-only read thread-safe callables given by the server; the OpenAI handlers reach the engine the way
-ZeroMQ clients do. The port is bound before the thread starts, so a busy port fails ``start`` and
+only read thread-safe callables given by the server; the OpenAI handlers offer their requests to
+the server's intake, which hands them to the engine thread. The port is bound before the thread starts, so a busy port fails ``start`` and
 port 0 resolves at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -84,16 +83,10 @@ def build_app(ready: Callable[[], bool], metrics: Callable[[], tuple[bytes, str]
                                 status_code=exc.status_code)
         return _Json({"status": "not found", "paths": RIC_PATHS}, status_code=exc.status_code)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        if openai is not None:  # its socket must close before the server terminates the ZeroMQ context
-            await openai.aclose()
-
     routes = [Route(ALIVE_PATH, alive, methods=["GET"]), Route(READY_PATH, readiness, methods=["GET"]),
               Route(METRICS_PATH, prometheus, methods=["GET"]), Route(CONFIG_PATH, configuration, methods=["GET"])]
     routes += openai.routes() if openai is not None else []
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -145,8 +138,7 @@ class HttpServer:
         log.info("http_listening", port=self.port, paths=paths)
 
     def stop(self) -> bool:
-        """Close open responses (after ``GRACEFUL_SHUTDOWN_S``) and the API's socket, then the port.
-        False if the thread did not end: its ZeroMQ socket may still be open."""
+        """Close open responses (after ``GRACEFUL_SHUTDOWN_S``), then the port. False if the thread did not end."""
         if self._thread.is_alive():
             self._uvicorn.should_exit = True
             self._thread.join(STOP_TIMEOUT_S)

@@ -1,11 +1,12 @@
 """The OpenAI-compatible API's handlers (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``).
 
-Each request is sent to the engine the way a ZeroMQ client's is, through the ROUTER socket itself:
-an :class:`~ricllm.client.AsyncRicClient` on the HTTP thread's event loop, connected over inproc to
-the address the ROUTER also binds. So one engine thread, one inbound queue and one admission see
-every request, the socket thread's checks (``DRAINING``, ``QUEUE_FULL``, one final reply per id)
-hold for these too, and nothing here touches the engine. The cost is a msgpack encode and decode
-per reply, on the HTTP thread, and the socket thread relaying the HTTP clients' replies.
+A request is checked once, at this edge: its body by its pydantic model, turned into the wire
+protocol's ``GenerateRequest``. It is then offered to the server's intake (:mod:`ricllm.serve.intake`),
+the same one ZeroMQ requests meet (``DUPLICATE_ID``, ``DRAINING``, ``QUEUE_FULL``, one final reply
+per id), which puts it on the engine thread's inbox as it is: no ZeroMQ socket, no encoding. The
+engine thread answers it along a :class:`~ricllm.serve.handoff.LocalRoute`, straight onto this
+thread's event loop. Its arrival is stamped on the engine's clock as the handler starts, before the
+body is read: its deadline, its ``timings`` and admission's ``bound_ms`` count from then.
 
 Refusals become HTTP errors before any response starts: a stream's headers go out only once the
 request is ``accepted``. A client that disconnects cancels its request, so the engine stops
@@ -15,41 +16,75 @@ spending on an answer nobody reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import anyio
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ricllm import protocol as p
-from ricllm.client import AsyncRicClient, RejectedError, ServerError
 from ricllm.logging import get_logger
 from ricllm.serve import openai_replies as r
+from ricllm.serve.handoff import Command, LocalRoute, clock
 from ricllm.serve.openai_models import ChatCompletionBody, CompletionBody, OpenAIError, describe, invalid
 
 if TYPE_CHECKING:
-    import zmq
+    from ricllm.serve.intake import Intake
 
 log = get_logger("ricllm.serve.openai")
 
 # A reply to wait for: admission answers between steps, a token comes each step; only a request
-# queued behind long best-effort work waits longer, and the socket thread answers every request
-# id before it ends, so this bounds only a server that hangs.
+# queued behind long best-effort work waits longer, and the intake answers every request id once
+# the engine thread has ended, so this bounds only a server that hangs.
 REPLY_TIMEOUT_S = 3600.0
 OWNER = "ricllm"
 
 
-class OpenAIApi:
-    """The routes, and the one in-process client they share (made on the HTTP thread's loop)."""
+class EngineExchange:
+    """One request handed from the HTTP thread to the engine thread, and its replies (made and used
+    on the HTTP thread's event loop)."""
 
-    def __init__(self, local_endpoint: str, context: zmq.Context) -> None:
-        self._client = AsyncRicClient(local_endpoint, timeout_s=REPLY_TIMEOUT_S, context=context)
+    def __init__(self, intake: Intake, request: BaseModel, received: float) -> None:
+        self.request, self.received = request, received
+        self._intake = intake
+        self._replies: asyncio.Queue[BaseModel] = asyncio.Queue()
+        self._route = LocalRoute(asyncio.get_running_loop(), self._replies.put_nowait, intake.release)
+        self.finished = False
+
+    def offer(self) -> None:
+        """Hand it to the intake; a refusal there raises here, as its HTTP error."""
+        answer = self._intake.offer(Command(self._route, self.request, self.received))
+        if answer is not None:
+            self.finished = True
+            raise _http_error(answer)
+
+    async def next(self) -> BaseModel:
+        """The next reply (``TimeoutError`` after ``REPLY_TIMEOUT_S``)."""
+        reply = await asyncio.wait_for(self._replies.get(), REPLY_TIMEOUT_S)
+        self.finished = p.is_final(reply)
+        return reply
+
+    def cancel(self) -> None:
+        """Cancel it unless its final reply came (best effort: a full inbound queue drops the cancel).
+        No ``await``: it runs while the handler is being cancelled (the client went away)."""
+        if self.finished:
+            return
+        self.finished = True
+        cancel = p.CancelRequest(id=uuid.uuid4().hex, target_id=self.request.id)
+        self._intake.offer(Command(self._route, cancel, clock()))
+
+
+class OpenAIApi:
+    """The routes, and the intake they hand their requests to."""
+
+    def __init__(self, intake: Intake, max_message_bytes: int) -> None:
+        """``max_message_bytes``: the largest body read, the bound a ZeroMQ frame meets too."""
+        self._intake = intake
+        self._max_bytes = max_message_bytes
         self._model: p.ModelIdentity | None = None
 
     def routes(self) -> list[Route]:
@@ -58,18 +93,17 @@ class OpenAIApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
 
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
     # -- the served model
 
     async def _identity(self) -> p.ModelIdentity:
         """Asked of the engine once (a ``stats`` request: it waits while the model loads)."""
         if self._model is None:
-            try:
-                self._model = (await self._client.stats()).model
-            except ServerError as exc:
-                raise r.server_error(exc.code, exc.message) from None
+            exchange = EngineExchange(self._intake, p.StatsRequest(id=uuid.uuid4().hex), clock())
+            exchange.offer()
+            reply = await _reply(exchange)
+            if not isinstance(reply, p.StatsReply):
+                raise _http_error(reply)
+            self._model = reply.stats.model
         return self._model
 
     async def _served_name(self) -> str:
@@ -104,31 +138,33 @@ class OpenAIApi:
     # -- generation
 
     async def completions(self, request: Request) -> Response:
-        return await _answered(self._generate(request, CompletionBody, chat=False))
+        return await _answered(self._generate(request, CompletionBody, chat=False, received=clock()))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await _answered(self._generate(request, ChatCompletionBody, chat=True))
+        return await _answered(self._generate(request, ChatCompletionBody, chat=True, received=clock()))
 
     async def _generate(self, request: Request, model: type[CompletionBody | ChatCompletionBody],
-                        chat: bool) -> Response:
-        body = await _parse(request, model)
+                        chat: bool, received: float) -> Response:
+        """``received``: the request's arrival on the engine's clock, stamped before its body is read."""
+        body = await _parse(request, model, self._max_bytes)
         answer = r.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", await self._check_model(body.model))
         generate = body.to_generate(answer.id)
         log.debug("openai_request", id=answer.id, route=request.url.path, stream=body.stream,
                   max_tokens=generate.max_tokens, deadline_ms=generate.deadline_ms)
-        replies = self._client.submit(generate)
+        exchange = EngineExchange(self._intake, generate, received)
+        exchange.offer()
         try:
-            accepted = await _accepted(replies)
+            accepted = await _accepted(exchange)
         except BaseException:
-            await _close(replies)
+            exchange.cancel()
             raise
         if body.stream:
-            events = _events(replies, r.Chunks(answer, chat), accepted, body.include_usage)
+            events = _events(exchange, r.Chunks(answer, chat), accepted, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=_headers(accepted))
         try:
-            result = await _until_result_or_disconnect(replies, request)
+            result = await _until_result_or_disconnect(exchange, request)
         finally:
-            await _close(replies)
+            exchange.cancel()
         if result is None:  # the client went away; its request was cancelled
             return Response(status_code=499)
         build = r.chat_completion if chat else r.completion
@@ -147,9 +183,13 @@ async def _answered(work: Any) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def _parse(request: Request, model: type[CompletionBody | ChatCompletionBody]) -> Any:
+async def _parse(request: Request, model: type[CompletionBody | ChatCompletionBody], max_bytes: int) -> Any:
+    """The body, checked by its model; one over ``max_bytes`` is 413 ``TOO_LARGE``."""
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise r.server_error("TOO_LARGE", f"the body is {len(raw)} bytes; the limit is {max_bytes}")
     try:
-        document = json.loads(await request.body())
+        document = json.loads(raw)
     except ValueError as exc:
         raise invalid(f"the body is not JSON: {exc}") from None
     if not isinstance(document, dict):
@@ -160,37 +200,49 @@ async def _parse(request: Request, model: type[CompletionBody | ChatCompletionBo
         raise describe(exc) from None
 
 
-async def _accepted(replies: AsyncIterator[Any]) -> p.Accepted:
-    """The first reply: ``accepted``, or the refusal as an HTTP error."""
+def _http_error(reply: BaseModel) -> OpenAIError:
+    """A refusal (``rejected``) or an ``error`` reply as the HTTP error it is answered with."""
+    if isinstance(reply, p.Rejected):
+        return r.refusal(reply.code, reply.message, reply.numbers)
+    if isinstance(reply, p.ErrorReply):
+        return r.server_error(reply.code, reply.message)
+    return OpenAIError(500, f"unexpected {type(reply).__name__} reply", code="INTERNAL")
+
+
+async def _reply(exchange: EngineExchange) -> BaseModel:
+    """The next reply; waiting past ``REPLY_TIMEOUT_S`` is a 500."""
     try:
-        first = await anext(replies)
-    except RejectedError as exc:
-        raise r.refusal(exc.code, exc.message, exc.numbers) from None
-    except ServerError as exc:
-        raise r.server_error(exc.code, exc.message) from None
-    except TimeoutError as exc:
-        raise OpenAIError(500, str(exc), code="TIMEOUT") from None
+        return await exchange.next()
+    except TimeoutError:
+        raise OpenAIError(500, f"no reply from the engine within {REPLY_TIMEOUT_S:g} s", code="TIMEOUT") from None
+
+
+async def _accepted(exchange: EngineExchange) -> p.Accepted:
+    """The first reply: ``accepted``, or the refusal as an HTTP error."""
+    first = await _reply(exchange)
     if not isinstance(first, p.Accepted):  # the engine answers every generate with accepted first
-        raise OpenAIError(500, f"expected an accepted reply, got {type(first).__name__}", code="INTERNAL")
+        raise _http_error(first)
     return first
 
 
 def _headers(accepted: p.Accepted) -> dict[str, str]:
-    """Admission's promise (ms from receipt), for clients that read headers, not bodies."""
+    """Admission's promise (ms from arrival), for clients that read headers, not bodies."""
     return {} if accepted.bound_ms is None else {"x-ricllm-bound-ms": f"{accepted.bound_ms:g}"}
 
 
-async def _result(replies: AsyncIterator[Any]) -> p.Result:
-    async for reply in replies:
+async def _result(exchange: EngineExchange) -> p.Result:
+    while True:
+        reply = await _reply(exchange)
         if isinstance(reply, p.Result):
             return reply
-    raise OpenAIError(500, "the server ended the request without a result", code="INTERNAL")
+        if exchange.finished:  # an engine fault or a drain's end after acceptance
+            raise _http_error(reply)
 
 
-async def _until_result_or_disconnect(replies: AsyncIterator[Any], request: Request) -> p.Result | None:
+async def _until_result_or_disconnect(exchange: EngineExchange, request: Request) -> p.Result | None:
     """The result, or None once the client has gone (the body is read, so the next ASGI message is
     the disconnect)."""
-    result = asyncio.ensure_future(_result(replies))
+    result = asyncio.ensure_future(_result(exchange))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -202,12 +254,7 @@ async def _until_result_or_disconnect(replies: AsyncIterator[Any], request: Requ
     if result.cancelled():
         log.info("openai_client_gone", route=request.url.path)
         return None
-    try:
-        return result.result()
-    except ServerError as exc:  # an engine fault or a drain's end after acceptance
-        raise r.server_error(exc.code, exc.message) from None
-    except TimeoutError as exc:
-        raise OpenAIError(500, str(exc), code="TIMEOUT") from None
+    return result.result()
 
 
 async def _disconnected(request: Request) -> None:
@@ -215,15 +262,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _close(replies: Any) -> None:
-    """Close the reply stream; one left unfinished cancels its request. Shielded: it runs while the
-    handler is being cancelled (the client went away), and the cancel must still be sent."""
-    with anyio.CancelScope(shield=True):
-        with contextlib.suppress(Exception):
-            await replies.aclose()
-
-
-async def _events(replies: AsyncIterator[Any], chunks: r.Chunks, accepted: p.Accepted,
+async def _events(exchange: EngineExchange, chunks: r.Chunks, accepted: p.Accepted,
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a chunk per token with text, the last with the finish reason (and any
     text the engine still held back), the usage if asked, then ``[DONE]``. Closed early (the client
@@ -233,7 +272,8 @@ async def _events(replies: AsyncIterator[Any], chunks: r.Chunks, accepted: p.Acc
         first = chunks.first()
         if first is not None:
             yield _sse(first)
-        async for reply in replies:
+        while not exchange.finished:
+            reply = await _reply(exchange)
             if isinstance(reply, p.Token) and reply.text:
                 streamed.append(reply.text)
                 yield _sse(chunks.text(reply.text))
@@ -243,12 +283,12 @@ async def _events(replies: AsyncIterator[Any], chunks: r.Chunks, accepted: p.Acc
                 yield _sse(chunks.last(rest, reply, accepted))
                 if include_usage:
                     yield _sse(chunks.usage(reply))
-                break
-    except (RejectedError, ServerError, TimeoutError) as exc:  # after the headers: an error event
-        code = getattr(exc, "code", "TIMEOUT")
-        yield _sse(r.server_error(code, getattr(exc, "message", str(exc))).body())
+            elif exchange.finished:  # after the headers: an error event
+                yield _sse(_http_error(reply).body())
+    except OpenAIError as exc:
+        yield _sse(exc.body())
     finally:
-        await _close(replies)
+        exchange.cancel()
     yield "data: [DONE]\n\n"
 
 

@@ -5,29 +5,30 @@ It builds one :class:`~ricllm.serve.state.ServerState` and hands it to the threa
 share nothing else and never see the ``Server``. Three threads (four with ``$CONFIG_FILE``), each the
 only one to touch what it owns:
 
-- the **socket thread** (:mod:`ricllm.serve.frontend`) owns the ROUTER socket. It decodes and
-  checks every frame, answers at once what needs no engine (unreadable frames, duplicate ids, ``ping``, a full
-  inbound queue, ``DRAINING``), puts the rest on the bounded inbound queue, and sends the
-  replies the engine thread leaves in the outbox. It never waits on a model step.
+- the **socket thread** (:mod:`ricllm.serve.frontend`) owns the ROUTER socket. It decodes every
+  frame and offers each request to the intake (:mod:`ricllm.serve.intake`), which answers at once
+  what needs no engine (duplicate ids, ``ping``, ``DRAINING``, a full inbound queue) and puts the
+  rest on the bounded inbound queue; it sends the replies the engine thread leaves in the outbox.
+  It never waits on a model step.
 - the **engine thread** (an :class:`~ricllm.engine.engine_loop.EngineLoop` with the
   :mod:`ricllm.serve.worker` plugged in) owns the engine. Between steps it takes every
   queued command (admission, templates, cancel, stats) and answers it, then runs one step and sends the
-  new tokens of streaming requests and the results of finished ones through the outbox
-  (:mod:`ricllm.serve.handoff`); a message on an inproc PAIR socket wakes the socket thread.
+  new tokens of streaming requests and the results of finished ones along each request's route
+  (:mod:`ricllm.serve.handoff`): a ZeroMQ client's through the outbox, where a message on an
+  inproc PAIR socket wakes the socket thread; an HTTP request's onto the HTTP thread's loop.
 - the **HTTP thread** (:mod:`ricllm.serve.http`, uvicorn's event loop) serves health, metrics and the
   effective configuration from thread-safe values, and the OpenAI API
-  (:mod:`ricllm.serve.openai_routes`), whose requests reach the engine as a ZeroMQ client's do:
-  through the ROUTER socket, which also binds an inproc address for them, so one inbound queue and
-  one admission see every request.
+  (:mod:`ricllm.serve.openai_routes`), which offers its requests to the same intake: no ZeroMQ
+  socket between, one inbound queue and one admission for every request.
 - with ``$CONFIG_FILE`` set, the **config thread** (:mod:`ricllm.serve.reload`) watches that file
   and hands the controls that may change live to the engine thread, which applies them between steps.
 
 Invariants:
 
-- every request id gets exactly one final reply (``protocol.is_final``): the socket thread keeps
-  the (client, id) pairs in flight, refuses a second one with ``DUPLICATE_ID``, and forgets a
-  pair only when its final reply is sent; whatever the engine thread leaves unanswered when it
-  ends (drain, fault) is answered by the socket thread before it closes.
+- every request id gets exactly one final reply (``protocol.is_final``): the intake keeps the
+  (client, id) pairs in flight, refuses a second one with ``DUPLICATE_ID``, and forgets a pair
+  only when its final reply has left; whatever the engine thread leaves unanswered when it ends
+  (drain, fault) the intake answers once it has ended.
 - queues are bounded: the inbound queue by ``inbound_queue_size``; what the engine holds by
   admission (``max_queue`` waiting best-effort requests, deadline requests by their KV
   reservations); the outbox by one reply per in-flight request per step plus control replies.
@@ -50,7 +51,7 @@ from ricllm.errors import ConfigError, RicllmError
 from ricllm.config import ServeConfig, ServerOptions
 from ricllm.logging import configure_logging
 from ricllm.serve.frontend import Frontend
-from ricllm.serve.handoff import Outbox, clock, log, new_local_address, new_wake_address
+from ricllm.serve.handoff import Outbox, clock, log, new_wake_address
 from ricllm.serve.http import HttpServer
 from ricllm.serve.metrics import ServerMetrics
 from ricllm.serve.reload import ConfigWatcher, config_body
@@ -89,7 +90,6 @@ class Server:
         self._watcher = self._config_watcher(settings)
         self._auth = None
         self._http: HttpServer | None = None
-        self._local_address = new_local_address() if self._serves_openai() else None
         self._frontend: Frontend | None = None
         self._threads: list[threading.Thread] = []
         self._worker = Worker(self._state, config, latency_model)
@@ -109,7 +109,7 @@ class Server:
             try:
                 self._start_http()
                 self._start_auth()
-                self._frontend = Frontend(self._state, self._context, self._local_address)
+                self._frontend = Frontend(self._state, self._context)
             except BaseException:
                 self._close()
                 raise
@@ -132,17 +132,14 @@ class Server:
             return None
         return ConfigWatcher(settings, self._state.live_changes.put)
 
-    def _serves_openai(self) -> bool:
-        return self.options.http_port is not None and self.options.openai_api
-
     def _start_http(self) -> None:
         if self.options.http_port is None:
             return
         openai = None
-        if self._local_address is not None:
+        if self.options.openai_api:
             from ricllm.serve.openai_routes import OpenAIApi
 
-            openai = OpenAIApi(self._local_address, self._context)
+            openai = OpenAIApi(self._state.intake, self.options.max_message_bytes)
         try:
             self._http = HttpServer(self.options.http_host, self.options.http_port, self._state.is_ready,
                                     self.metrics.render, openai, self._config_body)
@@ -196,11 +193,12 @@ class Server:
         self._closed = True
         if self._watcher is not None:
             self._watcher.stop()
-        http_stopped = self._http.stop() if self._http is not None else True
+        self._state.intake.close(self.failure, self._state.end_message())  # the socket thread's end closes it; after a fault of its own, this does
+        if self._http is not None:
+            self._http.stop()
         if self._auth is not None:
             self._auth.stop()
-        if http_stopped:  # else its ZeroMQ socket may be open, and term() would wait for it forever
-            self._context.term()
+        self._context.term()
         log.info("server_stopped", failure=None if self.failure is None else str(self.failure))
 
     def __enter__(self) -> Server:

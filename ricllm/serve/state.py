@@ -1,6 +1,6 @@
 """What the threads of ``ricllm serve`` share: ``ServerState``, built by the ``Server`` and handed to
-the socket thread (``Frontend``) and the engine thread (``Worker``), so that neither needs the
-``Server`` itself.
+the socket thread (``Frontend``), the HTTP thread (``OpenAIApi``) and the engine thread
+(``Worker``), so that none of them needs the ``Server`` itself.
 
 Every field is either safe to touch from any thread (queues, events, the outbox's own protocol,
 metrics) or a plain value written once before the threads start (``endpoint``, ``http_port``) or
@@ -14,22 +14,27 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from ricllm.serve.handoff import Command, Outbox, clock, log
-from ricllm.serve.metrics import ServerMetrics
 from ricllm.config import ServeConfig, ServerOptions
+from ricllm.serve.handoff import Command, Outbox, clock, log
+from ricllm.serve.intake import Intake
+from ricllm.serve.metrics import ServerMetrics
 from ricllm.serve.reload import LiveChange
 
 
 @dataclass(eq=False)
 class ServerState:
-    """The inbound queue, the outbox, the lifecycle events, the drain deadline and the failure.
+    """The intake and its inbound queue, the outbox, the lifecycle events, the drain deadline and
+    the failure.
 
     Who writes what:
 
-    - ``inbound``: the socket thread puts checked commands, the engine thread takes them.
-    - ``outbox``: the engine thread puts replies and wakes the socket thread, which sends them.
+    - ``intake`` and ``inbound``: the fronts (socket thread, HTTP thread) offer commands to the
+      intake, which puts what passes on ``inbound``; the engine thread takes them.
+    - ``outbox``: the engine thread puts ZeroMQ clients' replies and wakes the socket thread, which
+      sends them (HTTP requests' replies go straight to the HTTP thread's loop: ``LocalRoute``).
     - ``ready``: set by the engine thread once the engine is loaded; ``worker_done`` when it ends
-      (the socket thread then sends the last replies, answers what is left and ends too).
+      (the socket thread then sends the last replies, closes the intake, which answers what is
+      left, and ends too).
     - ``draining`` and ``drain_deadline``: :meth:`drain`, from the caller's thread, a signal
       handler, or the socket thread after a fault of its own.
     - ``failure``: :meth:`record_failure`, from the engine thread (load error, engine fault) or
@@ -43,6 +48,7 @@ class ServerState:
     metrics: ServerMetrics
     outbox: Outbox
     inbound: queue.Queue[Command] = field(init=False)
+    intake: Intake = field(init=False)
     ready: threading.Event = field(default_factory=threading.Event)
     draining: threading.Event = field(default_factory=threading.Event)
     worker_done: threading.Event = field(default_factory=threading.Event)
@@ -54,7 +60,8 @@ class ServerState:
     effective_config: ServeConfig | None = None
 
     def __post_init__(self) -> None:
-        self.inbound = queue.Queue(maxsize=self.options.inbound_queue_size)
+        self.intake = Intake(self.options.inbound_queue_size, self.metrics, self.draining)
+        self.inbound = self.intake.inbound
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new generates; cancel admitted ones after ``timeout_s``. A later call may only
@@ -82,7 +89,7 @@ class ServerState:
             self.failure = exc
 
     def end_message(self) -> str:
-        """What requests left unanswered at the end are told (socket thread, after the engine's end)."""
+        """What requests left unanswered at the end are told (the intake, after the engine's end)."""
         if self.failure is not None:
             return f"the server stopped: {type(self.failure).__name__}: {self.failure}"
         return "the server is shutting down"

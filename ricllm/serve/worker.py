@@ -1,6 +1,7 @@
 """The engine thread of ``ricllm serve`` (docs/serve.md): ``Worker``, plugged into the engine's
 ``EngineLoop``, owns the engine, the templates and the table of pending requests, and runs on the
-``ricllm-engine`` thread. It shares only the ``ServerState`` with the socket thread."""
+``ricllm-engine`` thread. It shares only the ``ServerState`` with the fronts (the socket thread,
+the HTTP thread), whose commands it takes from one inbox alike."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class _Template:
 
 class Worker(EngineDriver):
     """What the server plugs into the engine thread (``EngineLoop``): the command handlers, the
-    replies through the outbox and the metrics. Only it touches the engine, the templates and
+    replies along each command's route and the metrics. Only it touches the engine, the templates and
     the pending table, and every method runs on the engine thread.
 
     Handlers raise (``ProtocolError``, ``Refused``) only before a request reaches the engine's
@@ -110,6 +111,7 @@ class Worker(EngineDriver):
         self.latency_model = latency_model
         self.metrics = state.metrics
         self.outbox = state.outbox
+        self.intake = state.intake
         self.engine: LLMEngine | None = None
         self._generates: dict[Key, _Pending] = {}
         self._internal: dict[str, _Pending | _Template] = {}
@@ -177,10 +179,10 @@ class Worker(EngineDriver):
         request = command.request
         try:
             handlers[type(request)](command)
-        except Refused as refused:
-            self.outbox.put(command.identity, refused.reply(request.id))
+        except Refused as refused:  # counted before it is answered: an HTTP client hears at once
             self.metrics.rejected(refused.code, deadline_class(request))
             log_refusal(command, refused.code, refused.message, rejected=True)
+            command.reply(refused.reply(request.id))
         except p.ProtocolError as exc:
             self._fail(command, exc.code, exc.message)
         except Exception as exc:  # a bug: answer it, keep serving
@@ -188,10 +190,10 @@ class Worker(EngineDriver):
             self._fail(command, "INTERNAL", f"{type(exc).__name__}: {exc}")
 
     def _fail(self, command: Command, code: str, message: str) -> None:
-        self.outbox.put(command.identity, p.ErrorReply(id=command.request.id, code=code, message=message))
         if isinstance(command.request, p.GenerateRequest):
             self.metrics.error(code, deadline_class(command.request))
             log_refusal(command, code, message, rejected=False)
+        command.reply(p.ErrorReply(id=command.request.id, code=code, message=message))
 
     # -- generate
 
@@ -211,9 +213,8 @@ class Worker(EngineDriver):
         pending = _Pending(command, seq, internal_id, holdback, cls, self.metrics.inter_token(cls))
         self._generates[command.key] = pending
         self._internal[internal_id] = pending
-        self.outbox.put(command.identity, p.Accepted(id=request.id, bound_ms=self._bound_ms(pending),
-                                                     queue_position=self.engine.queue_position(seq),
-                                                     degraded=_degraded(seq.degradation)))
+        command.reply(p.Accepted(id=request.id, bound_ms=self._bound_ms(pending),
+                                 queue_position=self.engine.queue_position(seq), degraded=_degraded(seq.degradation)))
 
     def _template(self, template_id: str | None, request_id: str) -> _Template | None:
         if template_id is None:
@@ -268,20 +269,14 @@ class Worker(EngineDriver):
 
     def _sampling(self, request: p.GenerateRequest, received: float,
                   constraint: StructuredSpec | None) -> SamplingParams:
-        """The deadline counts from receipt (the engine is given it as the arrival); one that passed while
-        the request was queued here is refused at once."""
+        """The deadline counts from receipt (the engine is given it as the arrival); one that passed
+        before the request reached the engine is refused at once (the intake's check)."""
         from ricllm.sampling_params import SamplingParams, default_priority
 
         priority = request.priority or default_priority(request.deadline_ms)  # of the deadline as sent
-        deadline_ms = request.deadline_ms
-        if deadline_ms is not None:
-            waited_ms = (clock() - received) * 1000
-            if waited_ms >= deadline_ms:
-                raise Refused("DEADLINE_INFEASIBLE", f"the deadline of {deadline_ms:.1f} ms passed while the "
-                               f"request was queued ({waited_ms:.1f} ms)", deadline_ms=deadline_ms,
-                               waited_ms=round(waited_ms, 3))
+        self.intake.check_deadline(request, received)
         try:
-            return SamplingParams(**request.sampling_kwargs(), deadline_ms=deadline_ms, priority=priority,
+            return SamplingParams(**request.sampling_kwargs(), deadline_ms=request.deadline_ms, priority=priority,
                                   structured=constraint)
         except InvalidRequestError as exc:
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
@@ -289,13 +284,8 @@ class Worker(EngineDriver):
     def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
              internal_id: str, received: float, grammar: CompiledGrammar | None) -> Sequence:
         engine = self.engine
-        max_tokens = self._planned_tokens(params, grammar)
-        total = len(token_ids) + max_tokens
-        if engine.admission is None and total > engine.max_model_len:
-            raise Refused("CONTEXT_TOO_LONG", f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) "
-                           f"= {total} tokens exceeds the context of {engine.max_model_len} tokens",
-                           prompt_tokens=len(token_ids), max_tokens=max_tokens,
-                           max_model_len=engine.max_model_len)
+        if engine.admission is None:
+            self.intake.check_context(len(token_ids), self._planned_tokens(params, grammar), engine.max_model_len)
         try:
             return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received,
                                       grammar=grammar)
@@ -356,8 +346,7 @@ class Worker(EngineDriver):
             piece = ""
             if index == len(token_ids) - 1:
                 piece, pending.sent_chars = text[pending.sent_chars:visible], max(visible, pending.sent_chars)
-            self.outbox.put(pending.command.identity, p.Token(id=pending.request.id, index=index,
-                                                             token_id=token_ids[index], text=piece))
+            pending.command.reply(p.Token(id=pending.request.id, index=index, token_id=token_ids[index], text=piece))
         pending.sent_tokens = len(token_ids)
 
     def _complete(self, pending: _Pending, out: RequestOutput) -> None:
@@ -370,7 +359,7 @@ class Worker(EngineDriver):
         if pending.request.stream:
             self._stream(pending, final=True)
         timings = _timings(out)
-        self.outbox.put(pending.command.identity, p.Result(
+        pending.command.reply(p.Result(
             id=pending.request.id, text=out.text, token_ids=out.token_ids,
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
             finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
@@ -398,7 +387,7 @@ class Worker(EngineDriver):
             raise p.ProtocolError("UNKNOWN_REQUEST", f"field 'target_id': no generate request {request.target_id!r} "
                                   "of this client is in flight", request.id)
         self._abort(pending, "cancelled")
-        self.outbox.put(command.identity, p.Cancelled(id=request.id, target_id=request.target_id))
+        command.reply(p.Cancelled(id=request.id, target_id=request.target_id))
 
     def _abort(self, pending: _Pending, reason: str) -> None:
         """Finish a running or waiting sequence now."""
@@ -457,7 +446,7 @@ class Worker(EngineDriver):
             raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
                                   "another conversation or constraint; unregister it first", request.id)
         if registered.pinned:
-            self.outbox.put(command.identity, registered.registered(request.id, self.engine.config.block_size))
+            command.reply(registered.registered(request.id, self.engine.config.block_size))
         else:
             registered.waiters.append(command)
 
@@ -473,7 +462,7 @@ class Worker(EngineDriver):
         if self._templates.get(template.template_id) is not template:  # unregistered while it was pinning
             self._unpin(template)
         for waiter in template.waiters:
-            self.outbox.put(waiter.identity, template.registered(waiter.request.id, block_size))
+            waiter.reply(template.registered(waiter.request.id, block_size))
         template.waiters.clear()
         log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
                  pinned_tokens=template.pinned_tokens(block_size), examples=template.template.num_examples,
@@ -491,13 +480,13 @@ class Worker(EngineDriver):
                                   "is registered", request.id)
         if template.pinned:
             self._unpin(template)
-        self.outbox.put(command.identity, p.TemplateUnregistered(id=request.id, template_id=request.template_id))
+        command.reply(p.TemplateUnregistered(id=request.id, template_id=request.template_id))
         log.info("template_unregistered", template=request.template_id)
 
     # -- stats and metrics
 
     def _stats(self, command: Command) -> None:
-        self.outbox.put(command.identity, p.StatsReply(id=command.request.id, stats=self._server_stats()))
+        command.reply(p.StatsReply(id=command.request.id, stats=self._server_stats()))
 
     def _server_stats(self) -> p.ServerStats:
         engine, snap = self.engine, self.engine.snapshot()

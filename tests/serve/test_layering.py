@@ -23,7 +23,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("module", ["frontend.py", "worker.py", "state.py", "handoff.py"])
+@pytest.mark.parametrize("module", ["frontend.py", "worker.py", "state.py", "handoff.py", "intake.py", "openai_routes.py"])
 def test_the_threads_modules_do_not_import_the_server(module):
     assert "ricllm.serve.server" not in imported_modules(SERVE / module)
 
