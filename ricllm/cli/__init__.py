@@ -20,6 +20,7 @@ COMMAND_GROUPS = (
     ("ricllm.cli.model_commands", "add_model_subparsers", ("generate", "info", "prepare")),
     ("ricllm.plan", "add_subparser", ("plan",)),
     ("ricllm.replay.cli", "add_replay_subparser", ("replay",)),
+    ("ricllm.cli.adapt", "add_adapt_subparser", ("adapt",)),
     ("ricllm.report", "add_report_subparser", ("report",)),
     ("ricllm.cli.serve", "add_serve_subparser", ("serve",)),
     ("ricllm.cli.client", "add_client_subparser", ("client",)),

@@ -1,0 +1,242 @@
+"""Examples that teach a template's policy to a LoRA adapter (``ricllm adapt``): KPI rows drawn at
+random, each labelled with the answer the template's ``expect`` rules give, rendered as the chat
+request the engine sends, with loss on the answer's tokens only.
+
+Never train on what is scored: the rows are drawn from the KPI ranges of the scenario's trace,
+not taken from it, and a row whose user prompt is one the scenario's replay sends for the
+template is dropped (``scored_prompts``), so the replay's report judges prompts the adapter
+never saw. Level-style prompts (``PRB usage: high``) have only a few distinct strings, every one
+of which the replay sends; ``prompt="replay"`` therefore keeps them and ``count_seen`` says how
+many scored prompts training saw. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ricllm.engine.chat_prefix import render_chat_prefix, render_chat_request
+from ricllm.errors import RicllmError
+from ricllm.model.tokenizer import Tokenizer
+from ricllm.replay.decisions import ANSWER_FIELD, Policy
+from ricllm.replay.planning import plan_requests
+from ricllm.replay.prompts import jinja_env, prompt_context
+from ricllm.replay.schema import Scenario, TemplateSpec
+from ricllm.replay.templates import answer_check, build_policy
+from ricllm.replay.traces import KpiRow, LoadedTrace
+
+PromptForm = Literal["raw", "replay"]
+IGNORE_INDEX = -100  # labels torch's cross-entropy skips: the prompt's tokens
+
+
+class AdaptError(RicllmError, ValueError):
+    """The adapter cannot be made as asked (an unknown template, a template without a policy)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One labelled row: its KPIs, the user prompt, the policy's answer and that answer as text."""
+
+    kpis: dict[str, float | None]
+    user: str
+    expected: dict[str, Any]
+    answer: str
+
+    @property
+    def label(self) -> str:
+        return json.dumps(self.expected, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class TemplatePolicy:
+    """The template ``name`` of a scenario, its policy and the KPIs that policy reads."""
+
+    name: str
+    spec: TemplateSpec
+    policy: Policy
+
+    @property
+    def kpis(self) -> list[str]:
+        return list(dict.fromkeys(name for rule in self.policy.rules if rule.when for name in rule.when.names))
+
+    def thresholds(self, kpi: str) -> list[float]:
+        """The numbers the policy compares ``kpi`` with directly (``KPI > 85``)."""
+        pattern = re.compile(rf"{re.escape(kpi)}\s*(?:<=|>=|<|>|==)\s*(-?\d+(?:\.\d+)?)")
+        return [float(m) for rule in self.policy.rules if rule.when for m in pattern.findall(rule.when.text)]
+
+    @property
+    def answers(self) -> list[dict[str, Any]]:
+        """Every answer the policy can give, in rule order, each once."""
+        seen: dict[str, dict[str, Any]] = {}
+        for rule in self.policy.rules:
+            seen.setdefault(json.dumps(rule.then, sort_keys=True), rule.then)
+        return list(seen.values())
+
+    def answer_text(self, expected: Mapping[str, Any]) -> str:
+        """The answer as the engine's constrained decoding writes it: compact JSON, or the bare text."""
+        if answer_check(self.spec).spec.kind != "json":
+            return str(expected[ANSWER_FIELD])
+        return json.dumps(dict(expected), separators=(",", ":"))
+
+
+def template_policy(scenario: Scenario, name: str) -> TemplatePolicy:
+    """The template ``name`` with its policy; an ``AdaptError`` naming the templates that have one."""
+    with_policy = [n for n, entry in scenario.prompts.templates.items()
+                   if isinstance(entry, TemplateSpec) and entry.expect]
+    entry = scenario.prompts.templates.get(name)
+    if not isinstance(entry, TemplateSpec) or not entry.expect:
+        what = "has no template" if entry is None else "has a template without a policy (expect)"
+        raise AdaptError(f"scenario {scenario.name!r} {what} {name!r}; templates with a policy: "
+                         f"{', '.join(with_policy) or '(none)'}")
+    return TemplatePolicy(name, entry, build_policy(entry, scenario.trace_kpis()))
+
+
+def default_system_prompt(template: TemplatePolicy) -> str:
+    """The one-line system prompt an adapter is trained under (the policy lives in the adapter)."""
+    return f"You are the {template.name} assistant of an O-RAN near-RT RIC xApp. Answer with one action as JSON."
+
+
+# ------------------------------------------------------------------------------ drawing rows
+
+def kpi_ranges(trace: LoadedTrace, template: TemplatePolicy) -> dict[str, tuple[float, float]]:
+    """Each KPI the policy reads: the trace's smallest to largest value, stretched to reach a tenth of
+    that span past every number the policy compares the KPI with (``SINR < 0`` on a trace whose
+    SINR is always positive still gets rows on both sides)."""
+    ranges = {}
+    for name in template.kpis:
+        values = [row.kpis[name] for row in trace.rows if row.kpis.get(name) is not None]
+        if not values:
+            raise AdaptError(f"the trace has no value of {name}, which the policy reads")
+        lo, hi = float(min(values)), float(max(values))
+        margin = 0.1 * max(hi - lo, 1.0)
+        for bound in template.thresholds(name):
+            lo, hi = min(lo, bound - margin), max(hi, bound + margin)
+        ranges[name] = (lo, hi)
+    return ranges
+
+
+def draw_rows(ranges: Mapping[str, tuple[float, float]], template: TemplatePolicy, count: int, seed: int,
+              missing_share: float = 0.08) -> list[dict[str, float | None]]:
+    """``count`` KPI rows, uniform over ``ranges`` (one decimal). Of the complete rows the policy's
+    answers take turns, so each answer the ranges reach has about as many rows; then a
+    ``missing_share`` of all rows has one KPI, drawn at random, missing."""
+    rng = np.random.default_rng(seed)
+    names = list(ranges)
+    pool: dict[str, list[dict[str, float | None]]] = {}
+    for _ in range(max(20 * count, 1000)):
+        kpis = {name: round(float(rng.uniform(lo, hi)), 1) for name, (lo, hi) in ranges.items()}
+        pool.setdefault(json.dumps(template.policy.expected(kpis), sort_keys=True), []).append(kpis)
+    queues = list(pool.values())
+    drawn: list[dict[str, float | None]] = []
+    while len(drawn) < count and any(queues):
+        for rows in queues:
+            if rows and len(drawn) < count:
+                drawn.append(rows.pop())
+    for i in rng.choice(len(drawn), size=round(missing_share * len(drawn)), replace=False):
+        drawn[i] = {**drawn[i], names[int(rng.integers(len(names)))]: None}
+    return [drawn[i] for i in rng.permutation(len(drawn))]
+
+
+# ----------------------------------------------------------------------------- user prompts
+
+def raw_user_prompt(kpis: Mapping[str, float | None]) -> str:
+    """The KPIs the policy reads as raw numbers, one per line; a missing one is ``n/a``."""
+    return "\n".join(f"{name}: {'n/a' if value is None else f'{value:.1f}'}" for name, value in kpis.items())
+
+
+def _replay_prompt_text(scenario: Scenario, template: str) -> str:
+    """The user prompt the replay sends for the template: its trigger's, else the scenario's."""
+    for trigger in scenario.triggers:
+        if trigger.template == template and trigger.user_prompt:
+            return trigger.user_prompt
+    return scenario.prompts.user_prompt
+
+
+def replay_user_prompt(scenario: Scenario, template: str, kpis: Mapping[str, float | None]) -> str:
+    """The drawn KPIs through the replay's own user prompt (the trace's other KPIs missing)."""
+    row = KpiRow(0.0, 0.0, "cell0", {name: kpis.get(name) for name in scenario.trace_kpis()},
+                 {name: "" for name in scenario.trace_passthrough()}, 0)
+    context = prompt_context(row, template=template, deadline_class="", deadline_ms=None, max_tokens=0, trigger="")
+    return jinja_env().from_string(_replay_prompt_text(scenario, template)).render(context).strip()
+
+
+def scored_prompts(scenario: Scenario, trace: LoadedTrace, template: str) -> set[str]:
+    """Every user prompt the scenario's replay sends for the template (what its report scores)."""
+    return {request.user_prompt for request in plan_requests(scenario, trace) if request.template == template}
+
+
+def make_examples(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, count: int, seed: int, *,
+                  prompt: PromptForm = "raw", missing_share: float = 0.08,
+                  exclude: set[str] = frozenset()) -> list[Example]:
+    """Labelled examples of the template's policy; with ``prompt="raw"``, none whose user prompt is in
+    ``exclude`` (the scored prompts)."""
+    rows = draw_rows(kpi_ranges(trace, template), template, count, seed, missing_share)
+    examples = []
+    for kpis in rows:
+        user = raw_user_prompt(kpis) if prompt == "raw" else replay_user_prompt(scenario, template.name, kpis)
+        if prompt == "raw" and user in exclude:
+            continue
+        expected = template.policy.expected(kpis)
+        examples.append(Example(kpis, user, expected, template.answer_text(expected)))
+    return examples
+
+
+def count_seen(examples: Sequence[Example], scored: set[str]) -> int:
+    """How many distinct scored prompts appear verbatim among the examples' user prompts."""
+    return len(scored & {example.user for example in examples})
+
+
+def majority_share(examples: Sequence[Example]) -> tuple[str, float]:
+    """The most common answer and its share of the examples (the always-answer-it baseline)."""
+    label, n = Counter(example.label for example in examples).most_common(1)[0]
+    return label, n / len(examples)
+
+
+# ------------------------------------------------------------------------------ tokenising
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    """``input_ids`` the chat request then the answer; ``labels`` the answer's ids, ``IGNORE_INDEX``
+    on the request's, so training puts loss on the answer only."""
+
+    input_ids: list[int]
+    labels: list[int]
+    prompt_len: int
+
+
+def request_ids(tokenizer: Tokenizer, system: str, user: str) -> list[int]:
+    """The chat request as the engine renders it: the system prompt as a pinned prefix, then the user turn."""
+    prefix = render_chat_prefix(tokenizer, [{"role": "system", "content": system}])
+    return render_chat_request(tokenizer, prefix, [{"role": "user", "content": user}])
+
+
+def answer_ids(tokenizer: Tokenizer, system: str, user: str, answer: str) -> list[int]:
+    """The assistant turn's tokens after the generation prompt, through the end-of-turn token."""
+    conversation = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    asked = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": answer}],
+                                          add_generation_prompt=False)
+    ids = tokenizer.encode(whole[len(asked):] if whole.startswith(asked) else answer, add_special_tokens=False)
+    end = next((i for i, token in enumerate(ids) if token in tokenizer.eos_token_ids), None)
+    return ids[:end + 1] if end is not None else ids + [tokenizer.eos_token_id]
+
+
+def tokenize_example(tokenizer: Tokenizer, system: str, example: Example) -> TokenizedExample:
+    prompt = request_ids(tokenizer, system, example.user)
+    answer = answer_ids(tokenizer, system, example.user, example.answer)
+    return TokenizedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt))
+
+
+def class_counts(examples: Sequence[Example]) -> dict[str, int]:
+    return dict(Counter(example.label for example in examples).most_common())
+
+
+def share(part: int, whole: int) -> float:
+    return part / whole if whole else math.nan

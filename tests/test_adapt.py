@@ -1,0 +1,130 @@
+"""``ricllm adapt``: examples labelled by the template's policy, never the prompts the replay scores,
+loss on the answer's tokens only, and an adapter PEFT writes that ricllm reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ricllm.cli import main
+from ricllm.model.loader import open_checkpoint
+from ricllm.model.lora import load_lora_adapter
+from ricllm.replay import adapt
+from ricllm.replay.loading import load_scenario, load_scenario_trace
+from tests.helpers import require_module
+
+PRB, DELAY, SINR = "RRU.PrbTotDl", "DRB.RlcSduDelayDl", "L1M.DL-SS-SINR"
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return load_scenario("default")
+
+
+@pytest.fixture(scope="module")
+def trace(scenario):
+    return load_scenario_trace(scenario)
+
+
+@pytest.fixture(scope="module")
+def congestion(scenario):
+    return adapt.template_policy(scenario, "congestion")
+
+
+def congestion_by_hand(kpis: dict) -> str:
+    """scenarios/prompts/congestion.md's policy, written out apart from the scenario's rules."""
+    if any(kpis[name] is None for name in (PRB, DELAY, SINR)) or kpis[SINR] < 0:
+        return "escalate"
+    if kpis[PRB] > 85 and kpis[DELAY] > 200:
+        return "offload"
+    return "restore" if kpis[PRB] < 30 else "hold"
+
+
+def test_each_row_is_labelled_with_the_policys_answer(scenario, trace, congestion):
+    examples = adapt.make_examples(scenario, trace, congestion, 200, seed=3)
+    assert len(examples) == 200
+    assert all(e.expected == {"action": congestion_by_hand(e.kpis)} for e in examples)
+    assert all(e.answer == json.dumps(e.expected, separators=(",", ":")) for e in examples)
+    counts = adapt.class_counts(examples)
+    assert set(counts) == {json.dumps({"action": a}) for a in ("escalate", "offload", "restore", "hold")}
+    assert min(counts.values()) >= 184 // 4 - 16  # turns over the complete rows; a gap makes escalate
+    missing = [e for e in examples if None in e.kpis.values()]
+    assert len(missing) == 16 and all(e.expected == {"action": "escalate"} for e in missing)
+
+
+def test_rows_are_drawn_not_taken_from_the_trace(scenario, trace, congestion):
+    examples = adapt.make_examples(scenario, trace, congestion, 300, seed=0)
+    trace_rows = {tuple(row.kpis.get(k) for k in congestion.kpis) for row in trace.rows}
+    assert not trace_rows & {tuple(e.kpis[k] for k in congestion.kpis) for e in examples}
+    held_out = adapt.make_examples(scenario, trace, congestion, 300, seed=1)
+    assert not {e.user for e in examples} & {e.user for e in held_out}
+
+
+def test_no_training_prompt_is_one_the_replay_scores(scenario, trace, congestion):
+    scored = adapt.scored_prompts(scenario, trace, "congestion")
+    assert scored and all(p.startswith("PRB usage:") for p in scored)
+    raw = adapt.make_examples(scenario, trace, congestion, 300, seed=0, exclude=scored)
+    assert not {e.user for e in raw} & scored
+    # the replay's level-style prompt repeats the scored prompts: counted, as the check must see them
+    levels = adapt.make_examples(scenario, trace, congestion, 300, seed=0, prompt="replay", exclude=scored)
+    assert adapt.count_seen(levels, scored) > 0
+    assert adapt.count_seen(raw, scored) == 0
+
+
+def test_loss_falls_on_the_answer_tokens_only(tiny_gguf, scenario, trace, congestion):
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    example = adapt.make_examples(scenario, trace, congestion, 4, seed=0)[0]
+    system = adapt.default_system_prompt(congestion)
+    item = adapt.tokenize_example(tokenizer, system, example)
+    prompt = adapt.request_ids(tokenizer, system, example.user)
+    assert item.input_ids[:item.prompt_len] == prompt
+    assert item.labels[:item.prompt_len] == [adapt.IGNORE_INDEX] * len(prompt)
+    answer = item.labels[item.prompt_len:]
+    assert adapt.IGNORE_INDEX not in answer and answer == item.input_ids[item.prompt_len:]
+    assert tokenizer.decode(answer, skip_special_tokens=False) == example.answer + "<|im_end|>"
+
+
+def test_collate_masks_padding_and_prompt(tiny_gguf, scenario, trace, congestion):
+    require_module("torch")
+    from ricllm.replay.adapter_training import collate
+
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    system = adapt.default_system_prompt(congestion)
+    items = [adapt.tokenize_example(tokenizer, system, e)
+             for e in adapt.make_examples(scenario, trace, congestion, 8, seed=0)]
+    batch = collate(items, pad_id=0)
+    for row, item in enumerate(items):
+        kept = batch["labels"][row][batch["labels"][row] != adapt.IGNORE_INDEX].tolist()
+        assert kept == item.labels[item.prompt_len:]
+        assert int(batch["attention_mask"][row].sum()) == len(item.input_ids)
+
+
+def test_adapt_trains_an_adapter_ricllm_reads(tiny_gguf, tmp_path, capsys):
+    require_module("peft")  # the dev extra's
+    out = tmp_path / "adapter"
+    code = main(["adapt", "default", "--template", "energy", "--model", str(tiny_gguf), "--out", str(out),
+                 "--examples", "16", "--eval-examples", "8", "--steps", "3", "--batch-size", "4", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    spec = open_checkpoint(tiny_gguf).spec
+    adapter = load_lora_adapter(out, spec)
+    projections = list(adapter.projections())
+    assert len(projections) == 7 * spec.num_layers and adapter.max_rank == 8
+    assert any(abs(p.b).max() > 0 for _, _, p in projections)  # trained: PEFT starts every B at zero
+    manifest = json.loads((out / "ricllm_adapt.json").read_text())
+    assert manifest["template"] == "energy" and manifest["training"]["rows"] == 16
+    for line in ("with the adapter", "base model (no adapter)", "majority class"):
+        assert line in printed
+    assert "held out 8 rows (seed 1)" in printed
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["adapt", "default", "--template", "nope"], "templates with a policy: congestion, energy"),
+    (["adapt", "no-such-scenario"], "bundled:"),
+], ids=["template", "scenario"])
+def test_an_unknown_name_is_refused_naming_what_exists(argv, named, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
