@@ -3,7 +3,8 @@
 ``pip install ricllm`` is the client alone (pyzmq, msgpack, pydantic, structlog): ``ricllm client``,
 ``ricllm keys`` and :mod:`ricllm.client` talk to a running server without torch. ``ricllm[engine]``
 adds what loads and serves a model (torch, numpy, gguf, tokenizers, llguidance, the HTTP stack, ...);
-``ricllm[report]`` adds the report's plots (matplotlib). A command run without the extra it needs
+``ricllm[report]`` adds the report's plots (matplotlib); ``ricllm[adapt]`` what trains an adapter
+(transformers, peft). A command run without the extra it needs
 ends with an error that names the extra, not a traceback (:func:`missing_extra`).
 """
 
@@ -19,6 +20,7 @@ EXTRA_OF_MODULE = {
     "safetensors": "engine", "tqdm": "engine", "yaml": "engine", "prometheus_client": "engine",
     "llguidance": "engine", "jsonschema": "engine", "starlette": "engine", "uvicorn": "engine",
     "watchfiles": "engine", "matplotlib": "report", "rich": "report",
+    "transformers": "adapt", "accelerate": "adapt", "peft": "adapt",
 }
 
 

@@ -128,3 +128,27 @@ def test_an_unknown_name_is_refused_naming_what_exists(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
+
+
+def test_the_answer_logits_are_the_models_own(tiny_gguf, scenario, trace, congestion):
+    """Training and judging read the head at the answer's positions only: the same numbers as the
+    full model's logits there."""
+    require_module("transformers")
+    import torch
+
+    from ricllm.replay.adapter_training import answer_logits, collate, load_base_model
+
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    system = adapt.default_system_prompt(congestion)
+    items = [adapt.tokenize_example(tokenizer, system, e)
+             for e in adapt.make_examples(scenario, trace, congestion, 3, seed=0)]
+    batch = collate(items, pad_id=0)
+    model = load_base_model(tiny_gguf).eval()
+    with torch.no_grad():
+        logits, targets, rows = answer_logits(model, batch)
+        full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = [full[r, item.prompt_len - 1 + k] for r, item in enumerate(items)
+                for k in range(len(item.input_ids) - item.prompt_len)]
+    torch.testing.assert_close(logits, torch.stack(expected), rtol=1e-5, atol=1e-5)
+    assert targets.tolist() == [t for item in items for t in item.labels[item.prompt_len:]]
+    assert rows.tolist() == [r for r, item in enumerate(items) for _ in item.labels[item.prompt_len:]]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +140,7 @@ def _print_data(scenario, template, training, held_out, scored, args, eval_seed,
           f"{class_counts(training)}")
     print(f"held out {len(held_out)} rows (seed {eval_seed}); the replay scores {len(scored)} distinct prompts "
           f"for this template, {count_seen(training, scored)} of them seen in training")
-    print(f"system prompt: {system!r}", file=sys.stderr if args.no_progress else sys.stdout)
+    print(f"system prompt: {system!r}")
 
 
 def _manifest(scenario, template, args, eval_seed, system, training, held_out, model_path) -> dict[str, Any]:

@@ -100,7 +100,8 @@ def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example],
     bar = tqdm(range(settings.steps), desc="training", unit="step", disable=not progress)
     batches = _batches(items, settings)
     for _ in bar:
-        loss = model(**collate(next(batches), pad_id)).loss
+        logits, targets, _ = answer_logits(model, collate(next(batches), pad_id))
+        loss = torch.nn.functional.cross_entropy(logits, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -132,13 +133,22 @@ def predict(model, tokenizer: Tokenizer, system: str, template: TemplatePolicy, 
     return [answers[max(range(len(row)), key=row.__getitem__)] for row in per_row]
 
 
+def answer_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's logits at the positions that predict a labelled token only (the answer's few,
+    not every prompt position over the whole vocabulary), those tokens, and each one's row."""
+    network = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = network.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    targets = batch["labels"][:, 1:]
+    keep = targets != IGNORE_INDEX
+    rows = torch.arange(targets.shape[0]).unsqueeze(1).expand_as(targets)[keep]
+    return network.lm_head(hidden[:, :-1][keep]).float(), targets[keep], rows
+
+
 def _answer_log_probs(model, batch: dict[str, torch.Tensor]) -> list[float]:
     """Each row's summed log-probability of its labelled tokens."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    targets = batch["labels"][:, 1:]
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * (targets != IGNORE_INDEX)).sum(dim=-1).tolist()
+    logits, targets, rows = answer_logits(model, batch)
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(batch["input_ids"].shape[0]).index_add_(0, rows, picked).tolist()
 
 
 def accuracy(predicted: Sequence[dict[str, Any]], examples: Sequence[Example]) -> float:
