@@ -10,6 +10,7 @@ import pytest
 from ricllm.cli import main
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.lora import load_lora_adapter
+from ricllm.paths import file_digest
 from ricllm.replay import adapt
 from ricllm.replay.loading import load_scenario, load_scenario_trace
 from tests.helpers import require_module
@@ -100,7 +101,7 @@ def test_collate_masks_padding_and_prompt(tiny_gguf, scenario, trace, congestion
         assert int(batch["attention_mask"][row].sum()) == len(item.input_ids)
 
 
-def test_adapt_trains_an_adapter_ricllm_reads(tiny_gguf, tmp_path, capsys):
+def test_adapt_trains_an_adapter_ricllm_reads(tiny_gguf, scenario, tmp_path, capsys):
     require_module("peft")  # the dev extra's
     out = tmp_path / "adapter"
     code = main(["adapt", "default", "--template", "energy", "--model", str(tiny_gguf), "--out", str(out),
@@ -115,9 +116,21 @@ def test_adapt_trains_an_adapter_ricllm_reads(tiny_gguf, tmp_path, capsys):
     assert any(abs(p.b).max() > 0 for _, _, p in projections)  # trained: PEFT starts every B at zero
     manifest = json.loads((out / "ricllm_adapt.json").read_text())
     assert manifest["template"] == "energy" and manifest["training"]["rows"] == 16
+    assert manifest["base_model"]["sha256"] == file_digest(tiny_gguf)
+    assert manifest["template_sha256"] == adapt.template_digest(scenario, adapt.template_policy(scenario, "energy"))
     for line in ("with the adapter", "base model (no adapter)", "majority class"):
         assert line in printed
     assert "held out 8 rows (seed 1)" in printed
+
+
+def test_the_template_digest_changes_with_the_policy(scenario, congestion):
+    digest = adapt.template_digest(scenario, congestion)
+    assert digest == adapt.template_digest(load_scenario("default"), adapt.template_policy(scenario, "congestion"))
+    assert digest != adapt.template_digest(scenario, adapt.template_policy(scenario, "energy"))
+    for override in ("prompts.templates.congestion.expect=[{otherwise: {action: hold}}]",
+                     "prompts.user_prompt=PRB {{ kpi['RRU.PrbTotDl'] }}"):
+        changed = load_scenario("default", [override])
+        assert digest != adapt.template_digest(changed, adapt.template_policy(changed, "congestion"))
 
 
 @pytest.mark.parametrize("argv, named", [

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ricllm.paths import cache_dir
+from ricllm.paths import cache_dir, file_digest
 
 PROMPT_FORMS = ("raw", "replay")
 
@@ -144,9 +144,13 @@ def _print_data(scenario, template, training, held_out, scored, args, eval_seed,
 
 
 def _manifest(scenario, template, args, eval_seed, system, training, held_out, model_path) -> dict[str, Any]:
+    from ricllm.replay.adapt import template_digest
+
     return {"scenario": scenario.name, "template": template.name,
             "policy": [{"when": r.when.text if r.when else None, "then": r.then} for r in template.policy.rules],
-            "base_model": os.fspath(model_path), "system_prompt": system, "prompt": args.prompt,
+            "template_sha256": template_digest(scenario, template),
+            "base_model": {"path": os.fspath(model_path), "sha256": file_digest(model_path)},
+            "system_prompt": system, "prompt": args.prompt,
             "training": {"rows": len(training), "seed": args.seed, "source": "uniform over the trace's KPI ranges",
                          "missing_share": args.missing_share, "steps": args.steps, "batch_size": args.batch_size,
                          "learning_rate": args.learning_rate, "rank": args.rank, "alpha": args.alpha},

@@ -12,6 +12,7 @@ many scored prompts training saw. Nothing here imports torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -29,7 +30,7 @@ from ricllm.replay.decisions import ANSWER_FIELD, Policy
 from ricllm.replay.planning import plan_requests
 from ricllm.replay.prompts import jinja_env, prompt_context
 from ricllm.replay.schema import Scenario, TemplateSpec
-from ricllm.replay.templates import answer_check, build_policy
+from ricllm.replay.templates import answer_check, build_policy, system_text
 from ricllm.replay.traces import KpiRow, LoadedTrace
 
 PromptForm = Literal["raw", "replay"]
@@ -96,6 +97,16 @@ def template_policy(scenario: Scenario, name: str) -> TemplatePolicy:
         raise AdaptError(f"scenario {scenario.name!r} {what} {name!r}; templates with a policy: "
                          f"{', '.join(with_policy) or '(none)'}")
     return TemplatePolicy(name, entry, build_policy(entry, scenario.trace_kpis()))
+
+
+def template_digest(scenario: Scenario, template: TemplatePolicy) -> str:
+    """sha256 of what the template is: its entry as the scenario states it, its system prompt's text
+    and the user prompt the replay renders for it. An adapter records it, so a changed policy or
+    prompt can be told from the one it was trained on."""
+    entry = template.spec
+    stated = {"entry": entry.model_dump(mode="json", by_alias=True), "system": system_text(entry, scenario.base_dir),
+              "user_prompt": _replay_prompt_text(scenario, template.name)}
+    return hashlib.sha256(json.dumps(stated, sort_keys=True).encode()).hexdigest()
 
 
 def default_system_prompt(template: TemplatePolicy) -> str:
