@@ -48,7 +48,8 @@ def test_each_row_is_labelled_with_the_policys_answer(scenario, trace, congestio
     assert all(e.expected == {"action": congestion_by_hand(e.kpis)} for e in examples)
     assert all(e.answer == json.dumps(e.expected, separators=(",", ":")) for e in examples)
     counts = adapt.class_counts(examples)
-    assert set(counts) == {json.dumps({"action": a}) for a in ("escalate", "offload", "restore", "hold")}
+    actions = ("escalate", "offload", "restore", "hold")
+    assert set(counts) == {json.dumps({"action": a}, separators=(",", ":")) for a in actions}
     assert min(counts.values()) >= 184 // 4 - 16  # turns over the complete rows; a gap makes escalate
     missing = [e for e in examples if None in e.kpis.values()]
     assert len(missing) == 16 and all(e.expected == {"action": "escalate"} for e in missing)
@@ -121,6 +122,7 @@ def test_adapt_trains_an_adapter_ricllm_reads(tiny_gguf, scenario, tmp_path, cap
     for line in ("with the adapter", "base model (no adapter)", "majority class"):
         assert line in printed
     assert "held out 8 rows (seed 1)" in printed
+    assert "requests the replay scores for this template, the majority class is" in printed
 
 
 def test_the_template_digest_changes_with_the_policy(scenario, congestion):

@@ -71,11 +71,11 @@ def cmd_adapt(args: argparse.Namespace) -> int:
 
     _check_args(args)
     scenario = load_scenario(args.scenario)
-    name = args.template or _first_template_with_policy(scenario)
-    template = adapt.template_policy(scenario, name)
+    template = adapt.template_policy(scenario, args.template)
     checkpoint = open_checkpoint(args.model)
     trace = load_scenario_trace(scenario)
-    scored = adapt.scored_prompts(scenario, trace, template.name)
+    scored_requests = adapt.scored_requests(scenario, trace, template.name)
+    scored = {request.user_prompt for request in scored_requests}
     eval_seed = args.seed + 1 if args.eval_seed is None else args.eval_seed
     draw = dict(prompt=args.prompt, missing_share=args.missing_share, exclude=scored)
     training = adapt.make_examples(scenario, trace, template, args.examples, args.seed, **draw)
@@ -85,22 +85,14 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     system = args.system or adapt.default_system_prompt(template)
     _print_data(scenario, template, training, held_out, scored, args, eval_seed, system)
     out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}"
-    return _train_and_judge(args, checkpoint, template, system, training, held_out, out, _manifest(
-        scenario, template, args, eval_seed, system, training, held_out, checkpoint.path))
+    manifest = {**_manifest(scenario, template, args, eval_seed, system, training, held_out, checkpoint.path),
+                "scored_requests": len(scored_requests)}
+    scored_majority = adapt.majority_share([r.expected for r in scored_requests]) if scored_requests else None
+    return _train_and_judge(args, checkpoint, template, system, training, held_out, out, manifest, scored_majority)
 
 
-def _first_template_with_policy(scenario) -> str:
-    from ricllm.replay.schema import TemplateSpec
-
-    names = [n for n, e in scenario.prompts.templates.items() if isinstance(e, TemplateSpec) and e.expect]
-    if not names:
-        from ricllm.replay.adapt import AdaptError
-
-        raise AdaptError(f"scenario {scenario.name!r} has no template with a policy (expect) to learn")
-    return names[0]
-
-
-def _train_and_judge(args, checkpoint, template, system, training, held_out, out: Path, manifest) -> int:
+def _train_and_judge(args, checkpoint, template, system, training, held_out, out: Path, manifest,
+                     scored_majority: tuple[str, float] | None) -> int:
     import torch
 
     from ricllm.model.lora import load_lora_adapter
@@ -117,13 +109,16 @@ def _train_and_judge(args, checkpoint, template, system, training, held_out, out
     tuned = at.accuracy(at.predict(model, tokenizer, system, template, held_out, progress=progress), held_out)
     with model.disable_adapter():
         base = at.accuracy(at.predict(model, tokenizer, system, template, held_out, progress=progress), held_out)
-    label, majority = majority_share(held_out)
+    label, majority = majority_share([example.expected for example in held_out])
     print(f"\nloss: {result.losses[0]:.4f} at step 1, {result.losses[-1]:.4f} at step {len(result.losses)}")
     print(f"held-out rows: {len(held_out)} (seed {manifest['held_out']['seed']})")
     print(f"{'':<28}{'correct':>10}")
     print(f"{'with the adapter':<28}{tuned:>9.1%}")
     print(f"{'base model (no adapter)':<28}{base:>9.1%}")
     print(f"{'majority class':<28}{majority:>9.1%}   (always {label})")
+    if scored_majority is not None:
+        print(f"(on the {manifest['scored_requests']} requests the replay scores for this template, the majority "
+              f"class is {scored_majority[1]:.1%}: always {scored_majority[0]})")
     print(f"adapter: {out}, read back by ricllm: {sum(1 for _ in adapter.projections())} projections, "
           f"{adapter.num_parameters:,} parameters, {adapter.nbytes / 2**20:.2f} MiB as fp32, "
           f"content hash {adapter.content_hash[:12]}")
@@ -136,8 +131,8 @@ def _print_data(scenario, template, training, held_out, scored, args, eval_seed,
     print(f"template {template.name!r} of scenario {scenario.name!r}: {len(template.answers)} answers, "
           f"policy reads {', '.join(template.kpis)}")
     print(f"trained on {len(training)} rows drawn from the trace's KPI ranges (seed {args.seed}, "
-          f"{args.missing_share:.0%} with one KPI missing), {args.prompt} user prompts; per answer: "
-          f"{class_counts(training)}")
+          f"{args.missing_share:.0%} with one KPI missing), {args.prompt} user prompts; rows per answer: "
+          + ", ".join(f"{answer} {n}" for answer, n in class_counts(training).items()))
     print(f"held out {len(held_out)} rows (seed {eval_seed}); the replay scores {len(scored)} distinct prompts "
           f"for this template, {count_seen(training, scored)} of them seen in training")
     print(f"system prompt: {system!r}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,7 @@ from ricllm.engine.chat_prefix import render_chat_prefix, render_chat_request
 from ricllm.errors import RicllmError
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.replay.decisions import ANSWER_FIELD, Policy
-from ricllm.replay.planning import plan_requests
+from ricllm.replay.planning import PlannedRequest, plan_requests
 from ricllm.replay.prompts import jinja_env, prompt_context
 from ricllm.replay.schema import Scenario, TemplateSpec
 from ricllm.replay.templates import answer_check, build_policy, system_text
@@ -87,10 +86,17 @@ class TemplatePolicy:
         return json.dumps(dict(expected), separators=(",", ":"))
 
 
-def template_policy(scenario: Scenario, name: str) -> TemplatePolicy:
-    """The template ``name`` with its policy; an ``AdaptError`` naming the templates that have one."""
-    with_policy = [n for n, entry in scenario.prompts.templates.items()
-                   if isinstance(entry, TemplateSpec) and entry.expect]
+def templates_with_policy(scenario: Scenario) -> list[str]:
+    return [n for n, entry in scenario.prompts.templates.items() if isinstance(entry, TemplateSpec) and entry.expect]
+
+
+def template_policy(scenario: Scenario, name: str | None) -> TemplatePolicy:
+    """The template ``name`` (None: the first with a policy) with its policy; an ``AdaptError``
+    naming the templates that have one."""
+    with_policy = templates_with_policy(scenario)
+    if name is None and not with_policy:
+        raise AdaptError(f"scenario {scenario.name!r} has no template with a policy (expect) to learn")
+    name = with_policy[0] if name is None else name
     entry = scenario.prompts.templates.get(name)
     if not isinstance(entry, TemplateSpec) or not entry.expect:
         what = "has no template" if entry is None else "has a template without a policy (expect)"
@@ -178,9 +184,14 @@ def replay_user_prompt(scenario: Scenario, template: str, kpis: Mapping[str, flo
     return jinja_env().from_string(_replay_prompt_text(scenario, template)).render(context).strip()
 
 
+def scored_requests(scenario: Scenario, trace: LoadedTrace, template: str) -> list[PlannedRequest]:
+    """The requests the scenario's replay sends for the template (what its report scores)."""
+    return [request for request in plan_requests(scenario, trace) if request.template == template]
+
+
 def scored_prompts(scenario: Scenario, trace: LoadedTrace, template: str) -> set[str]:
-    """Every user prompt the scenario's replay sends for the template (what its report scores)."""
-    return {request.user_prompt for request in plan_requests(scenario, trace) if request.template == template}
+    """Every user prompt the scenario's replay sends for the template."""
+    return {request.user_prompt for request in scored_requests(scenario, trace, template)}
 
 
 def make_examples(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, count: int, seed: int, *,
@@ -204,10 +215,10 @@ def count_seen(examples: Sequence[Example], scored: set[str]) -> int:
     return len(scored & {example.user for example in examples})
 
 
-def majority_share(examples: Sequence[Example]) -> tuple[str, float]:
-    """The most common answer and its share of the examples (the always-answer-it baseline)."""
-    label, n = Counter(example.label for example in examples).most_common(1)[0]
-    return label, n / len(examples)
+def majority_share(labels: Sequence[Mapping[str, Any]]) -> tuple[str, float]:
+    """The most common answer and its share (the always-answer-it baseline)."""
+    label, n = Counter(json.dumps(dict(answer), sort_keys=True) for answer in labels).most_common(1)[0]
+    return label, n / len(labels)
 
 
 # ------------------------------------------------------------------------------ tokenising
@@ -246,8 +257,5 @@ def tokenize_example(tokenizer: Tokenizer, system: str, example: Example) -> Tok
 
 
 def class_counts(examples: Sequence[Example]) -> dict[str, int]:
-    return dict(Counter(example.label for example in examples).most_common())
-
-
-def share(part: int, whole: int) -> float:
-    return part / whole if whole else math.nan
+    """Rows per answer (the answer as its text), most common first."""
+    return dict(Counter(example.answer for example in examples).most_common())
