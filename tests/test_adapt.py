@@ -138,8 +138,9 @@ def test_the_template_digest_changes_with_the_policy(scenario, congestion):
 @pytest.mark.parametrize("argv, named", [
     (["adapt", "default", "--template", "nope"], "templates with a policy: congestion, energy"),
     (["adapt", "no-such-scenario"], "bundled:"),
-], ids=["template", "scenario"])
-def test_an_unknown_name_is_refused_naming_what_exists(argv, named, capsys):
+    (["adapt", "--examples", "0"], "--examples must be at least 1"),
+], ids=["template", "scenario", "examples"])
+def test_a_mistake_is_refused_naming_what_exists(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
