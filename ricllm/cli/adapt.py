@@ -77,9 +77,10 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     scored_requests = adapt.scored_requests(scenario, trace, template.name)
     scored = {request.user_prompt for request in scored_requests}
     eval_seed = args.seed + 1 if args.eval_seed is None else args.eval_seed
-    draw = dict(prompt=args.prompt, missing_share=args.missing_share, exclude=scored)
-    training = adapt.make_examples(scenario, trace, template, args.examples, args.seed, **draw)
-    held_out = adapt.make_examples(scenario, trace, template, args.eval_examples, eval_seed, **draw)
+    draw = dict(prompt=args.prompt, missing_share=args.missing_share)
+    training = adapt.make_examples(scenario, trace, template, args.examples, args.seed, exclude=scored, **draw)
+    held_out = adapt.make_examples(scenario, trace, template, args.eval_examples, eval_seed,
+                                   exclude=scored | {example.user for example in training}, **draw)
     if not training or not held_out:
         raise adapt.AdaptError("every drawn row's user prompt is one the replay scores; use --prompt raw")
     system = args.system or adapt.default_system_prompt(template)
