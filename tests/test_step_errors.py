@@ -16,6 +16,7 @@ import pytest
 from ricllm import SamplingParams
 from ricllm.engine.admission import Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel, fit
+from ricllm.engine.schedule_bound import first_step
 from ricllm.engine.scheduler import StepFeatures
 from tests.test_admission import make_engine, prompt, true_step_time
 
@@ -101,8 +102,8 @@ def test_cold_and_probe_steps_ten_times_slow_do_not_move_a_busy_engines_bound():
     shifted = [b + 0.501 for b in before[2]]  # the same bound half a second later
     assert (model.predict(DECODE), model.predict(PREFILL)) == pytest.approx(before[:2])
     assert finish_bounds(WORK, model, 64, clock.now) == pytest.approx(shifted)
-    excess = model.after_idle_excess
-    assert excess > 0.02
+    excess = model.after_idle_excess_for(first_step(WORK, 64))  # of cold steps the size of WORK's first
+    assert excess > 0.02 and model.after_idle_excess > 0.02
     idle = finish_bounds(WORK, model, 64, clock.now, after_idle=True)
     assert [i - b for i, b in zip(idle, shifted)] == pytest.approx([excess, excess])  # once, not per step
 
@@ -201,3 +202,66 @@ def test_the_engine_charges_steps_after_a_gap_and_probes_to_after_idle_only(tiny
     joining = engine.add_request(prompt(12, 98), SamplingParams(max_tokens=6, deadline_ms=400, ignore_eos=True))
     idle_bound = engine.finish_bound(joining.request_id) - clock.now
     assert busy.promised and joining.promised and idle_bound < latency.after_idle_excess + 0.2
+
+
+TAIL, LONG_PREFILL = StepFeatures(4, 0, 600, 4 * 600), StepFeatures(256, 0, 856, 256 * 856)
+
+
+def ramped_cold_step(f: StepFeatures, rng: random.Random) -> float:
+    """A cold step on a clock that ramps up: every other gap the first 20 ms of the step run at 1/2.5
+    of the speed (so its excess grows with the step, up to 30 ms), else it runs warm."""
+    warm = machine_seconds(f, rng)
+    return warm + (1.5 * min(warm, 0.02) if rng.random() < 0.5 else 0.0)
+
+
+def fixed_cold_step(f: StepFeatures, rng: random.Random) -> float:
+    """A cold step that costs 15-25 ms more every other gap, whatever it carries."""
+    return machine_seconds(f, rng) + (rng.uniform(0.015, 0.025) if rng.random() < 0.5 else 0.0)
+
+
+def after_gaps(cold, seed: int) -> tuple[LatencyModel, random.Random]:
+    """64 gaps each before a tail behind a template and before a long prefill."""
+    model, clock, rng = calibrated(seed=seed)
+    for _ in range(64):
+        for f in (TAIL, LONG_PREFILL):
+            clock.now += 1.0
+            model.observe(f, cold(f, rng), after_idle=True)
+    return model, rng
+
+
+def passed_share(model: LatencyModel, cold, f: StepFeatures, rng: random.Random) -> float:
+    """How often a new cold step of ``f`` passes its busy bound plus its after-idle charge."""
+    bound = model.predict(f) + model.after_idle_excess_for(f)
+    return sum(cold(f, rng) > bound for _ in range(1000)) / 1000
+
+
+def test_a_small_first_step_after_a_gap_is_charged_what_cold_steps_of_its_size_cost():
+    """A cold start that slows the whole step costs a few-token tail behind a template a few ms and a
+    long prefill 30: a request whose first step is the tail is charged the tail's excess (its bound
+    stays within 3x of a warm finish, its cold steps running 2.5x), a long prefill the long one's,
+    and each covers about nine cold steps of its size in ten (over ten machines). Charged the whole
+    window's quantile, the tail's bound would be six times its warm finish."""
+    passed = {TAIL: [], LONG_PREFILL: []}
+    for seed in range(10):
+        model, rng = after_gaps(ramped_cold_step, seed)
+        tail_excess = model.after_idle_excess_for(TAIL)
+        assert tail_excess < 0.5 * model.after_idle_excess_for(LONG_PREFILL)
+        assert tail_excess < 0.5 * model.after_idle_excess  # the whole window's figure
+        assert (model.predict(TAIL) + tail_excess) / machine_seconds(TAIL, random.Random(1)) < 3.0
+        for f in passed:
+            passed[f].append(passed_share(model, ramped_cold_step, f, rng))
+    assert all(0.03 <= statistics.mean(shares) <= 0.16 for shares in passed.values())
+
+
+def test_a_cold_cost_that_does_not_grow_with_the_step_is_charged_alike_to_every_size():
+    """The same 15-25 ms whatever the step carries, every other gap: the tail and the long prefill
+    are each charged about the whole window's quantile, and each is covered about nine times in ten
+    (over ten machines)."""
+    passed = {TAIL: [], LONG_PREFILL: []}
+    for seed in range(10):
+        model, rng = after_gaps(fixed_cold_step, seed)
+        for f in passed:
+            assert model.after_idle_excess_for(f) == pytest.approx(model.after_idle_excess, abs=0.006)
+            passed[f].append(passed_share(model, fixed_cold_step, f, rng))
+    assert all(0.03 <= statistics.mean(shares) <= 0.16 for shares in passed.values())
+

@@ -24,19 +24,24 @@ coverage such an update lowers itself by 0.1% of its step size per covered step,
 come back down within 50 steps of a slowdown's end; the far tail is the stall reserve's, the
 largest overrun of the last 1024 busy steps.
 
-``after_idle`` holds the difference measured − fitted × its busy kind's multiplier, in seconds:
-what a cold start costs is the cache refilled, the clock ramped and the sleeping threads woken, a
-fixed amount of time rather than a share of the step, and a bound charges it once (a request's
-work has one first step after a gap), not per step. Its figure is the same 0.9 quantile as the busy
-kinds', over the last ``AFTER_IDLE_WINDOW`` (64) such steps, with no age limit: they come one per
-idle gap, and forgetting them between two bursts seconds apart would forget the lesson; while an
-idle engine refuses, its probes (one per 50 ms) renew the window within about 3 s. The worst of the
-window would let one outlier (a process's first step, a template's long prefill after a pause)
-set every idle bound for the next 64 arrivals at several times what they take; a cold step past
-the quantile is what the safety margin and the slack of the step's own multiplier absorb. The
-calibration's cold steps seed it with the weight of ``AFTER_IDLE_SEED_WEIGHT`` (16) steps, so the
-first real gaps take over within two. It never moves the busy multipliers, so it never inflates
-the bound of a busy engine.
+``after_idle`` holds the difference measured − fitted × its busy kind's multiplier, in seconds,
+beside the size of the step it came from (that busy bound): what a cold start costs is the cache
+refilled, the clock ramped and the sleeping threads woken, an amount of time rather than a share of
+the step, and a bound charges it once (a request's work has one first step after a gap), not per
+step. Its figure is the same 0.9 quantile as the busy kinds', over the last ``AFTER_IDLE_WINDOW``
+(64) such steps, with no age limit: they come one per idle gap, and forgetting them between two
+bursts seconds apart would forget the lesson; while an idle engine refuses, its probes (one per
+50 ms) renew the window within about 3 s. A bound charges the quantile of the cold steps alike in
+size to its own first step (within ``NEAR_FACTOR``, 2x, of it) once ``NEAR_MIN`` (16) of them are
+in the window, else the whole window's: how much a cold start costs can grow with what the step
+carries (a clock that ramps up during the step slows all of it), and a request whose first step is
+a few tokens behind a template is then not charged what a long prefill after a pause cost, nor a
+long prefill what a probe cost. The worst of the window would let one outlier (a process's first
+step, a template's long prefill after a pause) set every idle bound for the next 64 arrivals at
+several times what they take; a cold step past the quantile is what the safety margin and the
+slack of the step's own multiplier absorb. The calibration's cold steps seed it with the weight of
+``AFTER_IDLE_SEED_WEIGHT`` (16) steps, so the first real gaps take over within two. It never
+moves the busy multipliers, so it never inflates the bound of a busy engine.
 
 A busy engine's next step follows its last at once, and tends to run as it did: promises re-checked
 between its steps (``AdmissionController._late``) charge every step at least the last busy step's
@@ -54,6 +59,8 @@ IDLE_GAP_S = 0.02  # ran no step for longer than this: idle. A busy engine steps
 # between steps); every probe (at most one per 50 ms) comes after a longer gap
 AFTER_IDLE_WINDOW = 64  # after-idle steps whose 0.9 quantile of excess a bound made while idle adds
 AFTER_IDLE_SEED_WEIGHT = 16  # steps the calibration's cold steps stand in for until real ones come
+NEAR_FACTOR = 2.0  # cold steps within this factor of a first step's size are alike in size
+NEAR_MIN = 16  # alike cold steps needed before their own quantile is charged, not the whole window's
 BUSY_KINDS = ("decode", "prefill")
 STEP_KINDS = (*BUSY_KINDS, "after_idle")
 
@@ -64,7 +71,8 @@ class RecentQuantile:
     kinds of busy steps together) no older than ``max_age_s``, topped up to
     ``min_samples`` values with evenly spaced quantiles of ``seed`` (no seed: ``neutral``, the fit at
     its word): the seed weighs as many steps as are missing, so one stall among the first few steps
-    is the stall reserve's, not the quantile's."""
+    is the stall reserve's, not the quantile's. Each value may carry the size of the step it came
+    from (``near``: the quantile of the steps alike in size)."""
 
     seed: list[float] = field(default_factory=list)
     neutral: float = 1.0
@@ -72,29 +80,48 @@ class RecentQuantile:
     window: int = 32
     max_age_s: float = 2.0
     min_samples: int = 32  # the 0.9 quantile of 32 values is the fourth largest: three outliers pass
-    recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, step number, value)
+    recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, step number, value, size)
     _cached: float | None = field(default=None, init=False, repr=False)
+    _near: dict = field(default_factory=dict, init=False, repr=False)  # quantised size -> its quantile
 
-    def add(self, value: float, at: float, step: int) -> None:
-        self.recent.append((at, step, value))
+    def add(self, value: float, at: float, step: int, size: float = 0.0) -> None:
+        self.recent.append((at, step, value, size))
         self.value(at, step)
-        self._cached = None
+        self._forget_cache()
 
     def value(self, now: float, step: int) -> float:
         """The quantile as of ``now``, ``step``: values older than ``max_age_s`` or ``window``
         steps no longer count."""
         while self.recent and (now - self.recent[0][0] > self.max_age_s or step - self.recent[0][1] >= self.window):
             self.recent.popleft()
-            self._cached = None
+            self._forget_cache()
         if self._cached is None:
             self._cached = self._quantile()
         return self._cached
+
+    def near(self, now: float, step: int, size: float) -> float:
+        """The quantile of the values whose step's size is within ``NEAR_FACTOR`` of ``size``, once
+        ``NEAR_MIN`` of them are at hand; else ``value``. Sizes are quantised to 1/8 of a doubling
+        (9 %), so a bound costs one look-up per size between two steps."""
+        whole = self.value(now, step)
+        if size <= 0:
+            return whole
+        key = round(math.log2(size) * 8)
+        if key not in self._near:
+            centre = 2.0 ** (key / 8)
+            alike = sorted(v for _, _, v, s in self.recent if centre / NEAR_FACTOR <= s <= centre * NEAR_FACTOR)
+            self._near[key] = _at(alike, self.quantile) if len(alike) >= NEAR_MIN else whole
+        return self._near[key]
+
+    def _forget_cache(self) -> None:
+        self._cached = None
+        self._near.clear()
 
     def _quantile(self) -> float:
         return _at(sorted(self._pool()), self.quantile)
 
     def _pool(self) -> list[float]:
-        recent = [v for _, _, v in self.recent]
+        recent = [v for _, _, v, _ in self.recent]
         return recent + _spread(self.seed or [self.neutral], self.min_samples - len(recent))
 
     def median(self, now: float, step: int) -> float:
@@ -144,10 +171,11 @@ class StepErrors:
         """measured / fitted that all but the slowest tenth of recent ``kind`` steps stay within."""
         return self.kinds[kind].value(now, self._count(kind))
 
-    def after_idle_excess(self, now: float) -> float:
-        """Seconds a first step after an idle gap runs past its busy bound: the window's 0.9 quantile
-        (never below 0)."""
-        return max(self.kinds["after_idle"].value(now, self._count("after_idle")), 0.0)
+    def after_idle_excess(self, now: float, size: float = 0.0) -> float:
+        """Seconds a first step after an idle gap runs past its busy bound: the 0.9 quantile of the
+        cold steps alike in size to ``size`` (that step's busy bound, in seconds), or of the whole
+        window (``size`` 0, or too few alike); never below 0."""
+        return max(self.kinds["after_idle"].near(now, self._count("after_idle"), size), 0.0)
 
     def typical_ratio(self, kind: str, now: float) -> float:
         return self.kinds[kind].median(now, self._count(kind))
@@ -163,8 +191,9 @@ class StepErrors:
             return 0.0
         return self.last_busy[1]
 
-    def add(self, kind: str, value: float, at: float) -> None:
+    def add(self, kind: str, value: float, at: float, size: float = 0.0) -> None:
+        """``size``: the busy bound of the step, in seconds (what ``after_idle`` is conditioned on)."""
         self.steps["after_idle" if kind == "after_idle" else "busy"] += 1
-        self.kinds[kind].add(value, at, self._count(kind))
+        self.kinds[kind].add(value, at, self._count(kind), size)
         if kind in BUSY_KINDS:
             self.last_busy = (at, value)
