@@ -265,3 +265,48 @@ def test_a_cold_cost_that_does_not_grow_with_the_step_is_charged_alike_to_every_
             passed[f].append(passed_share(model, fixed_cold_step, f, rng))
     assert all(0.03 <= statistics.mean(shares) <= 0.16 for shares in passed.values())
 
+
+
+SWEEP = [0.9 + 0.2 * i / 47 for i in range(48)] + [1.2 + 0.3 * i / 11 for i in range(12)]  # a fifth fitted 1.2-1.5x
+
+
+def sweep_seeded() -> tuple[LatencyModel, Clock]:
+    model = LatencyModel([0.004, 3e-5, 4e-4, 2e-7], residuals={"decode": SWEEP, "prefill": SWEEP})
+    clock = Clock()
+    model.clock = clock
+    return model, clock
+
+
+def workload_steps(model: LatencyModel, clock: Clock, rng: random.Random, count: int, stalls=()) -> list[float]:
+    """``count`` prefill steps of one shape at 1.00-1.02x the fit (ten times it at ``stalls``)."""
+    ratios = []
+    for step in range(count):
+        f = StepFeatures(64, 4, 900, 64 * 400)
+        ratio = 10.0 if step in stalls else rng.uniform(1.0, 1.02)
+        ratios.append(ratio)
+        clock.now += 0.03
+        model.observe(f, ratio * model.base(f))
+    return ratios
+
+
+def test_a_workloads_own_steps_replace_the_sweeps_worst_fitted_shapes_within_a_dozen():
+    """The sweep's ratios spread over all its shapes (a fifth of them fitted 1.2-1.5x); a fresh start
+    is bounded at their 0.9 quantile. A workload whose steps run at 1.00-1.02x is bounded within 5%
+    of that after a dozen of its own steps (the sweep's worst shapes would hold 1.2x until 29 were
+    in), and after 32 at its own 0.9 quantile."""
+    model, clock = sweep_seeded()
+    seeded = model.multiplier("prefill")
+    assert seeded == pytest.approx(sorted(SWEEP)[54], rel=0.02) and seeded > 1.2
+    rng = random.Random(5)
+    ratios = workload_steps(model, clock, rng, 12)
+    assert model.multiplier("prefill") < 1.07
+    ratios += workload_steps(model, clock, rng, 20)
+    assert model.multiplier("prefill") == sorted(ratios)[-4] <= 1.02  # the fourth largest of its own 32
+
+
+def test_two_stalls_among_a_workloads_first_steps_do_not_set_its_multiplier():
+    """A stall is the stall reserve's: two steps at ten times the fit among the first twelve leave the
+    multiplier where the other ten put it, not at ten."""
+    model, clock = sweep_seeded()
+    workload_steps(model, clock, random.Random(6), 12, stalls=(3, 8))
+    assert model.multiplier("prefill") < 1.1

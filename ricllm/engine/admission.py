@@ -24,7 +24,7 @@ steps), so
 
 with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
 the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
-calibration's residuals), of decode steps and of prefill steps: each step is within its own kind's,
+calibration's residuals at the place of the recent steps), of decode steps and of prefill steps: each step is within its own kind's,
 so within ``m``, and a slowdown that shows first on one kind (whichever runs) raises every bound.
 When the promises already made are re-checked between steps (``rescue``, best effort joining, the
 prefill pace), ``m`` is also at least the last busy step's own ratio: the next step follows it at

@@ -17,7 +17,15 @@ kind's, so within 8 slowed steps of a half-and-half mix), and forgotten 32 busy 
 after it ends; 2 s also covers an engine that refuses everything and so measures no busy step.
 While fewer than ``min_samples`` (32) recent ratios are at hand the
 calibration's own residuals stand in for the missing ones, so a fresh start is neither blind (the
-fit at its word) nor pessimistic (the max of the first few steps). The slowest tenth of steps are
+fit at its word) nor pessimistic (the max of the first few steps). They stand in with their shape,
+not their place: moved to the median of the recent ratios and scaled to their median absolute
+deviation, each estimated with the calibration's own standing in for ``SEED_STEPS`` (4) of them.
+The calibration's ratios spread over every shape of its sweep (a fresh 1,024-token prompt, a
+prompt joining sixteen decodes), each fitted a little off; a workload repeats a few shapes, and
+where its own steps agree more closely than the sweep did, a dozen of them say so, while the tail
+of the sweep's worst-fitted shapes would hold the quantile up until 29 of the workload's own were
+in. Median and deviation pass a stall or two (the stall reserve's), as the fourth largest of 32
+does: the quantile is still the 0.9 quantile of 32 values. The slowest tenth of steps are
 the stall reserve's (``LatencyModel.stall_reserve``), an amount of seconds held once per bound, as
 one stall is. A quantile over a 32-step window, not an adaptive conformal update: at a 0.999
 coverage such an update lowers itself by 0.1% of its step size per covered step, so it could not
@@ -52,6 +60,7 @@ stall for one step only.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -59,6 +68,7 @@ IDLE_GAP_S = 0.02  # ran no step for longer than this: idle. A busy engine steps
 # between steps); every probe (at most one per 50 ms) comes after a longer gap
 AFTER_IDLE_WINDOW = 64  # after-idle steps whose 0.9 quantile of excess a bound made while idle adds
 AFTER_IDLE_SEED_WEIGHT = 16  # steps the calibration's cold steps stand in for until real ones come
+SEED_STEPS = 4  # recent steps the calibration's location and scale weigh as, beside a kind's own
 NEAR_FACTOR = 2.0  # cold steps within this factor of a first step's size are alike in size
 NEAR_MIN = 16  # alike cold steps needed before their own quantile is charged, not the whole window's
 BUSY_KINDS = ("decode", "prefill")
@@ -80,6 +90,7 @@ class RecentQuantile:
     window: int = 32
     max_age_s: float = 2.0
     min_samples: int = 32  # the 0.9 quantile of 32 values is the fourth largest: three outliers pass
+    follow_recent: bool = False  # the seed stands in at the recent values' location and scale
     recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, step number, value, size)
     _cached: float | None = field(default=None, init=False, repr=False)
     _near: dict = field(default_factory=dict, init=False, repr=False)  # quantised size -> its quantile
@@ -122,7 +133,21 @@ class RecentQuantile:
 
     def _pool(self) -> list[float]:
         recent = [v for _, _, v, _ in self.recent]
-        return recent + _spread(self.seed or [self.neutral], self.min_samples - len(recent))
+        padding = _spread(self.seed or [self.neutral], self.min_samples - len(recent))
+        if self.follow_recent and self.seed and recent and padding:
+            padding = self._at_recent_place(padding, recent)
+        return recent + padding
+
+    def _at_recent_place(self, padding: list[float], recent: list[float]) -> list[float]:
+        """``padding`` (seed values) moved from the seed's median to that of ``recent`` with
+        ``SEED_STEPS`` seed values beside them, and narrowed to their median absolute deviation where
+        it is the smaller: the sweep spread over every shape, a workload repeats a few."""
+        seed_place, seed_scale = _place_and_scale(self.seed)
+        if seed_scale <= 0:
+            return padding
+        place, scale = _place_and_scale(recent + _spread(self.seed, SEED_STEPS))
+        narrowed = min(scale / seed_scale, 1.0)  # recent values that spread wider are in the pool as they are
+        return [place + (v - seed_place) * narrowed for v in padding]
 
     def median(self, now: float, step: int) -> float:
         """The typical value, of the same values as the quantile."""
@@ -132,6 +157,13 @@ class RecentQuantile:
 
 def _at(ordered: list[float], quantile: float) -> float:
     return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+
+def _place_and_scale(values: list[float]) -> tuple[float, float]:
+    """Median and median absolute deviation: where values sit and how far they spread, which a few
+    outliers do not move."""
+    place = statistics.median(values)
+    return place, statistics.median(abs(v - place) for v in values)
 
 
 def _spread(values: list[float], count: int) -> list[float]:
@@ -162,8 +194,8 @@ class StepErrors:
         def seed(kind: str) -> list[float]:
             return list(self.residuals.get(kind, []))
 
-        self.kinds = {kind: RecentQuantile(seed(kind), 1.0, self.quantile, self.window, self.max_age_s)
-                      for kind in BUSY_KINDS}
+        self.kinds = {kind: RecentQuantile(seed(kind), 1.0, self.quantile, self.window, self.max_age_s,
+                                           follow_recent=True) for kind in BUSY_KINDS}
         self.kinds["after_idle"] = RecentQuantile(seed("after_idle"), 0.0, self.quantile, AFTER_IDLE_WINDOW,
                                                   math.inf, AFTER_IDLE_SEED_WEIGHT)
 
