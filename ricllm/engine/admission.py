@@ -24,19 +24,20 @@ steps), so
 
 with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
 the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
-calibration's residuals at the place of the recent steps), of decode steps and of prefill steps: each step is within its own kind's,
-so within ``m``, and a slowdown that shows first on one kind (whichever runs) raises every bound.
-When the promises already made are re-checked between steps (``rescue``, best effort joining, the
-prefill pace), ``m`` is also at least the last busy step's own ratio: the next step follows it at
-once and tends to run as it did, so the rescue answers a slowdown on its first slowed step. A new
-request's bound does not take it: one stalled step is the stall reserve's, and refusing for it
-would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
-its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
-``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only when
-the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle
+calibration's residuals at the place of the recent steps), of decode steps and of prefill steps:
+each step is within its own kind's, so within ``m``, and a slowdown that shows first on one kind
+(whichever runs) raises every bound. When the promises already made are re-checked between steps
+(``rescue``, best effort joining, the prefill pace), ``m`` is also at least the last busy step's own
+ratio: the next step follows it at once and tends to run as it did, so the rescue answers a slowdown
+on its first slowed step. A new request's bound does not take it: one stalled step is the stall
+reserve's, and refusing for it would refuse what one step later fits. ``stall`` is the worst amount
+by which one busy step overran its kind's bound over the last ``stall_reserve_steps`` busy steps, at
+most ``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only
+when the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle
 excess: the 0.9 quantile of the seconds by which the last 64 first-steps-after-a-gap (and probes)
 ran past their busy bound, of those alike in size to the work's first step once 16 are (the whole
-window's before). The first step of the work is the one after the gap, so it is added once; a busy engine's bounds never add it, and those steps never move ``m``.
+window's before). The first step of the work is the one after the gap, so it is added once; a busy
+engine's bounds never add it, and those steps never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision. So
 it is the fast pre-check: what it keeps is kept at once. Only when it puts a request past its
