@@ -310,3 +310,33 @@ def test_two_stalls_among_a_workloads_first_steps_do_not_set_its_multiplier():
     model, clock = sweep_seeded()
     workload_steps(model, clock, random.Random(6), 12, stalls=(3, 8))
     assert model.multiplier("prefill") < 1.1
+
+
+def test_an_idle_engine_charges_a_short_first_step_what_short_cold_steps_cost(tiny_gguf):
+    """On the engine: after each idle gap the first step runs its first 20 ms at 1/2.5 of the speed.
+    Short and long prompts alternate; a short prompt arriving at the idle engine is then charged what
+    short cold steps cost (its bound within 10% of its finish, and never below it), not what the long
+    ones cost (which would put it at 1.4 times its finish)."""
+    gap = {"cold": False}
+
+    def step_time(features, slowdown: float = 1.0) -> float:
+        warm = true_step_time(features, slowdown)
+        cold, gap["cold"] = gap["cold"], False
+        return warm + 1.5 * min(warm, 0.02) if cold else warm
+
+    engine, clock = make_engine(tiny_gguf, step_time=step_time, max_num_batched_tokens=256)
+    latency = engine.admission.latency
+    outputs = []
+    for i in range(48):
+        clock.now += 1.5
+        gap["cold"] = True
+        engine.add_request(prompt(4 if i % 2 else 120, 300 + i),
+                           SamplingParams(max_tokens=2, deadline_ms=2000, ignore_eos=True))
+        while engine.has_unfinished():
+            outputs += engine.step()
+    short_first = StepFeatures(4, 0, 4, 16)
+    assert latency.after_idle_excess_for(short_first) == pytest.approx(1.5 * true_step_time(short_first), rel=0.05)
+    assert latency.after_idle_excess == pytest.approx(0.030, rel=0.05)  # the long prompts' (capped at 20 ms warm)
+    short = [o for o in outputs[-16:] if len(o.prompt_token_ids) == 4]
+    assert len(short) == 8 and all(o.deadline_met for o in short)
+    assert all(1.0 <= o.predicted_e2e_s / o.e2e_s < 1.1 for o in short)  # the long ones' excess: 1.4
