@@ -18,8 +18,9 @@ after it ends; 2 s also covers an engine that refuses everything and so measures
 While fewer than ``min_samples`` (32) recent ratios are at hand the
 calibration's own residuals stand in for the missing ones, so a fresh start is neither blind (the
 fit at its word) nor pessimistic (the max of the first few steps). They stand in with their shape,
-not their place: moved to the median of the recent ratios and scaled to their median absolute
-deviation, each estimated with the calibration's own standing in for ``SEED_STEPS`` (4) of them.
+not their place: moved to the median of the recent ratios and narrowed to their median absolute
+deviation where that is the smaller (a wider spread is in the pool as measured), each estimated
+with the calibration's own standing in for ``SEED_STEPS`` (4) of them.
 The calibration's ratios spread over every shape of its sweep (a fresh 1,024-token prompt, a
 prompt joining sixteen decodes), each fitted a little off; a workload repeats a few shapes, and
 where its own steps agree more closely than the sweep did, a dozen of them say so, while the tail
