@@ -180,10 +180,10 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
     prefill_cost = (b + g * op) * prefill_all + (e + h * op) * attention_all
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
-    cold = first_step(works, token_budget) if after_idle else None
+    cold_s = model.after_idle_excess_for(first_step(works, token_budget)) if after_idle else 0.0
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
-        reserve = model.reserve(steps - after_idle, cold)
+        reserve = model.reserve(steps - after_idle, cold_s)
         bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * op * prefill_steps) + reserve)
     return bounds
 

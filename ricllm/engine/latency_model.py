@@ -148,14 +148,13 @@ class LatencyModel:
         slow. Steps after an idle gap are the after-idle excess's, not this."""
         return min(self._worst_overrun, self.stall_cap)
 
-    def reserve(self, busy_steps: int, cold_first_step: StepFeatures | None) -> float:
+    def reserve(self, busy_steps: int, after_idle_s: float = 0.0) -> float:
         """Seconds a bound holds beyond its steps' fitted time × multiplier: the stall reserve when at
-        least one of its steps runs busy (``busy_steps``), and, when its first step follows an idle
-        gap (``cold_first_step``: what that step carries), that step's after-idle excess once. A
+        least one of its steps runs busy (``busy_steps``), and ``after_idle_s`` once, the after-idle
+        excess of its first step (``after_idle_excess_for``) when that step follows an idle gap. A
         request that an idle engine serves in one step runs no busy step, so no busy step's stall
         can delay it."""
-        stall = self.stall_reserve if busy_steps > 0 else 0.0
-        return stall + (self.after_idle_excess_for(cold_first_step) if cold_first_step is not None else 0.0)
+        return (self.stall_reserve if busy_steps > 0 else 0.0) + after_idle_s
 
     def keep_overruns(self, steps: int, cap_s: float) -> None:
         """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""

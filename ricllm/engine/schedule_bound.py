@@ -231,8 +231,8 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
     seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     counts = step_counts(works, prefill_cap or token_budget)
-    cold = first_step(works, prefill_cap or token_budget) if after_idle else None
-    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, cold)
+    cold_s = model.after_idle_excess_for(first_step(works, prefill_cap or token_budget)) if after_idle else 0.0
+    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, cold_s)
             for s, (_, steps) in zip(seconds, counts)]
 
 
