@@ -331,7 +331,7 @@ def drive(worker: EngineThread, policy: str, arrivals, seconds: float, slowdown:
     slowed_from[0] = slow_start or math.inf
 
     def typical_ratio(engine) -> float:
-        return engine.admission.latency.typical_ratio
+        return engine.admission.latency.typical_ratio()
 
     sent, before = [], None
     for i, (at, name, prompt, params) in enumerate(arrivals):
