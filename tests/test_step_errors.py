@@ -16,7 +16,6 @@ import pytest
 from ricllm import SamplingParams
 from ricllm.engine.admission import Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel, fit
-from ricllm.engine.schedule_bound import first_step
 from ricllm.engine.scheduler import StepFeatures
 from tests.test_admission import make_engine, prompt, true_step_time
 
@@ -102,8 +101,8 @@ def test_cold_and_probe_steps_ten_times_slow_do_not_move_a_busy_engines_bound():
     shifted = [b + 0.501 for b in before[2]]  # the same bound half a second later
     assert (model.predict(DECODE), model.predict(PREFILL)) == pytest.approx(before[:2])
     assert finish_bounds(WORK, model, 64, clock.now) == pytest.approx(shifted)
-    excess = model.after_idle_excess_for(first_step(WORK, 64))  # of cold steps the size of WORK's first
-    assert excess > 0.02 and model.after_idle_excess > 0.02
+    excess = model.after_idle_excess
+    assert excess > 0.02
     idle = finish_bounds(WORK, model, 64, clock.now, after_idle=True)
     assert [i - b for i, b in zip(idle, shifted)] == pytest.approx([excess, excess])  # once, not per step
 
@@ -202,141 +201,3 @@ def test_the_engine_charges_steps_after_a_gap_and_probes_to_after_idle_only(tiny
     joining = engine.add_request(prompt(12, 98), SamplingParams(max_tokens=6, deadline_ms=400, ignore_eos=True))
     idle_bound = engine.finish_bound(joining.request_id) - clock.now
     assert busy.promised and joining.promised and idle_bound < latency.after_idle_excess + 0.2
-
-
-TAIL, LONG_PREFILL = StepFeatures(4, 0, 600, 4 * 600), StepFeatures(256, 0, 856, 256 * 856)
-
-
-def ramped_cold_step(f: StepFeatures, rng: random.Random) -> float:
-    """A cold step on a clock that ramps up: every other gap the first 20 ms of the step run at 1/2.5
-    of the speed (so its excess grows with the step, up to 30 ms), else it runs warm."""
-    warm = machine_seconds(f, rng)
-    return warm + (1.5 * min(warm, 0.02) if rng.random() < 0.5 else 0.0)
-
-
-def fixed_cold_step(f: StepFeatures, rng: random.Random) -> float:
-    """A cold step that costs 15-25 ms more every other gap, whatever it carries."""
-    return machine_seconds(f, rng) + (rng.uniform(0.015, 0.025) if rng.random() < 0.5 else 0.0)
-
-
-def after_gaps(cold, seed: int) -> tuple[LatencyModel, random.Random]:
-    """64 gaps each before a tail behind a template and before a long prefill."""
-    model, clock, rng = calibrated(seed=seed)
-    for _ in range(64):
-        for f in (TAIL, LONG_PREFILL):
-            clock.now += 1.0
-            model.observe(f, cold(f, rng), after_idle=True)
-    return model, rng
-
-
-def passed_share(model: LatencyModel, cold, f: StepFeatures, rng: random.Random) -> float:
-    """How often a new cold step of ``f`` passes its busy bound plus its after-idle charge."""
-    bound = model.predict(f) + model.after_idle_excess_for(f)
-    return sum(cold(f, rng) > bound for _ in range(1000)) / 1000
-
-
-def test_a_small_first_step_after_a_gap_is_charged_what_cold_steps_of_its_size_cost():
-    """A cold start that slows the whole step costs a few-token tail behind a template a few ms and a
-    long prefill 30: a request whose first step is the tail is charged the tail's excess (its bound
-    stays within 3x of a warm finish, its cold steps running 2.5x), a long prefill the long one's,
-    and each covers about nine cold steps of its size in ten (over ten machines). Charged the whole
-    window's quantile, the tail's bound would be six times its warm finish."""
-    passed = {TAIL: [], LONG_PREFILL: []}
-    for seed in range(10):
-        model, rng = after_gaps(ramped_cold_step, seed)
-        tail_excess = model.after_idle_excess_for(TAIL)
-        assert tail_excess < 0.5 * model.after_idle_excess_for(LONG_PREFILL)
-        assert tail_excess < 0.5 * model.after_idle_excess  # the whole window's figure
-        assert (model.predict(TAIL) + tail_excess) / machine_seconds(TAIL, random.Random(1)) < 3.0
-        for f in passed:
-            passed[f].append(passed_share(model, ramped_cold_step, f, rng))
-    assert all(0.03 <= statistics.mean(shares) <= 0.16 for shares in passed.values())
-
-
-def test_a_cold_cost_that_does_not_grow_with_the_step_is_charged_alike_to_every_size():
-    """The same 15-25 ms whatever the step carries, every other gap: the tail and the long prefill
-    are each charged about the whole window's quantile, and each is covered about nine times in ten
-    (over ten machines)."""
-    passed = {TAIL: [], LONG_PREFILL: []}
-    for seed in range(10):
-        model, rng = after_gaps(fixed_cold_step, seed)
-        for f in passed:
-            assert model.after_idle_excess_for(f) == pytest.approx(model.after_idle_excess, abs=0.006)
-            passed[f].append(passed_share(model, fixed_cold_step, f, rng))
-    assert all(0.03 <= statistics.mean(shares) <= 0.16 for shares in passed.values())
-
-
-
-SWEEP = [0.9 + 0.2 * i / 47 for i in range(48)] + [1.2 + 0.3 * i / 11 for i in range(12)]  # a fifth fitted 1.2-1.5x
-
-
-def sweep_seeded() -> tuple[LatencyModel, Clock]:
-    model = LatencyModel([0.004, 3e-5, 4e-4, 2e-7], residuals={"decode": SWEEP, "prefill": SWEEP})
-    clock = Clock()
-    model.clock = clock
-    return model, clock
-
-
-def workload_steps(model: LatencyModel, clock: Clock, rng: random.Random, count: int, stalls=()) -> list[float]:
-    """``count`` prefill steps of one shape at 1.00-1.02x the fit (ten times it at ``stalls``)."""
-    ratios = []
-    for step in range(count):
-        f = StepFeatures(64, 4, 900, 64 * 400)
-        ratio = 10.0 if step in stalls else rng.uniform(1.0, 1.02)
-        ratios.append(ratio)
-        clock.now += 0.03
-        model.observe(f, ratio * model.base(f))
-    return ratios
-
-
-def test_a_workloads_own_steps_replace_the_sweeps_worst_fitted_shapes_within_a_dozen():
-    """The sweep's ratios spread over all its shapes (a fifth of them fitted 1.2-1.5x); a fresh start
-    is bounded at their 0.9 quantile. A workload whose steps run at 1.00-1.02x is bounded within 5%
-    of that after a dozen of its own steps (the sweep's worst shapes would hold 1.2x until 29 were
-    in), and after 32 at its own 0.9 quantile."""
-    model, clock = sweep_seeded()
-    seeded = model.multiplier("prefill")
-    assert seeded == pytest.approx(sorted(SWEEP)[54], rel=0.02) and seeded > 1.2
-    rng = random.Random(5)
-    ratios = workload_steps(model, clock, rng, 12)
-    assert model.multiplier("prefill") < 1.07
-    ratios += workload_steps(model, clock, rng, 20)
-    assert model.multiplier("prefill") == sorted(ratios)[-4] <= 1.02  # the fourth largest of its own 32
-
-
-def test_two_stalls_among_a_workloads_first_steps_do_not_set_its_multiplier():
-    """A stall is the stall reserve's: two steps at ten times the fit among the first twelve leave the
-    multiplier where the other ten put it, not at ten."""
-    model, clock = sweep_seeded()
-    workload_steps(model, clock, random.Random(6), 12, stalls=(3, 8))
-    assert model.multiplier("prefill") < 1.1
-
-
-def test_an_idle_engine_charges_a_short_first_step_what_short_cold_steps_cost(tiny_gguf):
-    """On the engine: after each idle gap the first step runs its first 20 ms at 1/2.5 of the speed.
-    Short and long prompts alternate; a short prompt arriving at the idle engine is then charged what
-    short cold steps cost (its bound within 10% of its finish, and never below it), not what the long
-    ones cost (which would put it at 1.4 times its finish)."""
-    gap = {"cold": False}
-
-    def step_time(features, slowdown: float = 1.0) -> float:
-        warm = true_step_time(features, slowdown)
-        cold, gap["cold"] = gap["cold"], False
-        return warm + 1.5 * min(warm, 0.02) if cold else warm
-
-    engine, clock = make_engine(tiny_gguf, step_time=step_time, max_num_batched_tokens=256)
-    latency = engine.admission.latency
-    outputs = []
-    for i in range(48):
-        clock.now += 1.5
-        gap["cold"] = True
-        engine.add_request(prompt(4 if i % 2 else 120, 300 + i),
-                           SamplingParams(max_tokens=2, deadline_ms=2000, ignore_eos=True))
-        while engine.has_unfinished():
-            outputs += engine.step()
-    short_first = StepFeatures(4, 0, 4, 16)
-    assert latency.after_idle_excess_for(short_first) == pytest.approx(1.5 * true_step_time(short_first), rel=0.05)
-    assert latency.after_idle_excess == pytest.approx(0.030, rel=0.05)  # the long prompts' (capped at 20 ms warm)
-    short = [o for o in outputs[-16:] if len(o.prompt_token_ids) == 4]
-    assert len(short) == 8 and all(o.deadline_met for o in short)
-    assert all(1.0 <= o.predicted_e2e_s / o.e2e_s < 1.1 for o in short)  # the long ones' excess: 1.4

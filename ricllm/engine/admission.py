@@ -24,20 +24,19 @@ steps), so
 
 with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
 the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
-calibration's residuals at the place of the recent steps), of decode steps and of prefill steps:
-each step is within its own kind's, so within ``m``, and a slowdown that shows first on one kind
-(whichever runs) raises every bound. When the promises already made are re-checked between steps
-(``rescue``, best effort joining, the prefill pace), ``m`` is also at least the last busy step's own
-ratio: the next step follows it at once and tends to run as it did, so the rescue answers a slowdown
-on its first slowed step. A new request's bound does not take it: one stalled step is the stall
-reserve's, and refusing for it would refuse what one step later fits. ``stall`` is the worst amount
-by which one busy step overran its kind's bound over the last ``stall_reserve_steps`` busy steps, at
-most ``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only
-when the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle
+calibration's residuals), of decode steps and of prefill steps: each step is within its own kind's,
+so within ``m``, and a slowdown that shows first on one kind (whichever runs) raises every bound.
+When the promises already made are re-checked between steps (``rescue``, best effort joining, the
+prefill pace), ``m`` is also at least the last busy step's own ratio: the next step follows it at
+once and tends to run as it did, so the rescue answers a slowdown on its first slowed step. A new
+request's bound does not take it: one stalled step is the stall reserve's, and refusing for it
+would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
+its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
+``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only when
+the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle
 excess: the 0.9 quantile of the seconds by which the last 64 first-steps-after-a-gap (and probes)
-ran past their busy bound, of those alike in size to the work's first step once 16 are (the whole
-window's before). The first step of the work is the one after the gap, so it is added once; a busy
-engine's bounds never add it, and those steps never move ``m``.
+ran past their busy bound. The first step of the work is the one after the gap, so it is added
+once; a busy engine's bounds never add it, and those steps never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision. So
 it is the fast pre-check: what it keeps is kept at once. Only when it puts a request past its
@@ -77,7 +76,7 @@ from typing import TYPE_CHECKING
 from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import StepFeatures
-from ricllm.engine.schedule_bound import first_step, schedule_bounds, step_counts
+from ricllm.engine.schedule_bound import schedule_bounds, step_counts
 from ricllm.kv_window import pinned_blocks_held
 from ricllm.outputs import Degradation, Rejection
 from ricllm.sequence import Sequence, SequenceStatus
@@ -164,8 +163,7 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     Each bound also holds ``model.reserve``: the stall reserve (room for one busy step to run as
     late as the worst recent one did) unless ``after_idle`` and the request finishes in its first
     step, and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), the after-idle excess
-    of a cold step the size of the work's first (``first_step``) once: the first step of the work
-    is the first after the gap.
+    once: the first step of the work is the first after the gap.
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.final_context for w in works) + best_effort.context
@@ -183,10 +181,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
     prefill_cost = (b + g * op) * prefill_all + (e + h * op) * attention_all
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
-    cold_s = model.after_idle_excess_for(first_step(works, token_budget)) if after_idle else 0.0
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
-        reserve = model.reserve(steps - after_idle, cold_s)
+        reserve = model.reserve(steps - after_idle, after_idle)
         bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * op * prefill_steps) + reserve)
     return bounds
 

@@ -119,14 +119,9 @@ class LatencyModel:
 
     @property
     def after_idle_excess(self) -> float:
-        """Seconds the first step after an idle gap runs past its busy bound, over every recent cold
-        step: the figure reports show (a bound charges ``after_idle_excess_for`` its first step)."""
+        """Seconds the first step after an idle gap runs past its busy bound: a bound made while the
+        engine is idle adds it once."""
         return self.step_errors.after_idle_excess(self.clock())
-
-    def after_idle_excess_for(self, first_step: StepFeatures) -> float:
-        """Seconds a cold ``first_step`` runs past its busy bound: the 0.9 quantile of the recent cold
-        steps alike in size (``StepErrors.after_idle_excess``)."""
-        return self.step_errors.after_idle_excess(self.clock(), self.predict(first_step))
 
     def predict(self, f: StepFeatures) -> float:
         """Seconds for one busy step carrying ``f``: the fit times its kind's multiplier."""
@@ -141,7 +136,7 @@ class LatencyModel:
         point = base * self.step_errors.typical_ratio(kind, now)
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
         if after_idle:
-            self.step_errors.add("after_idle", measured_s - bound, now, size=bound)
+            self.step_errors.add("after_idle", measured_s - bound, now)
             return
         self._record_overrun(max(measured_s - bound, 0.0))
         if base > 0 and measured_s > 0:
@@ -159,13 +154,13 @@ class LatencyModel:
         slow. Steps after an idle gap are the after-idle excess's, not this."""
         return min(self._worst_overrun, self.stall_cap)
 
-    def reserve(self, busy_steps: int, after_idle_s: float = 0.0) -> float:
+    def reserve(self, busy_steps: int, after_idle: bool) -> float:
         """Seconds a bound holds beyond its steps' fitted time × multiplier: the stall reserve when at
-        least one of its steps runs busy (``busy_steps``), and ``after_idle_s`` once, the after-idle
-        excess of its first step (``after_idle_excess_for``) when that step follows an idle gap. A
-        request that an idle engine serves in one step runs no busy step, so no busy step's stall
-        can delay it."""
-        return (self.stall_reserve if busy_steps > 0 else 0.0) + after_idle_s
+        least one of its steps runs busy (``busy_steps``), and the after-idle excess once when its
+        first step follows an idle gap. A request that an idle engine serves in one step runs no busy
+        step, so no busy step's stall can delay it."""
+        stall = self.stall_reserve if busy_steps > 0 else 0.0
+        return stall + (self.after_idle_excess if after_idle else 0.0)
 
     def keep_overruns(self, steps: int, cap_s: float) -> None:
         """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""

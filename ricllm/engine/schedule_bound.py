@@ -231,27 +231,8 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
     seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     counts = step_counts(works, prefill_cap or token_budget)
-    cold_s = model.after_idle_excess_for(first_step(works, prefill_cap or token_budget)) if after_idle else 0.0
-    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, cold_s)
+    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, after_idle)
             for s, (_, steps) in zip(seconds, counts)]
-
-
-def first_step(works: list, token_budget: int) -> StepFeatures:
-    """What the first step of ``works`` (EDF-sorted ``Work``) carries on an idle engine, which runs
-    nothing else: a decode of each request past its prefill, then prefill in the scheduler's order
-    up to ``token_budget`` tokens, each chunk attending to all but the tokens its decode steps add.
-    The after-idle excess charged is that of cold steps of its size."""
-    decoding = [w for w in works if w.prefill_left == 0 and w.decode_left > 0]
-    tokens, context, attention = 0, sum(w.final_context - w.decode_left for w in decoding), 0
-    left = token_budget - len(decoding)
-    for index in prefill_order(works):
-        work = works[index]
-        got = min(work.prefill_left, left - tokens)
-        if got <= 0:
-            break
-        attends = work.final_context - work.decode_left
-        tokens, context, attention = tokens + got, context + attends, attention + got * attends
-    return StepFeatures(tokens, len(decoding), context, attention)
 
 
 def step_counts(works: list, token_budget: int) -> list[tuple[int, int]]:

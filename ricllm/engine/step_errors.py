@@ -17,40 +17,26 @@ kind's, so within 8 slowed steps of a half-and-half mix), and forgotten 32 busy 
 after it ends; 2 s also covers an engine that refuses everything and so measures no busy step.
 While fewer than ``min_samples`` (32) recent ratios are at hand the
 calibration's own residuals stand in for the missing ones, so a fresh start is neither blind (the
-fit at its word) nor pessimistic (the max of the first few steps). They stand in with their shape,
-not their place: moved to the median of the recent ratios and narrowed to their median absolute
-deviation where that is the smaller (a wider spread is in the pool as measured), each estimated
-with the calibration's own standing in for ``SEED_STEPS`` (4) of them.
-The calibration's ratios spread over every shape of its sweep (a fresh 1,024-token prompt, a
-prompt joining sixteen decodes), each fitted a little off; a workload repeats a few shapes, and
-where its own steps agree more closely than the sweep did, a dozen of them say so, while the tail
-of the sweep's worst-fitted shapes would hold the quantile up until 29 of the workload's own were
-in. Median and deviation pass a stall or two (the stall reserve's), as the fourth largest of 32
-does: the quantile is still the 0.9 quantile of 32 values. The slowest tenth of steps are
+fit at its word) nor pessimistic (the max of the first few steps). The slowest tenth of steps are
 the stall reserve's (``LatencyModel.stall_reserve``), an amount of seconds held once per bound, as
 one stall is. A quantile over a 32-step window, not an adaptive conformal update: at a 0.999
 coverage such an update lowers itself by 0.1% of its step size per covered step, so it could not
 come back down within 50 steps of a slowdown's end; the far tail is the stall reserve's, the
 largest overrun of the last 1024 busy steps.
 
-``after_idle`` holds the difference measured − fitted × its busy kind's multiplier, in seconds,
-beside the size of the step it came from (that busy bound): what a cold start costs is the cache
-refilled, the clock ramped and the sleeping threads woken, an amount of time rather than a share of
-the step, and a bound charges it once (a request's work has one first step after a gap), not per
-step. Its figure is the same 0.9 quantile as the busy kinds', over the last ``AFTER_IDLE_WINDOW``
-(64) such steps, with no age limit: they come one per idle gap, and forgetting them between two
-bursts seconds apart would forget the lesson; while an idle engine refuses, its probes (one per
-50 ms) renew the window within about 3 s. A bound charges the quantile of the cold steps alike in
-size to its own first step (within ``NEAR_FACTOR``, 2x, of it) once ``NEAR_MIN`` (16) of them are
-in the window, else the whole window's: how much a cold start costs can grow with what the step
-carries (a clock that ramps up during the step slows all of it), and a request whose first step is
-a few tokens behind a template is then not charged what a long prefill after a pause cost, nor a
-long prefill what a probe cost. The worst of the window would let one outlier (a process's first
-step, a template's long prefill after a pause) set every idle bound for the next 64 arrivals at
-several times what they take; a cold step past the quantile is what the safety margin and the
-slack of the step's own multiplier absorb. The calibration's cold steps seed it with the weight of
-``AFTER_IDLE_SEED_WEIGHT`` (16) steps, so the first real gaps take over within two. It never
-moves the busy multipliers, so it never inflates the bound of a busy engine.
+``after_idle`` holds the difference measured − fitted × its busy kind's multiplier, in seconds:
+what a cold start costs is the cache refilled, the clock ramped and the sleeping threads woken, a
+fixed amount of time rather than a share of the step, and a bound charges it once (a request's
+work has one first step after a gap), not per step. Its figure is the same 0.9 quantile as the busy
+kinds', over the last ``AFTER_IDLE_WINDOW`` (64) such steps, with no age limit: they come one per
+idle gap, and forgetting them between two bursts seconds apart would forget the lesson; while an
+idle engine refuses, its probes (one per 50 ms) renew the window within about 3 s. The worst of the
+window would let one outlier (a process's first step, a template's long prefill after a pause)
+set every idle bound for the next 64 arrivals at several times what they take; a cold step past
+the quantile is what the safety margin and the slack of the step's own multiplier absorb. The
+calibration's cold steps seed it with the weight of ``AFTER_IDLE_SEED_WEIGHT`` (16) steps, so the
+first real gaps take over within two. It never moves the busy multipliers, so it never inflates
+the bound of a busy engine.
 
 A busy engine's next step follows its last at once, and tends to run as it did: promises re-checked
 between its steps (``AdmissionController._late``) charge every step at least the last busy step's
@@ -61,7 +47,6 @@ stall for one step only.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -69,9 +54,6 @@ IDLE_GAP_S = 0.02  # ran no step for longer than this: idle. A busy engine steps
 # between steps); every probe (at most one per 50 ms) comes after a longer gap
 AFTER_IDLE_WINDOW = 64  # after-idle steps whose 0.9 quantile of excess a bound made while idle adds
 AFTER_IDLE_SEED_WEIGHT = 16  # steps the calibration's cold steps stand in for until real ones come
-SEED_STEPS = 4  # recent steps the calibration's location and scale weigh as, beside a kind's own
-NEAR_FACTOR = 2.0  # cold steps within this factor of a first step's size are alike in size
-NEAR_MIN = 16  # alike cold steps needed before their own quantile is charged, not the whole window's
 BUSY_KINDS = ("decode", "prefill")
 STEP_KINDS = (*BUSY_KINDS, "after_idle")
 
@@ -82,8 +64,7 @@ class RecentQuantile:
     kinds of busy steps together) no older than ``max_age_s``, topped up to
     ``min_samples`` values with evenly spaced quantiles of ``seed`` (no seed: ``neutral``, the fit at
     its word): the seed weighs as many steps as are missing, so one stall among the first few steps
-    is the stall reserve's, not the quantile's. Each value may carry the size of the step it came
-    from (``near``: the quantile of the steps alike in size)."""
+    is the stall reserve's, not the quantile's."""
 
     seed: list[float] = field(default_factory=list)
     neutral: float = 1.0
@@ -91,64 +72,30 @@ class RecentQuantile:
     window: int = 32
     max_age_s: float = 2.0
     min_samples: int = 32  # the 0.9 quantile of 32 values is the fourth largest: three outliers pass
-    follow_recent: bool = False  # the seed stands in at the recent values' location and scale
-    recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, step number, value, size)
+    recent: deque = field(default_factory=deque, repr=False)  # (engine-clock time, step number, value)
     _cached: float | None = field(default=None, init=False, repr=False)
-    _near: dict = field(default_factory=dict, init=False, repr=False)  # quantised size -> its quantile
 
-    def add(self, value: float, at: float, step: int, size: float = 0.0) -> None:
-        self.recent.append((at, step, value, size))
+    def add(self, value: float, at: float, step: int) -> None:
+        self.recent.append((at, step, value))
         self.value(at, step)
-        self._forget_cache()
+        self._cached = None
 
     def value(self, now: float, step: int) -> float:
         """The quantile as of ``now``, ``step``: values older than ``max_age_s`` or ``window``
         steps no longer count."""
         while self.recent and (now - self.recent[0][0] > self.max_age_s or step - self.recent[0][1] >= self.window):
             self.recent.popleft()
-            self._forget_cache()
+            self._cached = None
         if self._cached is None:
             self._cached = self._quantile()
         return self._cached
-
-    def near(self, now: float, step: int, size: float) -> float:
-        """The quantile of the values whose step's size is within ``NEAR_FACTOR`` of ``size``, once
-        ``NEAR_MIN`` of them are at hand; else ``value``. Sizes are quantised to 1/8 of a doubling
-        (9 %), so a bound costs one look-up per size between two steps."""
-        whole = self.value(now, step)
-        if size <= 0:
-            return whole
-        key = round(math.log2(size) * 8)
-        if key not in self._near:
-            centre = 2.0 ** (key / 8)
-            alike = sorted(v for _, _, v, s in self.recent if centre / NEAR_FACTOR <= s <= centre * NEAR_FACTOR)
-            self._near[key] = _at(alike, self.quantile) if len(alike) >= NEAR_MIN else whole
-        return self._near[key]
-
-    def _forget_cache(self) -> None:
-        self._cached = None
-        self._near.clear()
 
     def _quantile(self) -> float:
         return _at(sorted(self._pool()), self.quantile)
 
     def _pool(self) -> list[float]:
-        recent = [v for _, _, v, _ in self.recent]
-        padding = _spread(self.seed or [self.neutral], self.min_samples - len(recent))
-        if self.follow_recent and self.seed and recent and padding:
-            padding = self._at_recent_place(padding, recent)
-        return recent + padding
-
-    def _at_recent_place(self, padding: list[float], recent: list[float]) -> list[float]:
-        """``padding`` (seed values) moved from the seed's median to that of ``recent`` with
-        ``SEED_STEPS`` seed values beside them, and narrowed to their median absolute deviation where
-        it is the smaller: the sweep spread over every shape, a workload repeats a few."""
-        seed_place, seed_scale = _place_and_scale(self.seed)
-        if seed_scale <= 0:
-            return padding
-        place, scale = _place_and_scale(recent + _spread(self.seed, SEED_STEPS))
-        narrowed = min(scale / seed_scale, 1.0)  # recent values that spread wider are in the pool as they are
-        return [place + (v - seed_place) * narrowed for v in padding]
+        recent = [v for _, _, v in self.recent]
+        return recent + _spread(self.seed or [self.neutral], self.min_samples - len(recent))
 
     def median(self, now: float, step: int) -> float:
         """The typical value, of the same values as the quantile."""
@@ -158,13 +105,6 @@ class RecentQuantile:
 
 def _at(ordered: list[float], quantile: float) -> float:
     return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
-
-
-def _place_and_scale(values: list[float]) -> tuple[float, float]:
-    """Median and median absolute deviation: where values sit and how far they spread, which a few
-    outliers do not move."""
-    place = statistics.median(values)
-    return place, statistics.median(abs(v - place) for v in values)
 
 
 def _spread(values: list[float], count: int) -> list[float]:
@@ -195,8 +135,8 @@ class StepErrors:
         def seed(kind: str) -> list[float]:
             return list(self.residuals.get(kind, []))
 
-        self.kinds = {kind: RecentQuantile(seed(kind), 1.0, self.quantile, self.window, self.max_age_s,
-                                           follow_recent=True) for kind in BUSY_KINDS}
+        self.kinds = {kind: RecentQuantile(seed(kind), 1.0, self.quantile, self.window, self.max_age_s)
+                      for kind in BUSY_KINDS}
         self.kinds["after_idle"] = RecentQuantile(seed("after_idle"), 0.0, self.quantile, AFTER_IDLE_WINDOW,
                                                   math.inf, AFTER_IDLE_SEED_WEIGHT)
 
@@ -204,11 +144,10 @@ class StepErrors:
         """measured / fitted that all but the slowest tenth of recent ``kind`` steps stay within."""
         return self.kinds[kind].value(now, self._count(kind))
 
-    def after_idle_excess(self, now: float, size: float = 0.0) -> float:
-        """Seconds a first step after an idle gap runs past its busy bound: the 0.9 quantile of the
-        cold steps alike in size to ``size`` (that step's busy bound, in seconds), or of the whole
-        window (``size`` 0, or too few alike); never below 0."""
-        return max(self.kinds["after_idle"].near(now, self._count("after_idle"), size), 0.0)
+    def after_idle_excess(self, now: float) -> float:
+        """Seconds a first step after an idle gap runs past its busy bound: the window's 0.9 quantile
+        (never below 0)."""
+        return max(self.kinds["after_idle"].value(now, self._count("after_idle")), 0.0)
 
     def typical_ratio(self, kind: str, now: float) -> float:
         return self.kinds[kind].median(now, self._count(kind))
@@ -224,9 +163,8 @@ class StepErrors:
             return 0.0
         return self.last_busy[1]
 
-    def add(self, kind: str, value: float, at: float, size: float = 0.0) -> None:
-        """``size``: the busy bound of the step, in seconds (what ``after_idle`` is conditioned on)."""
+    def add(self, kind: str, value: float, at: float) -> None:
         self.steps["after_idle" if kind == "after_idle" else "busy"] += 1
-        self.kinds[kind].add(value, at, self._count(kind), size)
+        self.kinds[kind].add(value, at, self._count(kind))
         if kind in BUSY_KINDS:
             self.last_busy = (at, value)
