@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ricllm.kv_window import EVICTED, KVWindow, most_blocks
+from ricllm.lora_request import AdapterSlot
 from ricllm.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # EVICTED (-1) where a window let a block go
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
     kv_window: KVWindow | None = None  # sink + window retention; None: every token's K/V kept
+    adapter: AdapterSlot | None = None  # the LoRA adapter it is served under; None: the base model
     num_evicted_blocks: int = 0  # block_table entries the window let go
     finish_reason: str | None = None
     output_text: str = ""

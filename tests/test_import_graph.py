@@ -29,8 +29,8 @@ above. Why each layer sits where it does:
   formats. The networks that run those weights, and the caches of their converted weights, are
   execution, in ``engine/runtime``.
 - ``structured``: constrained answers; a grammar is compiled against the model's tokenizer.
-- ``sampling_params``, ``template``, ``outputs``, ``kv_window``: a request as it is asked (its
-  knobs, its template and constraint, its KV window) and what it gives back.
+- ``sampling_params``, ``template``, ``outputs``, ``kv_window``, ``lora_request``: a request as it
+  is asked (its knobs, its template and constraint, its KV window, its adapter) and what it gives back.
 - ``sequence``: the request as the engine holds it (``Sequence``): its tokens, its window, its
   blocks. Admission, the scheduler and the cache all speak of it, so it lies below them all.
 - ``cache``: the paged KV pool and its block tables; it sizes rows from the model's shape.
@@ -63,7 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("model",),
     ("structured",),
-    ("sampling_params", "template", "outputs", "kv_window"),
+    ("sampling_params", "template", "outputs", "kv_window", "lora_request"),
     ("sequence",),
     ("cache",),
     ("attention",),

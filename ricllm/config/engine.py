@@ -136,6 +136,8 @@ class EngineSettings(StrictModel):
                                        "in about a second")
     jump_forward: bool = setting(True, "a constrained answer's forced tokens (its JSON keys, quotes and "
                                        "braces) are computed as one chunk in the next step; off: one per step")
+    max_loras: int = setting(4, "LoRA adapters the runtime holds at once (its adapter slots): each adds its bytes to "
+                                "the weights; 0: no adapters", ge=0)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     latency_fit: NonEmpty | None = setting(
         None, "JSON file of a latency-model fit (LatencyModel.save); null: calibrate at start (cached on disk)",
