@@ -179,7 +179,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
-            hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            hits = self.cache.find_cached_prefix(seq.token_ids, seq.adapter) if seq.num_computed_tokens == 0 else []
             cached = seq.num_computed_tokens + len(hits) * self.cache.block_size  # held since admission, or hit now
             num_new = self._hold_best_effort(seq, self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached),
                                              start=cached)
