@@ -378,7 +378,8 @@ class LLMEngine:
             deadlines_ended_early=tally["ended_early"], slack_ms=tuple(self.outputs.slack_ms),
             best_effort_paused_steps=scheduler.num_paused_steps,
             rescue_prefill_steps=scheduler.num_rescue_prefill_steps, slowdowns=tuple(self.steps.slowdowns),
-            caps=self.caps, admission=admission, latency=latency, steps=self.steps.num_steps)
+            caps=self.caps, admission=admission, latency=latency, steps=self.steps.num_steps,
+            adapters=self.loras.stats(), max_loras=self.loras.capacity)
 
 
 def _kv_cache_stats(kv_cache: KVStore, cache: KVCacheManager, scheduler: Scheduler) -> KVCacheStats:

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ricllm.engine.stats import AdapterStats
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.lora_request import AdapterSlot, LoRARequest
@@ -142,6 +143,11 @@ class LoraRegistry:
 
     def names(self) -> list[str]:
         return sorted(self.by_name)
+
+    def stats(self) -> tuple[AdapterStats, ...]:
+        """Each adapter served, by name."""
+        return tuple(AdapterStats(name, r.slot.slot, r.rank, r.nbytes, r.slot.content_hash, str(r.path),
+                                  self._holders[r.slot.slot]) for name, r in sorted(self.by_name.items()))
 
     @property
     def runtime_nbytes(self) -> int:
