@@ -97,10 +97,13 @@ def deadline_class(request: p.GenerateRequest) -> str:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """The engine's snapshot at one moment, with the server's inbound queue as the engine thread saw it."""
+    """The engine's snapshot at one moment, with the server's inbound queue and the LoRA adapters
+    held (of ``max_loras``) as the engine thread saw them."""
 
     engine: EngineStats
     inbound: int
+    adapters: int = 0
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class FinishedRequest:
     generation_tokens: int
     timings: p.Timings
     deadline_met: bool | None
+    adapter: str | None = None  # the LoRA adapter it was served under; None: the base model
 
 
 # ------------------------------------------------------------------------------ the engine's series
@@ -142,6 +146,8 @@ def _engine_series(snap: EngineSnapshot, model: str) -> Iterator[Metric]:
                  model)
     yield _gauge("inbound_queue_length", "Requests received but not yet seen by the engine thread", snap.inbound,
                  model)
+    yield _gauge("lora_adapters_resident", "LoRA adapters the engine holds (lora_modules)", snap.adapters, model)
+    yield _gauge("lora_adapters_max", "LoRA adapters the engine can hold at once (max_loras)", snap.max_loras, model)
 
 
 def _kv_series(kv: KVCacheStats, model: str) -> Iterator[Metric]:
@@ -289,6 +295,8 @@ class ServerMetrics:
                                       [*labels, "code"], **common)
         self.deadlines = Counter("deadlines", "Finished deadline requests by result, met or missed (cancelled "
                                  "ones not counted).", [*labels, "result"], **common)
+        self.lora_requests = Counter("lora_requests", "Finished requests served under a LoRA adapter, by "
+                                     "adapter name.", ["model_name", "lora_name"], **common)
 
     def _deprecated_series(self, common: dict[str, Any]) -> None:
         self.old_admissions = Counter("admissions", _old_help("Admission decisions by reason (admitted or a reject "
@@ -351,6 +359,8 @@ class ServerMetrics:
         self.prompt_tokens.labels(*labels).inc(request.prompt_tokens)
         self.generation_tokens.labels(*labels).inc(request.generation_tokens)
         self.request_success.labels(*labels, request.finish_reason).inc()
+        if request.adapter is not None:
+            self.lora_requests.labels(self.model_name, request.adapter).inc()
         if request.finish_reason == "cancelled":
             self.old_replies.labels("cancelled").inc()
             return
