@@ -487,7 +487,7 @@ class Worker(EngineDriver):
         request: p.RegisterTemplateRequest = command.request
         if registered.template != template:
             raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
-                                  "another conversation, constraint or adapter; unregister it first", request.id)
+                                  "another conversation or constraint, or another adapter; unregister it first", request.id)
         if registered.pinned:
             command.reply(registered.registered(request.id, self.engine.config.block_size))
         else:
