@@ -205,6 +205,14 @@ def test_an_unknown_adapter_is_refused_with_its_code(plain_server):
         assert "'nope'" in error.message and "holds none" in error.message
 
 
+def test_the_client_command_names_an_adapter(plain_server):
+    generate = run_cli("client", "generate", "--endpoint", plain_server.endpoint, PROMPT, "--adapter", "nope")
+    register = run_cli("client", "register-template", "--endpoint", plain_server.endpoint, SYSTEM,
+                       "--adapter", "nope")
+    for done in (generate, register):
+        assert done.returncode == 2 and "UNKNOWN_ADAPTER" in done.stderr and "'nope'" in done.stderr
+
+
 def test_the_models_list_has_only_the_base_and_an_unknown_model_names_what_is_served(plain_server):
     base = f"http://127.0.0.1:{plain_server.http_port}"
     status, text = http_get(base + "/v1/models")
