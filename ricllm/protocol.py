@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from ricllm.config import DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
-from ricllm.engine.stats import KVCacheStats, LatencyStats
+from ricllm.engine.stats import AdapterStats, KVCacheStats, LatencyStats
 from ricllm.model.identity import ServedModel
 from ricllm.sampling_params import Priority
 from ricllm.structured.spec import StructuredSpec
@@ -368,19 +368,6 @@ class TemplateStats(_Report):
     adapter: str | None = None  # the adapter its K/V is pinned under and its requests inherit
 
 
-class AdapterStats(_Report):
-    """A LoRA adapter the server holds: its name, its runtime slot, its rank (the largest of its
-    projections'), the bytes of its arrays as read (fp32), the start of its content hash (which roots
-    its requests' prefix-cache chains) and the folder it was read from."""
-
-    name: str
-    slot: int
-    rank: int
-    bytes: int
-    content_hash: str
-    path: str
-
-
 class ServerStats(_Report):
     """The ``stats`` reply's body: the engine's snapshot (``ricllm.engine.stats``) and the server's own."""
 
@@ -392,7 +379,7 @@ class ServerStats(_Report):
     latency_model: LatencyStats | None
     templates: dict[str, TemplateStats]
     draining: bool
-    adapters: list[AdapterStats] = Field(default_factory=list)  # by name
+    adapters: tuple[AdapterStats, ...] = ()  # the LoRA adapters held, by name (the engine snapshot's)
     max_loras: int = 0  # the adapters the engine can hold at once
 
 

@@ -97,13 +97,10 @@ def deadline_class(request: p.GenerateRequest) -> str:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """The engine's snapshot at one moment, with the server's inbound queue and the LoRA adapters
-    held (of ``max_loras``) as the engine thread saw them."""
+    """The engine's snapshot at one moment, with the server's inbound queue as the engine thread saw it."""
 
     engine: EngineStats
     inbound: int
-    adapters: int = 0
-    max_loras: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,8 +143,9 @@ def _engine_series(snap: EngineSnapshot, model: str) -> Iterator[Metric]:
                  model)
     yield _gauge("inbound_queue_length", "Requests received but not yet seen by the engine thread", snap.inbound,
                  model)
-    yield _gauge("lora_adapters_resident", "LoRA adapters the engine holds (lora_modules)", snap.adapters, model)
-    yield _gauge("lora_adapters_max", "LoRA adapters the engine can hold at once (max_loras)", snap.max_loras, model)
+    yield _gauge("lora_adapters_resident", "LoRA adapters the engine holds (lora_modules)", len(engine.adapters),
+                 model)
+    yield _gauge("lora_adapters_max", "LoRA adapters the engine can hold at once (max_loras)", engine.max_loras, model)
 
 
 def _kv_series(kv: KVCacheStats, model: str) -> Iterator[Metric]:

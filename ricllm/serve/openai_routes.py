@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ricllm import protocol as p
+from ricllm.engine.stats import AdapterStats
 from ricllm.logging import get_logger
 from ricllm.serve import openai_replies as r
 from ricllm.serve.handoff import Command, LocalRoute, clock
@@ -87,7 +88,7 @@ class OpenAIApi:
     ``parent`` and its folder as its ``root``."""
 
     def __init__(self, intake: Intake, max_message_bytes: int,
-                 adapters: Callable[[], Sequence[p.AdapterStats]] = tuple) -> None:
+                 adapters: Callable[[], Sequence[AdapterStats]] = tuple) -> None:
         """``max_message_bytes``: the largest body read, the bound a ZeroMQ frame meets too;
         ``adapters``: the adapters the engine thread last published (``ServerState.adapters``)."""
         self._intake = intake
@@ -117,7 +118,7 @@ class OpenAIApi:
     async def _served_name(self) -> str:
         return (await self._identity()).served_name
 
-    async def _check_model(self, requested: str) -> tuple[str, p.AdapterStats | None]:
+    async def _check_model(self, requested: str) -> tuple[str, AdapterStats | None]:
         """The model a request names: this one (its name, or its file's name with or without suffix),
         or an adapter the engine holds; with the adapter it names, if any."""
         identity = await self._identity()
@@ -129,7 +130,7 @@ class OpenAIApi:
             raise _model_not_found(requested, [name, *(a.name for a in self._adapters())])
         return adapter.name, adapter
 
-    def _model_card(self, name: str, adapter: p.AdapterStats | None = None) -> dict[str, Any]:
+    def _model_card(self, name: str, adapter: AdapterStats | None = None) -> dict[str, Any]:
         if adapter is not None:  # vLLM's card of a LoRA module
             return {"id": adapter.name, "object": "model", "created": 0, "owned_by": OWNER, "root": adapter.path,
                     "parent": name}

@@ -14,8 +14,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from ricllm import protocol as p
 from ricllm.config import ServeConfig, ServerOptions
+from ricllm.engine.stats import AdapterStats
 from ricllm.serve.handoff import Command, Outbox, clock, log
 from ricllm.serve.intake import Intake
 from ricllm.serve.metrics import ServerMetrics
@@ -61,9 +61,9 @@ class ServerState:
     http_port: int | None = None
     live_changes: queue.SimpleQueue[LiveChange] = field(default_factory=queue.SimpleQueue)
     effective_config: ServeConfig | None = None
-    adapters: tuple[p.AdapterStats, ...] = ()  # the LoRA adapters the engine holds, by name
+    adapters: tuple[AdapterStats, ...] = ()  # the LoRA adapters the engine holds, by name
 
-    def publish_adapters(self, adapters: tuple[p.AdapterStats, ...]) -> None:
+    def publish_adapters(self, adapters: tuple[AdapterStats, ...]) -> None:
         """The adapters held now (engine thread, at start and after each change; one assignment)."""
         self.adapters = adapters
 

@@ -580,15 +580,9 @@ class Worker(EngineDriver):
             new.waiters, old.waiters = old.waiters, []  # an old pin still running is unpinned when it ends
             log.info("template_repinning", template=old.template_id, adapter=adapter)
 
-    def _adapter_stats(self) -> list[p.AdapterStats]:
-        return [p.AdapterStats(name=name, slot=held.slot.slot, rank=held.rank, bytes=held.nbytes,
-                               content_hash=held.slot.content_hash[:12],
-                               path=self._adapter_paths.get(name, str(held.path)))
-                for name, held in sorted(self.engine.loras.by_name.items())]
-
     def _publish_adapters(self) -> None:
         """For the HTTP thread (``/v1/models``, a request's ``model``): the adapters held now."""
-        self.state.publish_adapters(tuple(self._adapter_stats()))
+        self.state.publish_adapters(self.engine.loras.stats())
 
     # -- stats and metrics
 
@@ -608,7 +602,7 @@ class Worker(EngineDriver):
                                          reserved_blocks=snap.reserved_blocks),
             deadlines=counts["deadlines"], latency_model=snap.latency,
             templates={t.template_id: t.stats(block_size) for t in self._templates.values()},
-            draining=self.state.draining.is_set(), adapters=self._adapter_stats(), max_loras=engine.loras.capacity)
+            draining=self.state.draining.is_set(), adapters=snap.adapters, max_loras=snap.max_loras)
 
     def _model_identity(self) -> p.ModelIdentity:
         runtime = self.engine.runtime
@@ -627,9 +621,7 @@ class Worker(EngineDriver):
         if not force and now - self._published < PUBLISH_EVERY_S:
             return
         self._published = now
-        loras = self.engine.loras
-        self.metrics.publish(EngineSnapshot(self.engine.snapshot(), inbound=self.state.inbound.qsize(),
-                                            adapters=len(loras.by_name), max_loras=loras.capacity))
+        self.metrics.publish(EngineSnapshot(self.engine.snapshot(), inbound=self.state.inbound.qsize()))
 
 
 def _timings(out: RequestOutput) -> p.Timings:
