@@ -3,8 +3,9 @@
 Each field becomes ``--field-name`` (or the ``flag`` its :func:`ricllm.config.setting` names), with
 the field's description as help and its default shown; a nested section (``admission``) adds an
 argument group whose fields keep their own names (``--safety-margin``). Booleans take
-``--x/--no-x``; a list takes its items after one flag (``--lora-modules a=x b=y``). Every flag defaults to SUPPRESS, so :func:`given_settings` returns only what the
-user typed, as nested sections ready to validate or to merge over lower layers.
+``--x/--no-x``; a list takes its items after one flag (``--lora-modules a=x b=y``). Every flag
+defaults to SUPPRESS, so :func:`given_settings` returns only what the user typed, as nested
+sections ready to validate or to merge over lower layers.
 """
 
 from __future__ import annotations

@@ -408,7 +408,8 @@ class Worker(EngineDriver):
                                               len(out.token_ids), timings, out.deadline_met, adapter))
         structured = pending.seq.params.structured
         log.info("request_done", id=pending.request.id, client=client_name(pending.command.identity),
-                 template=pending.request.template_id, adapter=adapter, admitted=True, reason=out.finish_reason, outcome="result",
+                 template=pending.request.template_id, adapter=adapter, admitted=True, reason=out.finish_reason,
+                 outcome="result",
                  prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
                  output_tokens=len(out.token_ids), forced_tokens=out.num_forced_tokens,
                  constraint=structured.kind if structured is not None else None,
@@ -487,7 +488,8 @@ class Worker(EngineDriver):
         request: p.RegisterTemplateRequest = command.request
         if registered.template != template:
             raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
-                                  "another conversation or constraint, or another adapter; unregister it first", request.id)
+                                  "another conversation or constraint, or another adapter; unregister it first",
+                                  request.id)
         if registered.pinned:
             command.reply(registered.registered(request.id, self.engine.config.block_size))
         else:
