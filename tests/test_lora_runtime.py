@@ -233,6 +233,19 @@ def test_native_and_torch_compute_the_same_bits_under_adapters(native_pair):
         assert torch.equal(logits, their_logits)
 
 
+def test_the_stack_adds_the_per_op_paths_updates_bit_for_bit(native_pair, tiny_native_gguf, tmp_path):
+    """The torch runtime's decoder stack and its fused modules one by one apply the same LoRA
+    kernel at the same places: the same bits, as without adapters."""
+    engines, _ = native_pair
+    per_op = engine(tiny_native_gguf, "torch")
+    per_op.engine.runtime.model.decoder_stack = None
+    adapters_for(per_op, tmp_path)
+    for (tokens, logits), (their_tokens, their_logits) in zip(run_steps(engines["torch"], MIXED),
+                                                              run_steps(per_op, MIXED)):
+        assert tokens == their_tokens
+        assert torch.equal(logits, their_logits)
+
+
 @pytest.mark.parametrize("runtime", ["native", "torch"])
 def test_without_adapters_the_logits_are_those_of_a_runtime_without_slots(tiny_native_gguf, native_pair, runtime):
     """Resident adapters cost rows of no adapter nothing: their logits are bit for bit those of a

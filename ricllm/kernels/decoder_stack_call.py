@@ -101,6 +101,7 @@ class DecoderStackCall:
         if (self._lib.ricllm_decoder_stack_dims(), self._lib.ricllm_decoder_stack_layer_pointers()) != (
                 len(DECODER_DIM_NAMES), DECODER_POINTERS_PER_LAYER):
             raise RuntimeError("the decoder stack's C and Python argument layouts disagree")
+        check_lora_layout()
         self.eps, self.scale = eps, scale
         self._dims = (ctypes.c_int32 * len(DECODER_DIM_NAMES))()
         self._set(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter,
