@@ -4,7 +4,7 @@ One engine (default: the installed SmolLM2-135M-Instruct Q4_1, int4 weights, 2 t
 four random adapters of rank 8 on all seven projections (q, k, v, o, gate, up, down) of every
 layer, written in the PEFT format into a temporary folder and loaded into the runtime's slots.
 For each stream count (1, 8 and 32), each configuration prefills the streams' prompts (128
-random tokens each, one step per stream) and then times ``--steps`` decode steps of all of them,
+random tokens each, in one step) and then times ``--steps`` decode steps of all of them,
 run through the runtime's runner as the engine runs them, the sequences carrying their adapter:
 
   - none: no sequence has an adapter (the step is what it is without LoRA);
@@ -40,7 +40,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # last: no folder of ours shadows an installed package
 
-THREADS = 2
 ADAPTERS = 4
 CONFIGS = ("none", "one", "four mixed")
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -121,8 +120,7 @@ class StepTimer:
                          adapter=None if slot is None else AdapterSlot(f"adapter{slot}", slot, f"random{slot}"))
                  for i, slot in enumerate(slots_of(config, streams))]
         try:
-            for seq in seqs:  # each prompt its own prefill step
-                self._step(cache, runner, ScheduledBatch([(seq, self.prompt_len)]))
+            self._step(cache, runner, ScheduledBatch([(seq, self.prompt_len) for seq in seqs]))
             times = []
             for _ in range(self.steps):
                 times.append(self._step(cache, runner, ScheduledBatch([(seq, 1) for seq in seqs])))
@@ -151,7 +149,7 @@ def build_engine(args, runtime: str, folders: list[Path]):
     from ricllm import LLM
     from ricllm.model.lora import load_lora_adapter
 
-    llm = LLM(str(args.model), runtime=runtime, weights=args.weights, threads=THREADS, kv_cache_budget=args.kv_budget,
+    llm = LLM(str(args.model), runtime=runtime, weights=args.weights, threads=args.threads, kv_cache_budget=args.kv_budget,
               max_loras=ADAPTERS, weight_cache=True)
     for slot, folder in enumerate(folders):
         llm.engine.runtime.lora.load(slot, load_lora_adapter(folder, llm.engine.spec))
@@ -204,6 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration and round")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-budget", default="256MiB")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 and 4 streams, 4 steps of 16-token prompts")
@@ -211,8 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.steps, args.prompt_len, args.kv_budget = [1, 4], 4, 16, "16MiB"
-    if args.rounds < 1 or args.steps < 1 or args.rank < 1:
-        parser.error("--rounds, --steps and --rank must be at least 1")
+    if min(args.rounds, args.steps, args.rank, args.threads) < 1:
+        parser.error("--rounds, --steps, --rank and --threads must be at least 1")
     return args
 
 
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         for runtime in args.runtimes:
             times = measure(args, runtime, folders)
             sections.append(f"{runtime} runtime:\n\n{table(times, args.streams)}\n")
-    details = (f"Kernel family {cpu_family() or 'none'}, {THREADS} threads, {args.model.name} ({args.weights} "
+    details = (f"Kernel family {cpu_family() or 'none'}, {args.threads} threads, {args.model.name} ({args.weights} "
                f"weights); {ADAPTERS} random adapters of rank {args.rank} on q, k, v, o, gate, up and down of every "
                f"layer; {args.prompt_len}-token prompts, median of {args.steps} decode steps per round, "
                f"{args.rounds} interleaved rounds: median [min–max].\n")
