@@ -16,7 +16,7 @@ if (os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
         or os.environ.get("RICLLM_CPU_KERNELS", "").strip().lower() == "avx512"):
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "Template"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Template", "LoRARequest"]
 
 
 def __getattr__(name: str):
@@ -36,4 +36,8 @@ def __getattr__(name: str):
         from ricllm.template import Template
 
         return Template
+    if name == "LoRARequest":
+        from ricllm.lora_request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'ricllm' has no attribute {name!r}")

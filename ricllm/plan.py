@@ -98,6 +98,41 @@ def weights_bytes(spec: ModelSpec, bytes_per_parameter: float) -> float:
     return spec.num_parameters() * bytes_per_parameter
 
 
+# what ricllm's runtimes hold per LoRA parameter: A and Bᵀ rounded to bf16 (ricllm.kernels.cpu_lora)
+LORA_ELEMENT_BYTES = 2
+LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def lora_bytes(spec: ModelSpec, rank: int) -> float:
+    """One adapter of ``rank`` on every projection of every layer: ``rank × Σ(in + out)`` parameters
+    a layer, as the runtime holds them. An adapter adds to the weights each step streams when a
+    request of the step is under it, and to the memory whether or not one is."""
+    from ricllm.model.lora import projection_shape
+
+    per_layer = sum(sum(projection_shape(spec, name)) for name in LORA_PROJECTIONS)
+    return float(rank * per_layer * spec.num_layers * LORA_ELEMENT_BYTES)
+
+
+def adapters_bytes(spec: ModelSpec, modules: Sequence[str], max_loras: int, rank: int) -> tuple[float, str]:
+    """The adapters' bytes and what the figure is: each of ``modules`` (``name=path`` folders, read),
+    else ``max_loras`` adapters of ``rank`` on every projection (estimate); (0, "") for none."""
+    if modules:
+        from ricllm.model.lora import load_lora_adapter
+
+        sizes = [load_lora_adapter(_lora_path(m), spec).num_parameters * LORA_ELEMENT_BYTES for m in modules]
+        return float(sum(sizes)), f"{len(sizes)} LoRA adapter{'s' * (len(sizes) != 1)} read"
+    if max_loras <= 0:
+        return 0.0, ""
+    return max_loras * lora_bytes(spec, rank), f"{max_loras} LoRA adapters of rank {rank} (estimate)"
+
+
+def _lora_path(module: str) -> str:
+    name, sep, path = module.partition("=")
+    if not sep or not name or not path:
+        raise PlanError(f"--lora-modules takes name=path, got {module!r}")
+    return path
+
+
 def checkpoint_size_bytes(path: Path) -> int:
     """Weights as stored on disk: a GGUF file's size, or an HF folder's ``*.safetensors`` sizes.
 
@@ -501,6 +536,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bandwidth = parse_bandwidth(args.bandwidth)
     contexts, batches = _parse_counts(args.contexts, "--contexts"), _parse_counts(args.batches, "--batches")
     spec, weights, source = resolve_model(args.model, per_param)
+    if args.max_loras < 0 or args.lora_rank < 1:
+        raise PlanError(f"--max-loras must be ≥ 0 and --lora-rank ≥ 1, got {args.max_loras} and {args.lora_rank}")
+    adapters, what = adapters_bytes(spec, args.lora_modules or (), args.max_loras, args.lora_rank)
+    if adapters:
+        weights, source = weights + adapters, f"{source} + {what}: {format_size(adapters)}"
     result = plan(spec, memory, reserved, bandwidth, args.deadline_ms / 1e3, args.tokens,
                   kv_element_bytes(args.kv_dtype, spec), weights, weights_source=source,
                   contexts=contexts or CONTEXTS, batches=batches or BATCHES,
@@ -530,6 +570,12 @@ def add_subparser(subparsers) -> None:
     p.add_argument("--weight-bytes", default=None,
                    help="bytes per parameter (e.g. 2, 0.5 or fp16, int4); default: 2 for named shapes, "
                         "the file size on disk for a checkpoint")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) the node will hold: their bytes add to the weights")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="without --lora-modules: this many adapters of --lora-rank on every projection add to the "
+                        "weights (default: %(default)s)")
+    p.add_argument("--lora-rank", type=int, default=8, help="rank of the --max-loras estimate (default: %(default)s)")
     p.add_argument("--max-context", type=int, default=None, help="override the model's maximum context")
     p.add_argument("--ref-context", type=int, default=None,
                    help=f"context of the what-ifs' max batch (default: {DEFAULT_REFERENCE_CONTEXT}, capped)")

@@ -22,19 +22,25 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass(frozen=True)
 class Template:
+    """``adapter`` names the LoRA adapter its requests are served under (None: the base model); the
+    engine must hold it when the template is pinned, and pins the conversation's K/V under it."""
+
     messages: tuple[dict[str, str], ...]
     structured: StructuredSpec | None = None
+    adapter: str | None = None
 
     @classmethod
     def build(cls, messages: str | Sequence[Mapping[str, str]],
-              structured: StructuredSpec | Mapping[str, Any] | None = None) -> Template:
+              structured: StructuredSpec | Mapping[str, Any] | None = None, adapter: str | None = None) -> Template:
         """From a system prompt (a string) or a list of chat messages; checks both."""
         if isinstance(messages, str):
             messages = [{"role": "system", "content": messages}]
         checked = tuple(_check_message(i, m) for i, m in enumerate(messages))
         if not checked:
             raise InvalidRequestError("a template needs at least one message")
-        return cls(checked, StructuredSpec.parse(structured) if structured is not None else None)
+        if adapter is not None and (not isinstance(adapter, str) or not adapter):
+            raise InvalidRequestError(f"a template's adapter is the name of a loaded adapter, got {adapter!r}")
+        return cls(checked, StructuredSpec.parse(structured) if structured is not None else None, adapter)
 
     @property
     def message_list(self) -> list[dict[str, str]]:

@@ -10,6 +10,7 @@ import pytest
 
 from ricllm.errors import RicllmError
 from ricllm.plan import (
+    adapters_bytes,
     NAMED_SHAPES, PlanError, format_size, kv_bytes_per_token, kv_cache_bytes, kv_product, parse_bandwidth, plan,
     render_text, resolve_model,
 )
@@ -268,3 +269,25 @@ def test_cli_errors_exit_2_without_traceback(args, message):
     assert result.returncode == 2
     assert "ricllm: error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_adapters_add_their_bytes_to_the_weights(tiny_gguf, tmp_path):
+    """What the node holds for LoRA adapters counts as weights: the estimate is rank × Σ(in + out) of
+    the seven projections × layers × 2 bytes each, and an adapter read from its folder counts its
+    own parameters, so a plan with adapters has less room for KV and a slower roofline."""
+    from tests.lora_adapters import write_lora_adapter
+
+    spec, weights, _ = resolve_model(str(tiny_gguf), None)
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    estimate, what = adapters_bytes(spec, (), max_loras=3, rank=8)
+    assert estimate == 3 * 8 * per_layer * spec.num_layers * 2 and "3 LoRA adapters of rank 8" in what
+
+    folder = write_lora_adapter(tmp_path / "a", spec, rank=4, projections=("q", "v"))
+    read, what = adapters_bytes(spec, [f"a={folder}"], max_loras=0, rank=8)
+    assert read == 4 * ((h + q) + (h + kv)) * spec.num_layers * 2 and "1 LoRA adapter read" in what
+
+    done = ricllm("plan", str(tiny_gguf), "--max-loras", "3", "--json")
+    assert json.loads(done.stdout)["weights_bytes"] == weights + estimate
+    bad = ricllm("plan", str(tiny_gguf), "--lora-modules", "no-equals-sign")
+    assert bad.returncode != 0 and "name=path" in bad.stderr and "Traceback" not in bad.stderr

@@ -80,3 +80,26 @@ def test_pin_larger_than_budget_is_a_clear_error(tiny_gguf, system_and_questions
     llm = make_llm(tiny_gguf, kv_cache_budget=3 * BLOCK * 512)  # 3 blocks
     with pytest.raises(CapacityError, match=r"pinning 84 tokens needs 5 full KV blocks, but only 2"):
         llm.pin_prefix(system_and_questions[3])
+
+
+def test_a_prefix_cached_under_one_adapter_is_found_only_under_it():
+    """K/V computed under a LoRA adapter is that adapter's: the same tokens under another adapter,
+    under a replaced adapter of new content, or under none are a miss."""
+    from ricllm.cache.kv_cache_manager import KVCacheManager
+    from ricllm.lora_request import AdapterSlot
+    from ricllm.sampling_params import SamplingParams
+    from ricllm.sequence import Sequence
+
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(1, 14))  # three full blocks and a token
+    first, second = AdapterSlot("congestion", 0, "a" * 64), AdapterSlot("energy", 1, "b" * 64)
+    seq = Sequence("pin", list(tokens), len(tokens), SamplingParams(), 0.0, adapter=first)
+    seq.take_blocks(manager.allocate(seq, len(tokens)))
+    seq.num_computed_tokens = len(tokens)
+    seq.block_hashes += manager.cache_full_blocks(seq)
+
+    assert len(manager.find_cached_prefix(tokens, first)) == 3
+    assert manager.find_cached_prefix(tokens, AdapterSlot("congestion", 3, "a" * 64)), "same content, any slot"
+    assert manager.find_cached_prefix(tokens, second) == []
+    assert manager.find_cached_prefix(tokens, AdapterSlot("congestion", 0, "c" * 64)) == [], "replaced content"
+    assert manager.find_cached_prefix(tokens) == []

@@ -9,6 +9,11 @@ table positions a window let go), which the sequence records (``Sequence.take_bl
 ``evict_blocks``, ``drop_blocks``) before the next call about it. So the invariant holds between
 calls: the pool's references are exactly the blocks in the sequences' tables and in the pins.
 
+A block's hash chains over every token before it, from a root: none for the base model, the
+adapter's content hash for a sequence served under a LoRA adapter (``chain_root``). The adapter
+changes every layer's K and V, so a prefix computed under one adapter is never found for another,
+nor for the base model; an adapter replaced by another of new content starts a new chain.
+
 The prefix hit of a prompt is capped at ``num_tokens - 1`` tokens (rounded down to whole
 blocks): the last token is always recomputed, because its logits are what the first output
 token is sampled from, and logits are not cached.
@@ -24,7 +29,13 @@ from dataclasses import dataclass, field
 
 from ricllm.cache.block_pool import Block, BlockPool, hash_block
 from ricllm.kv_window import EVICTED
+from ricllm.lora_request import AdapterSlot
 from ricllm.sequence import BlockGrant, Sequence
+
+
+def chain_root(adapter: AdapterSlot | None) -> int | None:
+    """The parent of a sequence's first block hash: None for the base model, else its adapter's."""
+    return None if adapter is None else hash(("lora", adapter.content_hash))
 
 
 @dataclass
@@ -51,19 +62,20 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def hash_chain(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        hashes, parent = [], None
+    def hash_chain(self, token_ids: list[int], num_blocks: int, adapter: AdapterSlot | None = None) -> list[int]:
+        hashes, parent = [], chain_root(adapter)
         for i in range(num_blocks):
             parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(parent)
         return hashes
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
-        """Leading full blocks of ``token_ids`` already cached, leaving the last token uncached."""
+    def find_cached_prefix(self, token_ids: list[int], adapter: AdapterSlot | None = None) -> list[Block]:
+        """Leading full blocks of ``token_ids`` already cached under ``adapter`` (None: the base
+        model), leaving the last token uncached."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hits, parent = [], None
+        hits, parent = [], chain_root(adapter)
         for i in range(max_blocks):
             chunk = token_ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hash_block(parent, chunk)
@@ -125,7 +137,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         num_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq.adapter)
         hashes = []
         for i in range(len(seq.block_hashes), num_full):
             chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]

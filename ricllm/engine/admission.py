@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING
 
 from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
-from ricllm.engine.scheduler import StepFeatures
+from ricllm.engine.scheduler import ADAPTER_ROWS_PER_BLOCK, StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
 from ricllm.kv_window import pinned_blocks_held
 from ricllm.outputs import Degradation, Rejection
@@ -97,6 +97,7 @@ class Work:
     final_context: int
     request_id: str = ""
     running: bool = False  # seated in the batch: its prefill is served before waiting requests'
+    adapter: int | None = None  # the runtime slot of the LoRA adapter it is served under
 
 
 def work_of(seq: Sequence) -> Work:
@@ -112,7 +113,25 @@ def work_of(seq: Sequence) -> Work:
     forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
     return Work(seq.deadline, prefill_left + forced_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id,
-                seq.status is SequenceStatus.RUNNING)
+                seq.status is SequenceStatus.RUNNING, seq.adapter.slot if seq.adapter is not None else None)
+
+
+def adapter_step_s(works: list[Work], model: LatencyModel, best_effort_adapted: int = 0) -> float:
+    """The most one step's LoRA updates cost while ``works`` decode (and ``best_effort_adapted``
+    best-effort sequences under adapters share the step): each adapter's rows are read in blocks of
+    ``ADAPTER_ROWS_PER_BLOCK``, ⌈r/4⌉ ≤ r/4 + 1 reads for r rows, charged at the dearest adapter's
+    read. Prefill rows under an adapter add ``adapter_prefill_s``."""
+    if model.adapter_block_s == 0:
+        return 0.0
+    adapted = [w.adapter for w in works if w.adapter is not None]
+    rows = len(adapted) + best_effort_adapted
+    return model.adapter_block_s * (rows / ADAPTER_ROWS_PER_BLOCK + len(set(adapted)) + (best_effort_adapted > 0))
+
+
+def adapter_prefill_s(works: list[Work], model: LatencyModel) -> float:
+    """What the prefill rows of ``works`` under adapters add to the steps that carry them."""
+    rows = sum(w.prefill_left for w in works if w.adapter is not None)
+    return model.adapter_block_s * rows / ADAPTER_ROWS_PER_BLOCK
 
 
 @dataclass(frozen=True)
@@ -125,16 +144,19 @@ class BestEffortLoad:
     seqs: int = 0
     context: int = 0
     longest_pending: int = 0
+    adapted: int = 0  # of ``seqs``, those under a LoRA adapter
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> BestEffortLoad:
         pending = [_final_context(s) for s in seqs if not s.in_decode or s.guide is not None]
-        return cls(len(seqs), sum(map(_final_context, seqs)), max(pending, default=0))
+        return cls(len(seqs), sum(map(_final_context, seqs)), max(pending, default=0),
+                   sum(s.adapter is not None for s in seqs))
 
     def plus(self, joining: Sequence) -> BestEffortLoad:
         """With a sequence that joins now: it has its prompt to prefill."""
         context = _final_context(joining)
-        return BestEffortLoad(self.seqs + 1, self.context + context, max(self.longest_pending, context))
+        return BestEffortLoad(self.seqs + 1, self.context + context, max(self.longest_pending, context),
+                              self.adapted + (joining.adapter is not None))
 
 
 def _final_context(seq: Sequence) -> int:
@@ -179,7 +201,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     step += (b + g * op) * chunk + (e + h * op) * chunk_attention
     if model.roofline is not None:
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
-    prefill_cost = (b + g * op) * prefill_all + (e + h * op) * attention_all
+    step += adapter_step_s(works, model, best_effort.adapted)
+    step += model.adapter_block_s * chunk / ADAPTER_ROWS_PER_BLOCK if best_effort.adapted else 0.0
+    prefill_cost = (b + g * op) * prefill_all + (e + h * op) * attention_all + adapter_prefill_s(works, model)
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):

@@ -18,6 +18,7 @@ from typing import Any
 from ricllm.engine.engine_loop import EngineDriver, EngineLoop, EngineSource
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.logging import get_logger
+from ricllm.lora_request import LoRARequest
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 from ricllm.sequence import Sequence
@@ -50,9 +51,9 @@ class RequestFutures(EngineDriver):
                 self._add(payload, future)
 
     def _add(self, payload: tuple, future: Future) -> None:
-        prompt, params, request_id, on_step, submitted = payload
+        prompt, params, request_id, on_step, submitted, lora_request = payload
         try:
-            seq = self.engine.add_request(prompt, params, request_id, arrival_time=submitted)
+            seq = self.engine.add_request(prompt, params, request_id, arrival_time=submitted, lora_request=lora_request)
         except Exception as exc:  # malformed input: the caller gets the error, the loop goes on
             future.set_exception(exc)
             return
@@ -96,14 +97,14 @@ class EngineThread(EngineLoop):
         self.wait_built()
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-               on_step: TokenCallback | None = None) -> Future:
+               on_step: TokenCallback | None = None, lora_request: LoRARequest | None = None) -> Future:
         """Queue a request; the future resolves to its ``RequestOutput`` (rejected ones too).
 
         ``on_step(seq)`` runs on the engine thread after every step that gave the request a token.
-        Malformed input sets the future's exception.
+        Malformed input (an unknown adapter included) sets the future's exception.
         """
         future: Future = Future()
-        self.inbox.put(("request", (prompt, params, request_id, on_step, self.engine.clock()), future))
+        self.inbox.put(("request", (prompt, params, request_id, on_step, self.engine.clock(), lora_request), future))
         return future
 
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:
@@ -127,11 +128,12 @@ class AsyncLLMEngine:
         self.worker = EngineThread(source)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> RequestOutput:
-        return await asyncio.wrap_future(self.worker.submit(prompt, params, request_id))
+                       request_id: str | None = None, lora_request: LoRARequest | None = None) -> RequestOutput:
+        return await asyncio.wrap_future(self.worker.submit(prompt, params, request_id, lora_request=lora_request))
 
     async def stream(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[str | RequestOutput]:
+                     request_id: str | None = None,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[str | RequestOutput]:
         """Text deltas as tokens arrive, then the final ``RequestOutput``."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
@@ -143,7 +145,7 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(deltas.put_nowait, text[sent["length"]:])
                 sent["length"] = len(text)
 
-        future = asyncio.wrap_future(self.worker.submit(prompt, params, request_id, on_step))
+        future = asyncio.wrap_future(self.worker.submit(prompt, params, request_id, on_step, lora_request))
         while not future.done() or not deltas.empty():
             getter = asyncio.ensure_future(deltas.get())
             done, _ = await asyncio.wait({getter, future}, return_when=asyncio.FIRST_COMPLETED)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ricllm.cache.kv_cache_manager import PinHandle
+from ricllm.lora_request import AdapterSlot
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.sequence import Sequence
 
@@ -59,6 +60,11 @@ class PinnedTemplate:
     @property
     def computed(self) -> bool:
         return self.seq.is_finished
+
+    @property
+    def adapter(self) -> AdapterSlot | None:
+        """The adapter its K/V was computed under (None: the base model)."""
+        return self.seq.adapter
 
     @property
     def num_tokens(self) -> int:

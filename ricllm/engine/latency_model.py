@@ -1,6 +1,6 @@
 """Predict one engine step's time from what it carries, so admission can promise deadlines.
 
-    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q) )
+    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q) ) + l·A
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
@@ -10,7 +10,10 @@ small prefill chunks (a prompt's tail behind its template) run as one C call, wh
 ride on the weights the decodes read anyway, while larger prefill steps run op by op (attention in
 SDPA or the C prefill kernel), a fixed cost and dearer tokens of their own. A runtime without such
 limits (a GPU, the torch reference) has S = 0 on every step. The roofline ``(weight bytes + KV
-bytes read) / bandwidth`` is the floor: no step can be faster than reading its bytes once.
+bytes read) / bandwidth`` is the floor: no step can be faster than reading its bytes once. A Σ over
+the step's LoRA adapters of ⌈its rows / 4⌉, the reads of their weights the CPU kernel makes (4 rows
+of one adapter share each read); ``l`` is not fitted but measured on the adapters the runtime holds
+(``adapter_block_s``, the slowest one's), so the term is known before any adapter's step runs.
 
 The fit is non-negative least squares on a calibration sweep. Online, ``StepErrors``
 (``step_errors.py``) tracks how far measured steps run from it, per kind of step (decode, prefill,
@@ -77,6 +80,7 @@ class LatencyModel:
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     overruns: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)  # s past the prediction
     stall_cap: float = 0.05  # s: the most one step's stall is reserved for
+    adapter_block_s: float = 0.0  # l: one read of the dearest resident adapter's weights for up to 4 rows
     step_errors: StepErrors = field(init=False, repr=False)
     _worst_overrun: float = field(default=0.0, init=False, repr=False)  # max(overruns), kept as they come and go
 
@@ -95,7 +99,7 @@ class LatencyModel:
     def base(self, f: StepFeatures) -> float:
         linear = float(feature_vector(f, self.kernel_limits) @ np.asarray(self.coefficients))
         floor = self.roofline.seconds(f) if self.roofline else 0.0
-        return max(linear, floor)
+        return max(linear, floor) + self.adapter_block_s * f.adapter_blocks
 
     def multiplier(self, kind: str) -> float:
         """measured / fitted for ``kind`` (``decode`` or ``prefill``): the bound's factor for its steps."""

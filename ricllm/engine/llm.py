@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from ricllm.cache.kv_cache_manager import PinHandle
@@ -11,6 +11,7 @@ from ricllm.config import EngineConfig
 from ricllm.engine.chat_prefix import render_chat_prefix, render_chat_request
 from ricllm.engine.llm_engine import LLMEngine
 from ricllm.errors import InvalidRequestError
+from ricllm.lora_request import LoRARequest
 from ricllm.outputs import RequestOutput
 from ricllm.sampling_params import SamplingParams
 from ricllm.template import Template
@@ -37,24 +38,30 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in order. Every prompt is checked before any is queued."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is checked before any is queued.
+        ``lora_request`` serves every prompt (or, as a list, each its own) under a LoRA adapter;
+        one given with a path is loaded once and kept under its name (at most ``max_loras``)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        adapters = _as_lora_list(lora_request, len(prompts))
+        slots = [self.engine.loras.resolve(a) for a in adapters]
         encoded = [self.engine.encode_prompt(p) for p in prompts]
-        for (_, token_ids), p in zip(encoded, params):
-            self.engine.validate(token_ids, p)
-        seqs = [self.engine.add_request(tokens if text is None else text, p)
-                for (text, tokens), p in zip(encoded, params)]
+        for (_, token_ids), p, slot in zip(encoded, params, slots):
+            self.engine.validate(token_ids, p, slot)
+        seqs = [self.engine.add_request(tokens if text is None else text, p, lora_request=a)
+                for (text, tokens), p, a in zip(encoded, params, adapters)]
         return self._run(seqs, use_tqdm)
 
     def chat(self, messages: Messages | Seq[Messages],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
         """A conversation's tokens: as a request (with the generation prompt) or as a prefix to pin."""
@@ -77,19 +84,33 @@ class LLM:
 
     # ------------------------------------------------------------ prefix pinning
 
-    def pin_prefix(self, prefix: str | list[int] | Messages | Template) -> PinHandle:
+    def pin_prefix(self, prefix: str | list[int] | Messages | Template,
+                   lora_request: LoRARequest | None = None) -> PinHandle:
         """Compute a prefix's K/V once and keep its full blocks resident until ``unpin_prefix``.
 
         A list of chat messages (e.g. one system message) is pinned in its rendered form, which
         is what ``chat`` requests start with. A :class:`ricllm.template.Template` pins its
         conversation and compiles its constraint now, so its requests find it compiled
-        (``LLMEngine.pin_template``, the one way a template is pinned).
+        (``LLMEngine.pin_template``, the one way a template is pinned). Under ``lora_request`` the
+        prefix's K/V is that adapter's, found only by requests under the same adapter; a template
+        names its own adapter (``Template.adapter``).
         """
         if isinstance(prefix, Template) or (isinstance(prefix, list) and prefix and isinstance(prefix[0], dict)):
-            return self.engine.pin_template(prefix).handle
-        handle, seq = self.engine.pin_prefix(self.engine.encode_prompt(prefix)[1])
+            template = prefix if isinstance(prefix, Template) else Template.build(prefix)
+            if lora_request is not None:
+                template = self._under(template, lora_request)
+            return self.engine.pin_template(template).handle
+        handle, seq = self.engine.pin_prefix(self.engine.encode_prompt(prefix)[1], lora_request=lora_request)
         self._run([seq], use_tqdm=False)
         return handle
+
+    def _under(self, template: Template, lora_request: LoRARequest) -> Template:
+        """``template`` named to ``lora_request``'s adapter, loaded now if it comes with a path."""
+        if template.adapter not in (None, lora_request.lora_name):
+            raise InvalidRequestError(f"the template names adapter {template.adapter!r}; the pin asks for "
+                                      f"{lora_request.lora_name!r}")
+        self.engine.loras.resolve(lora_request)
+        return replace(template, adapter=lora_request.lora_name)
 
     def unpin_prefix(self, handle: PinHandle) -> None:
         self.engine.unpin_prefix(handle)
@@ -109,6 +130,18 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         if not isinstance(p, (str, list, tuple)):
             raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_lora_list(requests, count: int) -> list[LoRARequest | None]:
+    if requests is None or isinstance(requests, LoRARequest):
+        return [requests] * count
+    requests = list(requests)
+    if len(requests) != count:
+        raise InvalidRequestError(f"got {len(requests)} LoRA requests for {count} prompts")
+    for r in requests:
+        if r is not None and not isinstance(r, LoRARequest):
+            raise InvalidRequestError(f"a lora_request is a LoRARequest or None, got {type(r).__name__}")
+    return requests
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

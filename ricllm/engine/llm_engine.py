@@ -25,6 +25,7 @@ from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.chat_prefix import PinnedTemplate, render_chat_prefix
 from ricllm.engine.constrained import ConstrainedDecoding
+from ricllm.engine.lora_registry import LoraRegistry
 from ricllm.engine.output_processor import OutputProcessor
 from ricllm.engine.request_checks import RequestChecks
 from ricllm.engine.runtime.choice import build_runtime
@@ -34,6 +35,7 @@ from ricllm.engine.stats import EngineStats, KVCacheStats, LatencyStats
 from ricllm.engine.step_recorder import StepRecorder
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.logging import get_logger
+from ricllm.lora_request import AdapterSlot, LoRARequest
 from ricllm.model.identity import ServedModel
 from ricllm.model.loader import resolve_model_path
 from ricllm.outputs import RequestOutput
@@ -65,6 +67,7 @@ class LLMEngine:
         self.runtime = build_runtime(config, self.model_path)
         self.spec, self.tokenizer, self.kv_cache = self.runtime.spec, self.runtime.tokenizer, self.runtime.kv_cache
         self.served_model = ServedModel.of(self.model_path, self.spec.name, config.served_model_name)
+        self.loras = LoraRegistry(getattr(self.runtime, "lora", None), self.spec)  # the adapters served, by name
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         num_blocks = self.kv_cache.geometry.num_blocks
         self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -101,21 +104,23 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise for a prompt that is malformed or can never fit the context or the budget."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      adapter: AdapterSlot | None = None) -> None:
+        """Raise for a prompt that is malformed or can never fit the context or the budget (beside
+        the pinned prefixes it would share under ``adapter``)."""
         self.checks.well_formed(prompt_token_ids)
-        self.checks.fits(prompt_token_ids, params)
+        self.checks.fits(prompt_token_ids, params, adapter)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams, adapter: AdapterSlot | None = None) -> None:
         """Raise for malformed input; without admission also for what can never fit (with
         admission that is a refusal, decided at arrival)."""
         self.checks.well_formed(token_ids)
         if self.admission is None:
-            self.checks.fits(token_ids, params)
+            self.checks.fits(token_ids, params, adapter)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     pin_on_finish: PinHandle | None = None, arrival_time: float | None = None,
-                    grammar: CompiledGrammar | None = None) -> Sequence:
+                    grammar: CompiledGrammar | None = None, lora_request: LoRARequest | None = None) -> Sequence:
         """Check and queue a request; returns at once. Malformed input raises.
 
         Without admission a request that can never fit raises ``CapacityError``. With admission
@@ -124,21 +129,23 @@ class LLMEngine:
         next ``step``). ``arrival_time`` (engine clock) is when the request reached the API, if
         earlier than now (it waited in a queue to the engine's thread): its deadline and timings
         count from then. ``grammar`` is its constraint as ``compile_structured`` gave it, for a
-        caller that compiled it already.
+        caller that compiled it already. ``lora_request`` names the adapter it is served under
+        (``LoraRegistry.resolve``: an unknown name raises ``UnknownAdapterError``).
         """
+        adapter = self.loras.resolve(lora_request)
         text, token_ids = self.encode_prompt(prompt)
         grammar = self.constraints.grammar_of(params, grammar)
         now = self.clock()
         arrival = now if arrival_time is None else min(arrival_time, now)
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text, arrival_time=arrival,
-                       pin_on_finish=pin_on_finish,
+                       pin_on_finish=pin_on_finish, adapter=adapter,
                        kv_window=None if pin_on_finish is not None else self.checks.kv_window_of(params))
         rejection = self.constraints.start(seq, grammar) if grammar is not None else None
         if rejection is not None:
             self.outputs.refuse(seq, rejection, now)
             return seq
-        self.validate(token_ids, seq.params)
+        self.validate(token_ids, seq.params, adapter)
         if params.deadline_ms is not None:
             seq.deadline = arrival + params.deadline_ms / 1000
         self.constraints.force_start(seq)
@@ -150,12 +157,13 @@ class LLMEngine:
             if seed is None:
                 seed = self.config.seed * 1_000_003 + self._seeds.randrange(2**31)
             seq.generator = self.runtime.new_generator(seed)
+        self.loras.hold(adapter)
         self.scheduler.add(seq)
         return seq
 
     def _admit(self, seq: Sequence, now: float) -> bool:
         """Ask admission; a refused request is finished as rejected (False)."""
-        pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids)
+        pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter)
         rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
                                           after_idle=self.steps.idle_at(now), cached_hits=len(hits))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
@@ -243,6 +251,7 @@ class LLMEngine:
         """End a request: its blocks freed (a pin's prompt blocks kept), its reservation released."""
         seq.finish_time = now
         self.scheduler.finish(seq, reason)
+        self.loras.release(seq.adapter)
         if self.admission is not None:
             self.admission.release(seq)
         return self.outputs.finish(seq, aborted)
@@ -276,21 +285,25 @@ class LLMEngine:
         pinned. With ``wait`` the engine steps until its K/V is computed (before any request: the
         outputs of other requests those steps finish are not returned); otherwise the caller
         steps and sees the pinning request's output. A chat template that refuses the
-        conversation raises ``InvalidRequestError``; no room, ``CapacityError`` (``pin_prefix``)."""
+        conversation raises ``InvalidRequestError``; no room, ``CapacityError`` (``pin_prefix``).
+        A template that names an ``adapter`` is pinned under it: its K/V is that adapter's."""
+        lora_request = None
         if isinstance(template, Template):
             if template.structured is not None:
                 self.compile_structured(template.structured)
+            lora_request = LoRARequest(template.adapter) if template.adapter is not None else None
             template = template.message_list
         try:
             prefix = render_chat_prefix(self.tokenizer, template)
         except Exception as exc:  # the chat template's raise_exception
             raise InvalidRequestError(f"cannot apply the model's chat template: {exc}") from None
-        handle, seq = self.pin_prefix(prefix.token_ids, request_id)
+        handle, seq = self.pin_prefix(prefix.token_ids, request_id, lora_request)
         while wait and not seq.is_finished:
             self.step()
         return PinnedTemplate(prefix, handle, seq, self.config.block_size)
 
-    def pin_prefix(self, token_ids: list[int], request_id: str | None = None) -> tuple[PinHandle, Sequence]:
+    def pin_prefix(self, token_ids: list[int], request_id: str | None = None,
+                   lora_request: LoRARequest | None = None) -> tuple[PinHandle, Sequence]:
         """Queue the computation of a prefix's K/V; its full blocks stay pinned once ``seq`` finishes.
 
         The one rule for room (``RequestChecks.pin_fits``): pins may not take blocks that admitted
@@ -300,7 +313,7 @@ class LLMEngine:
         self.checks.pin_fits(token_ids, self.admission.reserved_blocks if self.admission is not None else 0)
         handle = PinHandle(handle_id=next(self._pin_ids), token_ids=list(token_ids))
         seq = self.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id=request_id,
-                               pin_on_finish=handle)
+                               pin_on_finish=handle, lora_request=lora_request)
         if seq.rejection is not None:
             raise CapacityError(f"cannot pin {len(token_ids)} tokens now: {seq.rejection}")
         return handle, seq
@@ -365,7 +378,8 @@ class LLMEngine:
             deadlines_ended_early=tally["ended_early"], slack_ms=tuple(self.outputs.slack_ms),
             best_effort_paused_steps=scheduler.num_paused_steps,
             rescue_prefill_steps=scheduler.num_rescue_prefill_steps, slowdowns=tuple(self.steps.slowdowns),
-            caps=self.caps, admission=admission, latency=latency, steps=self.steps.num_steps)
+            caps=self.caps, admission=admission, latency=latency, steps=self.steps.num_steps,
+            adapters=self.loras.stats(), max_loras=self.loras.capacity)
 
 
 def _kv_cache_stats(kv_cache: KVStore, cache: KVCacheManager, scheduler: Scheduler) -> KVCacheStats:

@@ -8,6 +8,7 @@ from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.config import EngineConfig
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.kv_window import KVWindow, most_blocks, pinned_blocks_held, window_of
+from ricllm.lora_request import AdapterSlot
 from ricllm.sampling_params import SamplingParams
 from ricllm.units import format_bytes
 
@@ -32,14 +33,14 @@ class RequestChecks:
                 raise InvalidRequestError(
                     f"token id {token!r} at position {position} is outside the vocabulary [0, {self.vocab_size})")
 
-    def fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise for a prompt that can never fit the context or the KV budget."""
+    def fits(self, prompt_token_ids: list[int], params: SamplingParams, adapter: AdapterSlot | None = None) -> None:
+        """Raise for a prompt that can never fit the context or the KV budget (served under ``adapter``)."""
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise CapacityError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the model's context of {self.max_model_len} tokens")
-        pinned, shared, _ = self.prefix_share(prompt_token_ids)
+        pinned, shared, _ = self.prefix_share(prompt_token_ids, adapter)
         kv_window, block_size = self.kv_window_of(params), self.config.block_size
         needed = most_blocks(total, kv_window, block_size, self.config.max_num_batched_tokens)
         needed -= pinned_blocks_held(shared, kv_window, block_size)
@@ -57,11 +58,11 @@ class RequestChecks:
         sinks = self.config.kv_sinks if params.kv_sinks is None else params.kv_sinks
         return window_of(sinks, window)
 
-    def prefix_share(self, token_ids: list[int]) -> tuple[int, int, list[Block]]:
-        """(blocks pinned in all, leading cached blocks of ``token_ids`` that are pinned, every
-        leading cached block: pinned or not)."""
+    def prefix_share(self, token_ids: list[int], adapter: AdapterSlot | None = None) -> tuple[int, int, list[Block]]:
+        """(blocks pinned in all, leading cached blocks of ``token_ids`` under ``adapter`` that are
+        pinned, every such leading cached block: pinned or not)."""
         pinned_ids = {b for pin in self.cache.pins.values() for b in pin.block_ids}
-        hits = self.cache.find_cached_prefix(token_ids)
+        hits = self.cache.find_cached_prefix(token_ids, adapter)
         return len(pinned_ids), sum(1 for b in hits if b.block_id in pinned_ids), hits
 
     def pin_fits(self, token_ids: list[int], reserved: int) -> None:

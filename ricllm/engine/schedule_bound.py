@@ -21,6 +21,9 @@ them. Best effort is charged as the closed form charges it, on every step: its s
 final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
 model applies as in the closed form: the multiplier on the fitted steps, the stall reserve and the
 after-idle excess once. At most two events per request: O(n log n) per bound.
+Rows under LoRA adapters are charged their adapters' weight reads: a segment's adapted decodes and
+prefill tokens in blocks of four, plus one read per adapter in the plan (a partial block) while
+any of its rows run.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
-from ricllm.engine.scheduler import StepFeatures
+from ricllm.engine.scheduler import ADAPTER_ROWS_PER_BLOCK, StepFeatures
 
 UNREACHED = math.inf  # a request the plan never finishes (the budget leaves no room for its prefill)
 
@@ -50,12 +53,15 @@ class StepCost:
     model: LatencyModel
     best_effort_seqs: int = 0
     best_effort_context: int = 0
+    adapter_read: float = 0.0  # one read of the dearest adapter's weights (``LatencyModel.adapter_block_s``)
+    adapter_reads_per_step: float = 0.0  # while adapted rows run: a partial block per adapter, best effort's
 
     def segment_seconds(self, steps: int, seqs: int, context: int, prefill: int, attention: int,
-                        op_by_op: bool = True) -> float:
+                        op_by_op: bool = True, adapted_seqs: int = 0, adapted_prefill: int = 0) -> float:
         """``steps`` alike steps of ``seqs`` sequences at ``context`` positions, carrying ``prefill``
         tokens of ``attention`` work among them (charged once); ``op_by_op``: the steps may pass the
-        CPU kernel's limits, so their op-by-op terms are charged."""
+        CPU kernel's limits, so their op-by-op terms are charged. ``adapted_seqs`` of the sequences
+        and ``adapted_prefill`` of the tokens are under LoRA adapters."""
         seqs += self.best_effort_seqs
         context += self.best_effort_context
         step = self.fixed + self.per_seq * seqs + self.per_context * context
@@ -63,18 +69,25 @@ class StepCost:
             step = max(step, self.model.roofline.seconds(StepFeatures(0, seqs, context)))
         op = bool(prefill) and op_by_op
         step += self.op_by_op if op else 0.0
+        if self.adapter_read and (adapted_seqs or adapted_prefill or self.adapter_reads_per_step):
+            step += self.adapter_read * (adapted_seqs / ADAPTER_ROWS_PER_BLOCK + self.adapter_reads_per_step)
         return (steps * step + (self.per_prefill_token + self.op_by_op_prefill_token * op) * prefill
-                + (self.per_attention + self.op_by_op_attention * op) * attention)
+                + (self.per_attention + self.op_by_op_attention * op) * attention
+                + self.adapter_read * adapted_prefill / ADAPTER_ROWS_PER_BLOCK)
 
 
-def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int) -> StepCost:
-    """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step."""
+def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int, works: list = ()) -> StepCost:
+    """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step, and the
+    adapter reads of ``works`` and of best effort."""
     a, b, c, d, e, f, g, h = model.coefficients
     fixed = a
-    if best_effort.longest_pending and best_effort_chunk:  # charged as if its steps ran op by op
-        fixed += (b + g) * best_effort_chunk + (e + h) * min(best_effort_chunk * best_effort.longest_pending,
-                                                             model.kernel_prefill_work)
-    return StepCost(fixed, c, d, b, e, f, g, h, model, best_effort.seqs, best_effort.context)
+    chunk = best_effort_chunk if best_effort.longest_pending else 0
+    if chunk:  # charged as if its steps ran op by op
+        fixed += (b + g) * chunk + (e + h) * min(chunk * best_effort.longest_pending, model.kernel_prefill_work)
+    adapters = len({w.adapter for w in works if w.adapter is not None})
+    best_effort_reads = (best_effort.adapted + chunk) / ADAPTER_ROWS_PER_BLOCK + 1 if best_effort.adapted else 0.0
+    return StepCost(fixed, c, d, b, e, f, g, h, model, best_effort.seqs, best_effort.context,
+                    model.adapter_block_s, best_effort_reads if not adapters else best_effort_reads + adapters)
 
 
 @dataclass
@@ -85,11 +98,13 @@ class Decoding:
     ends: list = field(default_factory=list)  # heap of (end step, index)
     final_sum: int = 0
     end_sum: int = 0
+    adapted: int = 0  # of them, under LoRA adapters
 
-    def join(self, index: int, end_step: int, final_context: int) -> None:
+    def join(self, index: int, end_step: int, final_context: int, adapted: bool = False) -> None:
         heapq.heappush(self.ends, (end_step, index))
         self.final_sum += final_context
         self.end_sum += end_step
+        self.adapted += adapted
 
     def context_at(self, step: int) -> int:
         return self.final_sum - self.end_sum + len(self.ends) * step
@@ -152,8 +167,10 @@ class Plan:
         attention = sum(got * self.attends(i) for i, got, _ in taken)
         context = self.decoding.context_at(end) + sum(self.attends(i) for i, _, _ in taken)
         seqs = len(self.decoding.ends) + len(taken)
+        adapted = [(i, got) for i, got, _ in taken if self.works[i].adapter is not None]
         self.seconds += self.cost.segment_seconds(steps, seqs, context, prefill, attention,
-                                                  self.may_run_op_by_op(taken, per_step))
+                                                  self.may_run_op_by_op(taken, per_step),
+                                                  self.decoding.adapted + len(adapted), sum(g for _, g in adapted))
         self.step = end
         self.leave_at(end)
         for index, _, done in taken:
@@ -181,7 +198,8 @@ class Plan:
         if work.decode_left - sampled == 0:
             self.finish_seconds[index] = self.seconds
         else:
-            self.decoding.join(index, self.step + work.decode_left - sampled, work.final_context)
+            self.decoding.join(index, self.step + work.decode_left - sampled, work.final_context,
+                               work.adapter is not None)
 
     def leave_at(self, step: int) -> None:
         decoding = self.decoding
@@ -189,6 +207,7 @@ class Plan:
             end, index = heapq.heappop(decoding.ends)
             decoding.final_sum -= self.works[index].final_context
             decoding.end_sum -= end
+            decoding.adapted -= self.works[index].adapter is not None
             self.finish_seconds[index] = self.seconds
 
 
@@ -223,7 +242,7 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
     cap on a step's prefill tokens. ``math.inf`` for a request the plan never reaches."""
     chunk = best_effort_chunk if best_effort.longest_pending else 0
     budget = TokenBudget(token_budget, prefill_cap or token_budget, best_effort.seqs, chunk)
-    plan = Plan(works, step_cost(model, best_effort, best_effort_chunk), budget)
+    plan = Plan(works, step_cost(model, best_effort, best_effort_chunk, works), budget)
     plan.finish_seconds = [UNREACHED] * len(works)
     for index, work in enumerate(works):
         if work.prefill_left == 0:

@@ -21,6 +21,8 @@ from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.sequence import Sequence, SequenceStatus
 
 NEVER = float("inf")
+# rows of one adapter the CPU LoRA kernel updates per read of its weights (ROWS_AT_ONCE, kernels/cpu_lora.c)
+ADAPTER_ROWS_PER_BLOCK = 4
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class StepFeatures:
     num_decode_seqs: int
     num_context_tokens: int  # Σ over the batch of the positions each sequence attends to
     prefill_attention: int = 0  # Σ over prefill chunks of chunk length × positions attended
+    adapter_blocks: int = 0  # Σ over the step's adapters of ⌈its rows / ADAPTER_ROWS_PER_BLOCK⌉: reads of their weights
 
 
 @dataclass
@@ -44,9 +47,13 @@ class ScheduledBatch:
         return sum(n for _, n in self.items)
 
     def features(self) -> "StepFeatures":
-        """What the step costs: prefill tokens, decode sequences, and K/V positions read."""
+        """What the step costs: prefill tokens, decode sequences, K/V positions read, and the reads
+        of LoRA adapters' weights."""
         prefill = decode = context = attention = 0
+        adapter_rows: dict[int, int] = {}
         for seq, num_new in self.items:
+            if seq.adapter is not None:
+                adapter_rows[seq.adapter.slot] = adapter_rows.get(seq.adapter.slot, 0) + num_new
             is_decode = num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             attended = seq.num_computed_tokens + num_new
             decode += is_decode
@@ -54,7 +61,8 @@ class ScheduledBatch:
             if not is_decode:
                 prefill += num_new
                 attention += num_new * attended
-        return StepFeatures(prefill, decode, context, attention)
+        blocks = sum(-(-rows // ADAPTER_ROWS_PER_BLOCK) for rows in adapter_rows.values())
+        return StepFeatures(prefill, decode, context, attention, blocks)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -112,7 +120,7 @@ class Scheduler:
             seated = self._schedule_waiting(budget, now)
             # a promise seated now may have preempted best effort this step already carried: it leaves the step
             items = [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING] + seated
-        return ScheduledBatch(items)
+        return ScheduledBatch(_by_adapter(items))
 
     def _apply_rescue(self, order: list[Sequence], now: float) -> list[Sequence]:
         """Set the step's best-effort allowance; drop the sequences a rescue pauses from ``order``."""
@@ -179,7 +187,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
-            hits = self.cache.find_cached_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            hits = self.cache.find_cached_prefix(seq.token_ids, seq.adapter) if seq.num_computed_tokens == 0 else []
             cached = seq.num_computed_tokens + len(hits) * self.cache.block_size  # held since admission, or hit now
             num_new = self._hold_best_effort(seq, self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached),
                                              start=cached)
@@ -273,3 +281,12 @@ class Scheduler:
             self.cache.pin(seq, seq.pin_on_finish)
         self.cache.free(seq)
         seq.drop_blocks()
+
+
+def _by_adapter(items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """The step's rows of one adapter side by side (base-model rows first), each group in scheduling
+    order: the runtime then reads each adapter's weights once per block of its rows, not once per
+    request."""
+    if all(seq.adapter is None for seq, _ in items):
+        return items
+    return sorted(items, key=lambda item: -1 if item[0].adapter is None else item[0].adapter.slot)

@@ -65,6 +65,20 @@ class SlowdownEvent:
 
 
 @dataclass(frozen=True)
+class AdapterStats:
+    """A LoRA adapter the engine holds: under ``name`` in runtime slot ``slot``; ``requests`` are the
+    unfinished requests (and pins) under it now."""
+
+    name: str
+    slot: int
+    rank: int
+    nbytes: int  # its parameters as read (fp32)
+    content_hash: str  # sha256 of what its updates compute (``LoraAdapter.content_hash``)
+    path: str
+    requests: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine at one moment. ``latency`` is None without admission (no latency model), and so
     are ``caps`` and ``admission`` (the controller's own account: paced steps, promises in flight,
@@ -89,6 +103,8 @@ class EngineStats:
     slowdowns: tuple[SlowdownEvent, ...] = ()  # the slowdown detector's verdicts, oldest first
     caps: list[dict] | None = None  # the tightest deadline class's largest batch per context
     admission: dict[str, Any] | None = None
+    adapters: tuple[AdapterStats, ...] = ()  # the LoRA adapters served, by name
+    max_loras: int = 0  # the runtime's adapter slots
 
     def slack_percentiles(self) -> dict[str, float | None]:
         """p5, p50 and p95 of ``slack_ms`` (None before any deadline request finished)."""
