@@ -9,8 +9,8 @@ run through the runtime's runner as the engine runs them, the sequences carrying
 
   - none: no sequence has an adapter (the step is what it is without LoRA);
   - one: every sequence under adapter 0;
-  - four mixed: sequence i under adapter i mod 4, so neighbouring rows belong to different
-    adapters (every row its own segment: the most segments a step can have).
+  - four mixed: sequence i under adapter i mod 4, the step's rows grouped by adapter as the
+    scheduler orders them (a step reads each adapter's weights once per block of 4 of its rows).
 
 A configuration's time in a round is the median of its decode steps' times. Configurations are
 interleaved: each round runs every stream count and configuration once, the configurations'
@@ -93,7 +93,7 @@ def slots_of(config: str, streams: int) -> list[int | None]:
         return [None] * streams
     if config == "one":
         return [0] * streams
-    return [i % ADAPTERS for i in range(streams)]
+    return sorted(i % ADAPTERS for i in range(streams))  # grouped by adapter, as the scheduler orders a step
 
 
 class StepTimer:
