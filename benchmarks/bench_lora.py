@@ -149,8 +149,8 @@ def build_engine(args, runtime: str, folders: list[Path]):
     from ricllm import LLM
     from ricllm.model.lora import load_lora_adapter
 
-    llm = LLM(str(args.model), runtime=runtime, weights=args.weights, threads=args.threads, kv_cache_budget=args.kv_budget,
-              max_loras=ADAPTERS, weight_cache=True)
+    llm = LLM(str(args.model), runtime=runtime, weights=args.weights, threads=args.threads,
+              kv_cache_budget=args.kv_budget, max_loras=ADAPTERS, weight_cache=True)
     for slot, folder in enumerate(folders):
         llm.engine.runtime.lora.load(slot, load_lora_adapter(folder, llm.engine.spec))
     return llm

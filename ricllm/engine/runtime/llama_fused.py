@@ -79,7 +79,8 @@ class FusedLlamaModel(LlamaModel):
         self.norm = FusedRMSNorm(self.norm, ops)
         self.decoder_stack = None
 
-    def decode(self, x, rope_cos_sin, kv_caches, meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
+    def decode(self, x, rope_cos_sin, kv_caches, meta: AttentionMetadata,
+               lora: LoraBatch | None = None) -> torch.Tensor:
         stack = self.decoder_stack
         if stack is not None and stack.accepts(x, c_kernel_attends(meta) or meta.kv_windows is not None) and (
                 lora is None or lora.stack_argument is not None):

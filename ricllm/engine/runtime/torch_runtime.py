@@ -102,8 +102,8 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
     lora = adapter_slots(loaded.model, config.max_loras, device, dtype)
     return Runtime(
         name="torch", why=why, spec=loaded.spec, tokenizer=loaded.tokenizer, model=loaded.model,
-        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device, lora), lora=lora, sample=sample, mask=mask,
-        new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
+        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device, lora), lora=lora, sample=sample,
+        mask=mask, new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
         weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,
         capabilities=capabilities_of(loaded.attention_backend))
