@@ -133,7 +133,7 @@ def teacher_forced(llm: LLM, token_ids: list[int]) -> tuple[torch.Tensor, torch.
         if grant is None:
             raise RuntimeError("the KV budget does not hold the text: raise BUDGET")
         seq.take_blocks(grant)
-        input_ids, positions, meta, _ = runtime.runner.prepare(ScheduledBatch([(seq, count)]))
+        input_ids, positions, meta, _, _ = runtime.runner.prepare(ScheduledBatch([(seq, count)]))
         logits = runtime.model.compute_logits(runtime.model(input_ids, positions, runtime.kv_cache.layers, meta))
         targets = torch.tensor(token_ids[start + 1:start + 1 + count])
         best.append(logits.argmax(-1))

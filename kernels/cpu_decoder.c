@@ -14,6 +14,11 @@
  *   out = n(x + delta)
  *
  * ``x`` (the embedded tokens, [T, hidden]) is the residual stream and is updated in place.
+ *
+ * With LoRA adapters (``lora`` not NULL), each projection's output gets, on the rows of each of
+ * the step's segments, its slot's low-rank update (cpu_lora.c) right after its product and before
+ * anything reads it: q, k and v on their columns of the qkv rows (from h), o on delta (from attn),
+ * gate and up on their halves of the gate_up rows (from h), down on delta (from act).
  */
 #include "cpu_common.h"
 
@@ -32,6 +37,11 @@ int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, vo
                      int num_threads);
 int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
                       int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads);
+size_t ricllm_lora_scratch_bytes(int in, int max_rank, int num_threads);
+int ricllm_lora_in(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
+                   const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
+                   const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads,
+                   void *scratch);
 
 /* A layer's pointers, in this order (``layer_ptrs`` holds LAYER_POINTERS per layer). Each
  * projection is (packed weight, fp16 scales, int32 offsets) as ``ricllm_quant_gemm`` takes it. */
@@ -45,15 +55,95 @@ enum { ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BATCH, TABLE_WIDT
 int ricllm_decoder_stack_dims(void) { return DIMS; }
 int ricllm_decoder_stack_layer_pointers(void) { return LAYER_POINTERS; }
 
+/* The LoRA projections of a layer, in the order it runs them (ricllm.model.lora.PROJECTIONS) */
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_PROJECTIONS };
+
+/* One slot's update of one projection of one layer: A [rank, in] and Bᵀ [rank, out]; rank 0: the
+ * slot's adapter leaves that projection alone. */
+typedef struct {
+    const void *a;
+    const void *b_t;
+    float scale;
+    int32_t rank;
+} LoraUpdate;
+
+/* A step's adapters: rows [starts[s], ends[s]) take slot slots[s]'s updates, which ``table``
+ * holds at [slot][layer][projection] (``slot_count`` slots of ``layers`` layers); A and B are all
+ * bf16 or all fp32 (``weights_bf16``). */
+typedef struct {
+    const int32_t *starts;
+    const int32_t *ends;
+    const int32_t *slots;
+    const LoraUpdate *table;
+    int32_t segments;
+    int32_t slot_count;
+    int32_t layers;
+    int32_t weights_bf16;
+} LoraStep;
+
+/* What Python checks its copy of the structures against: 0 sizeof(LoraUpdate), 1 sizeof(LoraStep),
+ * 2 the projections per layer. */
+int ricllm_decoder_stack_lora_layout(int which) {
+    switch (which) {
+    case 0: return (int)sizeof(LoraUpdate);
+    case 1: return (int)sizeof(LoraStep);
+    case 2: return LORA_PROJECTIONS;
+    default: return -1;
+    }
+}
+
+/* y (columns of rows y_stride apart) += the step's updates of ``projection`` in layer ``layer``,
+ * from x: one ricllm_lora call over the segments whose slot updates it. */
+static int add_lora(const LoraStep *lora, int layer, int projection, const void *x, int in, void *y,
+                    int64_t y_stride, int out, int is_bf16, int threads, void *scratch) {
+    if (lora == NULL || lora->segments == 0) return 0;
+    const int n = lora->segments;
+    int32_t starts[n], ends[n], ranks[n];
+    const void *a[n], *b_t[n];
+    float scales[n];
+    int count = 0;
+    for (int s = 0; s < n; s++) {
+        const LoraUpdate *u = &lora->table[((int64_t)lora->slots[s] * lora->layers + layer) * LORA_PROJECTIONS
+                                           + projection];
+        if (u->rank == 0) continue;
+        starts[count] = lora->starts[s], ends[count] = lora->ends[s], ranks[count] = u->rank;
+        a[count] = u->a, b_t[count] = u->b_t, scales[count] = u->scale;
+        count++;
+    }
+    return ricllm_lora_in(x, in, y, y_stride, in, out, count, starts, ends, ranks, a, b_t, scales, is_bf16,
+                          lora->weights_bf16, threads, scratch);
+}
+
+/* The largest rank the step's segments use (0 without LoRA), or -1 when the step does not fit
+ * the stack: a slot, a row or the table's layers out of range. */
+static int lora_max_rank(const LoraStep *lora, int layers, int rows) {
+    if (lora == NULL) return 0;
+    if (lora->layers != layers || lora->segments < 0) return -1;
+    int max_rank = 0;
+    for (int s = 0; s < lora->segments; s++) {
+        if (lora->slots[s] < 0 || lora->slots[s] >= lora->slot_count || lora->starts[s] < 0
+            || lora->ends[s] < lora->starts[s] || lora->ends[s] > rows) return -1;
+        const LoraUpdate *u = &lora->table[(int64_t)lora->slots[s] * layers * LORA_PROJECTIONS];
+        for (int i = 0; i < layers * LORA_PROJECTIONS; i++) {
+            if (u[i].rank < 0) return -1;
+            max_rank = u[i].rank > max_rank ? u[i].rank : max_rank;
+        }
+    }
+    return max_rank;
+}
+
 #define TRY(call) do { code = (call); if (code != 0) goto done; } while (0)
 
-/* Returns 0, or the first failing kernel's code (-2: out of memory). ``sinks``/``windows``: per
+/* Returns 0, -1 for a LoRA step that does not fit the stack (a slot, a row or its layers out of
+ * range), or the first failing kernel's code (-2: out of memory). ``sinks``/``windows``: per
  * sequence sink + window retention, NULL when no sequence of the step keeps one (cpu_paged_attention.c);
- * dims[CACHE_TYPE]: the K/V caches' type (cpu_common.h). */
+ * ``lora``: the step's adapters, NULL when no row has one; dims[CACHE_TYPE]: the K/V caches' type
+ * (cpu_common.h). */
 int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, const int32_t *bits,
                          const void *final_norm, const void *cos, const void *sin, const int64_t *slots,
                          const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
-                         const int32_t *sinks, const int32_t *windows, const int32_t *dims, float eps, float scale) {
+                         const int32_t *sinks, const int32_t *windows, const LoraStep *lora, const int32_t *dims,
+                         float eps, float scale) {
     const int rows = dims[ROWS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int head_dim = dims[HEAD_DIM], inter = dims[INTER], is_bf16 = dims[IS_BF16], threads = dims[NUM_THREADS];
     const int q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
@@ -61,11 +151,16 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
     const size_t elt = is_bf16 ? 2 : 4, row = (size_t)rows * elt;
     const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
     const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
-    char *buffer = alloc_lines(activations + gemm_scratch + 64);
+    const int lora_rank = lora_max_rank(lora, dims[LAYERS], rows);
+    if (lora_rank < 0) return -1;
+    const size_t lora_at = (activations + gemm_scratch + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(widest_input, lora_rank, threads) : 0;
+    char *buffer = alloc_lines(lora_at + lora_scratch + 64);
     if (!buffer) return -2;
     char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
     char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;
-    char *scratch = act + row * inter;
+    char *scratch = act + row * inter, *lora_scratch_at = buffer + lora_at;
+    const int kv_width = kv_heads * head_dim;
     int code = 0;
     for (int l = 0; l < dims[LAYERS]; l++) {
         const void *const *p = layer_ptrs + (int64_t)l * LAYER_POINTERS;
@@ -73,6 +168,11 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
         TRY(ricllm_add_rms_norm(x, l == 0 ? NULL : delta, p[ATTN_NORM], h, rows, hidden, eps, is_bf16, threads));
         TRY(ricllm_quant_gemm(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
                               scratch, threads));
+        TRY(add_lora(lora, l, LORA_Q, h, hidden, qkv, qkv_width, q_width, is_bf16, threads, lora_scratch_at));
+        TRY(add_lora(lora, l, LORA_K, h, hidden, qkv + q_width * elt, qkv_width, kv_width, is_bf16, threads,
+                     lora_scratch_at));
+        TRY(add_lora(lora, l, LORA_V, h, hidden, qkv + (q_width + kv_width) * elt, qkv_width, kv_width, is_bf16,
+                     threads, lora_scratch_at));
         TRY(ricllm_rope_store(qkv, q, cos, sin, slots, (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads,
                               kv_heads, head_dim, is_bf16, dims[CACHE_TYPE], threads));
         TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, block_tables, query_start, context_lens,
@@ -80,12 +180,17 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
                              scale, is_bf16, dims[CACHE_TYPE], sinks, windows, threads));
         TRY(ricllm_quant_gemm(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
                               scratch, threads));
+        TRY(add_lora(lora, l, LORA_O, attn, q_width, delta, hidden, hidden, is_bf16, threads, lora_scratch_at));
         TRY(ricllm_add_rms_norm(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));
         TRY(ricllm_quant_gemm(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
                               is_bf16, scratch, threads));
+        TRY(add_lora(lora, l, LORA_GATE, h, hidden, gate_up, 2 * inter, inter, is_bf16, threads, lora_scratch_at));
+        TRY(add_lora(lora, l, LORA_UP, h, hidden, gate_up + inter * elt, 2 * inter, inter, is_bf16, threads,
+                     lora_scratch_at));
         TRY(ricllm_silu_mul(gate_up, act, rows, inter, is_bf16, threads));
         TRY(ricllm_quant_gemm(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden, is_bf16,
                               scratch, threads));
+        TRY(add_lora(lora, l, LORA_DOWN, act, inter, delta, hidden, hidden, is_bf16, threads, lora_scratch_at));
     }
     TRY(ricllm_add_rms_norm(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
                             threads));

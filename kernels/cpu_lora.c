@@ -161,11 +161,23 @@ INLINE void lora_rows(const void *x, int64_t x_stride, void *y, int64_t y_stride
 
 static int blocks_of(int rows) { return (rows + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE; }
 
-/* Returns 0, -1 for arguments out of range (a negative width, rank or row, a segment that ends
- * before it starts), -2 when out of memory. */
-int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
-                const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
-                const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads) {
+static size_t scratch_per_thread(int in, int max_rank) {
+    return ((size_t)ROWS_AT_ONCE * (in + max_rank) * sizeof(float) + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+}
+
+/* The scratch ``ricllm_lora_in`` takes for inputs of ``in`` values, ranks up to ``max_rank`` and
+ * up to ``num_threads`` threads. */
+size_t ricllm_lora_scratch_bytes(int in, int max_rank, int num_threads) {
+    return scratch_per_thread(in, max_rank) * (size_t)(num_threads > 0 ? num_threads : 1);
+}
+
+/* ``ricllm_lora`` in the caller's scratch (``ricllm_lora_scratch_bytes(in, max rank, num_threads)``
+ * bytes, 4-byte aligned): the decoder stack calls it for every projection of every layer, from
+ * its own buffer. Returns 0, or -1 for arguments out of range. */
+int ricllm_lora_in(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
+                   const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
+                   const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads,
+                   void *scratch) {
     if (in <= 0 || out <= 0 || segments < 0 || x_stride < in || y_stride < out) return -1;
     int blocks = 0, rows = 0, max_rank = 0;
     for (int s = 0; s < segments; s++) {
@@ -176,10 +188,7 @@ int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int 
     }
     if (blocks == 0) return 0;
     const int threads = rows >= PARALLEL_ROWS ? num_threads : 1;
-    const size_t per_thread = ((size_t)ROWS_AT_ONCE * (in + max_rank) * sizeof(float) + CACHE_LINE - 1)
-                              / CACHE_LINE * CACHE_LINE;
-    char *scratch = alloc_lines(per_thread * (threads > 0 ? threads : 1));
-    if (!scratch) return -2;
+    const size_t per_thread = scratch_per_thread(in, max_rank);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int block = 0; block < blocks; block++) {
         int s = 0, first_block = 0;  /* the segment this block is in, and that segment's first block */
@@ -190,13 +199,28 @@ int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int 
         const int first = starts[s] + (block - first_block) * ROWS_AT_ONCE;
         const int count = ends[s] - first < ROWS_AT_ONCE ? ends[s] - first : ROWS_AT_ONCE;
 #ifdef _OPENMP
-        float *mine = (float *)(scratch + per_thread * (size_t)omp_get_thread_num());
+        float *mine = (float *)((char *)scratch + per_thread * (size_t)omp_get_thread_num());
 #else
         float *mine = (float *)scratch;
 #endif
         DISPATCH2(is_bf16, weights_bf16, lora_rows(x, x_stride, y, y_stride, in, out, first, count, ranks[s], a[s],
                                                   b_t[s], scales[s], xb, wb, mine));
     }
-    free_lines(scratch);
     return 0;
+}
+
+/* Returns 0, -1 for arguments out of range (a negative width, rank or row, a segment that ends
+ * before it starts), -2 when out of memory. */
+int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
+                const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
+                const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads) {
+    if (in <= 0 || segments < 0) return -1;
+    int max_rank = 0;
+    for (int s = 0; s < segments; s++) max_rank = ranks[s] > max_rank ? ranks[s] : max_rank;
+    char *scratch = alloc_lines(ricllm_lora_scratch_bytes(in, max_rank, num_threads));
+    if (!scratch) return -2;
+    const int code = ricllm_lora_in(x, x_stride, y, y_stride, in, out, segments, starts, ends, ranks, a, b_t,
+                                    scales, is_bf16, weights_bf16, num_threads, scratch);
+    free_lines(scratch);
+    return code;
 }

@@ -60,13 +60,15 @@ def random_lora_tensors(spec: ModelSpec, config: dict, *, seed: int = 0, std: fl
 
 
 def write_lora_adapter(folder: Path, spec: ModelSpec, *, rank: int = 4, alpha: float = 8,
-                       projections: tuple[str, ...] = PROJECTIONS, seed: int = 0, dtype: torch.dtype = torch.float32,
-                       config: dict | None = None, tensors: dict[str, np.ndarray] | None = None) -> Path:
+                       projections: tuple[str, ...] = PROJECTIONS, seed: int = 0, std: float = 0.1,
+                       dtype: torch.dtype = torch.float32, config: dict | None = None,
+                       tensors: dict[str, np.ndarray] | None = None) -> Path:
     """A random adapter for a model of ``spec`` in ``folder``: ``config`` fields are set over
-    ``lora_config``'s, ``tensors`` (fp32) replace or add to the random ones; stored as ``dtype``."""
+    ``lora_config``'s, ``tensors`` (fp32) replace or add to the random ones (``std`` their spread);
+    stored as ``dtype``."""
     folder.mkdir(parents=True, exist_ok=True)
     full_config = lora_config(rank=rank, alpha=alpha, projections=projections, **(config or {}))
-    arrays = {**random_lora_tensors(spec, full_config, seed=seed, projections=projections), **(tensors or {})}
+    arrays = {**random_lora_tensors(spec, full_config, seed=seed, std=std, projections=projections), **(tensors or {})}
     (folder / "adapter_config.json").write_text(json.dumps(full_config, indent=2))
     save_file({name: torch.from_numpy(values).to(dtype).contiguous() for name, values in arrays.items()},
               str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})

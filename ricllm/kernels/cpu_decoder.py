@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from ricllm.kernels.cpu_fused import CACHE_TYPES
-from ricllm.kernels.decoder_stack_call import DecoderStackCall, layer_addresses
+from ricllm.kernels.decoder_stack_call import DecoderStackCall, LoraStepArgument, layer_addresses
 
 IS_BF16 = {torch.bfloat16: 1, torch.float32: 0}  # the element types the kernels take: their is_bf16 flag
 
@@ -78,9 +78,11 @@ class CpuDecoderStack:
         self._caches = kv_caches
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
+                 lora: LoraStepArgument | None = None) -> torch.Tensor:
         """The final norm's output ``[T, hidden]``; ``x`` (the embedded tokens) is used as the
-        residual stream and overwritten. Writes this step's K/V into the cache."""
+        residual stream and overwritten. Writes this step's K/V into the cache. ``lora``: the step's
+        adapters (``LoraTable.step``), None when no row has one."""
         self._bind(kv_caches)
         tables, starts, lens = meta.block_tables, meta.query_start_loc, meta.context_lens
         windowed = [] if meta.kv_windows is None else [(meta.kv_sinks, torch.int32), (meta.kv_windows, torch.int32)]
@@ -94,5 +96,5 @@ class CpuDecoderStack:
                    meta.slot_mapping.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
                    rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1],
                    threads=torch.get_num_threads(), sinks=windowed[0][0].data_ptr() if windowed else None,
-                   windows=windowed[1][0].data_ptr() if windowed else None)
+                   windows=windowed[1][0].data_ptr() if windowed else None, lora=lora)
         return out

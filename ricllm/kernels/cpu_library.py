@@ -84,10 +84,12 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_quant_gemm_uses_amx": [],
     "ricllm_quant_gemm_int4_path": [_I],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
-    "ricllm_decoder_stack": [_P] * 14 + [_F, _F],
+    # x, out, layer pointers, bits, final norm, cos, sin, slots, tables, starts, lens, sinks, windows, lora, dims
+    "ricllm_decoder_stack": [_P] * 15 + [_F, _F],
     "ricllm_quant_rows": [_P, _P, _I, _P, _I, _I, _I, _P, _I],
     "ricllm_decoder_stack_dims": [],
     "ricllm_decoder_stack_layer_pointers": [],
+    "ricllm_decoder_stack_lora_layout": [_I],
     # x, x_stride, y, y_stride, in, out, segments, starts, ends, ranks, a, b_t, scales, is_bf16, weights_bf16, threads
     "ricllm_lora": [_P, ctypes.c_int64, _P, ctypes.c_int64, _I, _I, _I] + [_P] * 6 + [_I, _I, _I],
 }

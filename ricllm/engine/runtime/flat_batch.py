@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.sequence import Sequence
@@ -24,6 +24,9 @@ class FlatBatch:
     prefill_products: int
     kv_sinks: list[int] | None = None  # per sequence, when one of them keeps a window (window 0: exact)
     kv_windows: list[int] | None = None
+    # (start row, end row, adapter slot): consecutive sequences of one slot share a segment; rows of
+    # sequences without an adapter lie in none. Empty when no sequence has one.
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
@@ -50,7 +53,20 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
         prefill_rows=sum(n for _, n in batch.items if n > 1),
         prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1),
         kv_sinks=[s.kv_window.sinks if s.kv_window else 0 for s in seqs] if windowed else None,
-        kv_windows=[s.kv_window.window if s.kv_window else 0 for s in seqs] if windowed else None)
+        kv_windows=[s.kv_window.window if s.kv_window else 0 for s in seqs] if windowed else None,
+        lora_segments=_lora_segments(batch, starts))
+
+
+def _lora_segments(batch: ScheduledBatch, starts: list[int]) -> list[tuple[int, int, int]]:
+    segments: list[tuple[int, int, int]] = []
+    for (seq, _), start, end in zip(batch.items, starts, starts[1:]):
+        if seq.adapter is None or start == end:
+            continue
+        if segments and segments[-1][1] == start and segments[-1][2] == seq.adapter.slot:
+            segments[-1] = (segments[-1][0], end, seq.adapter.slot)
+        else:
+            segments.append((start, end, seq.adapter.slot))
+    return segments
 
 
 def _slots(seq: Sequence, start: int, end: int, block_size: int) -> list[int]:

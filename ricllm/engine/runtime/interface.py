@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
 
     from ricllm.cache.kv_cache import KVCache, NativeKVCache
     from ricllm.engine.runtime.llama import LlamaModel
+    from ricllm.engine.runtime.lora_delta import TorchLoraSlots
+    from ricllm.engine.runtime.lora_slots import LoraSlots
     from ricllm.engine.runtime.model_runner import ModelRunner
     from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
     from ricllm.sampling_params import SamplingParams
@@ -30,6 +32,9 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
 Model = Union["LlamaModel", "NativeModel"]
 KVStore = Union["KVCache", "NativeKVCache"]  # ``geometry``, ``layers``, ``total_bytes()``
 Runner = Union["ModelRunner", "NativeModelRunner"]  # ``run(batch) -> (fp32 logits [N, vocab], rows)``
+# ``capacity``, ``load(slot, adapter)``, ``unload(slot)``, ``nbytes``: the C kernels' layout (the
+# native runtime; the torch one on the CPU with the C kernels) or torch tensors on the device
+AdapterSlots = Union["LoraSlots", "TorchLoraSlots"]
 Device = Union["torch.device", str]  # the native runtime's is "cpu"
 DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16"
 Generator = Union["torch.Generator", "np.random.Generator"]
@@ -58,3 +63,4 @@ class Runtime:
     weight_cache_entry: Path | None
     load_s: float  # loading (and converting) the weights
     capabilities: RuntimeCapabilities  # what admission, the scheduler and the latency model may rely on
+    lora: AdapterSlots  # the resident LoRA adapters, ``config.max_loras`` slots; a sequence names its slot

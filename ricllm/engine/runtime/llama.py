@@ -12,6 +12,11 @@ K/V heads serve ``num_heads`` query heads), so the model holds no per-sequence s
 Each residual add is done by the norm that follows it (``RMSNorm(x, delta)``), so that a fused
 norm can do both in one pass.
 
+With LoRA adapters each projection ``W`` of a row served under adapter ``s`` is ``W + scale_s·B_s·A_s``:
+the step's adapters (``lora``, next to ``meta``; None when no row has one) add
+``scale_s · (x · A_sᵀ) · B_sᵀ`` to the rows of their segments (``adapted``), on the columns each
+projection has in a fused output.
+
 These torch ops are the reference. Weights come in through ``llama_weights`` (loading, fusing
 q/k/v and gate/up, packing); with ricllm's C kernels, ``llama_fused`` swaps in modules that
 compute the same values in fewer calls.
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ricllm.attention.metadata import AttentionMetadata
+from ricllm.engine.runtime.lora_delta import LoraBatch, LoraLayerBatch
 from ricllm.model.spec import ModelSpec, RopeScaling
 
 
@@ -120,6 +126,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+def adapted(projection: nn.Module, x: torch.Tensor, lora: LoraLayerBatch | None, *names: str) -> torch.Tensor:
+    """``projection(x)``, plus the step's adapter updates of the projections ``names`` it fuses."""
+    y = projection(x)
+    return y if lora is None else lora.add(names, x, y)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE over the paged cache: the backend stores this step's K/V
     and attends through the block tables."""
@@ -133,15 +145,15 @@ class Attention(nn.Module):
         self.scale = spec.head_dim ** -0.5
         self.backend = backend
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata, lora: LoraLayerBatch | None = None):
         tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split(self.qk_v_sizes, dim=-1)
+        qk, v = adapted(self.qkv_proj, x, lora, "q", "k", "v").split(self.qk_v_sizes, dim=-1)
         # q and k heads sit side by side in the fused projection: rotate them in one pass
         qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope_cos_sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return adapted(self.o_proj, out.reshape(tokens, -1), lora, "o")
 
 
 class MLP(nn.Module):
@@ -152,9 +164,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraLayerBatch | None = None) -> torch.Tensor:
+        gate, up = adapted(self.gate_up_proj, x, lora, "gate", "up").chunk(2, dim=-1)
+        return adapted(self.down_proj, F.silu(gate) * up, lora, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -165,11 +177,11 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, delta, rope_cos_sin, kv_cache, meta):
+    def forward(self, x, delta, rope_cos_sin, kv_cache, meta, lora: LoraLayerBatch | None = None):
         """Residual stream ``x`` plus the last sublayer's output ``delta`` in; the same pair out."""
         x, h = self.attn_norm(x, delta)
-        x, h = self.ffn_norm(x, self.attn(h, rope_cos_sin, kv_cache, meta))
-        return x, self.mlp(h)
+        x, h = self.ffn_norm(x, self.attn(h, rope_cos_sin, kv_cache, meta, lora))
+        return x, self.mlp(h, lora)
 
 
 class LlamaModel(nn.Module):
@@ -201,17 +213,19 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm."""
         x = self.embed(input_ids)
-        return self.decode(x, self.rope(positions, x.dtype), kv_caches, meta)
+        return self.decode(x, self.rope(positions, x.dtype), kv_caches, meta, lora)
 
     def decode(self, x: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+               lora: LoraBatch | None = None) -> torch.Tensor:
         """The layers, then the final norm, over the embedded tokens ``x``."""
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, delta = layer(x, delta, rope_cos_sin, kv_cache, meta, None if lora is None else lora.layer(index))
         return self.norm(x, delta)[1]
 
     @torch.inference_mode()

@@ -19,7 +19,8 @@ from torch import nn
 
 from ricllm.attention.backends import c_kernel_attends
 from ricllm.attention.metadata import AttentionMetadata
-from ricllm.engine.runtime.llama import MLP, Attention, LlamaModel, RMSNorm
+from ricllm.engine.runtime.llama import MLP, Attention, LlamaModel, RMSNorm, adapted
+from ricllm.engine.runtime.lora_delta import LoraBatch, LoraLayerBatch
 from ricllm.kernels.cpu_decoder import CpuDecoderStack, PackedProjection, StackLayer
 from ricllm.kernels.cpu_fused import CpuFusedOps
 from ricllm.model.packed_linear import PackedLinear
@@ -46,10 +47,11 @@ class FusedAttention(nn.Module):
         self.qkv_proj, self.o_proj, self.backend = attention.qkv_proj, attention.o_proj, attention.backend
         self.num_heads, self.scale, self.ops = attention.num_heads, attention.scale, ops
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
-        q = self.ops.rope_store(self.qkv_proj(x), *rope_cos_sin, meta.slot_mapping, *kv_cache, self.num_heads)
+    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata, lora: LoraLayerBatch | None = None):
+        qkv = adapted(self.qkv_proj, x, lora, "q", "k", "v")
+        q = self.ops.rope_store(qkv, *rope_cos_sin, meta.slot_mapping, *kv_cache, self.num_heads)
         out = self.backend.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.view(x.shape[0], -1))
+        return adapted(self.o_proj, out.view(x.shape[0], -1), lora, "o")
 
 
 class FusedMLP(nn.Module):
@@ -59,8 +61,9 @@ class FusedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj, self.ops = mlp.gate_up_proj, mlp.down_proj, ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoraLayerBatch | None = None) -> torch.Tensor:
+        return adapted(self.down_proj, self.ops.silu_mul(adapted(self.gate_up_proj, x, lora, "gate", "up")), lora,
+                       "down")
 
 
 class FusedLlamaModel(LlamaModel):
@@ -76,11 +79,13 @@ class FusedLlamaModel(LlamaModel):
         self.norm = FusedRMSNorm(self.norm, ops)
         self.decoder_stack = None
 
-    def decode(self, x, rope_cos_sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, x, rope_cos_sin, kv_caches, meta: AttentionMetadata,
+               lora: LoraBatch | None = None) -> torch.Tensor:
         stack = self.decoder_stack
-        if stack is not None and stack.accepts(x, c_kernel_attends(meta) or meta.kv_windows is not None):
-            return stack(x, *rope_cos_sin, kv_caches, meta)
-        return super().decode(x, rope_cos_sin, kv_caches, meta)
+        if stack is not None and stack.accepts(x, c_kernel_attends(meta) or meta.kv_windows is not None) and (
+                lora is None or lora.stack_argument is not None):
+            return stack(x, *rope_cos_sin, kv_caches, meta, None if lora is None else lora.stack_argument)
+        return super().decode(x, rope_cos_sin, kv_caches, meta, lora)
 
     def enable_decoder_stack(self) -> bool:
         """Run the steps the C attention kernel serves through one C call for all layers. It

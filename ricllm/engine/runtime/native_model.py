@@ -1,5 +1,7 @@
 """The native model and its runner: one step is the embedding lookup, the decoder stack as one
 C call for all layers (``kernels/cpu_decoder.c``), prefill chunks included, then the packed head.
+The step's LoRA segments go to the same call: each projection gets its rows' adapter updates there
+(``lora_slots``).
 Numpy arrays and ricllm's C kernels only: this module never imports torch. The arrays it hands
 to C start on a cache line (``ricllm.kernels.aligned``), as torch's tensors do."""
 
@@ -9,9 +11,10 @@ import numpy as np
 
 from ricllm.cache.kv_cache import NativeKVCache
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
+from ricllm.engine.runtime.lora_slots import LoraSlots
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.kernels.aligned import aligned_empty
-from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, DecoderStackCall, layer_addresses
+from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, DecoderStackCall, LoraStepArgument, layer_addresses
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
 
@@ -59,8 +62,10 @@ class NativeModel:
             raise IndexError(f"token id out of range [0, {head.out_features})")
         return out
 
-    def forward(self, input_ids: list[int], positions: list[int], flat: FlatBatch) -> np.ndarray:
-        """Hidden states ``[T, hidden]`` (bf16 bits) after the final norm; writes the step's K/V."""
+    def forward(self, input_ids: list[int], positions: list[int], flat: FlatBatch,
+                lora: LoraStepArgument | None = None) -> np.ndarray:
+        """Hidden states ``[T, hidden]`` (bf16 bits) after the final norm; writes the step's K/V.
+        ``lora``: the step's adapters (``LoraSlots.stack_step``), None when no row has one."""
         x = self.embed(np.asarray(input_ids, dtype=np.int64))
         where = np.asarray(positions, dtype=np.int64)
         cos, sin = self.weights.rope_cos[where], self.weights.rope_sin[where]
@@ -72,7 +77,7 @@ class NativeModel:
                     slots.ctypes.data, tables.ctypes.data, starts.ctypes.data, lens.ctypes.data,
                     rows=x.shape[0], batch=lens.shape[0], table_width=tables.shape[1], threads=self.threads,
                     sinks=None if sinks is None else sinks.ctypes.data,
-                    windows=None if windows is None else windows.ctypes.data)
+                    windows=None if windows is None else windows.ctypes.data, lora=lora)
         return out
 
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -101,13 +106,13 @@ def _addresses(p: Packed) -> tuple[int, int, int]:
 
 
 class NativeModelRunner:
-    def __init__(self, model: NativeModel, kv_cache: NativeKVCache):
-        self.model, self.kv_cache = model, kv_cache
+    def __init__(self, model: NativeModel, kv_cache: NativeKVCache, lora: LoraSlots):
+        self.model, self.kv_cache, self.lora = model, kv_cache, lora
         self.block_size = kv_cache.geometry.block_size
         model.bind_cache(kv_cache)
 
     def run(self, batch: ScheduledBatch) -> tuple[np.ndarray, list[int]]:
         """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices."""
         flat = flatten(batch, self.block_size)
-        hidden = self.model.forward(flat.input_ids, flat.positions, flat)
+        hidden = self.model.forward(flat.input_ids, flat.positions, flat, self.lora.stack_step(flat.lora_segments))
         return self.model.compute_logits(_take_rows(hidden, flat.logits_rows)), flat.logits_rows

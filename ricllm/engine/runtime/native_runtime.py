@@ -23,6 +23,7 @@ from ricllm.config import EngineConfig
 from ricllm.engine.runtime import numpy_sampler
 from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES
 from ricllm.engine.runtime.interface import Runtime
+from ricllm.engine.runtime.lora_slots import LoraSlots
 from ricllm.engine.runtime.native_convert import load_weights
 from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
 
@@ -53,9 +54,11 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size,
                           kv_format(config.kv_cache_dtype, "bfloat16"))
     kv_cache = NativeKVCache(weights.spec, geometry)
+    lora = LoraSlots(weights.spec, config.max_loras, bf16=True)  # the activations' type: bf16
     return Runtime(
         name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
-        tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache),
+        tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache, lora),
+        lora=lora,
         sample=numpy_sampler.sample, mask=numpy_sampler.mask,
         new_generator=numpy_sampler.new_generator, device="cpu", dtype="bfloat16",
         threads=threads, attention_backend="cpu", weight_formats=weights.weight_formats, weights_source=source,

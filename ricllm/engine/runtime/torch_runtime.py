@@ -17,7 +17,9 @@ from ricllm.engine.runtime import llama_weights, weight_cache
 from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES, NO_LIMITS, RuntimeCapabilities
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.llama import LlamaModel
-from ricllm.engine.runtime.llama_fused import enable_decoder_stack, model_class
+from ricllm.engine.runtime.llama_fused import FusedLlamaModel, enable_decoder_stack, model_class
+from ricllm.engine.runtime.lora_delta import TorchLoraSlots
+from ricllm.engine.runtime.lora_slots import LoraSlots
 from ricllm.engine.runtime.model_runner import ModelRunner
 from ricllm.engine.runtime.sampler import mask, sample
 from ricllm.model.heap import release_free_heap
@@ -97,13 +99,24 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
     geometry = plan_cache(loaded.spec, config.kv_cache_budget, config.block_size,
                           kv_format(config.kv_cache_dtype, str(dtype)))
     kv_cache = KVCache(loaded.spec, geometry, dtype, device)
+    lora = adapter_slots(loaded.model, config.max_loras, device, dtype)
     return Runtime(
         name="torch", why=why, spec=loaded.spec, tokenizer=loaded.tokenizer, model=loaded.model,
-        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device), sample=sample, mask=mask,
-        new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
+        kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device, lora), lora=lora, sample=sample,
+        mask=mask, new_generator=lambda seed: torch.Generator().manual_seed(seed), device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
         weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,
         capabilities=capabilities_of(loaded.attention_backend))
+
+
+def adapter_slots(model: LlamaModel, capacity: int, device: torch.device,
+                  dtype: torch.dtype) -> LoraSlots | TorchLoraSlots:
+    """Where the C kernels run the model (the fused model: its decoder stack, its per-op path) the
+    adapters are laid out for the C LoRA kernel; elsewhere they are tensors on the device. Either
+    way in the activations' type."""
+    if isinstance(model, FusedLlamaModel):
+        return LoraSlots(model.spec, capacity, bf16=dtype == torch.bfloat16)
+    return TorchLoraSlots(model.spec, capacity, device, dtype)
 
 
 def capabilities_of(attention_backend: str) -> RuntimeCapabilities:
