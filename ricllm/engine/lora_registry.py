@@ -48,10 +48,11 @@ class UnknownAdapterError(InvalidRequestError):
 
 class LoraRegistry:
     """``runtime_slots`` is the runtime's ``lora`` (``load(slot, adapter)``, ``unload(slot)``,
-    ``capacity``, ``nbytes``); ``spec`` the model every adapter must fit."""
+    ``capacity``, ``nbytes``); ``spec`` the model every adapter must fit; ``base_name`` the name
+    clients call the base model by, which no adapter may take."""
 
-    def __init__(self, runtime_slots, spec: ModelSpec):
-        self.slots, self.spec = runtime_slots, spec
+    def __init__(self, runtime_slots, spec: ModelSpec, base_name: str | None = None):
+        self.slots, self.spec, self.base_name = runtime_slots, spec, base_name
         self.latency = None  # admission's LatencyModel, priced anew as adapters come and go (the engine sets it)
         self.by_name: dict[str, ResidentAdapter] = {}
         self._holders: Counter[int] = Counter()  # slot -> unfinished sequences under it
@@ -66,6 +67,9 @@ class LoraRegistry:
         New content under a held name replaces it for requests that arrive from now on."""
         if not name:
             raise InvalidRequestError("an adapter needs a name")
+        if name == self.base_name:
+            raise InvalidRequestError(f"adapter name {name!r} is the base model's served name: a request for it "
+                                      "could not say which it means; pick another name")
         adapter = load_lora_adapter(path, self.spec)
         held = self.by_name.get(name)
         if held is not None and held.slot.content_hash == adapter.content_hash:

@@ -9,7 +9,7 @@ import pytest
 
 from ricllm import LLM, LoRARequest, SamplingParams
 from ricllm.engine.lora_registry import UnknownAdapterError
-from ricllm.errors import CapacityError
+from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.model.loader import open_checkpoint
 from ricllm.template import Template
 from tests.lora_adapters import write_lora_adapter
@@ -69,6 +69,8 @@ def test_an_unknown_adapter_and_full_slots_are_refused_by_name(served, tmp_path)
     with pytest.raises(UnknownAdapterError, match="'mobility'.*congestion, energy"):
         llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("mobility"))
     third = write_lora_adapter(tmp_path / "mobility", llm.engine.spec, rank=2, seed=3)
+    with pytest.raises(InvalidRequestError, match="base model's served name"):
+        llm.engine.loras.add(llm.engine.served_model.served_name, third)
     with pytest.raises(CapacityError, match="all 2 adapter slots.*max_loras"):
         llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("mobility", str(third)))
 
