@@ -47,6 +47,9 @@ def add_replay_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a scenario field, e.g. --set engine.enable_prefix_caching=false (repeatable)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-adapters", action="store_true",
+                        help="serve every template as it is written, on the base model, ignoring the LoRA adapters "
+                             "templates name (to compare decisions with and without them)")
     parser.add_argument("--audit", action="store_true",
                         help="audit the refusals: first replay the same trace with every request admitted (EDF, none "
                              "refused or dropped) and under the fcfs and edf baselines (drop-late), then as the "
@@ -94,8 +97,19 @@ def _replay(args: argparse.Namespace, overrides: list[str]):
         raise ScenarioError(f"{scenario.path.name}: no trigger fires on the {len(trace.rows)} rows of the trace "
                             "(in the pacing window): nothing to replay")
     backend = _backend(args, scenario, plan)
-    replayer = Replayer(scenario, plan, backend, progress=False if args.no_progress else None, speed=speed)
+    adapters = {} if args.no_adapters or args.endpoint else _adapters(args, scenario)
+    replayer = Replayer(scenario, plan, backend, progress=False if args.no_progress else None, speed=speed,
+                        adapters=adapters)
     return scenario, trace, plan, asyncio.run(replayer.run()), backend.mode
+
+
+def _adapters(args: argparse.Namespace, scenario) -> dict:
+    """The templates' adapters (``ricllm.replay.adapters``), trained now where a recipe's is not cached."""
+    from ricllm.model.loader import resolve_model_path
+    from ricllm.replay.adapters import scenario_adapters
+
+    model = engine_kwargs(scenario, args.model).get("model")
+    return scenario_adapters(scenario, resolve_model_path(model), progress=not args.no_progress)
 
 
 def _audit_runs(args: argparse.Namespace) -> dict[str, list]:

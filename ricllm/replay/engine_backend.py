@@ -13,6 +13,7 @@ import asyncio
 import time
 from concurrent.futures import Future
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ricllm.errors import RicllmError
@@ -35,13 +36,17 @@ class InProcessBackend:
         self.templates: dict[str, Template] = {}
         self.sampler = _EngineSampler()
 
-    async def start(self, plan: list, templates: dict[str, Template]) -> dict[str, dict]:
-        """Load the engine on its own thread (off the event loop), pin each template (compiling its
-        constraint), and tokenize every prompt now."""
+    async def start(self, plan: list, templates: dict[str, Template],
+                    adapters: dict[str, Path] | None = None) -> dict[str, dict]:
+        """Load the engine on its own thread (off the event loop), load the templates' adapters
+        (``adapters``: folder by the name a template gives as its ``adapter``), pin each template
+        (compiling its constraint, under its adapter), and tokenize every prompt now."""
         from ricllm.engine.async_engine import EngineThread
 
         loop = asyncio.get_running_loop()
         self.thread = await loop.run_in_executor(None, EngineThread, self._load)
+        for name, folder in (adapters or {}).items():
+            await _await(self.thread.call(lambda e, n=name, f=folder: e.loras.add(n, f)))
         self.templates = templates
         pinned, prefixes = {}, {}
         for name, template in templates.items():
@@ -63,7 +68,11 @@ class InProcessBackend:
         """Submit and fill ``record`` from the engine's ``RequestOutput``."""
         from ricllm.sampling_params import SamplingParams
 
+        from ricllm.lora_request import LoRARequest
+
         template = self.templates.get(planned.template)
+        adapter = template.adapter if template is not None else None
+        record.adapter = adapter
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
                                 ignore_eos=spec.ignore_eos, deadline_ms=spec.deadline_ms,
                                 priority=spec.resolved_priority(), structured=template.structured if template else None,
@@ -72,7 +81,8 @@ class InProcessBackend:
         sent = time.perf_counter()
         record.sent_s = sent - t0
         future = self.thread.submit(self.prompts[planned.index], params, planned.request_id,
-                                    on_step=lambda seq: first.setdefault("t", time.perf_counter()))
+                                    on_step=lambda seq: first.setdefault("t", time.perf_counter()),
+                                    lora_request=LoRARequest(adapter) if adapter is not None else None)
         try:
             output, done = await _await(future, stamp=True)
         except RicllmError as exc:

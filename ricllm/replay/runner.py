@@ -44,10 +44,13 @@ class ReplayResult:
 class Replayer:
     """Sends the plan on schedule, samples the engine, collects the records."""
 
-    def __init__(self, scenario, plan: list, backend, progress: bool | None = None, speed: float | None = None):
+    def __init__(self, scenario, plan: list, backend, progress: bool | None = None, speed: float | None = None,
+                 adapters: dict | None = None):
+        """``adapters``: the templates' ``TemplateAdapter`` by template name (``scenario_adapters``)."""
         from ricllm.replay.fault_phases import FaultSchedule
 
         self.scenario, self.plan, self.backend = scenario, plan, backend
+        self.adapters = adapters or {}
         cpus = backend.fault_cpus() if scenario.faults and hasattr(backend, "fault_cpus") else None
         self.faults = FaultSchedule(scenario.faults, speed or scenario.pacing.speed, scenario.pacing.start_s, cpus)
         self.records: list = []
@@ -65,10 +68,20 @@ class Replayer:
         from ricllm.replay.templates import scenario_templates
 
         templates = scenario_templates(self.scenario)
+        entries = self.scenario.prompts.templates
+        templates.update({name: a.template(entries[name], self.scenario.base_dir) for name, a in self.adapters.items()})
         self.checks = {name: AnswerCheck(t.structured) for name, t in templates.items() if t.structured}
-        pinned = await self.backend.start(self.plan, templates)
+        pinned = await self.backend.start(self.plan, templates, {a.name: a.folder for a in self.adapters.values()})
         return {name: {**pinned[name], "examples": t.num_examples,
-                       "constraint": t.structured.kind if t.structured else None} for name, t in templates.items()}
+                       "constraint": t.structured.kind if t.structured else None, "adapter": t.adapter,
+                       **self._adapter_entry(name)} for name, t in templates.items()}
+
+    def _adapter_entry(self, name: str) -> dict:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            return {}
+        return {"adapter_folder": str(adapter.folder), "adapter_trained_now": adapter.trained_now,
+                "system_prompt": adapter.system_prompt}
 
     async def run(self) -> ReplayResult:
         loop = asyncio.get_running_loop()

@@ -156,6 +156,25 @@ class WorkedExample(_Strict):
     assistant: str = Field(min_length=1)
 
 
+RecipeValue = str | int | float | bool
+
+
+class AdapterSpec(_Strict):
+    """A template's LoRA adapter: a PEFT folder (``path``, relative to the scenario), or a ``recipe``
+    by which ``ricllm adapt`` trains it from the template's policy on first use (its options, e.g.
+    ``{steps: 100, rows: drawn}``; ``{}`` for the defaults), cached like converted weights. Under an
+    adapter the template pins the adapter's short system prompt, not its own conversation."""
+
+    path: str | None = Field(None, min_length=1)
+    recipe: dict[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")], RecipeValue] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AdapterSpec:
+        if (self.path is None) == (self.recipe is None):
+            raise ValueError("an adapter needs exactly one of path, recipe")
+        return self
+
+
 class ExpectRule(_Strict):
     """One rule of a template's reference policy: ``when`` (a threshold expression) then these answer
     fields; or, last, ``otherwise``."""
@@ -192,6 +211,7 @@ class TemplateSpec(_Strict):
     choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
     regex: str | None = Field(None, min_length=1)
     expect: list[ExpectRule] | None = Field(None, min_length=1)
+    adapter: AdapterSpec | None = None
 
     @model_validator(mode="after")
     def _one_each(self) -> TemplateSpec:
@@ -203,6 +223,8 @@ class TemplateSpec(_Strict):
             raise ValueError(f"a template takes at most one of schema, choice, regex; got {', '.join(constraints)}")
         if self.expect is not None and not constraints:
             raise ValueError("expect needs schema, choice or regex: an answer is compared field by field")
+        if self.adapter is not None and self.adapter.recipe is not None and self.expect is None:
+            raise ValueError("an adapter recipe trains on the template's policy: it needs expect")
         return self
 
     @field_validator("expect")

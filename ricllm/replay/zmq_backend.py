@@ -41,7 +41,12 @@ class ZmqBackend:
         self.template_ids: dict[str, str] = {}
         self.version: str | None = None
 
-    async def start(self, plan: list, templates: dict[str, Template]) -> dict[str, dict]:
+    async def start(self, plan: list, templates: dict[str, Template],
+                    adapters: dict[str, Any] | None = None) -> dict[str, dict]:
+        """``adapters`` are the server's to hold (``ricllm serve --lora-modules``), never sent from here."""
+        if adapters:
+            raise RicllmError("a replay over ZeroMQ serves templates under the adapters the server holds "
+                              "(ricllm serve --lora-modules); it does not load adapters into it")
         try:
             self.version = (await self.client.ping(timeout_s=10)).version
         except TimeoutError:

@@ -160,6 +160,26 @@ def decision_summary(records: Sequence[RequestRecord], wall_s: float) -> dict[st
     }
 
 
+def template_decisions(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Per template with a policy: correct of the answered requests it judged, beside the majority
+    baseline (the share of those requests whose expected answer is the most common one: what always
+    answering it would score), and the adapter its answers came from."""
+    by_template: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.expected is not None and r.answered:
+            by_template.setdefault(r.template, []).append(r)
+    table = {}
+    for name, judged in sorted(by_template.items()):
+        answers = Counter(json.dumps(r.expected, sort_keys=True) for r in judged)
+        majority, count = answers.most_common(1)[0]
+        adapters = sorted({r.adapter for r in judged if r.adapter is not None})
+        table[name] = {"judged": len(judged), "correct": sum(1 for r in judged if r.correct),
+                       "correct_of_judged": sum(1 for r in judged if r.correct) / len(judged),
+                       "majority_answer": json.loads(majority), "majority_share": count / len(judged),
+                       "adapter": adapters[0] if len(adapters) == 1 else (adapters or None)}
+    return table
+
+
 def confusion(records: Iterable[RequestRecord]) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
     """``[template][field][expected][answered]`` counts over answered requests with an expectation."""
     matrices: dict = {}
@@ -199,7 +219,7 @@ def aggregate(records: Sequence[RequestRecord], wall_s: float, class_names: Iter
     if kv:
         overall.update(kv)
     classes = {name: summarize([r for r in records if r.deadline_class == name], wall_s) for name in class_names}
-    return {"overall": overall, "classes": classes}
+    return {"overall": overall, "classes": classes, "templates": template_decisions(records)}
 
 
 def evaluate_targets(targets: dict[str, list[str]], aggregates: dict[str, Any]) -> list[dict[str, Any]]:

@@ -83,6 +83,7 @@ class RequestRecord:
     answer: Any = None  # the parsed answer object of a valid answer
     correct: bool | None = None  # every expected field equals the answer's; None: no expectation or no answer
     reaction_window: int | None = None  # the fault phase admitted before the slowdown detector reacted to it
+    adapter: str | None = None  # the LoRA adapter it was served under (its template's); None: the base model
 
     @property
     def answered(self) -> bool:

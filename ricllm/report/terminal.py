@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 from ricllm.report.aggregate import fmt_value
@@ -64,6 +66,8 @@ def print_summary(report: dict[str, Any], console=None) -> None:
     if any(s.get("valid_of_answered") is not None for s in scopes.values()):
         console.print(_scope_table("decisions: valid, correct and useful (valid, correct, in time) answers",
                                    DECISION_COLUMNS, scopes))
+    for line in template_lines(aggregates.get("templates") or {}):
+        console.print(line)
     phases = (report.get("faults") or {}).get("phases") or []
     if phases:
         for line in fault_lines(report):
@@ -80,6 +84,17 @@ def print_summary(report: dict[str, Any], console=None) -> None:
         mark = "[green]pass[/green]" if target["passed"] else "[red]FAIL[/red]"
         console.print(f"{mark}  {target['scope']}: {target['target']} "
                       f"(measured {fmt_value(target['metric'], target['value'])})")
+
+
+def template_lines(templates: dict[str, Any]) -> list[str]:
+    """Each judged template: correct beside what always giving its most common expected answer scores."""
+    lines = []
+    for name, t in templates.items():
+        served = f"adapter {t['adapter']}" if t.get("adapter") else "base model"
+        lines.append(f"template {name} ({served}): correct {100 * t['correct_of_judged']:.1f}% of {t['judged']} judged; "
+                     f"majority baseline {100 * t['majority_share']:.1f}% "
+                     f"(always {json.dumps(t['majority_answer'], separators=(',', ':'))})")
+    return lines
 
 
 def fault_lines(report: dict[str, Any]) -> list[str]:

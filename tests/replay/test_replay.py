@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -497,3 +498,62 @@ def test_a_class_chooses_its_kv_window_for_every_request_of_it(tiny_gguf, fit_fi
     windowed = [w for tokens, w in windows if tokens == 5]
     assert windowed and all(w is not None and (w.sinks, w.window) == (2, 16) for w in windowed)
     assert all(w is None for tokens, w in windows if tokens != 5)
+
+
+ADAPTED = DECISIONS.replace("      choice: [offload, hold, escalate]\n", """      choice: [offload, hold, escalate]
+      adapter:
+        recipe: {{examples: 16, eval_examples: 8, steps: 3, batch_size: 4}}
+""")
+
+
+def test_a_template_with_an_adapter_recipe_trains_it_once_and_serves_under_it(tiny_gguf, fit_file, tmp_path, capsys):
+    """The first replay trains the template's adapter (``ricllm adapt`` in a child process) and serves
+    every request of the template under it, behind the adapter's own short system prompt pinned under
+    it; the next replay finds it cached. ``--no-adapters`` serves the template as written."""
+    require_module("peft")
+    scenario = tmp_path / "adapted.yaml"
+    scenario.write_text(ADAPTED.format(model=tiny_gguf, fit=fit_file))
+
+    def replay(name: str, *flags: str) -> dict:
+        assert main(["replay", str(scenario), "--out", str(tmp_path / name), "--no-progress", *flags]) == 0
+        return json.loads((tmp_path / name / "report.json").read_text())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+        first, second, plain = replay("first"), replay("second"), replay("plain", "--no-adapters")
+    for report, trained in ((first, True), (second, False)):
+        template = report["scenario"]["templates"]["congestion"]
+        assert template["adapter"] == "congestion" and template["adapter_trained_now"] is trained
+        assert template["examples"] == 0 and "congestion assistant" in template["system_prompt"]
+        assert all(r["adapter"] == "congestion" for r in report["requests"])
+        assert all(r["cached_tokens"] >= template["pinned_tokens"] > 0 for r in report["requests"])
+    assert first["scenario"]["templates"]["congestion"]["adapter_folder"] == \
+        second["scenario"]["templates"]["congestion"]["adapter_folder"]
+    assert plain["scenario"]["templates"]["congestion"]["adapter"] is None
+    assert all(r["adapter"] is None for r in plain["requests"])
+    for report in (first, plain):
+        table = report["aggregates"]["templates"]["congestion"]
+        judged = [r for r in report["requests"] if r["expected"] is not None]
+        majority = Counter(r["expected"]["answer"] for r in judged).most_common(1)[0][1]
+        assert table["judged"] == len(judged) and table["majority_share"] == majority / len(judged)
+        assert table["correct_of_judged"] == sum(r["correct"] for r in judged) / len(judged)
+    assert "majority baseline" in capsys.readouterr().out
+
+
+def test_an_adapter_made_for_other_text_is_refused_with_both_digests(tiny_gguf, fit_file, tmp_path, capsys):
+    """An adapter folder's manifest names the template text and base model it was trained for: a
+    template whose text differs stops the replay, naming both digests."""
+    require_module("peft")
+    trained = tmp_path / "adapter"
+    assert main(["adapt", "default", "--template", "congestion", "--model", str(tiny_gguf), "--out", str(trained),
+                 "--examples", "8", "--eval-examples", "4", "--steps", "1", "--batch-size", "4", "--no-progress"]) == 0
+    scenario = tmp_path / "pathed.yaml"
+    scenario.write_text(DECISIONS.format(model=tiny_gguf, fit=fit_file).replace(
+        "      choice: [offload, hold, escalate]\n", f"      choice: [offload, hold, escalate]\n      adapter: {{path: {trained}}}\n"))
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+        code = main(["replay", str(scenario), "--out", str(tmp_path / "report"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code != 0 and "trained for template text sha256" in err and "Traceback" not in err
+    assert len(re.findall(r"\b[0-9a-f]{64}\b", err)) == 2
