@@ -137,10 +137,11 @@ def _generate_request(prompt: str | None, messages: list[dict[str, str]] | None,
 
 
 def _register_request(system_prompt: str | None, messages: list[dict[str, str]] | None,
-                      structured: dict[str, Any] | None, template_id: str | None) -> RegisterTemplateRequest:
+                      structured: dict[str, Any] | None, template_id: str | None,
+                      adapter: str | None) -> RegisterTemplateRequest:
     """Validated here too: a conversation or constraint of the wrong shape fails before it is sent."""
     return RegisterTemplateRequest(id=new_request_id(), system_prompt=system_prompt, messages=messages,
-                                   structured=structured, template_id=template_id)
+                                   structured=structured, template_id=template_id, adapter=adapter)
 
 
 def _final(reply: BaseModel, expected: type[BaseModel]) -> Any:
@@ -220,7 +221,7 @@ class RicClient:
                  token_ids: list[int] | None = None, request_id: str | None = None,
                  timeout_s: float | None = None, **options: Any) -> Result:
         """Wait for the whole output. ``options`` are :class:`GenerateRequest` fields
-        (``max_tokens``, ``temperature``, ``deadline_ms``, ``priority``, ``template_id``, ...);
+        (``max_tokens``, ``temperature``, ``deadline_ms``, ``priority``, ``template_id``, ``adapter``, ...);
         ``structured={"json": schema}`` (or ``choice``, ``regex``, ``grammar``) constrains the answer."""
         request = _generate_request(prompt, messages, token_ids, request_id, False, options)
         return self._call(request, Result, timeout_s)
@@ -249,13 +250,15 @@ class RicClient:
 
     def register_template(self, system_prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                           structured: dict[str, Any] | None = None, template_id: str | None = None,
-                          timeout_s: float | None = None) -> TemplateRegistered:
+                          adapter: str | None = None, timeout_s: float | None = None) -> TemplateRegistered:
         """Pin a template's KV blocks on the server; use its ``template_id`` in generate.
 
         The conversation is a system prompt or ``messages`` (system prompt and worked-example
-        turns), exactly one; ``structured`` constrains every request that uses it and names none.
+        turns), exactly one; ``structured`` constrains every request that uses it and names none;
+        ``adapter`` (a LoRA adapter the server holds) is the one its K/V is pinned under and its
+        requests are served under.
         """
-        request = _register_request(system_prompt, messages, structured, template_id)
+        request = _register_request(system_prompt, messages, structured, template_id, adapter)
         return self._call(request, TemplateRegistered, timeout_s)
 
     def unregister_template(self, template_id: str, timeout_s: float | None = None) -> TemplateUnregistered:
@@ -412,9 +415,9 @@ class AsyncRicClient:
     async def register_template(self, system_prompt: str | None = None, *,
                                 messages: list[dict[str, str]] | None = None,
                                 structured: dict[str, Any] | None = None, template_id: str | None = None,
-                                timeout_s: float | None = None) -> TemplateRegistered:
+                                adapter: str | None = None, timeout_s: float | None = None) -> TemplateRegistered:
         """As :meth:`RicClient.register_template`."""
-        request = _register_request(system_prompt, messages, structured, template_id)
+        request = _register_request(system_prompt, messages, structured, template_id, adapter)
         return await self._call(request, TemplateRegistered, timeout_s)
 
     async def unregister_template(self, template_id: str, timeout_s: float | None = None) -> TemplateUnregistered:

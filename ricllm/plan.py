@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ricllm.config import lora_module_paths
 from ricllm.errors import ConfigError
 from ricllm.model.identity import ServedModel
 from ricllm.model.spec import ModelSpec
@@ -119,18 +120,19 @@ def adapters_bytes(spec: ModelSpec, modules: Sequence[str], max_loras: int, rank
     if modules:
         from ricllm.model.lora import load_lora_adapter
 
-        sizes = [load_lora_adapter(_lora_path(m), spec).num_parameters * LORA_ELEMENT_BYTES for m in modules]
+        sizes = [load_lora_adapter(path, spec).num_parameters * LORA_ELEMENT_BYTES for path in _lora_paths(modules)]
         return float(sum(sizes)), f"{len(sizes)} LoRA adapter{'s' * (len(sizes) != 1)} read"
     if max_loras <= 0:
         return 0.0, ""
     return max_loras * lora_bytes(spec, rank), f"{max_loras} LoRA adapters of rank {rank} (estimate)"
 
 
-def _lora_path(module: str) -> str:
-    name, sep, path = module.partition("=")
-    if not sep or not name or not path:
-        raise PlanError(f"--lora-modules takes name=path, got {module!r}")
-    return path
+def _lora_paths(modules: Sequence[str]) -> list[str]:
+    """The folders of ``name=path`` entries, read as ``ricllm serve --lora-modules`` reads them."""
+    try:
+        return list(lora_module_paths(list(modules)).values())
+    except ValueError as exc:
+        raise PlanError(f"--lora-modules takes name=path: {exc}") from None
 
 
 def checkpoint_size_bytes(path: Path) -> int:

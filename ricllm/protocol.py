@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from ricllm.config import DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
-from ricllm.engine.stats import KVCacheStats, LatencyStats
+from ricllm.engine.stats import AdapterStats, KVCacheStats, LatencyStats
 from ricllm.model.identity import ServedModel
 from ricllm.sampling_params import Priority
 from ricllm.structured.spec import StructuredSpec
@@ -44,13 +44,14 @@ DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
 RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING",
                      "OUTPUT_TOO_SHORT"]
 ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
-                    "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
+                    "UNKNOWN_ADAPTER", "ADAPTER_MISMATCH", "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]  # deadline: aborted once it passed
 REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 TemplateId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+AdapterName = Annotated[str, StringConstraints(min_length=1, max_length=128)]  # a name in lora_modules
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 Count = Annotated[int, Field(ge=0)]
@@ -104,6 +105,9 @@ class GenerateRequest(_Message):
     """Generate from exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids``.
 
     ``template_id`` names a registered template whose pinned KV blocks come first.
+    ``adapter`` names the LoRA adapter (``lora_modules``) it is served under; without it, its
+    template's adapter, else the base model. Naming another adapter than the template's is
+    ``ADAPTER_MISMATCH``; one the server does not hold, ``UNKNOWN_ADAPTER``.
     ``deadline_ms`` counts from the server's receipt; admission rejects what cannot meet it.
     ``structured`` constrains the answer; without it, the template's constraint (if any) applies.
     """
@@ -114,6 +118,7 @@ class GenerateRequest(_Message):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     template_id: TemplateId | None = None
+    adapter: AdapterName | None = None
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_k: int = 0
@@ -149,7 +154,9 @@ class RegisterTemplateRequest(_Message):
 
     The conversation is exactly one of ``system_prompt`` (a lone system message) or ``messages``
     (a system prompt and worked-example turns); ``structured`` is the constraint every request
-    that uses the template inherits unless it names its own.
+    that uses the template inherits unless it names its own. ``adapter`` names the LoRA adapter
+    its K/V is pinned under and its requests are served under (``UNKNOWN_ADAPTER`` when the server
+    does not hold it).
     """
 
     type: Literal["register_template"] = "register_template"
@@ -158,6 +165,7 @@ class RegisterTemplateRequest(_Message):
     system_prompt: NonEmptyStr | None = None
     messages: Annotated[list[TemplateMessage], Field(min_length=1)] | None = None
     structured: Structured | None = None
+    adapter: AdapterName | None = None
 
     @model_validator(mode="after")
     def _exactly_one_conversation(self) -> RegisterTemplateRequest:
@@ -174,7 +182,7 @@ class RegisterTemplateRequest(_Message):
     def template(self) -> Template:
         """The template it describes (both fields were checked when the request was)."""
         conversation = self.system_prompt or [m.model_dump() for m in self.messages]
-        return Template.build(conversation, self.structured)
+        return Template.build(conversation, self.structured, self.adapter)
 
 
 class UnregisterTemplateRequest(_Message):
@@ -289,6 +297,7 @@ class TemplateRegistered(_Message):
     num_tokens: Count
     num_pinned_tokens: Count
     num_examples: Count = 0  # worked examples: the template's assistant turns
+    adapter: AdapterName | None = None  # the adapter its K/V is pinned under
 
 
 class TemplateUnregistered(_Message):
@@ -356,6 +365,7 @@ class TemplateStats(_Report):
     num_pinned_tokens: int
     num_examples: int = 0
     constraint: ConstraintKind | None = None  # the kind of the constraint its requests inherit
+    adapter: str | None = None  # the adapter its K/V is pinned under and its requests inherit
 
 
 class ServerStats(_Report):
@@ -369,6 +379,8 @@ class ServerStats(_Report):
     latency_model: LatencyStats | None
     templates: dict[str, TemplateStats]
     draining: bool
+    adapters: tuple[AdapterStats, ...] = ()  # the LoRA adapters held, by name (the engine snapshot's)
+    max_loras: int = 0  # the adapters the engine can hold at once
 
 
 class StatsReply(_Message):

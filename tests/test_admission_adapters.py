@@ -54,15 +54,15 @@ def test_bounds_under_adapters_hold_when_the_adapter_term_is_known(engine_with_a
     engine, _ = engine_with_adapters
     seqs = admit_burst(engine, BLOCK_S)
     drain(engine)
-    assert all(s.finish_time <= s.predicted_finish for s in seqs), \
-        [(s.request_id, s.finish_time - s.predicted_finish) for s in seqs if s.finish_time > s.predicted_finish]
+    assert all(s.finish_time <= s.promised_finish for s in seqs), \
+        [(s.request_id, s.finish_time - s.promised_finish) for s in seqs if s.finish_time > s.promised_finish]
 
 
 def test_without_the_adapter_term_the_same_bounds_fall_short(engine_with_adapters):
     engine, _ = engine_with_adapters
     seqs = admit_burst(engine, 0.0)
     drain(engine)
-    assert any(s.finish_time > s.predicted_finish for s in seqs)
+    assert any(s.finish_time > s.promised_finish for s in seqs)
 
 
 def test_a_step_counts_its_adapter_reads_and_groups_each_adapters_rows(engine_with_adapters):

@@ -57,6 +57,9 @@ def add_client_subparser(sub: argparse._SubParsersAction) -> None:
                      help="scheduling class (default: near_rt up to 1 s of deadline, non_rt above, else best_effort)")
     gen.add_argument("--template-id", default=None,
                      help="a registered template to start from (its constraint applies unless one is given here)")
+    gen.add_argument("--adapter", default=None, metavar="NAME",
+                     help="the LoRA adapter (of the server's lora_modules) to serve it under (default: its template's, "
+                          "else the base model)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--request-id", default=None, help="request id (default: a fresh uuid4)")
     add_structured_flags(gen)
@@ -68,6 +71,9 @@ def add_client_subparser(sub: argparse._SubParsersAction) -> None:
                      help="a JSON file holding the conversation: a list of {role, content}, the system prompt "
                           "then worked-example user/assistant turns")
     reg.add_argument("--template-id", default=None, help="its name (default: the server picks one)")
+    reg.add_argument("--adapter", default=None, metavar="NAME",
+                     help="the LoRA adapter (of the server's lora_modules) its K/V is pinned under and its requests "
+                          "are served under")
     add_structured_flags(reg)  # the constraint of every request that names the template and gives none
     unreg = actions.add_parser("unregister-template", parents=[common], help="unpin a registered system prompt")
     unreg.add_argument("template_id")
@@ -106,7 +112,7 @@ def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                    stop=args.stop, ignore_eos=args.ignore_eos, deadline_ms=args.deadline_ms,
                                    template_id=args.template_id, request_id=args.request_id,
-                                   structured=structured_from_args(args))
+                                   structured=structured_from_args(args), adapter=args.adapter)
     if args.priority is not None:  # else the server derives it from the deadline
         options["priority"] = args.priority
     if args.chat:
@@ -158,7 +164,7 @@ def _register(client: Any, args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.system_prompt == "-" else args.system_prompt
     messages = _read_messages(args.messages) if args.messages is not None else None
     reply = client.register_template(text, messages=messages, structured=structured_from_args(args),
-                                     template_id=args.template_id)
+                                     template_id=args.template_id, adapter=args.adapter)
     examples = f", {reply.num_examples} worked examples" if reply.num_examples else ""
     print(json.dumps(reply.model_dump()) if args.json else
           f"{reply.template_id}  ({reply.num_tokens} tokens, {reply.num_pinned_tokens} pinned{examples})")

@@ -3,8 +3,9 @@
 Each field becomes ``--field-name`` (or the ``flag`` its :func:`ricllm.config.setting` names), with
 the field's description as help and its default shown; a nested section (``admission``) adds an
 argument group whose fields keep their own names (``--safety-margin``). Booleans take
-``--x/--no-x``. Every flag defaults to SUPPRESS, so :func:`given_settings` returns only what the
-user typed, as nested sections ready to validate or to merge over lower layers.
+``--x/--no-x``; a list takes its items after one flag (``--lora-modules a=x b=y``). Every flag
+defaults to SUPPRESS, so :func:`given_settings` returns only what the user typed, as nested
+sections ready to validate or to merge over lower layers.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, field: FieldInfo, path:
     kind, choices = _scalar_kind(field.annotation)
     options: dict[str, Any] = dict(dest=_DEST_PREFIX + ".".join((*path, name)), default=argparse.SUPPRESS,
                                    help=help_text)
+    if _is_list(field.annotation):  # --lora-modules a=x b=y: the list as given
+        options["nargs"] = "+"
     if kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         return
@@ -83,6 +86,12 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, field: FieldInfo, path:
     else:
         options["metavar"] = extra.get("metavar") or name.upper()
     group.add_argument(flag, type=kind, **options)
+
+
+def _is_list(annotation: Any) -> bool:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return typing.get_origin(annotation) is list
 
 
 def _section_model(field: FieldInfo) -> type[BaseModel] | None:
@@ -107,6 +116,8 @@ def _shown(default: Any) -> str:
         return "unset"
     if isinstance(default, bool):
         return "on" if default else "off"
+    if isinstance(default, list):
+        return " ".join(map(str, default)) or "none"
     return str(default)
 
 

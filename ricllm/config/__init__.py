@@ -51,6 +51,7 @@ from ricllm.config.serve import (
     ServeSettings,
     effective_log_level,
     load_controls_file,
+    lora_module_paths,
     resolve_settings,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "effective_log_level",
     "flatten_settings",
     "load_controls_file",
+    "lora_module_paths",
     "merge_layers",
     "resolve_settings",
     "setting",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints, ValidationError, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, ValidationError, WithJsonSchema, model_validator
 
 from ricllm.config.engine import LIVE_ADMISSION_CONTROLS, EngineConfig, EngineSettings
 from ricllm.config.fields import (
@@ -48,9 +48,45 @@ DEFAULT_BIND = f"tcp://0.0.0.0:{DEFAULT_ZMQ_PORT}"
 DEFAULT_DRAIN_TIMEOUT_S = 25.0  # under Kubernetes' default 30 s termination grace period
 # A service promises deadlines: the engine's own default (off) only refuses what can never fit.
 SERVE_PROFILE: dict[str, Any] = {"admission": {"policy": "deadline"}}
-# read afresh at each admission decision, step or log event, so a changed $CONFIG_FILE applies them live
-LIVE_CONTROLS: tuple[str, ...] = (*(f"admission.{name}" for name in LIVE_ADMISSION_CONTROLS), "log_level")
+# read afresh at each admission decision, step or log event (lora_modules: reconciled between steps), so a
+# changed $CONFIG_FILE applies them live
+LIVE_CONTROLS: tuple[str, ...] = (*(f"admission.{name}" for name in LIVE_ADMISSION_CONTROLS), "log_level",
+                                  "lora_modules")
 ARGUMENTS_SOURCE = "Server arguments"  # the source of every setting of a server built in Python
+
+
+def lora_module_paths(entries: list[str]) -> dict[str, str]:
+    """``["a=/x", "b=/y"]`` (vLLM's ``--lora-modules`` spelling) -> ``{"a": "/x", "b": "/y"}``; raises
+    ``ValueError`` naming the entry that has no ``=``, an empty name or path, or a name given twice."""
+    paths: dict[str, str] = {}
+    for entry in entries:
+        name, equals, path = entry.partition("=")
+        name, path = name.strip(), path.strip()
+        if not equals:
+            raise ValueError(f"lora_modules: {entry!r} is not NAME=PATH (no '=')")
+        if not name:
+            raise ValueError(f"lora_modules: {entry!r} has an empty adapter name")
+        if not path:
+            raise ValueError(f"lora_modules: {entry!r} has an empty path")
+        if name in paths:
+            raise ValueError(f"lora_modules: adapter name {name!r} is given twice ({paths[name]!r} and {path!r})")
+        paths[name] = path
+    return paths
+
+
+def _checked_lora_modules(entries: list[str]) -> list[str]:
+    """Each entry well formed and naming a folder on this host (a PEFT adapter is a folder)."""
+    for name, path in lora_module_paths(entries).items():
+        if not os.path.isdir(path):
+            what = "is not a folder" if os.path.exists(path) else "does not exist"
+            raise ValueError(f"lora_modules: adapter {name!r}: {path!r} {what} (a PEFT adapter folder: "
+                             "adapter_config.json and adapter_model.safetensors)")
+    return entries
+
+
+LORA_MODULE_PATTERN = r"^\s*[^=\s][^=]*=\s*\S.*$"
+LoraModules = Annotated[list[str], AfterValidator(_checked_lora_modules), WithJsonSchema(
+    {"type": "array", "items": {"type": "string", "pattern": LORA_MODULE_PATTERN}})]
 
 
 class CurveSettings(StrictModel):
@@ -91,6 +127,10 @@ class ServeSettings(EngineSettings):
                                  "(keep it below the pod's termination grace period)", ge=0, flag="drain-timeout",
         metavar="SECONDS")
     curve: CurveSettings = Field(default_factory=CurveSettings)
+    lora_modules: LoraModules = setting(
+        [], "LoRA adapters to serve, each NAME=PATH (a PEFT folder), loaded at start: a request names one as its "
+            "'adapter' (ZeroMQ) or its 'model' (OpenAI API); at most max_loras; changes live when $CONFIG_FILE "
+            "changes (added, replaced, removed)", flag="lora-modules", metavar="NAME=PATH")
     log_format: LogFormat = setting(
         "json", "structlog on stderr: json (JSON lines), osc (the O-RAN SC MDC JSON layout: ts, crit, id, mdc, msg) "
                 "or console (key-value lines)")
@@ -142,7 +182,8 @@ class ServerOptions:
     ``inbound_queue_size`` bounds the commands waiting for the engine thread (a generate that
     finds it full is rejected ``QUEUE_FULL``). On SIGTERM admitted requests get
     ``drain_timeout_s`` to finish before they are cancelled. ``openai_api`` adds the OpenAI API's
-    routes to the HTTP port.
+    routes to the HTTP port. ``lora_modules`` (adapter name -> PEFT folder) are loaded as the
+    engine is built; a bad one fails the start.
     """
 
     zmq_endpoint: str = DEFAULT_BIND
@@ -154,6 +195,7 @@ class ServerOptions:
     inbound_queue_size: int = 1024
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     drain_linger_ms: int = 1000
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, controls: ServeSettings) -> ServerOptions:
@@ -161,7 +203,8 @@ class ServerOptions:
         if controls.curve.enabled:
             curve = CurveOptions(controls.curve.server_secret_key_file, controls.curve.authorized_keys_dir)
         return cls(zmq_endpoint=controls.zmq_endpoint, http_port=controls.http_port, curve=curve,
-                   drain_timeout_s=controls.drain_timeout_s, openai_api=controls.openai_api)
+                   drain_timeout_s=controls.drain_timeout_s, openai_api=controls.openai_api,
+                   lora_modules=lora_module_paths(controls.lora_modules))
 
 
 @dataclass(frozen=True)
@@ -221,6 +264,7 @@ class ServeConfig:
         controls = ServeSettings.model_construct(
             **engine_values, zmq_endpoint=server.zmq_endpoint, http_port=server.http_port, openai_api=server.openai_api,
             drain_timeout_s=server.drain_timeout_s,
+            lora_modules=[f"{name}={path}" for name, path in server.lora_modules.items()],
             curve=CurveSettings(enabled=curve is not None,
                                 server_secret_key_file=curve.server_secret_key_file if curve else None,
                                 authorized_keys_dir=curve.authorized_keys_dir if curve else None))
@@ -281,6 +325,9 @@ def resolve_settings(flags: dict[str, Any] | None = None, config_file: str | Non
         sources = ", ".join(source for source, layer in layers[1:] if layer) or "defaults"
         names, verb = " and ".join("curve." + m for m in missing), "is" if len(missing) == 1 else "are"
         raise SettingsError(f"settings from {sources}: curve.enabled is true but {names} {verb} null")
+    if len(controls.lora_modules) > controls.max_loras:
+        raise SettingsError(f"lora_modules names {len(controls.lora_modules)} adapters but max_loras is "
+                            f"{controls.max_loras} (the adapters the engine holds at once); raise max_loras")
     return ServeConfig(controls, ServerOptions.of(controls), control_sources(layers), dict(flags or {}),
                        config_file, environ.get(CONFIG_ENV) or None)
 

@@ -12,8 +12,9 @@ SDPA or the C prefill kernel), a fixed cost and dearer tokens of their own. A ru
 limits (a GPU, the torch reference) has S = 0 on every step. The roofline ``(weight bytes + KV
 bytes read) / bandwidth`` is the floor: no step can be faster than reading its bytes once. A Σ over
 the step's LoRA adapters of ⌈its rows / 4⌉, the reads of their weights the CPU kernel makes (4 rows
-of one adapter share each read); ``l`` is not fitted but measured on the adapters the runtime holds
-(``adapter_block_s``, the slowest one's), so the term is known before any adapter's step runs.
+of one adapter share each read); ``l`` is not fitted: it is the largest resident adapter's bytes at
+the roofline's measured bandwidth (``price_adapters``), so the term is known before any adapter's
+step runs, and the step errors learn how far real steps under adapters run from it.
 
 The fit is non-negative least squares on a calibration sweep. Online, ``StepErrors``
 (``step_errors.py``) tracks how far measured steps run from it, per kind of step (decode, prefill,
@@ -100,6 +101,12 @@ class LatencyModel:
         linear = float(feature_vector(f, self.kernel_limits) @ np.asarray(self.coefficients))
         floor = self.roofline.seconds(f) if self.roofline else 0.0
         return max(linear, floor) + self.adapter_block_s * f.adapter_blocks
+
+    def price_adapters(self, largest_adapter_bytes: int) -> None:
+        """Set ``adapter_block_s`` for the adapters now resident: one read of the largest at the
+        roofline's bandwidth (no roofline: no term)."""
+        bandwidth = self.roofline.bandwidth_bytes_per_s if self.roofline is not None else 0.0
+        self.adapter_block_s = largest_adapter_bytes / bandwidth if bandwidth > 0 else 0.0
 
     def multiplier(self, kind: str) -> float:
         """measured / fitted for ``kind`` (``decode`` or ``prefill``): the bound's factor for its steps."""

@@ -67,7 +67,7 @@ class LLMEngine:
         self.runtime = build_runtime(config, self.model_path)
         self.spec, self.tokenizer, self.kv_cache = self.runtime.spec, self.runtime.tokenizer, self.runtime.kv_cache
         self.served_model = ServedModel.of(self.model_path, self.spec.name, config.served_model_name)
-        self.loras = LoraRegistry(getattr(self.runtime, "lora", None), self.spec)  # the adapters served, by name
+        self.loras = LoraRegistry(self.runtime.lora, self.spec)  # the adapters served, by name
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         num_blocks = self.kv_cache.geometry.num_blocks
         self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -85,7 +85,7 @@ class LLMEngine:
                                    order="fcfs" if config.admission.policy == "fcfs" else "edf")
         if config.admission.policy != "off":
             self.admission = self.scheduler.gate = _build_admission(self, latency_model)  # may calibrate: runs steps
-            self.steps.latency = self.admission.latency
+            self.steps.latency = self.loras.latency = self.admission.latency
             self.caps = self.admission.caps(config.admission.tightest_deadline_ms,
                                             config.admission.tightest_deadline_tokens)
             log.info("admission_caps", deadline_ms=config.admission.tightest_deadline_ms,

@@ -52,6 +52,7 @@ class LoraRegistry:
 
     def __init__(self, runtime_slots, spec: ModelSpec):
         self.slots, self.spec = runtime_slots, spec
+        self.latency = None  # admission's LatencyModel, priced anew as adapters come and go (the engine sets it)
         self.by_name: dict[str, ResidentAdapter] = {}
         self._holders: Counter[int] = Counter()  # slot -> unfinished sequences under it
         self._retiring: set[int] = set()  # slots whose name moved on: freed when their last holder ends
@@ -75,6 +76,7 @@ class LoraRegistry:
         if name in self.by_name:
             self._drop(name)  # its requests finish on it; the name serves the new content from now on
         self.by_name[name] = resident
+        self._price()
         log.info("lora_adapter_loaded", name=name, path=str(resident.path), slot=resident.slot.slot,
                  rank=resident.rank, bytes=format_bytes(resident.nbytes), replaced=held is not None,
                  content_hash=adapter.content_hash[:12])
@@ -108,11 +110,19 @@ class LoraRegistry:
         slot = self.by_name.pop(name).slot.slot
         self._retiring.add(slot)
         self._free_if_unheld(slot)
+        self._price()
+
+    def _price(self) -> None:
+        """The latency model charges a step's adapter reads at the largest adapter resident."""
+        if self.latency is not None:
+            held = [r.slot.slot for r in self.by_name.values()] + sorted(self._retiring)
+            self.latency.price_adapters(max((self.slots.slot_nbytes(s) for s in held), default=0))
 
     def _free_if_unheld(self, slot: int) -> None:
         if slot in self._retiring and self._holders[slot] == 0:
             self._retiring.discard(slot)
             self.slots.unload(slot)
+            self._price()
 
     def resolve(self, request: LoRARequest | None) -> AdapterSlot | None:
         """The slot a request is served under (None: the base model). A request with a path loads

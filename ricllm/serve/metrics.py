@@ -113,6 +113,7 @@ class FinishedRequest:
     generation_tokens: int
     timings: p.Timings
     deadline_met: bool | None
+    adapter: str | None = None  # the LoRA adapter it was served under; None: the base model
 
 
 # ------------------------------------------------------------------------------ the engine's series
@@ -142,6 +143,9 @@ def _engine_series(snap: EngineSnapshot, model: str) -> Iterator[Metric]:
                  model)
     yield _gauge("inbound_queue_length", "Requests received but not yet seen by the engine thread", snap.inbound,
                  model)
+    yield _gauge("lora_adapters_resident", "LoRA adapters the engine holds (lora_modules)", len(engine.adapters),
+                 model)
+    yield _gauge("lora_adapters_max", "LoRA adapters the engine can hold at once (max_loras)", engine.max_loras, model)
 
 
 def _kv_series(kv: KVCacheStats, model: str) -> Iterator[Metric]:
@@ -289,6 +293,8 @@ class ServerMetrics:
                                       [*labels, "code"], **common)
         self.deadlines = Counter("deadlines", "Finished deadline requests by result, met or missed (cancelled "
                                  "ones not counted).", [*labels, "result"], **common)
+        self.lora_requests = Counter("lora_requests", "Finished requests served under a LoRA adapter, by "
+                                     "adapter name.", ["model_name", "lora_name"], **common)
 
     def _deprecated_series(self, common: dict[str, Any]) -> None:
         self.old_admissions = Counter("admissions", _old_help("Admission decisions by reason (admitted or a reject "
@@ -351,6 +357,8 @@ class ServerMetrics:
         self.prompt_tokens.labels(*labels).inc(request.prompt_tokens)
         self.generation_tokens.labels(*labels).inc(request.generation_tokens)
         self.request_success.labels(*labels, request.finish_reason).inc()
+        if request.adapter is not None:
+            self.lora_requests.labels(self.model_name, request.adapter).inc()
         if request.finish_reason == "cancelled":
             self.old_replies.labels("cancelled").inc()
             return

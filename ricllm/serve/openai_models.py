@@ -157,7 +157,7 @@ class _Body(BaseModel):
             raise invalid(f"give one constraint, not {len(sources)} ({', '.join(sources)})", next(iter(sources)))
         return next(iter(sources.values()), None)
 
-    def generate_fields(self, default_max_tokens: int) -> dict[str, Any]:
+    def generate_fields(self, default_max_tokens: int, adapter: str | None = None) -> dict[str, Any]:
         """The ``GenerateRequest`` fields besides the prompt, the id and ``stream``."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         fields = {"max_tokens": self.max_tokens or default_max_tokens,
@@ -166,7 +166,7 @@ class _Body(BaseModel):
                   "seed": self.seed, "stop": stop, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
                   "deadline_ms": None if self.deadline_ms is None else float(self.deadline_ms),
                   "priority": self.priority, "kv_window": self.kv_window, "kv_sinks": self.kv_sinks,
-                  "structured": self.structured()}
+                  "structured": self.structured(), "adapter": adapter}
         return {name: value for name, value in fields.items() if value is not None}
 
 
@@ -199,10 +199,11 @@ class CompletionBody(_Body):
             prompt = prompt[0]
         return {"prompt": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
 
-    def to_generate(self, request_id: str) -> p.GenerateRequest:
+    def to_generate(self, request_id: str, adapter: str | None = None) -> p.GenerateRequest:
+        """``adapter``: the LoRA adapter its ``model`` names, if any."""
         self.check_supported()
         return build_generate(request_id, self.prompt_fields(), self.stream,
-                              self.generate_fields(DEFAULT_COMPLETION_MAX_TOKENS), "prompt")
+                              self.generate_fields(DEFAULT_COMPLETION_MAX_TOKENS, adapter), "prompt")
 
 
 class ChatContentPart(BaseModel):
@@ -241,9 +242,10 @@ class ChatCompletionBody(_Body):
     messages: Annotated[list[ChatMessageBody], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
 
-    def to_generate(self, request_id: str) -> p.GenerateRequest:
+    def to_generate(self, request_id: str, adapter: str | None = None) -> p.GenerateRequest:
+        """``adapter``: the LoRA adapter its ``model`` names, if any."""
         self.check_supported()
-        fields = self.generate_fields(DEFAULT_CHAT_MAX_TOKENS)
+        fields = self.generate_fields(DEFAULT_CHAT_MAX_TOKENS, adapter)
         if self.max_completion_tokens is not None:
             fields["max_tokens"] = self.max_completion_tokens
         messages = [message.plain(i) for i, message in enumerate(self.messages)]

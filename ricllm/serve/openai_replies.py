@@ -22,7 +22,8 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "can
 # Can never fit, whatever the load: the request must change (400). Refused for the present load: retry (429).
 NEVER_FITS = ("CONTEXT_TOO_LONG", "KV_BUDGET", "OUTPUT_TOO_SHORT")
 BUSY = ("QUEUE_FULL", "DEADLINE_INFEASIBLE")
-ERROR_STATUS = {"VALIDATION": 400, "UNKNOWN_TEMPLATE": 400, "TOO_LARGE": 413}
+ERROR_STATUS = {"VALIDATION": 400, "UNKNOWN_TEMPLATE": 400, "UNKNOWN_ADAPTER": 404, "ADAPTER_MISMATCH": 400,
+                "TOO_LARGE": 413}
 
 
 def refusal(code: str, message: str, numbers: dict[str, int | float] | None = None) -> OpenAIError:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ricllm import protocol as p
+from ricllm.engine.stats import AdapterStats
 from ricllm.logging import get_logger
 from ricllm.serve import openai_replies as r
 from ricllm.serve.handoff import Command, LocalRoute, clock
@@ -79,12 +80,20 @@ class EngineExchange:
 
 
 class OpenAIApi:
-    """The routes, and the intake they hand their requests to."""
+    """The routes, and the intake they hand their requests to.
 
-    def __init__(self, intake: Intake, max_message_bytes: int) -> None:
-        """``max_message_bytes``: the largest body read, the bound a ZeroMQ frame meets too."""
+    A request's ``model`` is the base model (its served name, or its file's name) or one of the LoRA
+    adapters the engine holds, by name (as vLLM serves ``--lora-modules``): the request is then served
+    under that adapter. ``/v1/models`` lists the base, then each adapter with the base as its
+    ``parent`` and its folder as its ``root``."""
+
+    def __init__(self, intake: Intake, max_message_bytes: int,
+                 adapters: Callable[[], Sequence[AdapterStats]] = tuple) -> None:
+        """``max_message_bytes``: the largest body read, the bound a ZeroMQ frame meets too;
+        ``adapters``: the adapters the engine thread last published (``ServerState.adapters``)."""
         self._intake = intake
         self._max_bytes = max_message_bytes
+        self._adapters = adapters
         self._model: p.ModelIdentity | None = None
 
     def routes(self) -> list[Route]:
@@ -109,16 +118,22 @@ class OpenAIApi:
     async def _served_name(self) -> str:
         return (await self._identity()).served_name
 
-    async def _check_model(self, requested: str) -> str:
-        """The model a request names must be this one: its name, or its file's name (with or without suffix)."""
+    async def _check_model(self, requested: str) -> tuple[str, AdapterStats | None]:
+        """The model a request names: this one (its name, or its file's name with or without suffix),
+        or an adapter the engine holds; with the adapter it names, if any."""
         identity = await self._identity()
         name = identity.served_name
-        if not identity.served_model().answers_to(requested):
-            raise OpenAIError(404, f"The model {requested!r} does not exist; this server serves {name!r}",
-                              code="model_not_found", param="model")
-        return name
+        if identity.served_model().answers_to(requested):
+            return name, None
+        adapter = next((a for a in self._adapters() if a.name == requested), None)
+        if adapter is None:
+            raise _model_not_found(requested, [name, *(a.name for a in self._adapters())])
+        return adapter.name, adapter
 
-    def _model_card(self, name: str) -> dict[str, Any]:
+    def _model_card(self, name: str, adapter: AdapterStats | None = None) -> dict[str, Any]:
+        if adapter is not None:  # vLLM's card of a LoRA module
+            return {"id": adapter.name, "object": "model", "created": 0, "owned_by": OWNER, "root": adapter.path,
+                    "parent": name}
         return {"id": name, "object": "model", "created": 0, "owned_by": OWNER, "root": self._model.path,
                 "parent": None}
 
@@ -127,13 +142,15 @@ class OpenAIApi:
 
     async def _models(self) -> Response:
         name = await self._served_name()
-        return JSONResponse({"object": "list", "data": [self._model_card(name)]})
+        cards = [self._model_card(name), *(self._model_card(name, a) for a in self._adapters())]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         return await _answered(self._one_model(request.path_params["model"]))
 
     async def _one_model(self, requested: str) -> Response:
-        return JSONResponse(self._model_card(await self._check_model(requested)))
+        name, adapter = await self._check_model(requested)
+        return JSONResponse(self._model_card(await self._served_name(), adapter) if adapter else self._model_card(name))
 
     # -- generation
 
@@ -147,14 +164,21 @@ class OpenAIApi:
                         chat: bool, received: float) -> Response:
         """``received``: the request's arrival on the engine's clock, stamped before its body is read."""
         body = await _parse(request, model, self._max_bytes)
-        answer = r.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", await self._check_model(body.model))
-        generate = body.to_generate(answer.id)
+        name, adapter = await self._check_model(body.model)
+        answer = r.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", name)
+        generate = body.to_generate(answer.id, adapter.name if adapter is not None else None)
         log.debug("openai_request", id=answer.id, route=request.url.path, stream=body.stream,
                   max_tokens=generate.max_tokens, deadline_ms=generate.deadline_ms)
         exchange = EngineExchange(self._intake, generate, received)
         exchange.offer()
         try:
             accepted = await _accepted(exchange)
+        except OpenAIError as exc:
+            exchange.cancel()
+            if exc.code == "UNKNOWN_ADAPTER":  # removed since it was listed: as an unknown model
+                raise _model_not_found(body.model, [await self._served_name(), *(a.name for a in self._adapters())]) \
+                    from None
+            raise
         except BaseException:
             exchange.cancel()
             raise
@@ -172,6 +196,12 @@ class OpenAIApi:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+def _model_not_found(requested: str, served: list[str]) -> OpenAIError:
+    listed = ", ".join(repr(name) for name in served)
+    return OpenAIError(404, f"The model {requested!r} does not exist; this server serves {listed} (the base model, "
+                       "then its LoRA adapters)", code="model_not_found", param="model")
+
 
 async def _answered(work: Any) -> Response:
     """The handler's response, or its error in OpenAI's shape."""

@@ -8,6 +8,11 @@ flag the user gave still wins over the file), then compares them with the runnin
 - a changed control in :data:`ricllm.config.LIVE_CONTROLS` (read afresh at each admission decision, step or log
   event) is handed to the engine thread, which applies it between two steps
   (:func:`apply_live_changes`): the watcher never touches the engine;
+- a changed ``lora_modules`` is handed over the same way, and the engine thread makes the adapters it
+  holds those the list names (the server's ``adapters`` hook: add, replace, remove; requests in flight
+  finish on the adapter they started under). What it could not do (a removal a registered template
+  refuses, an adapter that does not load) leaves the running adapter and its entry: the
+  configuration published names what is served, and the watcher compares the file with that;
 - any other changed control shaped what was built at start (the model, the KV cache, the sockets):
   it is refused with a ``config_reload_refused`` event naming it, and the running value stays;
 - a file that cannot be read, parsed or validated changes nothing: ``config_reload_failed`` says why.
@@ -22,13 +27,20 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from ricllm.config import LIVE_CONTROLS, ServeConfig, ServeSettings, effective_log_level, flatten_settings
+from ricllm.config import (
+    LIVE_CONTROLS,
+    ServeConfig,
+    ServeSettings,
+    effective_log_level,
+    flatten_settings,
+    lora_module_paths,
+)
 from ricllm.errors import ConfigError
 from ricllm.logging import get_logger, set_log_level
 
@@ -84,25 +96,35 @@ def plan_reload(running: ServeSettings, candidate: ServeSettings) -> ReloadPlan:
 
 # ------------------------------------------------------------------------------ the engine thread's side
 
+AdapterHook = Callable[[dict[str, str]], dict[str, str]]  # adapters wanted (name -> folder) -> those held after
+
+
 def apply_live_changes(engine: LLMEngine, changes: queue.SimpleQueue[LiveChange],
-                       publish: Callable[[ServeConfig], None]) -> None:
-    """Every change the watcher handed over, in order; called on the engine thread between steps."""
+                       publish: Callable[[ServeConfig], None], adapters: AdapterHook) -> None:
+    """Every change the watcher handed over, in order; called on the engine thread between steps.
+    ``adapters`` makes the adapters held those a changed ``lora_modules`` names."""
     while True:
         try:
             change = changes.get_nowait()
         except queue.Empty:
             return
-        _apply(engine, change)
-        publish(change.config)
+        publish(_apply(engine, change, adapters))
 
 
-def _apply(engine: LLMEngine, change: LiveChange) -> None:
+def _apply(engine: LLMEngine, change: LiveChange, adapters: AdapterHook) -> ServeConfig:
+    """Apply one change; the configuration to publish (``lora_modules`` as served)."""
     admission = change.admission()
     if admission:
         engine.set_admission_controls(**admission)
     if "log_level" in change.values:
         set_log_level(effective_log_level(change.values["log_level"]))
+    config = change.config
+    if "lora_modules" in change.values:
+        held = adapters(lora_module_paths(change.values["lora_modules"]))
+        served = [f"{name}={path}" for name, path in held.items()]
+        config = replace(config, controls=config.controls.model_copy(update={"lora_modules": served}))
     log.info("config_applied", changed=change.values, reloads=change.config.reloads)
+    return config
 
 
 # ------------------------------------------------------------------------------ the watcher thread
@@ -112,10 +134,14 @@ class ConfigWatcher:
     ``hand_over`` (the engine thread's queue). It watches the file's folder, so a file replaced by a
     rename (editors, ``kubectl`` updating a mounted config map through its ``..data`` link) is seen."""
 
-    def __init__(self, config: ServeConfig, hand_over: Callable[[LiveChange], None]) -> None:
+    def __init__(self, config: ServeConfig, hand_over: Callable[[LiveChange], None],
+                 published: Callable[[], ServeConfig | None] | None = None) -> None:
+        """``published``: the configuration the engine thread last published (its ``lora_modules`` are
+        the adapters served, which may differ from what was handed over)."""
         self.path = Path(config.watched_file)
         self._running = config  # live changes included, once handed over
         self._hand_over = hand_over
+        self._published = published
         self._stop = threading.Event()
         self.watching = threading.Event()  # set while changes to the file are seen
         self._thread = threading.Thread(target=self._run, name="ricllm-config", daemon=True)
@@ -151,6 +177,14 @@ class ConfigWatcher:
         name = Path(path).name
         return name == self.path.name or name.startswith("..")
 
+    def _served_controls(self) -> ServeSettings:
+        """The running controls, ``lora_modules`` as served: an adapter kept against the file (a refused
+        removal, a failed load) is asked for again at the next change of the file."""
+        published = self._published() if self._published is not None else None
+        if published is None:
+            return self._running.controls
+        return self._running.controls.model_copy(update={"lora_modules": published.controls.lora_modules})
+
     def reload(self) -> ReloadPlan | None:
         """Resolve the settings again; refuse what needs a restart, hand over what can change live."""
         try:
@@ -158,7 +192,7 @@ class ConfigWatcher:
         except (ConfigError, ValidationError) as exc:
             log.warning("config_reload_failed", file=str(self.path), error=str(exc), kept="running configuration")
             return None
-        plan = plan_reload(self._running.controls, candidate.controls)
+        plan = plan_reload(self._served_controls(), candidate.controls)
         if plan.refused:
             log.warning("config_reload_refused", file=str(self.path), restart_required=sorted(plan.refused),
                         asked=plan.refused, reason="these controls take effect only at start; restart to apply")

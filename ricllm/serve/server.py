@@ -130,7 +130,7 @@ class Server:
         """A watcher of ``$CONFIG_FILE`` whose live changes go to the engine thread's queue."""
         if settings is None or settings.watched_file is None:
             return None
-        return ConfigWatcher(settings, self._state.live_changes.put)
+        return ConfigWatcher(settings, self._state.live_changes.put, lambda: self._state.effective_config)
 
     def _start_http(self) -> None:
         if self.options.http_port is None:
@@ -139,7 +139,8 @@ class Server:
         if self.options.openai_api:
             from ricllm.serve.openai_routes import OpenAIApi
 
-            openai = OpenAIApi(self._state.intake, self.options.max_message_bytes)
+            state = self._state
+            openai = OpenAIApi(state.intake, self.options.max_message_bytes, lambda: state.adapters)
         try:
             self._http = HttpServer(self.options.http_host, self.options.http_port, self._state.is_ready,
                                     self.metrics.render, openai, self._config_body)

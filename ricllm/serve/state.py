@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ricllm.config import ServeConfig, ServerOptions
+from ricllm.engine.stats import AdapterStats
 from ricllm.serve.handoff import Command, Outbox, clock, log
 from ricllm.serve.intake import Intake
 from ricllm.serve.metrics import ServerMetrics
@@ -42,6 +43,8 @@ class ServerState:
     - ``live_changes``: the config watcher puts live controls, the engine thread applies them
       between steps and then replaces ``effective_config`` (:meth:`publish_config`), which the HTTP
       thread reads for ``/ric/v1/config``.
+    - ``adapters``: the engine thread publishes the LoRA adapters it holds (:meth:`publish_adapters`)
+      at start and after a change; the HTTP thread reads them for ``/v1/models`` and a request's ``model``.
     """
 
     options: ServerOptions
@@ -58,6 +61,11 @@ class ServerState:
     http_port: int | None = None
     live_changes: queue.SimpleQueue[LiveChange] = field(default_factory=queue.SimpleQueue)
     effective_config: ServeConfig | None = None
+    adapters: tuple[AdapterStats, ...] = ()  # the LoRA adapters the engine holds, by name
+
+    def publish_adapters(self, adapters: tuple[AdapterStats, ...]) -> None:
+        """The adapters held now (engine thread, at start and after each change; one assignment)."""
+        self.adapters = adapters
 
     def __post_init__(self) -> None:
         self.intake = Intake(self.options.inbound_queue_size, self.metrics, self.draining)

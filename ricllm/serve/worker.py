@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ricllm import protocol as p
 from ricllm.engine.engine_loop import EngineDriver
-from ricllm.errors import CapacityError, InvalidRequestError
+from ricllm.errors import CapacityError, ConfigError, InvalidRequestError, RicllmError
+from ricllm.lora_request import LoRARequest
 from ricllm.serve.handoff import Command, Key, Refused, client_name, clock, log, log_refusal, wire_numbers
 from ricllm.serve.metrics import EngineSnapshot, FinishedRequest, deadline_class
 from ricllm.serve.reload import apply_live_changes
@@ -85,15 +86,20 @@ class _Template:
     def pinned_tokens(self, block_size: int) -> int:
         return len(self.handle.block_ids) * block_size
 
+    @property
+    def adapter(self) -> str | None:
+        return self.template.adapter
+
     def registered(self, request_id: str, block_size: int) -> p.TemplateRegistered:
         return p.TemplateRegistered(id=request_id, template_id=self.template_id, num_tokens=len(self.token_ids),
                                     num_pinned_tokens=self.pinned_tokens(block_size),
-                                    num_examples=self.template.num_examples)
+                                    num_examples=self.template.num_examples, adapter=self.adapter)
 
     def stats(self, block_size: int) -> p.TemplateStats:
         return p.TemplateStats(num_tokens=len(self.token_ids), pinned=self.pinned,
                                num_pinned_tokens=self.pinned_tokens(block_size),
-                               num_examples=self.template.num_examples, constraint=self.constraint)
+                               num_examples=self.template.num_examples, constraint=self.constraint,
+                               adapter=self.adapter)
 
 
 class Worker(EngineDriver):
@@ -119,18 +125,28 @@ class Worker(EngineDriver):
         self._ids = itertools.count(1)
         self._template_ids = itertools.count(1)
         self._published = 0.0
+        self._adapter_paths: dict[str, str] = {}  # adapter name -> its folder as configured, for those held
 
     def load_engine(self) -> LLMEngine:
-        """The engine, built on the engine thread (the loop's source)."""
+        """The engine, built on the engine thread (the loop's source), with ``lora_modules`` loaded:
+        an adapter that cannot be fails the start."""
         from ricllm.engine.llm_engine import LLMEngine
 
-        return LLMEngine(self.config, clock=clock, latency_model=self.latency_model)
+        engine = LLMEngine(self.config, clock=clock, latency_model=self.latency_model)
+        for name, path in self.state.options.lora_modules.items():
+            try:
+                engine.loras.add(name, path)
+            except RicllmError as exc:
+                raise ConfigError(f"lora_modules: cannot serve adapter {name!r} from {path!r}: {exc}") from None
+            self._adapter_paths[name] = path
+        return engine
 
     # -- the engine thread's life (EngineDriver)
 
     def on_ready(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.metrics.set_model_name(self._model_identity().served_name)
+        self._publish_adapters()
         self._publish(force=True)
         self.state.ready.set()
         log.info("server_ready", endpoint=self.state.endpoint, http_port=self.state.http_port,
@@ -153,7 +169,8 @@ class Worker(EngineDriver):
         self.outbox.close()
 
     def on_commands(self, commands: list[Command]) -> None:
-        apply_live_changes(self.engine, self.state.live_changes, self.state.publish_config)  # from $CONFIG_FILE
+        apply_live_changes(self.engine, self.state.live_changes, self.state.publish_config,  # from $CONFIG_FILE
+                           self._serve_adapters)
         for command in commands:
             self._dispatch(command)
         self.outbox.wake()  # accepted / rejected go out now, not after the coming step
@@ -200,11 +217,12 @@ class Worker(EngineDriver):
     def _generate(self, command: Command) -> None:
         request: p.GenerateRequest = command.request
         template = self._template(request.template_id, request.id)
+        adapter = self._adapter(request, template)
         grammar = self._constraint(request, template)
         token_ids = self._prompt_tokens(request, template)
         params = self._sampling(request, command.received, grammar.spec if grammar is not None else None)
         internal_id = str(next(self._ids))
-        seq = self._add(request, token_ids, params, internal_id, command.received, grammar)
+        seq = self._add(request, token_ids, params, internal_id, command.received, grammar, adapter)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
             raise Refused(seq.rejection.code, seq.rejection.message, seq.rejection.numbers)
         cls = deadline_class(request)
@@ -224,6 +242,24 @@ class Worker(EngineDriver):
             raise p.ProtocolError("UNKNOWN_TEMPLATE", f"field 'template_id': no template {template_id!r} is "
                                   "registered", request_id)
         return template
+
+    def _adapter(self, request: p.GenerateRequest, template: _Template | None) -> str | None:
+        """The adapter it is served under: its own, else its template's (whose K/V is pinned under it).
+        Naming another than the template's would find none of the template's pinned K/V."""
+        named = template.adapter if template is not None else None
+        if request.adapter is not None and named is not None and request.adapter != named:
+            raise p.ProtocolError("ADAPTER_MISMATCH", f"field 'adapter': the request names adapter "
+                                  f"{request.adapter!r}, but template {template.template_id!r} is pinned under "
+                                  f"adapter {named!r}; name {named!r} or none", request.id)
+        adapter = request.adapter or named
+        self._check_adapter(adapter, request.id)
+        return adapter
+
+    def _check_adapter(self, adapter: str | None, request_id: str) -> None:
+        if adapter is not None and adapter not in self.engine.loras.by_name:
+            held = ", ".join(self.engine.loras.names()) or "none"
+            raise p.ProtocolError("UNKNOWN_ADAPTER", f"field 'adapter': no adapter {adapter!r} is loaded; the "
+                                  f"server holds {held} (lora_modules)", request_id)
 
     def _constraint(self, request: p.GenerateRequest, template: _Template | None) -> CompiledGrammar | None:
         """The request's own constraint, else its template's, compiled now: the request's one compile
@@ -282,13 +318,13 @@ class Worker(EngineDriver):
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
     def _add(self, request: p.GenerateRequest, token_ids: list[int], params: SamplingParams,
-             internal_id: str, received: float, grammar: CompiledGrammar | None) -> Sequence:
+             internal_id: str, received: float, grammar: CompiledGrammar | None, adapter: str | None) -> Sequence:
         engine = self.engine
         if engine.admission is None:
             self.intake.check_context(len(token_ids), self._planned_tokens(params, grammar), engine.max_model_len)
         try:
             return engine.add_request(token_ids, params, request_id=internal_id, arrival_time=received,
-                                      grammar=grammar)
+                                      grammar=grammar, lora_request=LoRARequest(adapter) if adapter else None)
         except CapacityError as exc:  # admission off: can never fit the KV budget
             raise Refused("KV_BUDGET", str(exc), prompt_tokens=len(token_ids), max_tokens=params.max_tokens) from None
         except InvalidRequestError as exc:
@@ -367,11 +403,13 @@ class Worker(EngineDriver):
         return timings
 
     def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
+        adapter = pending.seq.adapter.name if pending.seq.adapter is not None else None
         self.metrics.finished(FinishedRequest(pending.deadline_class, out.finish_reason, len(out.prompt_token_ids),
-                                              len(out.token_ids), timings, out.deadline_met))
+                                              len(out.token_ids), timings, out.deadline_met, adapter))
         structured = pending.seq.params.structured
         log.info("request_done", id=pending.request.id, client=client_name(pending.command.identity),
-                 template=pending.request.template_id, admitted=True, reason=out.finish_reason, outcome="result",
+                 template=pending.request.template_id, adapter=adapter, admitted=True, reason=out.finish_reason,
+                 outcome="result",
                  prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
                  output_tokens=len(out.token_ids), forced_tokens=out.num_forced_tokens,
                  constraint=structured.kind if structured is not None else None,
@@ -421,22 +459,28 @@ class Worker(EngineDriver):
         if existing is not None:
             self._register_again(command, existing, template)
             return
+        self._check_adapter(template.adapter, request.id)
         if template.structured is not None:
             self._compile(template.structured, request.id)  # its own error reply; the pin finds it compiled
         self._pin(command, template_id, template)
 
     def _pin(self, command: Command, template_id: str, template: Template) -> None:
-        """Queue the pin (``engine.pin_template``); the register request is answered once its
-        prefill has run (``_pinned``)."""
+        """Queue the pin; the register request is answered once its prefill has run (``_pinned``)."""
         request: p.RegisterTemplateRequest = command.request
-        internal_id = f"template:{next(self._ids)}"
         try:
-            pinned = self.engine.pin_template(template, request_id=internal_id, wait=False)
+            registered = self._start_pin(template_id, template)
         except (CapacityError, InvalidRequestError) as exc:  # no room, or the chat template refused it
             raise p.ProtocolError("VALIDATION", f"field {request.conversation_field!r}: {exc}", request.id) from None
-        registered = _Template(template_id, template, pinned.prefix, pinned.handle, [command])
+        registered.waiters.append(command)
+
+    def _start_pin(self, template_id: str, template: Template) -> _Template:
+        """``engine.pin_template`` (under the template's adapter), its record registered under ``template_id``."""
+        internal_id = f"template:{next(self._ids)}"
+        pinned = self.engine.pin_template(template, request_id=internal_id, wait=False)
+        registered = _Template(template_id, template, pinned.prefix, pinned.handle)
         self._templates[template_id] = registered
         self._internal[internal_id] = registered
+        return registered
 
     def _register_again(self, command: Command, registered: _Template, template: Template) -> None:
         """The same id, conversation and constraint again is a no-op (answered once pinned); any
@@ -444,7 +488,8 @@ class Worker(EngineDriver):
         request: p.RegisterTemplateRequest = command.request
         if registered.template != template:
             raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
-                                  "another conversation or constraint; unregister it first", request.id)
+                                  "another conversation or constraint, or another adapter; unregister it first",
+                                  request.id)
         if registered.pinned:
             command.reply(registered.registered(request.id, self.engine.config.block_size))
         else:
@@ -466,7 +511,7 @@ class Worker(EngineDriver):
         template.waiters.clear()
         log.info("template_registered", template=template.template_id, tokens=len(template.token_ids),
                  pinned_tokens=template.pinned_tokens(block_size), examples=template.template.num_examples,
-                 constraint=template.constraint)
+                 constraint=template.constraint, adapter=template.adapter)
 
     def _unpin(self, template: _Template) -> None:
         if self.engine.is_pinned(template.handle):
@@ -482,6 +527,64 @@ class Worker(EngineDriver):
             self._unpin(template)
         command.reply(p.TemplateUnregistered(id=request.id, template_id=request.template_id))
         log.info("template_unregistered", template=request.template_id)
+
+    # -- adapters (lora_modules)
+
+    def _serve_adapters(self, wanted: dict[str, str]) -> dict[str, str]:
+        """Hold exactly the adapters ``wanted`` (name -> folder), between steps; returns those held now.
+
+        A new name is loaded; a held one is read again, and new content replaces it (requests in
+        flight finish on the old content) and re-pins its templates. A name no longer wanted is
+        removed, unless a registered template names it (refused: unregister the template first).
+        An adapter that cannot be loaded leaves what was held under its name."""
+        for name in [n for n in self._adapter_paths if n not in wanted]:
+            self._remove_adapter(name)
+        for name, path in wanted.items():
+            self._load_adapter(name, path)
+        self._publish_adapters()
+        return dict(self._adapter_paths)
+
+    def _remove_adapter(self, name: str) -> None:
+        users = sorted(t.template_id for t in self._templates.values() if t.adapter == name)
+        if users:
+            log.warning("adapter_remove_refused", adapter=name, templates=users,
+                        reason="registered templates name it; unregister them first", kept=self._adapter_paths[name])
+            return
+        self.engine.loras.remove(name)
+        del self._adapter_paths[name]
+        log.info("adapter_removed", adapter=name)
+
+    def _load_adapter(self, name: str, path: str) -> None:
+        loras = self.engine.loras
+        before = loras.by_name.get(name)
+        try:
+            held = loras.add(name, path)
+        except (RicllmError, OSError) as exc:
+            log.warning("adapter_load_failed", adapter=name, path=path, error=f"{type(exc).__name__}: {exc}",
+                        kept=self._adapter_paths.get(name))
+            return
+        self._adapter_paths[name] = path
+        if before is not None and before.slot.content_hash != held.slot.content_hash:
+            self._repin(name)
+
+    def _repin(self, adapter: str) -> None:
+        """Pin again the templates pinned under ``adapter``, now under its new content: the K/V of the
+        old pin is keyed by the old content's hash, so no request would find it."""
+        for old in [t for t in self._templates.values() if t.adapter == adapter]:
+            if old.pinned:
+                self._unpin(old)
+                old.pinned = False
+            try:
+                new = self._start_pin(old.template_id, old.template)
+            except (CapacityError, InvalidRequestError) as exc:  # stays registered; its requests compute its tokens
+                log.warning("template_repin_failed", template=old.template_id, adapter=adapter, error=str(exc))
+                continue
+            new.waiters, old.waiters = old.waiters, []  # an old pin still running is unpinned when it ends
+            log.info("template_repinning", template=old.template_id, adapter=adapter)
+
+    def _publish_adapters(self) -> None:
+        """For the HTTP thread (``/v1/models``, a request's ``model``): the adapters held now."""
+        self.state.publish_adapters(self.engine.loras.stats())
 
     # -- stats and metrics
 
@@ -501,7 +604,7 @@ class Worker(EngineDriver):
                                          reserved_blocks=snap.reserved_blocks),
             deadlines=counts["deadlines"], latency_model=snap.latency,
             templates={t.template_id: t.stats(block_size) for t in self._templates.values()},
-            draining=self.state.draining.is_set())
+            draining=self.state.draining.is_set(), adapters=snap.adapters, max_loras=snap.max_loras)
 
     def _model_identity(self) -> p.ModelIdentity:
         runtime = self.engine.runtime

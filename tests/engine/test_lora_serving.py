@@ -26,14 +26,13 @@ def served(request, tiny_native_gguf, tiny_gguf, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"adapters-{request.param}")
     adapters = {name: write_lora_adapter(folder / name, spec, rank=4, seed=seed, std=0.5)
                 for name, seed in (("congestion", 1), ("energy", 2))}
-    settings = {"kv_cache_budget": 256 * 1024, "block_size": 4, "max_loras": 2, "runtime": request.param}
-    if request.param == "torch":
-        settings["dtype"] = "float32"
+    settings = {"kv_cache_budget": 256 * 1024, "block_size": 4, "max_loras": 2, "runtime": request.param,
+                **({"weights": "int4"} if request.param == "native" else {"dtype": "float32"})}
     return LLM(str(path), **settings), adapters
 
 
 def tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [list(o.token_ids) for o in outputs]
 
 
 def test_a_mixed_batch_gives_each_request_its_tokens_alone(served):
@@ -91,7 +90,7 @@ def test_a_replaced_adapter_serves_new_requests_while_old_ones_finish_on_it(serv
     after = engine.add_request(PROMPTS[2], GREEDY, lora_request=LoRARequest("energy"))
     done = {}
     while engine.has_unfinished():
-        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()})
+        done.update({o.request_id: list(o.token_ids) for o in engine.step()})
     assert done[in_flight.request_id] == old_tokens and done[after.request_id] == new_tokens
     (held,) = engine.snapshot().adapters
     assert (held.name, held.requests) == ("energy", 0) and held.content_hash == engine.loras.by_name["energy"].slot.content_hash
@@ -100,8 +99,5 @@ def test_a_replaced_adapter_serves_new_requests_while_old_ones_finish_on_it(serv
 
 def _settings_of(llm: LLM) -> dict:
     config = llm.config
-    settings = {"kv_cache_budget": config.kv_cache_budget, "block_size": config.block_size,
-                "max_loras": config.max_loras, "runtime": config.runtime}
-    if config.runtime == "torch":
-        settings["dtype"] = "float32"
-    return settings
+    return {"kv_cache_budget": config.kv_cache_budget, "block_size": config.block_size, "max_loras": config.max_loras,
+            "runtime": config.runtime, "weights": config.weights, "dtype": config.dtype}

@@ -63,6 +63,11 @@ class TorchLoraSlots:
         """Bytes of every resident adapter as laid out."""
         return sum(a.nbytes + b.nbytes for held in self._slots if held for a, b, _ in held.values())
 
+    def slot_nbytes(self, slot: int) -> int:
+        """Bytes of the adapter in ``slot`` as laid out: what one read of all its updates streams."""
+        check_slot(slot, self.capacity)
+        return sum(a.nbytes + b.nbytes for a, b, _ in (self._slots[slot] or {}).values())
+
     def updates(self, layer: int, name: str, segments: Sequence[tuple[int, int, int]]
                 ) -> tuple[list[tuple[int, int, int]], list[tuple[torch.Tensor, torch.Tensor, float]]]:
         """``lora_delta``'s segments and adapters for ``name`` in ``layer``: the segments whose slot updates it."""

@@ -80,6 +80,11 @@ class LoraSlots:
         """Bytes of every resident adapter as laid out."""
         return sum(w.nbytes for held in self._slots if held for w in held.values())
 
+    def slot_nbytes(self, slot: int) -> int:
+        """Bytes of the adapter in ``slot`` as laid out: what one read of all its updates streams."""
+        check_slot(slot, self.capacity)
+        return sum(w.nbytes for w in (self._slots[slot] or {}).values())
+
     def updates(self, layer: int, name: str, segments: Sequence[tuple[int, int, int]]
                 ) -> list[tuple[int, int, LoraKernelWeights]]:
         """``(start, end, weights)`` for the segments whose slot updates ``name`` in ``layer``."""
