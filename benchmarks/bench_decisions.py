@@ -3,8 +3,12 @@
 For each template of a scenario (default: ``default``) that declares a reference policy
 (``expect``), KPI rows of the scenario's own trace are asked four ways: unconstrained or
 constrained to the template's schema, zero-shot (the system prompt alone) or with the template's
-worked examples. Rows: where a threshold trigger that names the template fires (the traffic the
-template gets), else a seeded sample of all rows. Each answer is judged as the replay report
+worked examples; and a fifth where the template names a LoRA adapter (``adapter``, trained by its
+recipe on first use, ``ricllm.replay.adapters``): constrained, behind the adapter's own short system
+prompt, under the adapter. Rows: those of the window the replay scores (``pacing``: an adapter
+trained on a trace's rows never saw them), where a threshold trigger that names the template fires
+(the traffic the template gets), else a seeded sample of them. Each variant's time to decision is
+the median E2E of its first requests sent one at a time. Each answer is judged as the replay report
 judges it (valid: parses and matches the schema; correct: the policy's action for that row).
 Then, on the first template with its examples, greedy and interleaved ``--repeats`` times:
 - TTFT and E2E of one request at a time with prefix caching on (the template pinned) and off;
@@ -27,7 +31,9 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: no folder of ours shadows an installed package
 
 from benchmarks.results import publish
-from ricllm import LLM, SamplingParams
+from ricllm import LLM, LoRARequest, SamplingParams
+from ricllm.model.loader import resolve_model_path
+from ricllm.replay.adapters import TemplateAdapter, scenario_adapters
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.loading import load_scenario, load_scenario_trace
 from ricllm.replay.prompts import jinja_env, prompt_context
@@ -56,6 +62,13 @@ def template_cases(scenario, name: str, rows: list, limit: int, seed: int) -> li
     return [Case(prompt.render(**prompt_context(r, template=name)), policy.expected(r.kpis)) for r in chosen[:limit]]
 
 
+def scored_rows(scenario, rows: list) -> list:
+    """The rows of the window the replay scores (``pacing.start_s`` on, for ``duration_s``)."""
+    pacing = scenario.pacing
+    end = math.inf if pacing.duration_s is None else pacing.start_s + pacing.duration_s
+    return [r for r in rows if pacing.start_s <= r.time_s < end]
+
+
 def judge(outputs, cases: list[Case], check) -> tuple[float, float]:
     valid = correct = 0
     for out, case in zip(outputs, cases):
@@ -65,17 +78,30 @@ def judge(outputs, cases: list[Case], check) -> tuple[float, float]:
     return valid / len(cases), correct / len(cases)
 
 
-def accuracy_rows(llm: LLM, scenario, name: str, cases: list[Case]) -> list[str]:
+TIMED_CASES = 8  # requests sent one at a time per variant for its time to decision
+
+
+def accuracy_rows(llm: LLM, scenario, name: str, cases: list[Case], adapter: TemplateAdapter | None) -> list[str]:
     template, check = scenario_templates(scenario)[name], answer_check(scenario.prompts.templates[name])
+    variants = [(shots, label, prefix, structured, None)
+                for shots, prefix in (("zero-shot", template.message_list[:1]),
+                                      (f"{template.num_examples} examples", template.message_list))
+                for label, structured in (("unconstrained", None), ("constrained", template.structured))]
+    if adapter is not None:
+        system = [{"role": "system", "content": adapter.system_prompt}]
+        variants.append((f"adapter {adapter.name}", "constrained", system, template.structured,
+                         LoRARequest(adapter.name, str(adapter.folder))))
     rows = []
-    for shots, prefix in (("zero-shot", template.message_list[:1]), (f"{template.num_examples} examples",
-                                                                      template.message_list)):
-        for label, structured in (("unconstrained", None), ("constrained", template.structured)):
-            params = SamplingParams(max_tokens=32, structured=structured)
-            outs = llm.chat([prefix + [{"role": "user", "content": c.user}] for c in cases], params)
-            valid, correct = judge(outs, cases, check)
-            error = math.sqrt(correct * (1 - correct) / len(cases))
-            rows.append(f"| {name} | {shots} | {label} | {len(cases)} | {valid:.1%} | {correct:.1%} ± {error:.1%} |")
+    for shots, label, prefix, structured, lora in variants:
+        params = SamplingParams(max_tokens=32, structured=structured)
+        conversations = [prefix + [{"role": "user", "content": c.user}] for c in cases]
+        outs = llm.chat(conversations, params, lora_request=lora)
+        valid, correct = judge(outs, cases, check)
+        error = math.sqrt(correct * (1 - correct) / len(cases))
+        decision_ms = statistics.median(o.e2e_s * 1000 for o in
+                                        (llm.chat([c], params, lora_request=lora)[0] for c in conversations[:TIMED_CASES]))
+        rows.append(f"| {name} | {shots} | {label} | {len(cases)} | {valid:.1%} | {correct:.1%} ± {error:.1%} | "
+                    f"{decision_ms:.1f} |")
     return rows
 
 
@@ -190,19 +216,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=80, help="KPI rows asked per template (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the timed parts")
     parser.add_argument("--no-append", action="store_true", help="print only; do not append to RESULTS.md")
+    parser.add_argument("--no-adapters", action="store_true",
+                        help="leave out the adapter variant (templates that name an adapter are not trained)")
     args = parser.parse_args()
     scenario = load_scenario(args.scenario)
-    rows = load_scenario_trace(scenario).rows
+    rows = scored_rows(scenario, load_scenario_trace(scenario).rows)
     names = list(scenario_policies(scenario))
     cases = {name: template_cases(scenario, name, rows, args.rows, seed=i) for i, name in enumerate(names)}
+    adapters = {} if args.no_adapters else scenario_adapters(scenario, resolve_model_path(None))
     llm = LLM()
-    accuracy = [row for name in names for row in accuracy_rows(llm, scenario, name, cases[name])]
+    accuracy = [row for name in names for row in accuracy_rows(llm, scenario, name, cases[name], adapters.get(name))]
     majority = ", ".join(f"{name} {majority_share(cases[name]):.0%}" for name in names)
     first = names[0]
     body = "\n".join([
         ("Accuracy (greedy; valid = parses and matches the schema; correct = the policy's action, ± its "
         f"standard error). The majority class alone: {majority}.\n"),
-        "| template | prompt | output | rows | valid | correct |", "|---|---|---|---:|---:|---:|", *accuracy,
+        "| template | prompt | output | rows | valid | correct | decision ms |", "|---|---|---|---:|---:|---:|---:|",
+        *accuracy,
         (f"\nPrefix caching, one request at a time ({first} with its examples; ms, median [range] of "
         f"{args.repeats} interleaved runs of 12 requests):\n"),
         "| template | prefix caching | TTFT ms | E2E ms | TTFT vs on |", "|---|---|---:|---:|---:|",
