@@ -173,7 +173,9 @@ def gemma3_270m():
 
 @pytest.fixture(scope="module")
 def gemma3_270m_fp32(gemma3_270m):
-    return LLM("gemma3-270m", dtype="float32", kv_cache_budget="64MiB", enable_prefix_caching=False)
+    # no weight cache: an fp32 entry of this model would take 1.1 GB of disk
+    return LLM("gemma3-270m", dtype="float32", kv_cache_budget="64MiB", enable_prefix_caching=False,
+               weight_cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -182,19 +184,18 @@ def gemma3_270m_oracle(gemma3_270m):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_is_found_by_its_short_name_with_its_shape(gemma3_270m):
-    from ricllm.model.loader import open_checkpoint, resolve_model_path
+def test_gemma3_270m_is_found_by_its_short_name_with_its_shape(gemma3_270m, gemma3_270m_fp32):
+    from ricllm.model.loader import read_tensor_types, resolve_model_path
 
-    assert resolve_model_path("gemma3-270m") == gemma3_270m
-    checkpoint = open_checkpoint("gemma3-270m")
-    spec, types = checkpoint.spec, checkpoint.tensor_types()
+    assert resolve_model_path("gemma3-270m") == gemma3_270m == gemma3_270m_fp32.engine.model_path
+    spec, types = gemma3_270m_fp32.engine.spec, read_tensor_types(gemma3_270m)
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (18, 4, 1, 256)
     assert spec.vocab_size == 262_144 and spec.tie_word_embeddings and spec.hidden_size == 640
     assert spec.layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
     assert (spec.rope_theta, spec.rope_local_theta, spec.query_pre_attn_scalar) == (1e6, 1e4, 256.0)
     assert set(types.values()) == {"F32", "Q5_0", "Q4_K", "Q6_K", "Q8_0"}
     assert sum(kind == "Q5_0" for kind in types.values()) == 81
-    tokenizer = checkpoint.tokenizer
+    tokenizer = gemma3_270m_fp32.tokenizer
     assert tokenizer.encode("Hi")[0] == tokenizer.bos_token_id == 2 and not tokenizer.has_chat_template
 
 

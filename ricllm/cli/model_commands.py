@@ -29,8 +29,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             structured=structured_from_args(args))
     llm = LLM(**given_settings(args))
     if args.chat and not llm.tokenizer.has_chat_template:  # a base model's file (Gemma 3 270M's) has none
-        raise ConfigError("--chat renders the conversation with the model's chat template, and this model's file "
-                          "has none; leave --chat out and write the prompt as the text to continue")
+        raise ConfigError("this model has no chat template, with which --chat renders the conversation; leave "
+                          "--chat out and write the prompt as the text to continue")
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         outputs = llm.chat(messages + [{"role": "user", "content": args.prompt}], params)
