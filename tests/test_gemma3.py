@@ -142,7 +142,7 @@ def test_a_chat_request_without_a_chat_template_is_refused_naming_it(tiny_gemma3
         llm.chat([{"role": "user", "content": "hello"}])
 
 
-def test_generate_from_the_command_line_and_chat_refused_there(tiny_gemma3):
+def test_the_command_line_generates_refuses_chat_and_shows_the_windows(tiny_gemma3):
     def generate(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ricllm.cli", "generate", "--model", str(tiny_gemma3),
                                "--dtype", "float32", "--max-tokens", "4", "--ignore-eos", *flags, "the cell"],
@@ -155,6 +155,9 @@ def test_generate_from_the_command_line_and_chat_refused_there(tiny_gemma3):
     refused = generate("--chat")
     assert refused.returncode != 0 and "has no chat template" in refused.stderr, refused.stderr[-2000:]
     assert "Traceback" not in refused.stderr
+    info = subprocess.run([sys.executable, "-m", "ricllm.cli", "info", str(tiny_gemma3)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert "8 tokens in 6 of 7 layers (their RoPE theta 10000.0)" in info.stdout, info.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- the installed Gemma 3 270M
