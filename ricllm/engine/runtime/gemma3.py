@@ -41,14 +41,14 @@ from ricllm.model.spec import ModelSpec
 C_KERNEL_MAX_HEAD_DIM = 128
 
 
-def attention_backend_name(requested: str, device: torch.device, spec_head_dim: int) -> str:
+def attention_backend_name(requested: str, device: torch.device, head_dim: int) -> str:
     """The attention backend Gemma runs with for the ``attention_backend`` setting ``requested``:
     on the CPU the torch reference while the C kernels cannot take its head dim (``auto``), or a
     ``ConfigError`` when the C kernel was asked for by name."""
-    if device.type != "cpu" or requested not in ("auto", "cpu") or spec_head_dim <= C_KERNEL_MAX_HEAD_DIM:
+    if device.type != "cpu" or requested not in ("auto", "cpu") or head_dim <= C_KERNEL_MAX_HEAD_DIM:
         return requested
     if requested == "cpu":
-        raise ConfigError(f"attention backend 'cpu' cannot serve this model: its heads are {spec_head_dim} wide, "
+        raise ConfigError(f"attention backend 'cpu' cannot serve this model: its heads are {head_dim} wide, "
                           f"ricllm's C attention kernels take at most {C_KERNEL_MAX_HEAD_DIM}; use auto or torch")
     return "torch"
 
