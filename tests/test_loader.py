@@ -67,8 +67,8 @@ def _rewrite_gguf(source, target, *, arch=None, drop=None, retype=None):
             continue
         data = np.array(tensor.data)
         if tensor.name == retype:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q5_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q5_1),
+                              raw_dtype=gguf.GGMLQuantizationType.Q5_1)
         else:
             writer.add_tensor(tensor.name, data.reshape(tuple(reversed(tensor.shape.tolist()))))
     writer.write_header_to_file()
@@ -91,8 +91,8 @@ def test_missing_tensor(tmp_path, tiny_gguf):
 
 
 def test_unsupported_tensor_type(tmp_path, tiny_gguf):
-    path = _rewrite_gguf(tiny_gguf, tmp_path / "q5.gguf", retype="blk.0.attn_v.weight")
-    with pytest.raises(ModelLoadError, match="tensor blk.0.attn_v.weight has type Q5_0"):
+    path = _rewrite_gguf(tiny_gguf, tmp_path / "q5_1.gguf", retype="blk.0.attn_v.weight")
+    with pytest.raises(ModelLoadError, match="tensor blk.0.attn_v.weight has type Q5_1"):
         LLM(str(path))
 
 
@@ -103,7 +103,7 @@ def test_hf_folder_with_unsupported_architecture(tmp_path):
         loader.open_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "F16", "BF16"])
 def test_quantized_types_round_trip(qtype):
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((4, 256)).astype(np.float32)

@@ -28,6 +28,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
                             structured=structured_from_args(args))
     llm = LLM(**given_settings(args))
+    if args.chat and not llm.tokenizer.has_chat_template:  # a base model's file (Gemma 3 270M's) has none
+        raise ConfigError("this model has no chat template, with which --chat renders the conversation; leave "
+                          "--chat out and write the prompt as the text to continue")
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         outputs = llm.chat(messages + [{"role": "user", "content": args.prompt}], params)
@@ -65,7 +68,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("query heads", spec.num_heads), ("KV heads (n_kv)", spec.num_kv_heads),
         ("head dim (d_h)", spec.head_dim), ("FFN size", spec.intermediate_size),
         ("vocabulary", spec.vocab_size), ("max context", f"{spec.max_position_embeddings} tokens"),
-        ("RoPE theta", spec.rope_theta), ("tied embeddings", spec.tie_word_embeddings),
+        ("RoPE theta", spec.rope_theta), *_sliding_window_rows(spec), ("tied embeddings", spec.tie_word_embeddings),
         ("parameters", f"{spec.num_parameters() / 1e6:.1f} M"),
     ]
     types = sorted(set(ckpt.tensor_types().values()))
@@ -81,6 +84,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return 0
+
+
+def _sliding_window_rows(spec) -> list[tuple[str, str]]:
+    """Gemma 3's windowed layers (none for a model whose layers all see the whole sequence)."""
+    windowed = [w for w in spec.layer_windows if w]
+    if not windowed:
+        return []
+    return [("sliding window", f"{max(windowed)} tokens in {len(windowed)} of {spec.num_layers} layers "
+                               f"(their RoPE theta {spec.rope_local_theta})")]
 
 
 def _auto_choices(tensor_types: dict[str, str]) -> list[tuple[str, str]]:

@@ -91,7 +91,8 @@ class EngineSettings(StrictModel):
     """Every engine setting, with its one default. Sizes in bytes and tokens."""
 
     model: NonEmpty | None = setting(
-        None, "GGUF file or HF checkpoint folder; null: the installed SmolLM2-135M-Instruct GGUF")
+        None, "GGUF file, HF checkpoint folder or an installed model's short name (smollm2-135m, gemma3-270m); "
+              "null: the installed SmolLM2-135M-Instruct GGUF")
     served_model_name: NonEmpty | None = setting(
         None, "the name clients call the model by: the OpenAI API's model field and /v1/models, the metrics' "
               "model_name label, the ZeroMQ stats; null: the model file's own name (a GGUF's general.name), else "

@@ -7,7 +7,7 @@ from ricllm.errors import ConfigError
 
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")
 FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
-EIGHT_BIT_TYPES = {"Q8_0", "Q5_K", "Q6_K"}
+EIGHT_BIT_TYPES = {"Q8_0", "Q5_0", "Q5_K", "Q6_K"}
 
 
 def resolve_formats(requested: str, tensor_types: dict[str, str], packable: bool,

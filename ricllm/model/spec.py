@@ -1,4 +1,4 @@
-"""The shape of a Llama-family model, read from a file's metadata."""
+"""The shape of a model (the Llama family, Gemma 3), read from a file's metadata."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """``architecture`` names the network: ``llama`` (Llama, SmolLM2, Mistral) or ``gemma3``.
+
+    The fields after ``name`` are Gemma 3's: ``layer_windows`` holds each layer's sliding window
+    (0: the layer attends to the whole sequence; empty: every layer does), ``rope_local_theta``
+    the RoPE base of the windowed layers (``rope_theta`` stays the global layers'),
+    ``query_pre_attn_scalar`` the attention scale's ``s`` in ``s^-1/2`` (None: ``head_dim``) and
+    ``final_logit_softcapping`` the ``c`` of ``c·tanh(logits / c)`` (None: none).
+    """
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -32,6 +41,10 @@ class ModelSpec:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
     name: str = ""
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -47,7 +60,16 @@ class ModelSpec:
         fields = dict(fields)
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        fields["layer_windows"] = tuple(fields.get("layer_windows", ()))
         return cls(**fields)
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window in tokens; 0: it attends to the whole sequence."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token across all layers: ``2·L·n_kv·d_h·b``."""
@@ -56,6 +78,8 @@ class ModelSpec:
     def num_parameters(self) -> int:
         h, i, layers = self.hidden_size, self.intermediate_size, self.num_layers
         attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attention + 3 * h * i + 2 * h
+        # Gemma 3 norms each sublayer's input and output, and each query and key head
+        norms = 4 * h + 2 * self.head_dim if self.architecture == "gemma3" else 2 * h
+        per_layer = attention + 3 * h * i + norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers * per_layer + embeddings + h

@@ -18,6 +18,8 @@ from ricllm.config import EngineConfig
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.errors import ConfigError
 
+NATIVE_ARCHITECTURES = ("llama", "mistral")  # its C decoder stack: SwiGLU, pre-norms only
+
 
 def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | None:
     """Why the native runtime cannot serve this configuration (None: it can), from the
@@ -25,6 +27,7 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
     A converted model can still turn out unsupported (a shape that does not tile): the
     conversion says so then."""
     from ricllm.kernels.cpu_library import quant_gemm_available
+    from ricllm.model.loader import read_architecture
 
     if config.device not in ("auto", "cpu"):
         return f"device {config.device!r}: the native runtime runs on the CPU"
@@ -36,6 +39,9 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
         return f"attention backend {config.attention_backend!r}: the native runtime attends in its C kernel"
     if config.max_packed_rows is not None:
         return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
+    architecture = read_architecture(model_path)
+    if architecture is not None and architecture not in NATIVE_ARCHITECTURES:
+        return f"architecture {architecture!r}: the native runtime runs Llama-family models only"
     if not (quant_gemm_available(4) and quant_gemm_available(8)):
         return "ricllm's packed-weight kernels do not run here (they need a C compiler and an x86-64-v3 CPU: AVX2, FMA, F16C)"
     return _dense_weights_reason(config, model_path)

@@ -1,6 +1,6 @@
 """The torch runtime: the torch model (``ricllm.engine.runtime.llama``, with the C kernels swapped in
-by ``llama_fused`` for the ``cpu`` backend) on any device, in every weight format (``llama_weights``),
-with the attention backend the configuration picks."""
+by ``llama_fused`` for the ``cpu`` backend; ``gemma3`` for Gemma 3) on any device, in every weight
+format (``llama_weights``, ``gemma3_weights``), with the attention backend the configuration picks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ricllm.attention.backends import select_backend
 from ricllm.cache.kv_cache import KVCache, plan_cache
 from ricllm.cache.kv_format import kv_format
 from ricllm.config import EngineConfig
-from ricllm.engine.runtime import llama_weights, weight_cache
+from ricllm.engine.runtime import gemma3, gemma3_weights, llama_weights, weight_cache
 from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES, NO_LIMITS, RuntimeCapabilities
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.llama import LlamaModel
@@ -25,6 +25,7 @@ from ricllm.engine.runtime.sampler import mask, sample
 from ricllm.model.heap import release_free_heap
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.packed_linear import resolve_formats
+from ricllm.model.spec import ModelSpec
 
 
 class LoadedModel:
@@ -33,32 +34,40 @@ class LoadedModel:
 
     def __init__(self, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype):
         self.config, self.model_path, self.device, self.dtype = config, model_path, device, dtype
-        quantized_kv = kv_format(config.kv_cache_dtype, str(dtype)).quantized
-        backend = select_backend(config.attention_backend, device, torch.uint8 if quantized_kv else dtype, dtype)
-        self.attention_backend = backend.name
         self.weight_cache_entry = None
         if config.weight_cache:
             self.weight_cache_entry = weight_cache.entry_path(model_path, dtype, device, config.weights,
                                                               config.max_packed_rows)
-            if self._from_cache(backend):
+            if self._from_cache():
                 return
-        self._from_file(backend)
+        self._from_file()
 
-    def _from_cache(self, backend) -> bool:
+    def _backend(self, spec: ModelSpec):
+        """The attention backend the configuration asks for, as far as the model's family allows."""
+        name = self.config.attention_backend
+        if spec.architecture == "gemma3":
+            name = gemma3.attention_backend_name(name, self.device, spec.head_dim)
+        quantized_kv = kv_format(self.config.kv_cache_dtype, str(self.dtype)).quantized
+        backend = select_backend(name, self.device, torch.uint8 if quantized_kv else self.dtype, self.dtype)
+        self.attention_backend = backend.name
+        return backend
+
+    def _from_cache(self) -> bool:
         cached = weight_cache.load(self.weight_cache_entry)
         if cached is None:
             return False
         self.weight_formats = cached.weight_formats
+        backend = self._backend(cached.spec)
         with torch.device("meta"):
-            model = model_class(backend)(cached.spec, backend)
+            model = _model_class(cached.spec, backend)(cached.spec, backend)
         self.model = weight_cache.adopt(model, cached, self.config.max_packed_rows).to(self.device).eval()
         self.spec, self.tokenizer = cached.spec, cached.tokenizer
         self.weights_source = f"cache {self.weight_cache_entry}"
         return True
 
-    def _from_file(self, backend) -> None:
+    def _from_file(self) -> None:
         checkpoint = open_checkpoint(self.model_path)
-        self.model = self._convert(checkpoint, backend)
+        self.model = self._convert(checkpoint, self._backend(checkpoint.spec))
         self.weights_source = f"file {self.model_path}"
         if self.weight_cache_entry is not None:
             weight_cache.save(self.weight_cache_entry, checkpoint.spec, checkpoint.tokenizer, self.model,
@@ -76,16 +85,24 @@ class LoadedModel:
         max_rows = self.config.max_packed_rows
         # each weight gets memory as it is read and each layer is packed once complete: the whole
         # dense model never exists at once (a first start's peak RSS)
-        model = model_class(backend).build(checkpoint.spec, backend, self.dtype, self.device, allocate=False)
+        spec = checkpoint.spec
+        model = _model_class(spec, backend).build(spec, backend, self.dtype, self.device, allocate=False)
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
 
         def pack(index: int) -> None:
             llama_weights.pack_layer(model, index, layer_format, max_rows)
             release_free_heap()  # else the heap keeps its freed dense weights, between packed ones
 
-        llama_weights.load_weights(model, tensors, self.device, None if layer_format == "dense" else pack)
+        load = gemma3_weights.load_weights if spec.architecture == "gemma3" else llama_weights.load_weights
+        load(model, tensors, self.device, None if layer_format == "dense" else pack)
         llama_weights.pack_head(model, head_format, max_rows)
         return model.eval()
+
+
+def _model_class(spec: ModelSpec, backend) -> type[LlamaModel] | type[gemma3.Gemma3Model]:
+    """The network of the model's family: Gemma 3's, or the Llama model (fused where the backend
+    offers the C ops)."""
+    return gemma3.Gemma3Model if spec.architecture == "gemma3" else model_class(backend)
 
 
 def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Runtime:

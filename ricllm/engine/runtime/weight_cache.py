@@ -52,8 +52,8 @@ def _conversion_code_digest() -> str:
 
     runtime_dir = Path(__file__).parent  # the torch model whose state an entry holds, and its loading
     digest = hashlib.sha256()
-    for path in (loader.__file__, runtime_dir / "llama.py", runtime_dir / "llama_weights.py", packed_linear.__file__,
-                 __file__, cpu_quant.__file__):
+    for path in (loader.__file__, runtime_dir / "llama.py", runtime_dir / "llama_weights.py", runtime_dir / "gemma3.py",
+                 runtime_dir / "gemma3_weights.py", packed_linear.__file__, __file__, cpu_quant.__file__):
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -107,9 +107,11 @@ def _evict(folder: Path) -> None:
 
 
 def _state_with_rope(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict plus the RoPE tables, which may come from a file's ``rope_freqs``."""
+    """The state dict plus the RoPE tables, which may come from a file's ``rope_freqs`` (a model
+    that computes its rotations from the spec alone, as Gemma's, has none)."""
     state = dict(model.state_dict())
-    state["rope.cos"], state["rope.sin"] = model.rope.cos, model.rope.sin
+    if hasattr(model.rope, "cos"):
+        state["rope.cos"], state["rope.sin"] = model.rope.cos, model.rope.sin
     return state
 
 
@@ -127,7 +129,8 @@ def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int | None) ->
         model.lm_head = None
         if "embed.weight" not in state:  # a tied embedding served from the packed head
             model.embed = PackedEmbedding(model.packed_head, state["norm.weight"].dtype)
-    model.rope.cos, model.rope.sin = state.pop("rope.cos"), state.pop("rope.sin")
+    if "rope.cos" in state:
+        model.rope.cos, model.rope.sin = state.pop("rope.cos"), state.pop("rope.sin")
     model.load_state_dict(state, assign=True, strict=True)
     return model
 
