@@ -94,7 +94,9 @@ class LoraRegistry:
 
     def _free_slot(self, name: str) -> int:
         if self.capacity == 0:
-            raise CapacityError(f"cannot load adapter {name!r}: max_loras is 0, so this engine serves no adapters")
+            why = "max_loras is 0" if self.spec.architecture == "llama" else \
+                f"adapters are served on Llama-family models only, not {self.spec.architecture!r}"
+            raise CapacityError(f"cannot load adapter {name!r}: this engine has no adapter slots ({why})")
         used = {r.slot.slot for r in self.by_name.values()} | self._retiring
         free = [s for s in range(self.capacity) if s not in used]
         if not free:

@@ -183,8 +183,12 @@ class Gemma3Model(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora=None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm. ``lora`` is always None: the runtime
+        holds no adapter slots for Gemma 3 (``torch_runtime.adapter_slots``)."""
+        if lora is not None:
+            raise ValueError("LoRA adapters are not served on Gemma 3 yet")
         x = self.embed(input_ids)
         x = x * x.new_tensor(self.embed_scale)  # √hidden rounded to the activations' dtype, as HF does
         rope_by_base = self.rope(positions, x.dtype)

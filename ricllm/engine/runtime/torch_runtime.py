@@ -130,7 +130,10 @@ def adapter_slots(model: LlamaModel, capacity: int, device: torch.device,
                   dtype: torch.dtype) -> LoraSlots | TorchLoraSlots:
     """Where the C kernels run the model (the fused model: its decoder stack, its per-op path) the
     adapters are laid out for the C LoRA kernel; elsewhere they are tensors on the device. Either
-    way in the activations' type."""
+    way in the activations' type. Adapters are served on the Llama family only: other models get
+    no slots, so loading one is refused by ``max_loras``."""
+    if model.spec.architecture != "llama":
+        capacity = 0
     if isinstance(model, FusedLlamaModel):
         return LoraSlots(model.spec, capacity, bf16=dtype == torch.bfloat16)
     return TorchLoraSlots(model.spec, capacity, device, dtype)
