@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ricllm.cli import main
+from ricllm.engine.chat_prefix import render_chat_prefix
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.lora import load_lora_adapter
 from ricllm.paths import file_digest
@@ -168,3 +169,100 @@ def test_the_answer_logits_are_the_models_own(tiny_gguf, scenario, trace, conges
     torch.testing.assert_close(logits, torch.stack(expected), rtol=1e-5, atol=1e-5)
     assert targets.tolist() == [t for item in items for t in item.labels[item.prompt_len:]]
     assert rows.tolist() == [r for r, item in enumerate(items) for _ in item.labels[item.prompt_len:]]
+
+
+# --------------------------------------------------------------------- trace rows split by time
+
+@pytest.fixture(scope="module")
+def link():
+    scenario = load_scenario("link")
+    return scenario, load_scenario_trace(scenario), adapt.template_policy(scenario, "link")
+
+
+def test_trace_rows_train_before_the_split_and_hold_out_what_the_replay_scores(link):
+    scenario, trace, template = link
+    split = adapt.split_by_time(scenario, trace, template)
+    assert split.scored_window == (800.0, float("inf")) and split.outside == [(0.0, 800.0)]
+    assert max(e.time_s for e in split.training) < 800 <= min(e.time_s for e in split.held_out)
+    scored = adapt.scored_requests(scenario, trace, "link")
+    assert [e.user for e in split.held_out] == [r.user_prompt for r in scored]  # exactly what the report judges
+    assert [e.expected for e in split.held_out] == [r.expected for r in scored]
+    before = load_scenario("link", ["pacing.start_s=0", "pacing.duration_s=800"])
+    assert [e.user for e in split.training] == [r.user_prompt for r in adapt.scored_requests(before, trace, "link")]
+    assert all(e.expected == template.policy.expected(e.kpis) for e in split.training + split.held_out)
+    trained = {e.user for e in split.training}
+    seen = split.seen_in_training()
+    assert seen == [e for e in split.held_out if e.user in trained] and len(seen) < len(split.held_out) // 10
+
+
+def test_a_scored_window_in_the_middle_trains_on_both_sides_of_it(link):
+    scenario, _, _ = link
+    middle = load_scenario("link", ["pacing.start_s=400", "pacing.duration_s=300"])
+    split = adapt.split_by_time(middle, load_scenario_trace(middle), adapt.template_policy(middle, "link"),
+                                prompt="raw")
+    assert split.outside == [(0.0, 400.0), (700.0, float("inf"))]
+    assert not [e for e in split.training if 400 <= e.time_s < 700]
+    assert {e.time_s < 400 for e in split.training} == {True, False}
+    assert all(400 <= e.time_s < 700 for e in split.held_out)
+    assert all(e.user == adapt.raw_user_prompt(e.kpis) for e in split.training + split.held_out)
+    sample = adapt.split_by_time(middle, load_scenario_trace(middle), adapt.template_policy(middle, "link"),
+                                 limit=50, seed=3)
+    assert len(sample.training) == 50 and sample.held_out == adapt.split_by_time(
+        middle, load_scenario_trace(middle), adapt.template_policy(middle, "link")).held_out
+
+
+def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp_path, capsys):
+    require_module("peft")
+    out = tmp_path / "adapter"
+    code = main(["adapt", "link", "--rows", "trace", "--prompt", "replay", "--model", str(tiny_gguf), "--out",
+                 str(out), "--examples", "16", "--eval-examples", "8", "--steps", "2", "--batch-size", "4",
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "trained on 16 of the trace's rows the replay would send for this template outside the window it " \
+           "scores (0 s to 800 s of trace time)" in printed
+    assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
+    for line in ("with the adapter", "base model, one-line system prompt",
+                 "base model prompted with the template (6 examples)", "majority class"):
+        assert line in printed
+    manifest = json.loads((out / "ricllm_adapt.json").read_text())
+    assert manifest["rows"] == "trace" and manifest["training"]["rows"] == 16
+    assert manifest["training"]["spans_s"] == [[0.0, 800.0]]
+    assert manifest["held_out"] == {"source": "the requests the replay scores", "rows": 8, "window_s": [800.0, None],
+                                    "seen_in_training": 0}
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["adapt", "default", "--rows", "trace"], "--set pacing.start_s=SECONDS"),
+    (["adapt", "link", "--rows", "trace", "--set", "pacing.start_s=5000"], "nothing to hold out"),
+    (["adapt", "link", "--rows", "trace", "--eval-seed", "3"], "drop --eval-seed"),
+], ids=["nothing-outside", "nothing-scored", "eval-seed"])
+def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_judging_after_a_cached_prefix_scores_as_the_whole_request(tiny_gguf, link):
+    """The prompted template's conversation is computed once; each row's answers score the same as
+    when the whole request runs."""
+    require_module("transformers")
+    import torch
+
+    from ricllm.replay.adapter_training import (_answer_log_probs, collate, load_base_model, prefix_cache,
+                                                shared_prefix_len)
+    from ricllm.replay.templates import scenario_templates
+
+    scenario, trace, template = link
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    conversation = scenario_templates(scenario)["link"].message_list
+    examples = adapt.split_by_time(scenario, trace, template).held_out[:3]
+    items = [adapt.tokenize_example(tokenizer, conversation, e) for e in examples]
+    shared = shared_prefix_len(items)
+    assert shared >= len(render_chat_prefix(tokenizer, conversation).token_ids)  # the whole conversation, once
+    model = load_base_model(tiny_gguf).eval()
+    suffixes = [adapt.TokenizedExample(i.input_ids[shared:], i.labels[shared:], i.prompt_len - shared) for i in items]
+    with torch.no_grad():
+        whole = _answer_log_probs(model, collate(items, pad_id=0))
+        cached = _answer_log_probs(model, collate(suffixes, pad_id=0), prefix_cache(model, items[0].input_ids[:shared]))
+    assert cached == pytest.approx(whole, rel=1e-4, abs=1e-4)

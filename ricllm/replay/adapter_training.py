@@ -6,14 +6,18 @@ or an HF folder), in fp32. The adapter is plain LoRA on q, k, v, o, gate, up and
 the PEFT layout that ``ricllm.model.lora.load_lora_adapter`` reads. Accuracy is the share of
 rows whose answer, among every answer the policy can give, is the one the model finds most
 likely (the sum of its tokens' log-probabilities after the chat request): the choice a
-constrained decoder makes between the policy's answers, without running the engine.
+constrained decoder makes between the policy's answers, without running the engine. Judging
+computes the tokens every request shares (the system prompt, or a template's conversation) once
+and reads each batch after that prefix's K/V, as a pinned template is served.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,9 +116,10 @@ def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example],
 
 
 @torch.no_grad()
-def predict(model, tokenizer: Tokenizer, system: str, template: TemplatePolicy, examples: Sequence[Example],
-            batch_size: int = 16, progress: bool = True) -> list[dict[str, Any]]:
-    """For each example, the policy's answer the model finds most likely after the chat request."""
+def predict(model, tokenizer: Tokenizer, system: str | Sequence[Mapping[str, str]], template: TemplatePolicy,
+            examples: Sequence[Example], batch_size: int = 16, progress: bool = True) -> list[dict[str, Any]]:
+    """For each example, the policy's answer the model finds most likely after the chat request
+    (``system``: a one-line system prompt, or the conversation a template starts with)."""
     from tqdm import tqdm
 
     answers = template.answers
@@ -126,27 +131,62 @@ def predict(model, tokenizer: Tokenizer, system: str, template: TemplatePolicy, 
             answer = answer_ids(tokenizer, system, example.user, text)
             items.append(TokenizedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt)))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    shared = shared_prefix_len(items)
+    past = prefix_cache(model, items[0].input_ids[:shared]) if shared else None
+    suffixes = [TokenizedExample(i.input_ids[shared:], i.labels[shared:], i.prompt_len - shared) for i in items]
     scores = []
     for start in tqdm(range(0, len(items), batch_size), desc="judging", unit="batch", disable=not progress):
-        scores += _answer_log_probs(model, collate(items[start:start + batch_size], pad_id))
+        scores += _answer_log_probs(model, collate(suffixes[start:start + batch_size], pad_id), past)
     per_row = [scores[i:i + len(answers)] for i in range(0, len(scores), len(answers))]
     return [answers[max(range(len(row)), key=row.__getitem__)] for row in per_row]
 
 
-def answer_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The head's logits at the positions that predict a labelled token only (the answer's few,
-    not every prompt position over the whole vocabulary), those tokens, and each one's row."""
+def shared_prefix_len(items: Sequence[TokenizedExample]) -> int:
+    """How many leading tokens every item has in common, short of the last prompt token (whose
+    hidden state predicts the answer's first token, so it stays in each item)."""
+    if not items:
+        return 0
+    first, limit = items[0].input_ids, min(item.prompt_len for item in items) - 1
+    n = 0
+    while n < limit and all(item.input_ids[n] == first[n] for item in items):
+        n += 1
+    return n
+
+
+def prefix_cache(model, ids: Sequence[int]):
+    """The K/V of ``ids`` (a batch of one), for batches read after them."""
     network = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = network.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    out = network.model(input_ids=torch.tensor([list(ids)]), use_cache=True)
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def _cache_argument(network) -> str:
+    """The name the installed transformers gives a model's K/V cache argument."""
+    return "cache" if "cache" in inspect.signature(network.model.forward).parameters else "past_key_values"
+
+
+def answer_logits(model, batch: dict[str, torch.Tensor], past=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's logits at the positions that predict a labelled token only (the answer's few,
+    not every prompt position over the whole vocabulary), those tokens, and each one's row.
+    ``past``: a prefix's K/V (``prefix_cache``) that every row of the batch continues."""
+    network = model.get_base_model() if hasattr(model, "get_base_model") else model
+    mask = batch["attention_mask"]
+    if past is not None:
+        rows = mask.shape[0]
+        mask = torch.cat([torch.ones((rows, past.get_seq_length()), dtype=mask.dtype), mask], dim=1)
+        past = copy.deepcopy(past)
+        past.batch_repeat_interleave(rows)
+    cached = {_cache_argument(network): past, "use_cache": True} if past is not None else {}
+    hidden = network.model(input_ids=batch["input_ids"], attention_mask=mask, **cached).last_hidden_state
     targets = batch["labels"][:, 1:]
     keep = targets != IGNORE_INDEX
     rows = torch.arange(targets.shape[0]).unsqueeze(1).expand_as(targets)[keep]
     return network.lm_head(hidden[:, :-1][keep]).float(), targets[keep], rows
 
 
-def _answer_log_probs(model, batch: dict[str, torch.Tensor]) -> list[float]:
+def _answer_log_probs(model, batch: dict[str, torch.Tensor], past=None) -> list[float]:
     """Each row's summed log-probability of its labelled tokens."""
-    logits, targets, rows = answer_logits(model, batch)
+    logits, targets, rows = answer_logits(model, batch, past)
     picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return torch.zeros(batch["input_ids"].shape[0]).index_add_(0, rows, picked).tolist()
 
