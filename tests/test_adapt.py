@@ -222,7 +222,7 @@ def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp
     assert "trained on 16 of the trace's rows the replay would send for this template outside the window it " \
            "scores (0 s to 800 s of trace time)" in printed
     assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
-    for line in ("with the adapter", "base model, one-line system prompt",
+    for line in ("with the adapter", "base model (no adapter)",
                  "base model prompted with the template (6 examples)", "majority class"):
         assert line in printed
     manifest = json.loads((out / "ricllm_adapt.json").read_text())

@@ -205,7 +205,7 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
     print(f"held-out rows: {len(held_out)}")
     print(f"{'':<52}{'correct':>10}")
     print(f"{'with the adapter':<52}{tuned:>9.1%}")
-    print(f"{'base model, one-line system prompt':<52}{base:>9.1%}")
+    print(f"{'base model (no adapter)':<52}{base:>9.1%}")
     print(f"{f'base model prompted with the template ({shots} examples)':<52}{prompted_share:>9.1%}")
     print(f"{'majority class':<52}{majority:>9.1%}   (always {label})")
     if rows.seen:
