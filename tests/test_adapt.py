@@ -243,26 +243,35 @@ def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
     assert named in err and "Traceback" not in err
 
 
-def test_judging_after_a_cached_prefix_scores_as_the_whole_request(tiny_gguf, link):
-    """The prompted template's conversation is computed once; each row's answers score the same as
-    when the whole request runs."""
+def test_judging_with_shared_tokens_run_once_ranks_answers_as_the_whole_request(tiny_gguf, link):
+    """The template's conversation runs once and each row's request once, its answers branching
+    after it: each answer's score differs from the whole request's by the same amount for every
+    answer of a row (the answers' shared first tokens), so the choice is the same."""
     require_module("transformers")
     import torch
 
-    from ricllm.replay.adapter_training import (_answer_log_probs, collate, load_base_model, prefix_cache,
-                                                shared_prefix_len)
+    from ricllm.replay.adapter_training import answer_log_probs, answer_scores, collate, load_base_model
     from ricllm.replay.templates import scenario_templates
 
     scenario, trace, template = link
     tokenizer = open_checkpoint(tiny_gguf).tokenizer
-    conversation = scenario_templates(scenario)["link"].message_list
-    examples = adapt.split_by_time(scenario, trace, template).held_out[:3]
-    items = [adapt.tokenize_example(tokenizer, conversation, e) for e in examples]
-    shared = shared_prefix_len(items)
-    assert shared >= len(render_chat_prefix(tokenizer, conversation).token_ids)  # the whole conversation, once
     model = load_base_model(tiny_gguf).eval()
-    suffixes = [adapt.TokenizedExample(i.input_ids[shared:], i.labels[shared:], i.prompt_len - shared) for i in items]
-    with torch.no_grad():
-        whole = _answer_log_probs(model, collate(items, pad_id=0))
-        cached = _answer_log_probs(model, collate(suffixes, pad_id=0), prefix_cache(model, items[0].input_ids[:shared]))
-    assert cached == pytest.approx(whole, rel=1e-4, abs=1e-4)
+    texts = [template.answer_text(answer) for answer in template.answers]
+    held_out = adapt.split_by_time(scenario, trace, template).held_out
+    by_length: dict[int, list] = {}
+    for example in held_out[:40]:
+        by_length.setdefault(len(adapt.request_ids(tokenizer, "", example.user)), []).append(example)
+    same = max(by_length.values(), key=len)[:3]  # rows that run as one batch
+    examples = same + [e for e in held_out if None in e.kpis.values()][:1]  # and a stem of another length
+    assert len(same) > 1 and examples[-1] not in same
+    for system, batch in ((adapt.default_system_prompt(template), 8192),
+                          (scenario_templates(scenario)["link"].message_list, 64)):
+        items = [adapt.tokenize_example(tokenizer, system, adapt.Example(e.kpis, e.user, {}, text))
+                 for e in examples for text in texts]
+        with torch.no_grad():
+            whole = answer_log_probs(model, collate(items, pad_id=0))
+            branched = answer_scores(model, tokenizer, system, texts, examples, progress=False, tokens_per_batch=batch)
+        for row, scores in enumerate(branched):
+            full = whole[row * len(texts):(row + 1) * len(texts)]
+            shift = full[0] - scores[0]
+            assert [s + shift for s in scores] == pytest.approx(full, abs=2e-4)
