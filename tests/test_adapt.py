@@ -275,3 +275,31 @@ def test_judging_with_shared_tokens_run_once_ranks_answers_as_the_whole_request(
             full = whole[row * len(texts):(row + 1) * len(texts)]
             shift = full[0] - scores[0]
             assert [s + shift for s in scores] == pytest.approx(full, abs=2e-4)
+
+
+def test_training_runs_the_shared_system_prompt_once_for_the_same_loss_and_gradients(tiny_gguf, scenario, trace,
+                                                                                  congestion):
+    require_module("peft")
+    import torch
+
+    from ricllm.replay.adapter_training import TrainingSettings, batch_loss, load_base_model, with_lora
+
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    system = adapt.default_system_prompt(congestion)
+    items = [adapt.tokenize_example(tokenizer, system, e)
+             for e in adapt.make_examples(scenario, trace, congestion, 4, seed=0)]
+    shared = len(adapt.request_ids(tokenizer, system, "")) - 8  # the system turn and more
+    model = with_lora(load_base_model(tiny_gguf), TrainingSettings(seed=0))
+    for p in model.parameters():  # PEFT starts B at zero: give the adapter a part in the prefix's K/V
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    results = []
+    for prefix in (0, shared):
+        loss = batch_loss(model, items, prefix, pad_id=0)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        results.append((loss.item(), grads))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    for whole, once in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(once, whole, rtol=1e-4, atol=1e-6)
