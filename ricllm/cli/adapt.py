@@ -184,43 +184,48 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
 
     from ricllm.model.lora import load_lora_adapter
     from ricllm.replay import adapter_training as at
-    from ricllm.replay.adapt import majority_share
 
     torch.set_num_threads(args.threads)
     settings = at.TrainingSettings(args.rank, args.alpha, args.steps, args.batch_size, args.learning_rate, args.seed)
-    tokenizer, progress, held_out = checkpoint.tokenizer, not args.no_progress, rows.held_out
+    tokenizer = checkpoint.tokenizer
     model = at.with_lora(at.load_base_model(checkpoint.path), settings)
-    result = at.train(model, tokenizer, system, rows.training, settings, progress)
+    result = at.train(model, tokenizer, system, rows.training, settings, not args.no_progress)
     at.save_adapter(model, out, {**manifest, "final_loss": result.losses[-1]})
     adapter = load_lora_adapter(out, checkpoint.spec)
-    tuned_answers = at.predict(model, tokenizer, system, template, held_out, progress=progress)
-    with model.disable_adapter():
-        base = at.accuracy(at.predict(model, tokenizer, system, template, held_out, progress=progress), held_out)
-        prompted_share = at.accuracy(at.predict(model, tokenizer, prompted, template, held_out, progress=progress),
-                                     held_out)
-    tuned = at.accuracy(tuned_answers, held_out)
-    label, majority = majority_share([example.expected for example in held_out])
-    shots = sum(1 for m in prompted if m["role"] == "assistant")
     print(f"\nloss: {result.losses[0]:.4f} at step 1, {result.losses[-1]:.4f} at step {len(result.losses)}")
-    print(f"held-out rows: {len(held_out)}")
-    print(f"{'':<52}{'correct':>10}")
-    print(f"{'with the adapter':<52}{tuned:>9.1%}")
-    print(f"{'base model (no adapter)':<52}{base:>9.1%}")
-    print(f"{f'base model prompted with the template ({shots} examples)':<52}{prompted_share:>9.1%}")
-    print(f"{'majority class':<52}{majority:>9.1%}   (always {label})")
-    if rows.seen:
-        trained = {example.user for example in rows.training}
-        unseen = [(a, e) for a, e in zip(tuned_answers, held_out) if e.user not in trained]
-        if unseen:
-            share = sum(a == e.expected for a, e in unseen) / len(unseen)
-            print(f"with the adapter, on the {len(unseen)} held-out rows whose prompt training never saw: {share:.1%}")
-    if scored_majority is not None:
-        print(f"(on the {manifest['scored_requests']} requests the replay scores for this template, the majority "
-              f"class is {scored_majority[1]:.1%}: always {scored_majority[0]})")
     print(f"adapter: {out}, read back by ricllm: {sum(1 for _ in adapter.projections())} projections, "
           f"{adapter.num_parameters:,} parameters, {adapter.nbytes / 2**20:.2f} MiB as fp32, "
           f"content hash {adapter.content_hash[:12]}")
+    _judge(args, model, tokenizer, template, system, rows, prompted)
+    if scored_majority is not None:
+        print(f"(on the {manifest['scored_requests']} requests the replay scores for this template, the majority "
+              f"class is {scored_majority[1]:.1%}: always {scored_majority[0]})")
     return 0
+
+
+def _judge(args, model, tokenizer, template, system, rows: Rows, prompted) -> None:
+    """The table, a line as each way of asking is judged (the adapter's first)."""
+    from ricllm.replay import adapter_training as at
+    from ricllm.replay.adapt import majority_share
+
+    held_out, progress = rows.held_out, not args.no_progress
+    label, majority = majority_share([example.expected for example in held_out])
+    shots = sum(1 for m in prompted if m["role"] == "assistant")
+    print(f"held-out rows: {len(held_out)}")
+    print(f"{'':<52}{'correct':>10}")
+    print(f"{'majority class':<52}{majority:>9.1%}   (always {label})", flush=True)
+    tuned = at.predict(model, tokenizer, system, template, held_out, progress=progress)
+    print(f"{'with the adapter':<52}{at.accuracy(tuned, held_out):>9.1%}", flush=True)
+    with model.disable_adapter():
+        base = at.predict(model, tokenizer, system, template, held_out, progress=progress)
+        print(f"{'base model (no adapter)':<52}{at.accuracy(base, held_out):>9.1%}", flush=True)
+        asked = at.predict(model, tokenizer, prompted, template, held_out, progress=progress)
+        print(f"{f'base model prompted with the template ({shots} examples)':<52}{at.accuracy(asked, held_out):>9.1%}")
+    if rows.seen:
+        trained = {example.user for example in rows.training}
+        unseen = [(a, e) for a, e in zip(tuned, held_out) if e.user not in trained]
+        share = sum(a == e.expected for a, e in unseen) / len(unseen) if unseen else float("nan")
+        print(f"with the adapter, on the {len(unseen)} held-out rows whose prompt training never saw: {share:.1%}")
 
 
 def _print_data(scenario, template, rows: Rows, args, system) -> None:
