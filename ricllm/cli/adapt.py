@@ -41,7 +41,8 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                              "(repeatable)")
     parser.add_argument("--rows", choices=ROW_SOURCES, default="drawn",
                         help="drawn: rows drawn from the trace's KPI ranges, held out by another seed; trace: the "
-                             "trace's rows outside the window the replay scores train, the scored requests are held out")
+                             "trace's rows outside the window the replay scores train, the scored requests are "
+                             "held out")
     parser.add_argument("--model", default=None, help="base model, a .gguf file or an HF folder "
                         "(default: the installed SmolLM2-135M-Instruct)")
     parser.add_argument("--out", default=None, help="adapter folder (default: <cache>/adapters/<scenario>-<template>)")
@@ -109,15 +110,12 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     system = args.system or adapt.default_system_prompt(template)
     _print_data(scenario, template, rows, args, system)
     out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}"
-    manifest = _manifest(scenario, template, args, system, checkpoint.path)
-    manifest["training"].update(rows.manifest["training"])
-    manifest["held_out"] = rows.manifest["held_out"]
-    prompted = _prompted_conversation(scenario, template.name)
     scored_requests = adapt.scored_requests(scenario, trace, template.name)
-    manifest["scored_requests"] = len(scored_requests)
+    manifest = _manifest(scenario, template, args, system, checkpoint.path, rows, len(scored_requests))
     drawn = args.rows == "drawn" and bool(scored_requests)
     scored_majority = adapt.majority_share([r.expected for r in scored_requests]) if drawn else None
-    return _train_and_judge(args, checkpoint, template, system, rows, out, manifest, prompted, scored_majority)
+    return _train_and_judge(args, checkpoint, template, system, rows, out, manifest,
+                            _prompted_conversation(scenario, template.name), scored_majority)
 
 
 def _drawn_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
@@ -136,7 +134,7 @@ def _drawn_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     held_out_from = (f"held out {len(held_out)} rows (seed {eval_seed}); the replay scores {len(scored)} distinct "
                      f"prompts for this template, {adapt.count_seen(training, scored)} of them seen in training")
     manifest = {"training": {"source": "uniform over the trace's KPI ranges", "rows": len(training),
-                                  "seed": args.seed, "missing_share": args.missing_share},
+                             "seed": args.seed, "missing_share": args.missing_share},
                 "held_out": {"source": "uniform over the trace's KPI ranges", "rows": len(held_out), "seed": eval_seed,
                              "scored_prompts_seen_in_training": adapt.count_seen(training, scored)}}
     return Rows(training, held_out, trained_on, held_out_from, 0, manifest)
@@ -160,8 +158,8 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
                      "verbatim in training")
     window = [start, None if end == float("inf") else end]
     manifest = {"training": {"source": "trace rows outside the scored window", "rows": len(split.training),
-                                  "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside],
-                                  "seed": args.seed},
+                             "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside],
+                             "seed": args.seed},
                 "held_out": {"source": "the requests the replay scores", "rows": len(held_out), "window_s": window,
                              "seen_in_training": len(seen)}}
     return Rows(split.training, held_out, trained_on, held_out_from, len(seen), manifest)
@@ -240,13 +238,14 @@ def _print_data(scenario, template, rows: Rows, args, system) -> None:
     print(f"system prompt: {system!r}")
 
 
-def _manifest(scenario, template, args, system, model_path) -> dict[str, Any]:
+def _manifest(scenario, template, args, system, model_path, rows: Rows, scored_requests: int) -> dict[str, Any]:
     from ricllm.replay.adapt import template_digest
 
+    training = {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
+                "rank": args.rank, "alpha": args.alpha, "seed": args.seed, **rows.manifest["training"]}
     return {"scenario": scenario.name, "template": template.name, "overrides": list(args.overrides),
             "policy": [{"when": r.when.text if r.when else None, "then": r.then} for r in template.policy.rules],
             "template_sha256": template_digest(scenario, template),
             "base_model": {"path": os.fspath(model_path), "sha256": file_digest(model_path)},
-            "system_prompt": system, "prompt": args.prompt, "rows": args.rows,
-            "training": {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
-                         "rank": args.rank, "alpha": args.alpha, "seed": args.seed}}
+            "system_prompt": system, "prompt": args.prompt, "rows": args.rows, "training": training,
+            "held_out": rows.manifest["held_out"], "scored_requests": scored_requests}

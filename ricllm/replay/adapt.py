@@ -252,7 +252,8 @@ def scored_window(scenario: Scenario) -> tuple[float, float]:
 def _requests_between(scenario: Scenario, trace: LoadedTrace, template: str, start: float,
                       end: float) -> list[PlannedRequest]:
     """The requests the replay would send for the template if it replayed ``[start, end)`` instead."""
-    pacing = scenario.pacing.model_copy(update={"start_s": start, "duration_s": None if math.isinf(end) else end - start})
+    duration = None if math.isinf(end) else end - start
+    pacing = scenario.pacing.model_copy(update={"start_s": start, "duration_s": duration})
     return scored_requests(scenario.model_copy(update={"pacing": pacing}), trace, template)
 
 
