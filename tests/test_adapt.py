@@ -303,3 +303,25 @@ def test_training_runs_the_shared_system_prompt_once_for_the_same_loss_and_gradi
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     for whole, once in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(once, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_drawn_rows_judged_on_the_scored_requests_take_ranges_from_outside_the_window(link, tiny_gguf, tmp_path,
+                                                                                      capsys):
+    scenario, trace, template = link
+    outside = adapt.unscored_part(scenario, trace)
+    assert outside.rows and all(row.time_s < 800 for row in outside.rows)
+    assert len(outside.rows) == sum(row.time_s < 800 for row in trace.rows)
+    require_module("peft")
+    out = tmp_path / "adapter"
+    code = main(["adapt", "link", "--rows", "drawn", "--held-out", "scored", "--prompt", "replay", "--model",
+                 str(tiny_gguf), "--out", str(out), "--examples", "16", "--eval-examples", "8", "--steps", "2",
+                 "--batch-size", "4", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "trained on 16 rows drawn from the KPI ranges of the trace's rows outside the window the replay " \
+           "scores (0 s to 800 s of trace time" in printed
+    assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
+    manifest = json.loads((out / "ricllm_adapt.json").read_text())
+    assert manifest["held_out"]["source"] == "the requests the replay scores" and manifest["held_out"]["rows"] == 8
+    assert main(["adapt", "link", "--rows", "trace", "--held-out", "drawn"]) == 2
+    assert "drop --held-out drawn" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from ricllm.paths import cache_dir, file_digest
 
 PROMPT_FORMS = ("raw", "replay")
 ROW_SOURCES = ("drawn", "trace")
+HELD_OUT = ("drawn", "scored")
 
 
 def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +44,11 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                         help="drawn: rows drawn from the trace's KPI ranges, held out by another seed; trace: the "
                              "trace's rows outside the window the replay scores train, the scored requests are "
                              "held out")
+    parser.add_argument("--held-out", choices=HELD_OUT, default=None,
+                        help="what is judged: drawn, rows drawn with --eval-seed; scored, the requests the replay "
+                             "scores (default: drawn with --rows drawn, scored with --rows trace). --rows drawn "
+                             "--held-out scored draws the training rows from the ranges of the rows outside the "
+                             "scored window")
     parser.add_argument("--model", default=None, help="base model, a .gguf file or an HF folder "
                         "(default: the installed SmolLM2-135M-Instruct)")
     parser.add_argument("--out", default=None, help="adapter folder (default: <cache>/adapters/<scenario>-<template>)")
@@ -90,7 +96,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.missing_share < 1:
         raise AdaptError(f"--missing-share must be in [0, 1), got {args.missing_share}")
-    if args.rows == "trace" and args.eval_seed is not None:
+    if args.rows == "trace" and args.held_out == "drawn":
+        raise AdaptError("--rows trace holds out the requests the replay scores: drop --held-out drawn")
+    if (args.rows == "trace" or args.held_out == "scored") and args.eval_seed is not None:
         raise AdaptError("--eval-seed draws held-out rows; with --rows trace the held-out rows are the requests "
                          "the replay scores: drop --eval-seed")
 
@@ -104,8 +112,12 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario, args.overrides)
     template = adapt.template_policy(scenario, args.template)
     trace = load_scenario_trace(scenario)
-    rows = _trace_rows(args, scenario, trace, template) if args.rows == "trace" else \
-        _drawn_rows(args, scenario, trace, template)
+    if args.rows == "trace":
+        rows = _trace_rows(args, scenario, trace, template)
+    elif args.held_out == "scored":
+        rows = _drawn_split_rows(args, scenario, trace, template)
+    else:
+        rows = _drawn_rows(args, scenario, trace, template)
     checkpoint = open_checkpoint(args.model)
     system = args.system or adapt.default_system_prompt(template)
     _print_data(scenario, template, rows, args, system)
@@ -138,6 +150,33 @@ def _drawn_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
                 "held_out": {"source": "uniform over the trace's KPI ranges", "rows": len(held_out), "seed": eval_seed,
                              "scored_prompts_seen_in_training": adapt.count_seen(training, scored)}}
     return Rows(training, held_out, trained_on, held_out_from, 0, manifest)
+
+
+def _drawn_split_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
+    """Rows drawn from the KPI ranges of the rows outside the scored window; the scored requests held out."""
+    from ricllm.replay import adapt
+
+    split = adapt.split_by_time(scenario, trace, template, args.prompt)
+    scored = {example.user for example in split.held_out}
+    training = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, args.examples, args.seed,
+                                   prompt=args.prompt, missing_share=args.missing_share, exclude=scored)
+    held_out = split.held_out[:args.eval_examples] if args.eval_examples else split.held_out
+    trained = {example.user for example in training}
+    seen = [example for example in held_out if example.user in trained]
+    start, end = split.scored_window
+    outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
+    trained_on = (f"trained on {len(training)} rows drawn from the KPI ranges of the trace's rows outside the window "
+                  f"the replay scores ({outside} of trace time; seed {args.seed}, {args.missing_share:.0%} with one "
+                  f"KPI missing), {args.prompt} user prompts")
+    held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
+                     f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
+                     "verbatim in training")
+    manifest = {"training": {"source": "uniform over the KPI ranges of the rows outside the scored window",
+                             "rows": len(training), "seed": args.seed, "missing_share": args.missing_share,
+                             "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside]},
+                "held_out": {"source": "the requests the replay scores", "rows": len(held_out),
+                             "window_s": [start, None if end == float("inf") else end], "seen_in_training": len(seen)}}
+    return Rows(training, held_out, trained_on, held_out_from, len(seen), manifest)
 
 
 def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:

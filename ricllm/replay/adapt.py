@@ -16,6 +16,7 @@ prompts training saw. Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -241,6 +242,13 @@ class TraceSplit:
         """The held-out rows whose user prompt a training row has verbatim."""
         trained = {example.user for example in self.training}
         return [example for example in self.held_out if example.user in trained]
+
+
+def unscored_part(scenario: Scenario, trace: LoadedTrace) -> LoadedTrace:
+    """The trace without the rows in the window the replay scores: where drawn rows take their KPI
+    ranges when the scored requests are held out."""
+    start, end = scored_window(scenario)
+    return dataclasses.replace(trace, rows=[row for row in trace.rows if not start <= row.time_s < end])
 
 
 def scored_window(scenario: Scenario) -> tuple[float, float]:
