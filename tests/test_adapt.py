@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ricllm.cli import main
+from ricllm.engine.chat_prefix import render_chat_prefix
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.lora import load_lora_adapter
 from ricllm.paths import file_digest
@@ -168,3 +169,159 @@ def test_the_answer_logits_are_the_models_own(tiny_gguf, scenario, trace, conges
     torch.testing.assert_close(logits, torch.stack(expected), rtol=1e-5, atol=1e-5)
     assert targets.tolist() == [t for item in items for t in item.labels[item.prompt_len:]]
     assert rows.tolist() == [r for r, item in enumerate(items) for _ in item.labels[item.prompt_len:]]
+
+
+# --------------------------------------------------------------------- trace rows split by time
+
+@pytest.fixture(scope="module")
+def link():
+    scenario = load_scenario("link")
+    return scenario, load_scenario_trace(scenario), adapt.template_policy(scenario, "link")
+
+
+def test_trace_rows_train_before_the_split_and_hold_out_what_the_replay_scores(link):
+    scenario, trace, template = link
+    split = adapt.split_by_time(scenario, trace, template)
+    assert split.scored_window == (800.0, float("inf")) and split.outside == [(0.0, 800.0)]
+    assert max(e.time_s for e in split.training) < 800 <= min(e.time_s for e in split.held_out)
+    scored = adapt.scored_requests(scenario, trace, "link")
+    assert [e.user for e in split.held_out] == [r.user_prompt for r in scored]  # exactly what the report judges
+    assert [e.expected for e in split.held_out] == [r.expected for r in scored]
+    before = load_scenario("link", ["pacing.start_s=0", "pacing.duration_s=800"])
+    assert [e.user for e in split.training] == [r.user_prompt for r in adapt.scored_requests(before, trace, "link")]
+    assert all(e.expected == template.policy.expected(e.kpis) for e in split.training + split.held_out)
+    trained = {e.user for e in split.training}
+    seen = split.seen_in_training()
+    assert seen == [e for e in split.held_out if e.user in trained] and len(seen) < len(split.held_out) // 10
+
+
+def test_a_scored_window_in_the_middle_trains_on_both_sides_of_it(link):
+    scenario, _, _ = link
+    middle = load_scenario("link", ["pacing.start_s=400", "pacing.duration_s=300"])
+    split = adapt.split_by_time(middle, load_scenario_trace(middle), adapt.template_policy(middle, "link"),
+                                prompt="raw")
+    assert split.outside == [(0.0, 400.0), (700.0, float("inf"))]
+    assert not [e for e in split.training if 400 <= e.time_s < 700]
+    assert {e.time_s < 400 for e in split.training} == {True, False}
+    assert all(400 <= e.time_s < 700 for e in split.held_out)
+    assert all(e.user == adapt.raw_user_prompt(e.kpis) for e in split.training + split.held_out)
+    sample = adapt.split_by_time(middle, load_scenario_trace(middle), adapt.template_policy(middle, "link"),
+                                 limit=50, seed=3)
+    assert len(sample.training) == 50 and sample.held_out == adapt.split_by_time(
+        middle, load_scenario_trace(middle), adapt.template_policy(middle, "link")).held_out
+
+
+def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp_path, capsys):
+    require_module("peft")
+    out = tmp_path / "adapter"
+    code = main(["adapt", "link", "--rows", "trace", "--prompt", "replay", "--model", str(tiny_gguf), "--out",
+                 str(out), "--examples", "16", "--eval-examples", "8", "--steps", "2", "--batch-size", "4",
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "trained on 16 of the trace's rows the replay would send for this template outside the window it " \
+           "scores (0 s to 800 s of trace time)" in printed
+    assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
+    for line in ("with the adapter", "base model (no adapter)",
+                 "base model prompted with the template (6 examples)", "majority class"):
+        assert line in printed
+    manifest = json.loads((out / "ricllm_adapt.json").read_text())
+    assert manifest["rows"] == "trace" and manifest["training"]["rows"] == 16
+    assert manifest["training"]["spans_s"] == [[0.0, 800.0]]
+    assert manifest["held_out"] == {"source": "the requests the replay scores", "rows": 8, "window_s": [800.0, None],
+                                    "seen_in_training": 0}
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["adapt", "default", "--rows", "trace"], "--set pacing.start_s=SECONDS"),
+    (["adapt", "link", "--rows", "trace", "--set", "pacing.start_s=5000"], "nothing to hold out"),
+    (["adapt", "link", "--rows", "trace", "--eval-seed", "3"], "drop --eval-seed"),
+], ids=["nothing-outside", "nothing-scored", "eval-seed"])
+def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_judging_with_shared_tokens_run_once_ranks_answers_as_the_whole_request(tiny_gguf, link):
+    """The template's conversation runs once and each row's request once, its answers branching
+    after it: each answer's score differs from the whole request's by the same amount for every
+    answer of a row (the answers' shared first tokens), so the choice is the same."""
+    require_module("transformers")
+    import torch
+
+    from ricllm.replay.adapter_training import answer_log_probs, answer_scores, collate, load_base_model
+    from ricllm.replay.templates import scenario_templates
+
+    scenario, trace, template = link
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    model = load_base_model(tiny_gguf).eval()
+    texts = [template.answer_text(answer) for answer in template.answers]
+    held_out = adapt.split_by_time(scenario, trace, template).held_out
+    by_length: dict[int, list] = {}
+    for example in held_out[:40]:
+        by_length.setdefault(len(adapt.request_ids(tokenizer, "", example.user)), []).append(example)
+    same = max(by_length.values(), key=len)[:3]  # rows that run as one batch
+    examples = same + [e for e in held_out if None in e.kpis.values()][:1]  # and a stem of another length
+    assert len(same) > 1 and examples[-1] not in same
+    for system, batch in ((adapt.default_system_prompt(template), 8192),
+                          (scenario_templates(scenario)["link"].message_list, 64)):
+        items = [adapt.tokenize_example(tokenizer, system, adapt.Example(e.kpis, e.user, {}, text))
+                 for e in examples for text in texts]
+        with torch.no_grad():
+            whole = answer_log_probs(model, collate(items, pad_id=0))
+            branched = answer_scores(model, tokenizer, system, texts, examples, progress=False, tokens_per_batch=batch)
+        for row, scores in enumerate(branched):
+            full = whole[row * len(texts):(row + 1) * len(texts)]
+            shift = full[0] - scores[0]
+            assert [s + shift for s in scores] == pytest.approx(full, abs=2e-4)
+
+
+def test_training_runs_the_shared_system_prompt_once_for_the_same_loss_and_gradients(tiny_gguf, scenario, trace,
+                                                                                  congestion):
+    require_module("peft")
+    import torch
+
+    from ricllm.replay.adapter_training import TrainingSettings, batch_loss, load_base_model, with_lora
+
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer
+    system = adapt.default_system_prompt(congestion)
+    items = [adapt.tokenize_example(tokenizer, system, e)
+             for e in adapt.make_examples(scenario, trace, congestion, 4, seed=0)]
+    shared = len(adapt.request_ids(tokenizer, system, "")) - 8  # the system turn and more
+    model = with_lora(load_base_model(tiny_gguf), TrainingSettings(seed=0))
+    for p in model.parameters():  # PEFT starts B at zero: give the adapter a part in the prefix's K/V
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    results = []
+    for prefix in (0, shared):
+        loss = batch_loss(model, items, prefix, pad_id=0)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        results.append((loss.item(), grads))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    for whole, once in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(once, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_drawn_rows_judged_on_the_scored_requests_take_ranges_from_outside_the_window(link, tiny_gguf, tmp_path,
+                                                                                      capsys):
+    scenario, trace, template = link
+    outside = adapt.unscored_part(scenario, trace)
+    assert outside.rows and all(row.time_s < 800 for row in outside.rows)
+    assert len(outside.rows) == sum(row.time_s < 800 for row in trace.rows)
+    require_module("peft")
+    out = tmp_path / "adapter"
+    code = main(["adapt", "link", "--rows", "drawn", "--held-out", "scored", "--prompt", "replay", "--model",
+                 str(tiny_gguf), "--out", str(out), "--examples", "16", "--eval-examples", "8", "--steps", "2",
+                 "--batch-size", "4", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "trained on 16 rows drawn from the KPI ranges of the trace's rows outside the window the replay " \
+           "scores (0 s to 800 s of trace time" in printed
+    assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
+    manifest = json.loads((out / "ricllm_adapt.json").read_text())
+    assert manifest["held_out"]["source"] == "the requests the replay scores" and manifest["held_out"]["rows"] == 8
+    assert main(["adapt", "link", "--rows", "trace", "--held-out", "drawn"]) == 2
+    assert "drop --held-out drawn" in capsys.readouterr().err

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ricllm.paths import cache_dir, file_digest
 
 PROMPT_FORMS = ("raw", "replay")
+ROW_SOURCES = ("drawn", "trace")
+HELD_OUT = ("drawn", "scored")
 
 
 def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
@@ -21,29 +24,47 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "adapt", help="train a LoRA adapter that answers as a scenario template's policy",
         description="Train a LoRA adapter (PEFT format) that answers as a scenario template's policy (its `expect` "
-                    "rules). KPI rows are drawn at random from the ranges of the scenario's trace (never its rows), "
-                    "labelled by the policy, and rendered as the engine's chat request under a one-line system "
-                    "prompt, with loss on the answer's tokens only; a row whose user prompt the replay scores is "
-                    "dropped. Training runs on the CPU with HF transformers and peft. The adapter is then judged "
-                    "on rows drawn with another seed: accuracy with and without it, beside always answering the "
-                    "majority class. Exit status 2 for a mistake in the arguments or the scenario.",
+                    "rules). Rows labelled by the policy are rendered as the engine's chat request under a one-line "
+                    "system prompt, with loss on the answer's tokens only. With --rows drawn they are drawn at random "
+                    "from the ranges of the scenario's trace (never its rows; a row whose user prompt the replay "
+                    "scores is dropped) and judged on rows drawn with another seed; with --rows trace they are the "
+                    "trace's own rows outside the window the replay scores (pacing.start_s, duration_s), judged on "
+                    "the requests the replay scores. Training runs on the CPU with HF transformers and peft. The "
+                    "judgement prints the share correct with the adapter, without it, and of the model prompted with "
+                    "the template itself, beside always answering the majority class. Exit status 2 for a mistake "
+                    "in the arguments or the scenario.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("scenario", nargs="?", default="default", help="scenario file, or a bundled scenario's name")
     parser.add_argument("--template", default=None,
                         help="the template whose policy to learn (default: the scenario's first template with one)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a scenario field, as ricllm replay does, e.g. --set pacing.start_s=40 "
+                             "(repeatable)")
+    parser.add_argument("--rows", choices=ROW_SOURCES, default="drawn",
+                        help="drawn: rows drawn from the trace's KPI ranges, held out by another seed; trace: the "
+                             "trace's rows outside the window the replay scores train, the scored requests are "
+                             "held out")
+    parser.add_argument("--held-out", choices=HELD_OUT, default=None,
+                        help="what is judged: drawn, rows drawn with --eval-seed; scored, the requests the replay "
+                             "scores (default: drawn with --rows drawn, scored with --rows trace). --rows drawn "
+                             "--held-out scored draws the training rows from the ranges of the rows outside the "
+                             "scored window")
     parser.add_argument("--model", default=None, help="base model, a .gguf file or an HF folder "
                         "(default: the installed SmolLM2-135M-Instruct)")
     parser.add_argument("--out", default=None, help="adapter folder (default: <cache>/adapters/<scenario>-<template>)")
-    parser.add_argument("--examples", type=int, default=800, help="training rows")
-    parser.add_argument("--eval-examples", type=int, default=200, help="held-out rows judged")
+    parser.add_argument("--examples", type=int, default=800, help="training rows (with --rows trace: at most this "
+                        "many, a seeded sample of the rows outside the scored window)")
+    parser.add_argument("--eval-examples", type=int, default=None, help="held-out rows judged (default: 200 drawn; "
+                        "with --rows trace, every scored request)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--alpha", type=int, default=16, help="LoRA alpha (the update is scaled by alpha / rank)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training rows and of training")
-    parser.add_argument("--eval-seed", type=int, default=None, help="seed of the held-out rows (default: seed + 1)")
-    parser.add_argument("--missing-share", type=float, default=0.08, help="share of rows with one KPI missing")
+    parser.add_argument("--eval-seed", type=int, default=None, help="seed of the held-out drawn rows "
+                        "(default: seed + 1)")
+    parser.add_argument("--missing-share", type=float, default=0.08, help="share of drawn rows with one KPI missing")
     parser.add_argument("--prompt", choices=PROMPT_FORMS, default="raw",
                         help="user prompt: raw, the KPIs the policy reads as numbers; replay, the scenario's own "
                              "user prompt (level-style prompts repeat the prompts the replay scores: counted)")
@@ -54,14 +75,32 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_adapt)
 
 
+@dataclass
+class Rows:
+    """What training reads and what the judgement reads, and how to say where each came from."""
+
+    training: list
+    held_out: list
+    trained_on: str
+    held_out_from: str
+    seen: int  # held-out rows whose user prompt a training row has verbatim
+    manifest: dict[str, Any]
+
+
 def _check_args(args: argparse.Namespace) -> None:
     from ricllm.replay.adapt import AdaptError
 
     for name in ("examples", "eval_examples", "steps", "batch_size", "rank", "alpha", "threads"):
-        if getattr(args, name) < 1:
-            raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.missing_share < 1:
         raise AdaptError(f"--missing-share must be in [0, 1), got {args.missing_share}")
+    if args.rows == "trace" and args.held_out == "drawn":
+        raise AdaptError("--rows trace holds out the requests the replay scores: drop --held-out drawn")
+    if (args.rows == "trace" or args.held_out == "scored") and args.eval_seed is not None:
+        raise AdaptError("--eval-seed draws held-out rows; with --rows trace the held-out rows are the requests "
+                         "the replay scores: drop --eval-seed")
 
 
 def cmd_adapt(args: argparse.Namespace) -> int:
@@ -70,84 +109,182 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     from ricllm.replay.loading import load_scenario, load_scenario_trace
 
     _check_args(args)
-    scenario = load_scenario(args.scenario)
+    scenario = load_scenario(args.scenario, args.overrides)
     template = adapt.template_policy(scenario, args.template)
-    checkpoint = open_checkpoint(args.model)
     trace = load_scenario_trace(scenario)
+    if args.rows == "trace":
+        rows = _trace_rows(args, scenario, trace, template)
+    elif args.held_out == "scored":
+        rows = _drawn_split_rows(args, scenario, trace, template)
+    else:
+        rows = _drawn_rows(args, scenario, trace, template)
+    checkpoint = open_checkpoint(args.model)
+    system = args.system or adapt.default_system_prompt(template)
+    _print_data(scenario, template, rows, args, system)
+    out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}"
     scored_requests = adapt.scored_requests(scenario, trace, template.name)
-    scored = {request.user_prompt for request in scored_requests}
+    manifest = _manifest(scenario, template, args, system, checkpoint.path, rows, len(scored_requests))
+    drawn = args.rows == "drawn" and bool(scored_requests)
+    scored_majority = adapt.majority_share([r.expected for r in scored_requests]) if drawn else None
+    return _train_and_judge(args, checkpoint, template, system, rows, out, manifest,
+                            _prompted_conversation(scenario, template.name), scored_majority)
+
+
+def _drawn_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
+    from ricllm.replay import adapt
+
+    scored = adapt.scored_prompts(scenario, trace, template.name)
     eval_seed = args.seed + 1 if args.eval_seed is None else args.eval_seed
     draw = dict(prompt=args.prompt, missing_share=args.missing_share)
     training = adapt.make_examples(scenario, trace, template, args.examples, args.seed, exclude=scored, **draw)
-    held_out = adapt.make_examples(scenario, trace, template, args.eval_examples, eval_seed,
+    held_out = adapt.make_examples(scenario, trace, template, args.eval_examples or 200, eval_seed,
                                    exclude=scored | {example.user for example in training}, **draw)
     if not training or not held_out:
         raise adapt.AdaptError("every drawn row's user prompt is one the replay scores; use --prompt raw")
-    system = args.system or adapt.default_system_prompt(template)
-    _print_data(scenario, template, training, held_out, scored, args, eval_seed, system)
-    out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}"
-    manifest = {**_manifest(scenario, template, args, eval_seed, system, training, held_out, checkpoint.path),
-                "scored_requests": len(scored_requests)}
-    scored_majority = adapt.majority_share([r.expected for r in scored_requests]) if scored_requests else None
-    return _train_and_judge(args, checkpoint, template, system, training, held_out, out, manifest, scored_majority)
+    trained_on = (f"trained on {len(training)} rows drawn from the trace's KPI ranges (seed {args.seed}, "
+                  f"{args.missing_share:.0%} with one KPI missing), {args.prompt} user prompts")
+    held_out_from = (f"held out {len(held_out)} rows (seed {eval_seed}); the replay scores {len(scored)} distinct "
+                     f"prompts for this template, {adapt.count_seen(training, scored)} of them seen in training")
+    manifest = {"training": {"source": "uniform over the trace's KPI ranges", "rows": len(training),
+                             "seed": args.seed, "missing_share": args.missing_share},
+                "held_out": {"source": "uniform over the trace's KPI ranges", "rows": len(held_out), "seed": eval_seed,
+                             "scored_prompts_seen_in_training": adapt.count_seen(training, scored)}}
+    return Rows(training, held_out, trained_on, held_out_from, 0, manifest)
 
 
-def _train_and_judge(args, checkpoint, template, system, training, held_out, out: Path, manifest,
+def _drawn_split_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
+    """Rows drawn from the KPI ranges of the rows outside the scored window; the scored requests held out."""
+    from ricllm.replay import adapt
+
+    split = adapt.split_by_time(scenario, trace, template, args.prompt)
+    scored = {example.user for example in split.held_out}
+    training = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, args.examples, args.seed,
+                                   prompt=args.prompt, missing_share=args.missing_share, exclude=scored)
+    held_out = split.held_out[:args.eval_examples] if args.eval_examples else split.held_out
+    trained = {example.user for example in training}
+    seen = [example for example in held_out if example.user in trained]
+    start, end = split.scored_window
+    outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
+    trained_on = (f"trained on {len(training)} rows drawn from the KPI ranges of the trace's rows outside the window "
+                  f"the replay scores ({outside} of trace time; seed {args.seed}, {args.missing_share:.0%} with one "
+                  f"KPI missing), {args.prompt} user prompts")
+    held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
+                     f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
+                     "verbatim in training")
+    manifest = {"training": {"source": "uniform over the KPI ranges of the rows outside the scored window",
+                             "rows": len(training), "seed": args.seed, "missing_share": args.missing_share,
+                             "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside]},
+                "held_out": {"source": "the requests the replay scores", "rows": len(held_out),
+                             "window_s": [start, None if end == float("inf") else end], "seen_in_training": len(seen)}}
+    return Rows(training, held_out, trained_on, held_out_from, len(seen), manifest)
+
+
+def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
+    from ricllm.replay import adapt
+
+    split = adapt.split_by_time(scenario, trace, template, args.prompt, limit=args.examples, seed=args.seed)
+    held_out = split.held_out
+    if args.eval_examples is not None and len(held_out) > args.eval_examples:
+        held_out = held_out[:args.eval_examples]
+    trained = {example.user for example in split.training}
+    seen = [example for example in held_out if example.user in trained]
+    start, end = split.scored_window
+    outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
+    trained_on = (f"trained on {len(split.training)} of the trace's rows the replay would send for this template "
+                  f"outside the window it scores ({outside} of trace time), {args.prompt} user prompts")
+    held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
+                     f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
+                     "verbatim in training")
+    window = [start, None if end == float("inf") else end]
+    manifest = {"training": {"source": "trace rows outside the scored window", "rows": len(split.training),
+                             "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside],
+                             "seed": args.seed},
+                "held_out": {"source": "the requests the replay scores", "rows": len(held_out), "window_s": window,
+                             "seen_in_training": len(seen)}}
+    return Rows(split.training, held_out, trained_on, held_out_from, len(seen), manifest)
+
+
+def _span(start: float, end: float) -> str:
+    return f"from {start:g} s on" if end == float("inf") else f"{start:g} s to {end:g} s"
+
+
+def _prompted_conversation(scenario, name: str) -> list[dict[str, str]]:
+    """The template's own conversation (its system prompt with the policy, then its worked examples)."""
+    from ricllm.replay.templates import scenario_templates
+
+    return scenario_templates(scenario)[name].message_list
+
+
+def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, manifest, prompted,
                      scored_majority: tuple[str, float] | None) -> int:
     import torch
 
     from ricllm.model.lora import load_lora_adapter
     from ricllm.replay import adapter_training as at
-    from ricllm.replay.adapt import majority_share
 
     torch.set_num_threads(args.threads)
     settings = at.TrainingSettings(args.rank, args.alpha, args.steps, args.batch_size, args.learning_rate, args.seed)
-    tokenizer, progress = checkpoint.tokenizer, not args.no_progress
+    tokenizer = checkpoint.tokenizer
     model = at.with_lora(at.load_base_model(checkpoint.path), settings)
-    result = at.train(model, tokenizer, system, training, settings, progress)
+    result = at.train(model, tokenizer, system, rows.training, settings, not args.no_progress)
     at.save_adapter(model, out, {**manifest, "final_loss": result.losses[-1]})
     adapter = load_lora_adapter(out, checkpoint.spec)
-    tuned = at.accuracy(at.predict(model, tokenizer, system, template, held_out, progress=progress), held_out)
-    with model.disable_adapter():
-        base = at.accuracy(at.predict(model, tokenizer, system, template, held_out, progress=progress), held_out)
-    label, majority = majority_share([example.expected for example in held_out])
     print(f"\nloss: {result.losses[0]:.4f} at step 1, {result.losses[-1]:.4f} at step {len(result.losses)}")
-    print(f"held-out rows: {len(held_out)} (seed {manifest['held_out']['seed']})")
-    print(f"{'':<28}{'correct':>10}")
-    print(f"{'with the adapter':<28}{tuned:>9.1%}")
-    print(f"{'base model (no adapter)':<28}{base:>9.1%}")
-    print(f"{'majority class':<28}{majority:>9.1%}   (always {label})")
-    if scored_majority is not None:
-        print(f"(on the {manifest['scored_requests']} requests the replay scores for this template, the majority "
-              f"class is {scored_majority[1]:.1%}: always {scored_majority[0]})")
     print(f"adapter: {out}, read back by ricllm: {sum(1 for _ in adapter.projections())} projections, "
           f"{adapter.num_parameters:,} parameters, {adapter.nbytes / 2**20:.2f} MiB as fp32, "
           f"content hash {adapter.content_hash[:12]}")
+    _judge(args, model, tokenizer, template, system, rows, prompted)
+    if scored_majority is not None:
+        print(f"(on the {manifest['scored_requests']} requests the replay scores for this template, the majority "
+              f"class is {scored_majority[1]:.1%}: always {scored_majority[0]})")
     return 0
 
 
-def _print_data(scenario, template, training, held_out, scored, args, eval_seed, system) -> None:
-    from ricllm.replay.adapt import class_counts, count_seen
+def _judge(args, model, tokenizer, template, system, rows: Rows, prompted) -> None:
+    """The table, a line as each way of asking is judged (the adapter's first)."""
+    from ricllm.replay import adapter_training as at
+    from ricllm.replay.adapt import majority_share
+
+    held_out, progress = rows.held_out, not args.no_progress
+    label, majority = majority_share([example.expected for example in held_out])
+    shots = sum(1 for m in prompted if m["role"] == "assistant")
+    print(f"held-out rows: {len(held_out)}")
+    print(f"{'':<52}{'correct':>10}")
+    print(f"{'majority class':<52}{majority:>9.1%}   (always {label})", flush=True)
+    tuned = at.predict(model, tokenizer, system, template, held_out, progress=progress)
+    print(f"{'with the adapter':<52}{at.accuracy(tuned, held_out):>9.1%}", flush=True)
+    with model.disable_adapter():
+        base = at.predict(model, tokenizer, system, template, held_out, progress=progress)
+        print(f"{'base model (no adapter)':<52}{at.accuracy(base, held_out):>9.1%}", flush=True)
+        asked = at.predict(model, tokenizer, prompted, template, held_out, progress=progress)
+        print(f"{f'base model prompted with the template ({shots} examples)':<52}{at.accuracy(asked, held_out):>9.1%}")
+    if rows.seen:
+        trained = {example.user for example in rows.training}
+        unseen = [(a, e) for a, e in zip(tuned, held_out) if e.user not in trained]
+        share = sum(a == e.expected for a, e in unseen) / len(unseen) if unseen else float("nan")
+        print(f"with the adapter, on the {len(unseen)} held-out rows whose prompt training never saw: {share:.1%}")
+
+
+def _print_data(scenario, template, rows: Rows, args, system) -> None:
+    from ricllm.replay.adapt import class_counts
 
     print(f"template {template.name!r} of scenario {scenario.name!r}: {len(template.answers)} answers, "
           f"policy reads {', '.join(template.kpis)}")
-    print(f"trained on {len(training)} rows drawn from the trace's KPI ranges (seed {args.seed}, "
-          f"{args.missing_share:.0%} with one KPI missing), {args.prompt} user prompts; rows per answer: "
-          + ", ".join(f"{answer} {n}" for answer, n in class_counts(training).items()))
-    print(f"held out {len(held_out)} rows (seed {eval_seed}); the replay scores {len(scored)} distinct prompts "
-          f"for this template, {count_seen(training, scored)} of them seen in training")
+    print(f"{rows.trained_on}; rows per answer: "
+          + ", ".join(f"{answer} {n}" for answer, n in class_counts(rows.training).items()))
+    print(f"{rows.held_out_from}; rows per answer: "
+          + ", ".join(f"{answer} {n}" for answer, n in class_counts(rows.held_out).items()))
     print(f"system prompt: {system!r}")
 
 
-def _manifest(scenario, template, args, eval_seed, system, training, held_out, model_path) -> dict[str, Any]:
+def _manifest(scenario, template, args, system, model_path, rows: Rows, scored_requests: int) -> dict[str, Any]:
     from ricllm.replay.adapt import template_digest
 
-    return {"scenario": scenario.name, "template": template.name,
+    training = {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
+                "rank": args.rank, "alpha": args.alpha, "seed": args.seed, **rows.manifest["training"]}
+    return {"scenario": scenario.name, "template": template.name, "overrides": list(args.overrides),
             "policy": [{"when": r.when.text if r.when else None, "then": r.then} for r in template.policy.rules],
             "template_sha256": template_digest(scenario, template),
             "base_model": {"path": os.fspath(model_path), "sha256": file_digest(model_path)},
-            "system_prompt": system, "prompt": args.prompt,
-            "training": {"rows": len(training), "seed": args.seed, "source": "uniform over the trace's KPI ranges",
-                         "missing_share": args.missing_share, "steps": args.steps, "batch_size": args.batch_size,
-                         "learning_rate": args.learning_rate, "rank": args.rank, "alpha": args.alpha},
-            "held_out": {"rows": len(held_out), "seed": eval_seed}}
+            "system_prompt": system, "prompt": args.prompt, "rows": args.rows, "training": training,
+            "held_out": rows.manifest["held_out"], "scored_requests": scored_requests}

@@ -1,19 +1,26 @@
-"""Examples that teach a template's policy to a LoRA adapter (``ricllm adapt``): KPI rows drawn at
-random, each labelled with the answer the template's ``expect`` rules give, rendered as the chat
-request the engine sends, with loss on the answer's tokens only.
+"""Examples that teach a template's policy to a LoRA adapter (``ricllm adapt``): KPI rows, each
+labelled with the answer the template's ``expect`` rules give, rendered as the chat request the
+engine sends, with loss on the answer's tokens only.
 
-Never train on what is scored: the rows are drawn from the KPI ranges of the scenario's trace,
-not taken from it, and a row whose user prompt is one the scenario's replay sends for the
-template is dropped (``scored_prompts``), so the replay's report judges prompts the adapter
-never saw. Level-style prompts (``PRB usage: high``) have only a few distinct strings, every one
-of which the replay sends; ``prompt="replay"`` therefore keeps them and ``count_seen`` says how
-many scored prompts training saw. Nothing here imports torch.
+Never train on what is scored. The rows come from one of two sources:
+- ``drawn``: drawn at random from the KPI ranges of the scenario's trace, not taken from it, and
+  a row whose user prompt is one the scenario's replay sends for the template is dropped
+  (``scored_prompts``), so the replay's report judges prompts the adapter never saw;
+- ``trace``: the trace's own rows split by time (``split_by_time``): the requests the replay
+  would send for the template outside the window it scores (``pacing.start_s``, ``duration_s``)
+  train, and the requests inside it, the ones its report scores, are held out.
+Level-style prompts (``PRB usage: high``) have only a few distinct strings, every one of which the
+replay sends; ``prompt="replay"`` therefore keeps them and ``count_seen`` says how many scored
+prompts training saw. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
+import random
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -33,6 +40,7 @@ from ricllm.replay.templates import answer_check, build_policy, system_text
 from ricllm.replay.traces import KpiRow, LoadedTrace
 
 PromptForm = Literal["raw", "replay"]
+RowSource = Literal["drawn", "trace"]
 IGNORE_INDEX = -100  # labels torch's cross-entropy skips: the prompt's tokens
 
 
@@ -48,6 +56,7 @@ class Example:
     user: str
     expected: dict[str, Any]
     answer: str
+    time_s: float | None = None  # the trace row's time, for rows taken from the trace
 
     @property
     def label(self) -> str:
@@ -215,6 +224,79 @@ def count_seen(examples: Sequence[Example], scored: set[str]) -> int:
     return len(scored & {example.user for example in examples})
 
 
+# ------------------------------------------------------------------------- trace rows by time
+
+@dataclass(frozen=True)
+class TraceSplit:
+    """A template's requests over the scenario's trace, split by the window its replay scores:
+    ``training`` from the rows outside ``scored_window`` (in ``outside``), ``held_out`` the
+    requests the report scores, in send order. Every training row's time is outside the window
+    and every held-out row's inside it."""
+
+    training: list[Example]
+    held_out: list[Example]
+    scored_window: tuple[float, float]
+    outside: list[tuple[float, float]]
+
+    def seen_in_training(self) -> list[Example]:
+        """The held-out rows whose user prompt a training row has verbatim."""
+        trained = {example.user for example in self.training}
+        return [example for example in self.held_out if example.user in trained]
+
+
+def unscored_part(scenario: Scenario, trace: LoadedTrace) -> LoadedTrace:
+    """The trace without the rows in the window the replay scores: where drawn rows take their KPI
+    ranges when the scored requests are held out."""
+    start, end = scored_window(scenario)
+    return dataclasses.replace(trace, rows=[row for row in trace.rows if not start <= row.time_s < end])
+
+
+def scored_window(scenario: Scenario) -> tuple[float, float]:
+    """The trace seconds the replay sends (and its report scores): ``[start_s, start_s + duration_s)``."""
+    pacing = scenario.pacing
+    return pacing.start_s, math.inf if pacing.duration_s is None else pacing.start_s + pacing.duration_s
+
+
+def _requests_between(scenario: Scenario, trace: LoadedTrace, template: str, start: float,
+                      end: float) -> list[PlannedRequest]:
+    """The requests the replay would send for the template if it replayed ``[start, end)`` instead."""
+    duration = None if math.isinf(end) else end - start
+    pacing = scenario.pacing.model_copy(update={"start_s": start, "duration_s": duration})
+    return scored_requests(scenario.model_copy(update={"pacing": pacing}), trace, template)
+
+
+def _trace_example(request: PlannedRequest, row: KpiRow, template: TemplatePolicy, prompt: PromptForm) -> Example:
+    kpis = {name: row.kpis.get(name) for name in template.kpis}
+    user = request.user_prompt if prompt == "replay" else raw_user_prompt(kpis)
+    expected = template.policy.expected(row.kpis)
+    return Example(kpis, user, expected, template.answer_text(expected), row.time_s)
+
+
+def split_by_time(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, prompt: PromptForm = "replay",
+                  limit: int | None = None, seed: int = 0) -> TraceSplit:
+    """The template's requests outside the scored window to train on (at most ``limit``, a seeded
+    sample), and the scored ones held out; an ``AdaptError`` when either part is empty."""
+    start, end = scored_window(scenario)
+    outside = ([(0.0, start)] if start > 0 else []) + ([] if math.isinf(end) else [(end, math.inf)])
+    rows = {row.line: row for row in trace.rows}
+    training = [_trace_example(request, rows[request.trace_line], template, prompt)
+                for lo, hi in outside for request in _requests_between(scenario, trace, template.name, lo, hi)]
+    held_out = [_trace_example(request, rows[request.trace_line], template, prompt)
+                for request in scored_requests(scenario, trace, template.name)]
+    window = f"[{start:g}, {end:g}) s of trace time (pacing.start_s, duration_s)"
+    if not held_out:
+        raise AdaptError(f"scenario {scenario.name!r}'s replay sends no request for template {template.name!r} "
+                         f"in the window it scores, {window}: nothing to hold out")
+    if not training:
+        raise AdaptError(f"scenario {scenario.name!r}'s replay scores the template's requests over the whole trace, "
+                         f"{window}: no row outside it to train on; split the trace by time with "
+                         "--set pacing.start_s=SECONDS (the replay then scores only the rows from there on), "
+                         "or use --rows drawn")
+    if limit is not None and len(training) > limit:
+        training = [training[i] for i in sorted(random.Random(seed).sample(range(len(training)), limit))]
+    return TraceSplit(training, held_out, (start, end), outside)
+
+
 def majority_share(labels: Sequence[Mapping[str, Any]]) -> tuple[str, float]:
     """The most common answer and its share (the always-answer-it baseline)."""
     label, n = Counter(json.dumps(dict(answer), sort_keys=True) for answer in labels).most_common(1)[0]
@@ -233,15 +315,21 @@ class TokenizedExample:
     prompt_len: int
 
 
-def request_ids(tokenizer: Tokenizer, system: str, user: str) -> list[int]:
-    """The chat request as the engine renders it: the system prompt as a pinned prefix, then the user turn."""
-    prefix = render_chat_prefix(tokenizer, [{"role": "system", "content": system}])
+def prefix_messages(system: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """A one-line system prompt as its message, or the conversation a template starts with as given."""
+    return [{"role": "system", "content": system}] if isinstance(system, str) else [dict(m) for m in system]
+
+
+def request_ids(tokenizer: Tokenizer, system: str | Sequence[Mapping[str, str]], user: str) -> list[int]:
+    """The chat request as the engine renders it: the system prompt (or a template's whole
+    conversation) as a pinned prefix, then the user turn."""
+    prefix = render_chat_prefix(tokenizer, prefix_messages(system))
     return render_chat_request(tokenizer, prefix, [{"role": "user", "content": user}])
 
 
-def answer_ids(tokenizer: Tokenizer, system: str, user: str, answer: str) -> list[int]:
+def answer_ids(tokenizer: Tokenizer, system: str | Sequence[Mapping[str, str]], user: str, answer: str) -> list[int]:
     """The assistant turn's tokens after the generation prompt, through the end-of-turn token."""
-    conversation = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    conversation = prefix_messages(system) + [{"role": "user", "content": user}]
     asked = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     whole = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": answer}],
                                           add_generation_prompt=False)
@@ -250,7 +338,8 @@ def answer_ids(tokenizer: Tokenizer, system: str, user: str, answer: str) -> lis
     return ids[:end + 1] if end is not None else ids + [tokenizer.eos_token_id]
 
 
-def tokenize_example(tokenizer: Tokenizer, system: str, example: Example) -> TokenizedExample:
+def tokenize_example(tokenizer: Tokenizer, system: str | Sequence[Mapping[str, str]],
+                     example: Example) -> TokenizedExample:
     prompt = request_ids(tokenizer, system, example.user)
     answer = answer_ids(tokenizer, system, example.user, example.answer)
     return TokenizedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(prompt))
