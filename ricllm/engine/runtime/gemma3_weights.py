@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ricllm.engine.runtime.gemma3 import Gemma3Model
+from ricllm.engine.runtime.llama_weights import check_complete, place_weight
 from ricllm.errors import ModelLoadError
 
 # a file's separate projections, and the fused one each lands in (its parts in order)
@@ -41,7 +42,7 @@ def load_weights(model: Gemma3Model, tensors: Iterable[tuple[str, torch.Tensor]]
             owner = {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head}.get(name)
             if owner is None:
                 raise ModelLoadError(f"tensor {name} has no place in a Gemma 3 model")
-            _place(owner, tensor, name, device)
+            place_weight(owner, tensor, name, device)
             loaded.add(name)
             continue
         _, index, part = name.split(".")
@@ -51,32 +52,9 @@ def load_weights(model: Gemma3Model, tensors: Iterable[tuple[str, torch.Tensor]]
             if not all(f"{index}.{m}" in pending for m in members):
                 continue
             tensor, part = torch.cat([pending.pop(f"{index}.{m}") for m in members], dim=0), group
-        _place(_owners(model.layers[int(index)])[part], tensor, name, device)
+        place_weight(_owners(model.layers[int(index)])[part], tensor, name, device)
         loaded.add(f"layers.{index}.{part}")
         parts_left[int(index)] -= 1
         if parts_left[int(index)] == 0 and on_layer_loaded is not None:
             on_layer_loaded(int(index))
-    _check_complete(model, loaded)
-
-
-def _place(owner: nn.Module, tensor: torch.Tensor, name: str, device: torch.device) -> None:
-    """``owner.weight = tensor`` in the weight's dtype: copied into allocated memory, or given
-    new memory when the model was built without (``build(allocate=False)``)."""
-    target = owner.weight
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ModelLoadError(
-            f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} from the metadata")
-    with torch.no_grad():
-        if target.is_meta:  # copy=True: a float32 file tensor may be a read-only view of the file
-            owner.weight = nn.Parameter(tensor.to(device, target.dtype, copy=True), requires_grad=False)
-        else:
-            target.copy_(tensor)
-
-
-def _check_complete(model: Gemma3Model, loaded: set[str]) -> None:
-    expected = {"embed", "norm"} | ({"lm_head"} if model.lm_head is not None else set())
-    for i in range(model.spec.num_layers):
-        expected |= {f"layers.{i}.{p}" for p in LAYER_PARTS}
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ModelLoadError(f"model file lacks weight(s): {', '.join(missing[:5])}")
+    check_complete(model, loaded, LAYER_PARTS)

@@ -43,7 +43,7 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]],
                 parts_left[index] -= 1
                 if parts_left[index] == 0 and on_layer_loaded is not None:
                     on_layer_loaded(index)
-    _check_complete(model, loaded)
+    check_complete(model, loaded)
 
 
 def _assign(model: LlamaModel, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor],
@@ -58,22 +58,22 @@ def _assign(model: LlamaModel, name: str, tensor: torch.Tensor, pending: dict[st
         if not all(f"{index}.{m}" in pending for m in members):
             return []
         tensor = torch.cat([pending.pop(f"{index}.{m}") for m in members], dim=0)
-        _place(layer.attn.qkv_proj if group == "qkv" else layer.mlp.gate_up_proj, tensor, name, device)
+        place_weight(layer.attn.qkv_proj if group == "qkv" else layer.mlp.gate_up_proj, tensor, name, device)
         return [f"layers.{index}.{group}"]
     owners = {"attn_norm": layer.attn_norm, "ffn_norm": layer.ffn_norm, "o": layer.attn.o_proj,
               "down": layer.mlp.down_proj}
-    _place(owners[part], tensor, name, device)
+    place_weight(owners[part], tensor, name, device)
     return [f"layers.{index}.{part}"]
 
 
 def _assign_global(model: LlamaModel, name: str, tensor: torch.Tensor, device: torch.device) -> list[str]:
     if name == "lm_head" and model.lm_head is None:
         return []  # a checkpoint may ship an explicit copy of a tied head
-    _place({"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head}[name], tensor, name, device)
+    place_weight({"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head}[name], tensor, name, device)
     return [name]
 
 
-def _place(owner: nn.Module, tensor: torch.Tensor, name: str, device: torch.device) -> None:
+def place_weight(owner: nn.Module, tensor: torch.Tensor, name: str, device: torch.device) -> None:
     """``owner.weight = tensor`` in the weight's dtype: copied into allocated memory, or given
     new memory when the model was built without (``build(allocate=False)``)."""
     target = owner.weight
@@ -87,10 +87,12 @@ def _place(owner: nn.Module, tensor: torch.Tensor, name: str, device: torch.devi
             target.copy_(tensor)
 
 
-def _check_complete(model: LlamaModel, loaded: set[str]) -> None:
+def check_complete(model: nn.Module, loaded: set[str], layer_parts: Iterable[str] = LAYER_PARTS) -> None:
+    """Every weight the model needs was loaded: its embedding, final norm, head (untied) and each
+    layer's ``layer_parts``."""
     expected = {"embed", "norm"} | ({"lm_head"} if model.lm_head is not None else set())
     for i in range(model.spec.num_layers):
-        expected |= {f"layers.{i}.{p}" for p in LAYER_PARTS}
+        expected |= {f"layers.{i}.{p}" for p in layer_parts}
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"model file lacks weight(s): {', '.join(missing[:5])}")
