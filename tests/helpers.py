@@ -69,6 +69,24 @@ def gemma3_270m_path() -> Path:
 TINY = dict(vocab=None, hidden=64, heads=4, kv_heads=2, layers=2, ffn=128, context=512)
 
 
+def _random_tensors(writer, rng, quant: str | None):
+    """``add(name, shape, scale, quantize, offset)``: a random tensor written to ``writer``, stored in
+    ``quant`` (a GGML type name) where ``quantize`` asks for it, else as F32."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+
+    def add(name: str, shape: tuple[int, ...], scale: float = 0.08, quantize: bool = False,
+            offset: float = 0.0) -> None:
+        array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
+        if quantize and qtype is not None:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+
+    return add
+
+
 def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_heads: int = 2,
                           quant: str | None = None, rope_theta: float = 10000.0, pad_vocab_to: int = 1) -> Path:
     """A random Llama GGUF that both ricllm and HF transformers load (the oracle needs no download).
@@ -96,15 +114,7 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
     writer.add_rope_freq_base(rope_theta)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(vocab)
-    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
-
-    def add(name: str, shape: tuple[int, ...], scale: float = 0.08, quantize: bool = False,
-            offset: float = 0.0) -> None:
-        array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
-        if quantize and qtype is not None:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
+    add = _random_tensors(writer, rng, quant)
 
     add("token_embd.weight", (vocab, h), 0.5)
     for i in range(layers):
@@ -183,15 +193,7 @@ def write_tiny_gemma3_gguf(path: Path, *, seed: int = 0, quant: str | None = Non
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_sliding_window(window)
     writer.add_vocab_size(vocab)
-    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
-
-    def add(name: str, shape: tuple[int, ...], scale: float = 0.08, quantize: bool = False,
-            offset: float = 0.0) -> None:
-        array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
-        if quantize and qtype is not None:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
+    add = _random_tensors(writer, rng, quant)
 
     add("token_embd.weight", (vocab, h), 0.1)
     for i in range(t["layers"]):

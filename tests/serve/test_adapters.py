@@ -23,7 +23,7 @@ from ricllm.client import RicClient, ServerError
 from ricllm.config import SettingsError
 from tests.lora_adapters import write_lora_adapter
 from tests.serve.conftest import free_port
-from tests.serve.test_lifecycle import WAIT_S, ConfigServer
+from tests.serve.test_lifecycle import WAIT_S, ConfigServer, serve_from_config_file
 from tests.serve.test_server import http_get, metric_values, run_cli, wait_for
 
 PROMPT = "Cell 7 reports PRB usage high and throughput low."
@@ -328,22 +328,7 @@ def test_the_metrics_count_adapters_and_their_requests(lora_server):
 @pytest.fixture
 def lora_config_server(engine_kwargs, adapters, offline, tmp_path):
     """A server whose ``lora_modules`` (A and B) come from ``$CONFIG_FILE``."""
-    from ricllm.config import resolve_settings
-    from ricllm.serve.server import Server
-
-    path = tmp_path / "config-file.json"
-    controls = {**engine_kwargs, "admission": {"policy": "deadline"}, "zmq_endpoint": "tcp://127.0.0.1:*",
-                "http_port": free_port(), "lora_modules": [f"A={adapters['A']}", f"B={adapters['B']}"]}
-    path.write_text(json.dumps({"controls": controls}))
-    settings = resolve_settings(environ={"CONFIG_FILE": str(path)})
-    server = Server(settings.engine_config(), replace(settings.server, http_host="127.0.0.1"), settings=settings)
-    server.start()
-    try:
-        assert server.wait_ready(60), "the tiny model did not load within 60 s"
-        assert server.config_watcher.watching.wait(WAIT_S), "the config file is not watched"
-        yield ConfigServer(server, path, controls)
-    finally:
-        server.stop()
+    yield from serve_from_config_file(tmp_path, engine_kwargs, lora_modules=[f"A={adapters['A']}", f"B={adapters['B']}"])
 
 
 def adapter_hashes(client: RicClient) -> dict[str, str]:

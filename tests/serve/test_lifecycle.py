@@ -62,12 +62,18 @@ def write_atomically(path: Path, text: str) -> None:
 
 @pytest.fixture
 def config_server(engine_kwargs, tmp_path) -> Iterator[ConfigServer]:
-    from ricllm.serve.server import Server
+    yield from serve_from_config_file(tmp_path, engine_kwargs)
+
+
+def serve_from_config_file(tmp_path, engine_kwargs: dict, **controls_over) -> Iterator[ConfigServer]:
+    """A started server whose controls (``engine_kwargs``, deadline admission, ``controls_over``) come
+    from a ``$CONFIG_FILE`` it watches; stopped when the caller is done with it."""
     from ricllm.config import resolve_settings
+    from ricllm.serve.server import Server
 
     path = tmp_path / "config-file.json"
     controls = {**engine_kwargs, "admission": {"policy": "deadline"}, "zmq_endpoint": "tcp://127.0.0.1:*",
-                "http_port": free_port()}
+                "http_port": free_port(), **controls_over}
     path.write_text(json.dumps({"controls": controls}))
     settings = resolve_settings(environ={"CONFIG_FILE": str(path)})
     server = Server(settings.engine_config(), replace(settings.server, http_host="127.0.0.1"), settings=settings)
