@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from ricllm import protocol as p
 from ricllm.client import RicClient, ServerError
 from ricllm.config import SettingsError
 from tests.lora_adapters import write_lora_adapter
-from tests.serve.conftest import free_port
 from tests.serve.test_lifecycle import WAIT_S, ConfigServer, serve_from_config_file
 from tests.serve.test_server import http_get, metric_values, run_cli, wait_for
 
