@@ -115,8 +115,7 @@ class LoraRegistry:
     def _drop(self, name: str) -> None:
         slot = self.by_name.pop(name).slot.slot
         self._retiring.add(slot)
-        self._free_if_unheld(slot)
-        self._price()
+        self._free_if_unheld(slot)  # prices anew if the slot is freed; a retiring slot still counts
 
     def _price(self) -> None:
         """The latency model charges a step's adapter reads at the largest adapter resident."""
