@@ -188,7 +188,9 @@ def test_trace_rows_train_before_the_split_and_hold_out_what_the_replay_scores(l
     assert [e.user for e in split.held_out] == [r.user_prompt for r in scored]  # exactly what the report judges
     assert [e.expected for e in split.held_out] == [r.expected for r in scored]
     before = load_scenario("link", ["pacing.start_s=0", "pacing.duration_s=800"])
-    assert [e.user for e in split.training] == [r.user_prompt for r in adapt.scored_requests(before, trace, "link")]
+    assert len(split.training) == split.reports_outside == sum(1 for row in trace.rows if row.time_s < 800)
+    trained_at = {(e.time_s, e.user) for e in split.training}  # every report, each as the replay would ask it
+    assert all((r.trace_time_s, r.user_prompt) in trained_at for r in adapt.scored_requests(before, trace, "link"))
     assert all(e.expected == template.policy.expected(e.kpis) for e in split.training + split.held_out)
     trained = {e.user for e in split.training}
     seen = split.seen_in_training()
@@ -219,15 +221,15 @@ def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp
                  "--no-progress"])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "trained on 16 of the trace's rows the replay would send for this template outside the window it " \
-           "scores (0 s to 800 s of trace time)" in printed
+    assert "trained on 16 of the trace's 9600 KPI reports outside the window the replay scores (0 s to 800 s of " \
+           "trace time; a seeded sample), each rendered as the replay's request for this template" in printed
     assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
     for line in ("with the adapter", "base model (no adapter)",
                  "base model prompted with the template (6 examples)", "majority class"):
         assert line in printed
     manifest = json.loads((out / "ricllm_adapt.json").read_text())
     assert manifest["rows"] == "trace" and manifest["training"]["rows"] == 16
-    assert manifest["training"]["spans_s"] == [[0.0, 800.0]]
+    assert manifest["training"]["spans_s"] == [[0.0, 800.0]] and manifest["training"]["reports_outside"] == 9600
     assert manifest["held_out"] == {"source": "the requests the replay scores", "rows": 8, "window_s": [800.0, None],
                                     "seen_in_training": 0}
 

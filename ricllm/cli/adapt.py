@@ -190,13 +190,15 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     seen = [example for example in held_out if example.user in trained]
     start, end = split.scored_window
     outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
-    trained_on = (f"trained on {len(split.training)} of the trace's rows the replay would send for this template "
-                  f"outside the window it scores ({outside} of trace time), {args.prompt} user prompts")
+    trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "
+                  f"window the replay scores ({outside} of trace time; a seeded sample), each rendered as the "
+                  f"replay's request for this template, {args.prompt} user prompts")
     held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
                      f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
                      "verbatim in training")
     window = [start, None if end == float("inf") else end]
-    manifest = {"training": {"source": "trace rows outside the scored window", "rows": len(split.training),
+    manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(split.training),
+                             "reports_outside": split.reports_outside,
                              "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside],
                              "seed": args.seed},
                 "held_out": {"source": "the requests the replay scores", "rows": len(held_out), "window_s": window,

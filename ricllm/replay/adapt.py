@@ -6,9 +6,12 @@ Never train on what is scored. The rows come from one of two sources:
 - ``drawn``: drawn at random from the KPI ranges of the scenario's trace, not taken from it, and
   a row whose user prompt is one the scenario's replay sends for the template is dropped
   (``scored_prompts``), so the replay's report judges prompts the adapter never saw;
-- ``trace``: the trace's own rows split by time (``split_by_time``): the requests the replay
-  would send for the template outside the window it scores (``pacing.start_s``, ``duration_s``)
-  train, and the requests inside it, the ones its report scores, are held out.
+- ``trace``: the trace's own rows split by time (``split_by_time``): every KPI report outside
+  the window the replay scores (``pacing.start_s``, ``duration_s``), rendered as the replay renders
+  a request for the template, trains, and the requests inside the window, the ones its report
+  scores, are held out. Training reads every report, not only the ones a trigger would ask about:
+  a trigger every 30 s over reports every 2 s sends one row in fifteen, and the thresholds are
+  learnt from the rows near them.
 Level-style prompts (``PRB usage: high``) have only a few distinct strings, every one of which the
 replay sends; ``prompt="replay"`` therefore keeps them and ``count_seen`` says how many scored
 prompts training saw. Nothing here imports torch.
@@ -23,7 +26,7 @@ import math
 import random
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -237,6 +240,7 @@ class TraceSplit:
     held_out: list[Example]
     scored_window: tuple[float, float]
     outside: list[tuple[float, float]]
+    reports_outside: int  # the trace's rows outside the window, of which ``training`` is all or a sample
 
     def seen_in_training(self) -> list[Example]:
         """The held-out rows whose user prompt a training row has verbatim."""
@@ -257,31 +261,37 @@ def scored_window(scenario: Scenario) -> tuple[float, float]:
     return pacing.start_s, math.inf if pacing.duration_s is None else pacing.start_s + pacing.duration_s
 
 
-def _requests_between(scenario: Scenario, trace: LoadedTrace, template: str, start: float,
-                      end: float) -> list[PlannedRequest]:
-    """The requests the replay would send for the template if it replayed ``[start, end)`` instead."""
-    duration = None if math.isinf(end) else end - start
-    pacing = scenario.pacing.model_copy(update={"start_s": start, "duration_s": duration})
-    return scored_requests(scenario.model_copy(update={"pacing": pacing}), trace, template)
+def _report_prompt(scenario: Scenario, template: str) -> Callable[[KpiRow], str]:
+    """How the replay renders a report row's user prompt for the template: the prompt, deadline
+    class and trigger label of the first trigger that names it (else the first trigger's)."""
+    index = next((i for i, t in enumerate(scenario.triggers) if t.template == template), 0)
+    trigger = scenario.triggers[index]
+    cls = trigger.deadline_class or next(iter(scenario.classes))
+    spec = scenario.classes[cls]
+    text = jinja_env().from_string(_replay_prompt_text(scenario, template))
+    return lambda row: text.render(prompt_context(row, template=template, deadline_class=cls,
+                                                  deadline_ms=spec.deadline_ms, max_tokens=spec.max_tokens,
+                                                  trigger=trigger.label(index))).strip()
 
 
-def _trace_example(request: PlannedRequest, row: KpiRow, template: TemplatePolicy, prompt: PromptForm) -> Example:
+def _trace_example(user: str, row: KpiRow, template: TemplatePolicy, prompt: PromptForm) -> Example:
     kpis = {name: row.kpis.get(name) for name in template.kpis}
-    user = request.user_prompt if prompt == "replay" else raw_user_prompt(kpis)
+    user = user if prompt == "replay" else raw_user_prompt(kpis)
     expected = template.policy.expected(row.kpis)
     return Example(kpis, user, expected, template.answer_text(expected), row.time_s)
 
 
 def split_by_time(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, prompt: PromptForm = "replay",
                   limit: int | None = None, seed: int = 0) -> TraceSplit:
-    """The template's requests outside the scored window to train on (at most ``limit``, a seeded
-    sample), and the scored ones held out; an ``AdaptError`` when either part is empty."""
+    """Every report row outside the scored window to train on (at most ``limit``, a seeded sample),
+    and the template's scored requests held out; an ``AdaptError`` when either part is empty."""
     start, end = scored_window(scenario)
     outside = ([(0.0, start)] if start > 0 else []) + ([] if math.isinf(end) else [(end, math.inf)])
+    render = _report_prompt(scenario, template.name)
+    training = [_trace_example(render(row), row, template, prompt)
+                for row in trace.rows if not start <= row.time_s < end]
     rows = {row.line: row for row in trace.rows}
-    training = [_trace_example(request, rows[request.trace_line], template, prompt)
-                for lo, hi in outside for request in _requests_between(scenario, trace, template.name, lo, hi)]
-    held_out = [_trace_example(request, rows[request.trace_line], template, prompt)
+    held_out = [_trace_example(request.user_prompt, rows[request.trace_line], template, prompt)
                 for request in scored_requests(scenario, trace, template.name)]
     window = f"[{start:g}, {end:g}) s of trace time (pacing.start_s, duration_s)"
     if not held_out:
@@ -292,9 +302,10 @@ def split_by_time(scenario: Scenario, trace: LoadedTrace, template: TemplatePoli
                          f"{window}: no row outside it to train on; split the trace by time with "
                          "--set pacing.start_s=SECONDS (the replay then scores only the rows from there on), "
                          "or use --rows drawn")
-    if limit is not None and len(training) > limit:
-        training = [training[i] for i in sorted(random.Random(seed).sample(range(len(training)), limit))]
-    return TraceSplit(training, held_out, (start, end), outside)
+    reports = len(training)
+    if limit is not None and reports > limit:
+        training = [training[i] for i in sorted(random.Random(seed).sample(range(reports), limit))]
+    return TraceSplit(training, held_out, (start, end), outside, reports)
 
 
 def majority_share(labels: Sequence[Mapping[str, Any]]) -> tuple[str, float]:
