@@ -136,6 +136,20 @@ def test_the_template_digest_changes_with_the_policy(scenario, congestion):
         assert digest != adapt.template_digest(changed, adapt.template_policy(changed, "congestion"))
 
 
+def test_trace_rows_mixed_with_drawn_rows_say_how_many_of_each(tiny_gguf, tmp_path, capsys):
+    require_module("peft")
+    out = tmp_path / "adapter"
+    code = main(["adapt", "link", "--rows", "trace", "--prompt", "replay", "--drawn-share", "0.25", "--model",
+                 str(tiny_gguf), "--out", str(out), "--examples", "16", "--eval-examples", "4", "--steps", "1",
+                 "--batch-size", "4", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "trained on 12 of the trace's 9600 KPI reports" in printed
+    assert "and 4 rows drawn from those reports' KPI ranges (seed 0), replay user prompts" in printed
+    training = json.loads((out / "ricllm_adapt.json").read_text())["training"]
+    assert training["rows"] == 16 and training["drawn_rows"] == 4
+
+
 @pytest.mark.parametrize("argv, named", [
     (["adapt", "default", "--template", "nope"], "templates with a policy: congestion, energy"),
     (["adapt", "no-such-scenario"], "bundled:"),
@@ -238,7 +252,9 @@ def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp
     (["adapt", "default", "--rows", "trace"], "--set pacing.start_s=SECONDS"),
     (["adapt", "link", "--rows", "trace", "--set", "pacing.start_s=5000"], "nothing to hold out"),
     (["adapt", "link", "--rows", "trace", "--eval-seed", "3"], "drop --eval-seed"),
-], ids=["nothing-outside", "nothing-scored", "eval-seed"])
+    (["adapt", "link", "--drawn-share", "0.5"], "--drawn-share mixes drawn rows into --rows trace"),
+    (["adapt", "link", "--rows", "trace", "--drawn-share", "1"], "--drawn-share must be in [0, 1), got 1.0"),
+], ids=["nothing-outside", "nothing-scored", "eval-seed", "drawn-share-without-trace", "drawn-share-whole"])
 def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

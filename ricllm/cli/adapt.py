@@ -65,6 +65,10 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-seed", type=int, default=None, help="seed of the held-out drawn rows "
                         "(default: seed + 1)")
     parser.add_argument("--missing-share", type=float, default=0.08, help="share of drawn rows with one KPI missing")
+    parser.add_argument("--drawn-share", type=float, default=0.0,
+                        help="with --rows trace: this share of the training rows is drawn from the KPI ranges of the "
+                             "rows outside the scored window instead (the answers taking turns), so the thresholds get "
+                             "rows on both sides that the trace's own hours do not give")
     parser.add_argument("--prompt", choices=PROMPT_FORMS, default="raw",
                         help="user prompt: raw, the KPIs the policy reads as numbers; replay, the scenario's own "
                              "user prompt (level-style prompts repeat the prompts the replay scores: counted)")
@@ -96,6 +100,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.missing_share < 1:
         raise AdaptError(f"--missing-share must be in [0, 1), got {args.missing_share}")
+    if not 0 <= args.drawn_share < 1:
+        raise AdaptError(f"--drawn-share must be in [0, 1), got {args.drawn_share}")
+    if args.drawn_share and args.rows != "trace":
+        raise AdaptError("--drawn-share mixes drawn rows into --rows trace; with --rows drawn every row is drawn")
     if args.rows == "trace" and args.held_out == "drawn":
         raise AdaptError("--rows trace holds out the requests the replay scores: drop --held-out drawn")
     if (args.rows == "trace" or args.held_out == "scored") and args.eval_seed is not None:
@@ -182,28 +190,36 @@ def _drawn_split_rows(args: argparse.Namespace, scenario, trace, template) -> Ro
 def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     from ricllm.replay import adapt
 
-    split = adapt.split_by_time(scenario, trace, template, args.prompt, limit=args.examples, seed=args.seed)
+    drawn_count = round(args.drawn_share * args.examples)
+    split = adapt.split_by_time(scenario, trace, template, args.prompt, limit=args.examples - drawn_count,
+                                seed=args.seed)
+    drawn = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, drawn_count, args.seed,
+                                prompt=args.prompt, missing_share=args.missing_share,
+                                exclude={example.user for example in split.held_out}) if drawn_count else []
     held_out = split.held_out
     if args.eval_examples is not None and len(held_out) > args.eval_examples:
         held_out = held_out[:args.eval_examples]
-    trained = {example.user for example in split.training}
+    training = split.training + drawn
+    trained = {example.user for example in training}
     seen = [example for example in held_out if example.user in trained]
     start, end = split.scored_window
     outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
     trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "
                   f"window the replay scores ({outside} of trace time; a seeded sample), each rendered as the "
-                  f"replay's request for this template, {args.prompt} user prompts")
+                  f"replay's request for this template"
+                  + (f", and {len(drawn)} rows drawn from those reports' KPI ranges (seed {args.seed})" if drawn else "")
+                  + f", {args.prompt} user prompts")
     held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
                      f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
                      "verbatim in training")
     window = [start, None if end == float("inf") else end]
-    manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(split.training),
-                             "reports_outside": split.reports_outside,
+    manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(training),
+                             "reports_outside": split.reports_outside, "drawn_rows": len(drawn),
                              "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside],
                              "seed": args.seed},
                 "held_out": {"source": "the requests the replay scores", "rows": len(held_out), "window_s": window,
                              "seen_in_training": len(seen)}}
-    return Rows(split.training, held_out, trained_on, held_out_from, len(seen), manifest)
+    return Rows(training, held_out, trained_on, held_out_from, len(seen), manifest)
 
 
 def _span(start: float, end: float) -> str:
