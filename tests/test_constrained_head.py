@@ -77,7 +77,7 @@ def test_the_narrow_logits_are_the_whole_heads_bit_for_bit(tiny_native_gguf: Pat
     for seq in seqs:
         seq.take_blocks(cache.allocate(seq, seq.num_tokens))
     batch = ScheduledBatch([(seq, seq.num_tokens) for seq in seqs])
-    allowed = [np.sort(np.random.default_rng(0).choice(vocab, 5, replace=False)), None, np.arange(3), None]
+    allowed = [np.array([17, 20, 33, vocab - 1]), None, np.arange(3), None]  # 4 tiles of the head's 19
     whole = torch.as_tensor(np.asarray(runner.run(batch)[0]))
     narrowed = runner.run(batch, allowed)[0]  # the same prompts again: the same K/V, the same hidden states
     assert narrowed.full_rows == [1, 3] and set(narrowed.allowed) == {0, 2}
@@ -88,11 +88,14 @@ def test_the_narrow_logits_are_the_whole_heads_bit_for_bit(tiny_native_gguf: Pat
 
 
 def test_a_constraint_allowing_most_of_the_vocabulary_gets_the_whole_head():
-    """Past ``MAX_TILE_SHARE`` of the head's tiles the plan computes every row whole."""
-    few, most = np.array([3, 40, 41]), np.arange(0, 16 * 60, 2)
+    """Past ``MAX_TILE_SHARE`` of the head's tiles (scaled by the constrained rows' part of the step)
+    the plan computes every row whole."""
+    few, most, half = np.array([3, 40, 41]), np.arange(0, 16 * 60, 2), np.arange(0, 16 * 50, 16)
     assert narrow_head.plan_head([few, None], 100, narrows=True).narrow_rows == [0]
-    assert narrow_head.plan_head([most, None], 100, narrows=True).narrow_rows == []
+    assert narrow_head.plan_head([most, most], 100, narrows=True).narrow_rows == []
     assert narrow_head.plan_head([few, None], 100, narrows=False).narrow_rows == []
+    assert narrow_head.plan_head([half, half], 100, narrows=True).narrow_rows == [0, 1]
+    assert narrow_head.plan_head([half, None], 100, narrows=True).narrow_rows == []  # the whole head is read anyway
     plan = narrow_head.plan_head([few, None, np.array([41, 900])], 100, narrows=True)
     assert plan.full_rows == [1] and plan.narrow_rows == [0, 2] and plan.tiles.tolist() == [0, 2, 56]
 

@@ -13,12 +13,16 @@ whole, and its constrained rows' allowed logits are gathered from it: the sample
 thing either way.
 
 The k-wide head is used while the union of allowed tiles is at most ``MAX_TILE_SHARE`` of the
-head's tiles. Each tile costs what it costs in the whole head (the same loop over the same bytes),
-so a narrow step saves the skipped tiles' share of the head; past half, the saving shrinks toward
-the cost of a second pass (the activations quantized again, a second call across the threads, the
-columns gathered per row), and a grammar that allows that much is free text (a JSON string's
-content allows most of the vocabulary), where the whole head is the plain choice.
-``benchmarks/bench_constrained_head.py`` measures the head alone against the allowed share.
+head's tiles, scaled by the constrained rows' part of the step's sampled rows. Each tile costs
+what it costs in the whole head (the same loop over the same bytes), so where every row is
+constrained a narrow step saves the skipped tiles' share of the head (on SmolLM2's head, one row:
+0.24 of the whole head's time at a quarter of the tiles, 0.59 at half, 0.86 at three quarters,
+``benchmarks/bench_constrained_head.py``); past half the saving shrinks toward the cost of the
+second call and the gathered columns, and a grammar that allows that much is free text (a JSON
+string's content allows most of the vocabulary), where the whole head is the plain choice. Where
+unconstrained rows share the step, the whole head is read for them anyway and the narrow pass reads
+its tiles a second time: it pays only in proportion to the rows it takes off the whole head.
+A JSON choice allows a few tiles of thousands, and is narrowed in any batch.
 """
 
 from __future__ import annotations
@@ -75,13 +79,14 @@ class HeadPlan:
 
 def plan_head(allowed: list[np.ndarray | None], num_tiles: int, narrows: bool) -> HeadPlan:
     """The step's plan: the constrained rows narrowed when the head ``narrows`` exactly and their
-    allowed tiles are at most ``MAX_TILE_SHARE`` of its ``num_tiles``; every row whole otherwise."""
+    allowed tiles are at most ``MAX_TILE_SHARE`` of its ``num_tiles``, times the constrained rows'
+    part of the rows; every row whole otherwise."""
     constrained = [row for row, ids in enumerate(allowed) if ids is not None]
     everything = HeadPlan(list(range(len(allowed))), [], np.empty(0, np.int32))
     if not narrows or not constrained:
         return everything
     tiles = np.unique(np.concatenate([allowed[row] // TILE for row in constrained])).astype(np.int32)
-    if tiles.size > MAX_TILE_SHARE * num_tiles:
+    if tiles.size > MAX_TILE_SHARE * num_tiles * len(constrained) / len(allowed):
         return everything
     return HeadPlan([row for row, ids in enumerate(allowed) if ids is None], constrained, tiles)
 
