@@ -14,6 +14,7 @@ from ricllm import LLM, SamplingParams
 from ricllm.engine.runtime import narrow_head, numpy_sampler, sampler
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.sequence import Sequence
+from tests.helpers import write_tiny_gemma3_gguf
 
 PROMPTS = ["the cell is congested", "hello world", "RLC delay 123", "The answer is"]
 CHOICE = {"choice": ["offload", "hold", "escalate", "rebalance"]}
@@ -62,6 +63,20 @@ def test_the_k_wide_head_chooses_what_the_whole_head_chooses(tiny_native_gguf: P
         tokens[narrow] = [o.token_ids for o in outs]
         assert (narrow_steps[0] > 0) == narrow  # the k-wide head did run, and only when on
         assert all(o.text in CHOICE["choice"] for o in outs[0::5] + outs[1::5])
+    assert tokens[True] == tokens[False]
+
+
+def test_gemma3s_k_wide_head_chooses_what_its_whole_head_chooses(tmp_path: Path):
+    """Gemma 3 in the torch runtime, its head packed at 8 bits in ricllm's layout."""
+    gguf = write_tiny_gemma3_gguf(tmp_path / "tiny_gemma3.gguf", seed=3, pad_vocab_to=16)
+    tokens = {}
+    for narrow in (True, False):
+        llm = LLM(str(gguf), weights="int8", weight_cache=False, kv_cache_budget="8MiB")
+        assert llm.engine.spec.architecture == "gemma3" and llm.engine.runtime.model.head_narrows(20)
+        llm.engine.runtime.runner.narrow_head = narrow
+        narrow_steps = count_narrow_steps(llm)
+        tokens[narrow] = [o.token_ids for o in llm.generate([p for p in PROMPTS for _ in range(5)], mixed_batch())]
+        assert (narrow_steps[0] > 0) == narrow
     assert tokens[True] == tokens[False]
 
 
