@@ -2,7 +2,8 @@
 
 Constrained decoding of a JSON choice (``{"action": one of four}``) on the default model
 (SmolLM2-135M-Instruct: its tied Q8_0 embedding is the 8-bit head, about a fifth of the weights
-a decode step reads), at 1 and 32 streams. Jump-forward is off, so every answer token is a decode
+a decode step reads; ``--model gemma3-270m``: a 262,144-token head, most of them), at 1 and 32
+streams. Jump-forward is off, so every answer token is a decode
 step that samples under the grammar (1 to a few allowed tokens each); only steps in which every
 stream decodes are timed (``engine.step``: the allowed tokens, the model, the head, sampling and
 the grammar included). The same engine runs both heads (``runner.narrow_head``), interleaved:
@@ -124,16 +125,22 @@ def span(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
+def model_name(model: str | None) -> str:
+    return "the default model (SmolLM2-135M-Instruct)" if model is None else model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3, help="batches of answers per measurement (default: %(default)s)")
     parser.add_argument("--runtime", default="auto", choices=("auto", "native", "torch"))
+    parser.add_argument("--model", default=None,
+                        help="a path or an installed model's short name, e.g. gemma3-270m (default: SmolLM2-135M)")
     parser.add_argument("--no-append", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
     if args.rounds < 3:
         raise SystemExit("bench_constrained_head: --rounds must be at least 3")
-    llm = LLM(max_num_seqs=64, jump_forward=False, runtime=args.runtime)
+    llm = LLM(args.model, max_num_seqs=64, jump_forward=False, runtime=args.runtime)
     runtime = llm.engine.runtime
     narrows = runtime.model.head_narrows(max(STREAMS))
     body = "\n".join([
@@ -147,7 +154,7 @@ def main() -> None:
         *head_rows(llm, args.rounds),
     ])
     publish("The LM head where the grammar allows",
-            f"Kernels {kernel_family()}; default model ({runtime.spec.vocab_size:,}-token vocabulary), "
+            f"Kernels {kernel_family()}; {model_name(args.model)} ({runtime.spec.vocab_size:,}-token vocabulary), "
             f"{runtime.name} runtime, {runtime.threads} threads, weights {'/'.join(runtime.weight_formats)} "
             f"(layers/head); the k-wide head {'is exact here' if narrows else 'does not run here'}.",
             body, append=not args.no_append)

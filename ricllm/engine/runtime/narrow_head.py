@@ -15,9 +15,9 @@ thing either way.
 The k-wide head is used while the union of allowed tiles is at most ``MAX_TILE_SHARE`` of the
 head's tiles, scaled by the constrained rows' part of the step's sampled rows. Each tile costs
 what it costs in the whole head (the same loop over the same bytes), so where every row is
-constrained a narrow step saves the skipped tiles' share of the head (on SmolLM2's head, one row:
-0.24 of the whole head's time at a quarter of the tiles, 0.59 at half, 0.86 at three quarters,
-``benchmarks/bench_constrained_head.py``); past half the saving shrinks toward the cost of the
+constrained a narrow step saves the skipped tiles' share of the head (on SmolLM2's head, one row,
+best of 60 calls on two busy cores: 0.24 of the whole head's time at a quarter of the tiles, 0.59
+at half, 0.86 at three quarters; ``benchmarks/bench_constrained_head.py``); past half the saving shrinks toward the cost of the
 second call and the gathered columns, and a grammar that allows that much is free text (a JSON
 string's content allows most of the vocabulary), where the whole head is the plain choice. Where
 unconstrained rows share the step, the whole head is read for them anyway and the narrow pass reads
