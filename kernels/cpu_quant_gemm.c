@@ -197,7 +197,7 @@ static const uint16_t *bf16_activations(const void *x, int rows, int k, int is_b
 /* 8-bit: one (tile, block of up to ROWS_AT_ONCE activation rows): all groups, then store.
  * Inlined per row count (ROW_COUNT_DISPATCH) so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void int8_tile(int rows, const uint8_t *w, const uint16_t *scales, const int32_t *offsets, const int8_t *xq,
-                      const float *dx, int k, int n, int tile, void *out, int is_bf16) {
+                      const float *dx, int k, int n, int tile, int out_tile, void *out, int is_bf16) {
     const int groups = k / GROUP, chunk_bytes = 8 * 64;
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     __m512 acc[ROWS_AT_ONCE];
@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) void int8_tile(int rows, const uint
     for (int r = 0; r < rows; r++) {
         float lane[TILE];
         _mm512_storeu_ps(lane, acc[r]);
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        store_row(out, (int64_t)r * n + (int64_t)out_tile * TILE, TILE, is_bf16, lane);
     }
 }
 #endif
@@ -271,7 +271,7 @@ static inline __attribute__((always_inline)) __m512i int4_quad_rows(const uint8_
 
 
 static void int4_tile_int8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
-                           const float *sx, int rows, int k, int n, int tile, void *out, int is_bf16) {
+                           const float *sx, int rows, int k, int n, int tile, int out_tile, void *out, int is_bf16) {
     const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
     const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
@@ -307,7 +307,7 @@ static void int4_tile_int8(const uint8_t *w, const uint16_t *scales, const int8_
     for (int r = 0; r < rows; r++) {
         float lane[TILE];
         _mm512_storeu_ps(lane, totals[r]);
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        store_row(out, (int64_t)r * n + (int64_t)out_tile * TILE, TILE, is_bf16, lane);
     }
 }
 #endif
@@ -583,12 +583,12 @@ static inline __attribute__((always_inline)) GroupScales group_scales_avx2(const
 
 /* Each row's 16 outputs of the tile (two 8-lane totals) to its place in ``out``. */
 static inline __attribute__((always_inline)) void store_totals_avx2(const __m256 (*totals)[2], int rows, void *out,
-                                                                  int n, int tile, int is_bf16) {
+                                                                  int n, int out_tile, int is_bf16) {
     for (int r = 0; r < rows; r++) {
         float lane[TILE];
         _mm256_storeu_ps(lane, totals[r][0]);
         _mm256_storeu_ps(lane + 8, totals[r][1]);
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        store_row(out, (int64_t)r * n + (int64_t)out_tile * TILE, TILE, is_bf16, lane);
     }
 }
 
@@ -601,7 +601,7 @@ static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i w, __m256
 /* 8-bit: one (tile, block of up to AVX2_INT8_ROWS rows), the same sums and scaling as int8_tile. */
 static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const uint8_t *w, const uint16_t *scales,
                                                                const int8_t *xq, const float *dx, int k, int n,
-                                                               int tile, void *out, int is_bf16) {
+                                                               int tile, int out_tile, void *out, int is_bf16) {
     const int groups = k / GROUP, chunk_bytes = 8 * 64;
     __m256 acc[AVX2_INT8_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -630,7 +630,7 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const
         float lane[TILE];
         _mm256_storeu_ps(lane, acc[r][0]);
         _mm256_storeu_ps(lane + 8, acc[r][1]);
-        store_row(out, (int64_t)r * n + (int64_t)tile * TILE, TILE, is_bf16, lane);
+        store_row(out, (int64_t)r * n + (int64_t)out_tile * TILE, TILE, is_bf16, lane);
     }
 }
 
@@ -649,7 +649,8 @@ static inline __attribute__((always_inline)) __m256i int4_block_avx2(const uint8
 }
 
 static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
-                                const float *sx, int rows, int k, int n, int tile, void *out, int is_bf16) {
+                                const float *sx, int rows, int k, int n, int tile, int out_tile, void *out,
+                                int is_bf16) {
     const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
     const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
@@ -687,7 +688,7 @@ static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const 
             totals[r][1] = _mm256_fmadd_ps(gs.c_high, row_sum, totals[r][1]);
         }
     }
-    store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, tile, is_bf16);
+    store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, out_tile, is_bf16);
 }
 #endif
 
@@ -702,24 +703,27 @@ static void reorder_for_quads(int8_t *xq, int64_t count) {
 #endif
 
 #if HAVE_BF16_DOT || HAVE_AVX2
-/* One (tile, panel of activation rows) of 4-bit weights against int8 activations: the VNNI or the AVX2 form. */
+/* One (tile, panel of activation rows) of 4-bit weights against int8 activations: the VNNI or the AVX2 form.
+ * ``tile``: the weight's tile; ``out_tile``: which 16 columns of ``out`` (``n`` wide) its outputs fill. */
 typedef void (*Int4Tile)(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
-                         const float *sx, int rows, int k, int n, int tile, void *out, int is_bf16);
+                         const float *sx, int rows, int k, int n, int tile, int out_tile, void *out, int is_bf16);
 
 /* (panel of ``panel_rows`` rows, tile) pairs across the threads, panel-major: a panel's activations
  * stay in L1 while the layer's weights (a few hundred KB, in L2) pass, and each output row is written
- * whole (5-8% faster from 128 rows than tile-major). */
+ * whole (5-8% faster from 128 rows than tile-major). ``out`` holds ``count`` tiles of columns: the
+ * weight's tiles ``tiles`` in that order (NULL: every tile, in order). */
 static void int4_panels(Int4Tile tile_product, int panel_rows, const int8_t *xq, const float *dx, const float *sx,
-                        const uint8_t *w, const uint16_t *scales, void *out, int m, int k, int n, int is_bf16,
-                        int num_threads) {
-    const int groups = k / GROUP, tiles = n / TILE, panels = (m + panel_rows - 1) / panel_rows;
+                        const uint8_t *w, const uint16_t *scales, void *out, int m, int k, const int32_t *tiles,
+                        int count, int is_bf16, int num_threads) {
+    const int groups = k / GROUP, n = count * TILE, panels = (m + panel_rows - 1) / panel_rows;
     const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int p = 0; p < panels; p++)
-        for (int t = 0; t < tiles; t++) {
+        for (int j = 0; j < count; j++) {
             const int first = p * panel_rows, rows = m - first < panel_rows ? m - first : panel_rows;
             tile_product(w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups,
-                         sx + (int64_t)first * groups, rows, k, n, t, (char *)out + first * out_row, is_bf16);
+                         sx + (int64_t)first * groups, rows, k, n, tiles ? tiles[j] : j, j,
+                         (char *)out + first * out_row, is_bf16);
         }
 }
 #endif
@@ -747,10 +751,10 @@ int ricllm_quant_gemm_int4_path(int m) {
 }
 
 #if HAVE_BF16_DOT || HAVE_AVX2
-/* 4-bit, on the activations its path takes: int8 per group (VNNI, AVX2 from 3 rows), or bf16
- * with each group's fp32 sum (AMX tiles, AVX2's FMAs for 1-2 rows). */
+/* 4-bit, on the activations its path takes: int8 per group (VNNI, AVX2), or bf16 with each
+ * group's fp32 sum (AMX tiles: every tile, ``tiles`` NULL). */
 static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int m, int k, int n,
-                     int is_bf16, void *scratch, int num_threads) {
+                     const int32_t *tiles, int count, int is_bf16, void *scratch, int num_threads) {
     const int groups = k / GROUP;
 #if HAVE_AMX
     if (int4_path(m) != INT4_VNNI_INT8) {
@@ -759,36 +763,36 @@ static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, vo
         return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
     }
 #endif
+    (void)n;
 #if HAVE_BF16_DOT
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
     reorder_for_quads(xq, (int64_t)m * k);
-    int4_panels(int4_tile_int8, INT8_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+    int4_panels(int4_tile_int8, INT8_PANEL, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16, num_threads);
     return 0;
 #else
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
-    int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+    int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16,
+                num_threads);
     return 0;
 #endif
 }
 #endif
 
-/* out[M, N] = x[M, K] · Wᵀ. ``scratch`` holds M·K bytes + 2·M·K/32 floats (8-bit, and 4-bit's
- * int8 paths) or 2·M·K bytes + M·K/32 floats (4-bit, enough for either). Returns -3 where the
- * CPU lacks the instructions (``ricllm_quant_gemm_supported``; the caller uses torch's kernels). */
-int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
-                      int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads) {
-    if (k % GROUP != 0 || n % TILE != 0 || (bits != 4 && bits != 8)) return -1;
-    if (!ricllm_quant_gemm_supported(bits)) return -3;
-    const int groups = k / GROUP, tiles = n / TILE;
-    const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
+/* The products of ``count`` tiles of 16 outputs into ``out [M, 16·count]``: the weight's tiles
+ * ``tiles`` in that order, or (NULL) every tile in order. */
+static int quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
+                            int bits, void *out, int m, int k, int n, const int32_t *tiles, int count,
+                            int is_bf16, void *scratch, int num_threads) {
 #if HAVE_BF16_DOT || HAVE_AVX2
-    if (bits == 4) return int4_gemm(x, w, scales, out, m, k, n, is_bf16, scratch, num_threads);
+    if (bits == 4) return int4_gemm(x, w, scales, out, m, k, n, tiles, count, is_bf16, scratch, num_threads);
 #endif
 #if HAVE_VNNI || HAVE_AVX2
+    const int groups = k / GROUP, n_out = count * TILE;
+    const size_t out_row = (size_t)n_out * (is_bf16 ? 2 : 4);
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
@@ -799,26 +803,57 @@ int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, c
     (void)offsets;  /* signed products need no correction */
 #endif
     const int row_blocks = (m + rows_at_once - 1) / rows_at_once;
+    (void)n;
     /* tile-major: a tile's weights stay in L1 while every block of rows passes (the LM head's
      * 28 MB would otherwise stream from memory once per block) */
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int t = 0; t < tiles; t++)
+    for (int j = 0; j < count; j++)
         for (int rb = 0; rb < row_blocks; rb++) {
+            const int t = tiles ? tiles[j] : j;
             const int first = rb * rows_at_once, rows = m - first < rows_at_once ? m - first : rows_at_once;
 #if HAVE_VNNI
             ROW_COUNT_DISPATCH(rows, int8_tile, w, scales, offsets, xq + (int64_t)first * k,
-                               dx + (int64_t)first * groups, k, n, t, (char *)out + first * out_row, is_bf16);
+                               dx + (int64_t)first * groups, k, n_out, t, j, (char *)out + first * out_row,
+                               is_bf16);
 #else
-            INT8_AVX2_DISPATCH(rows, w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups, k, n, t,
-                               (char *)out + first * out_row, is_bf16);
+            INT8_AVX2_DISPATCH(rows, w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups, k, n_out,
+                               t, j, (char *)out + first * out_row, is_bf16);
 #endif
         }
     return 0;
 #else
-    (void)x; (void)w; (void)scales; (void)offsets; (void)out; (void)is_bf16; (void)scratch; (void)num_threads;
-    (void)out_row; (void)groups; (void)tiles;
+    (void)x; (void)w; (void)scales; (void)offsets; (void)bits; (void)out; (void)m; (void)k; (void)n; (void)tiles;
+    (void)count; (void)is_bf16; (void)scratch; (void)num_threads;
     return -3;
 #endif
+}
+
+/* out[M, N] = x[M, K] · Wᵀ. ``scratch`` holds M·K bytes + 2·M·K/32 floats (8-bit, and 4-bit's
+ * int8 paths) or 2·M·K bytes + M·K/32 floats (4-bit, enough for either). Returns -3 where the
+ * CPU lacks the instructions (``ricllm_quant_gemm_supported``; the caller uses torch's kernels). */
+int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
+                      int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads) {
+    if (k % GROUP != 0 || n % TILE != 0 || (bits != 4 && bits != 8)) return -1;
+    if (!ricllm_quant_gemm_supported(bits)) return -3;
+    return quant_gemm_tiles(x, w, scales, offsets, bits, out, m, k, n, NULL, n / TILE, is_bf16, scratch,
+                            num_threads);
+}
+
+/* out[M, 16·count] = the columns of x · Wᵀ in the weight's tiles ``tiles`` (16 outputs each), in that
+ * order: an LM head's products for the tokens a constraint allows, not the vocabulary's. Each output
+ * is what ``ricllm_quant_gemm`` gives it, bit for bit, for any M on the same path: its sums run over
+ * its own weights and its row's int8 activations whatever else is computed beside it. ``scratch`` as
+ * ``ricllm_quant_gemm``'s. Returns -1 for a tile outside the weight, -2 where M rows take a 4-bit AMX
+ * path (the caller computes the whole product there), -3 where the CPU lacks the instructions. */
+int ricllm_quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
+                            int bits, void *out, int m, int k, int n, const int32_t *tiles, int count, int is_bf16,
+                            void *scratch, int num_threads) {
+    if (k % GROUP != 0 || n % TILE != 0 || (bits != 4 && bits != 8) || count < 1) return -1;
+    for (int j = 0; j < count; j++)
+        if (tiles[j] < 0 || tiles[j] >= n / TILE) return -1;
+    if (!ricllm_quant_gemm_supported(bits)) return -3;
+    if (bits == 4 && int4_path(m) >= INT4_AMX_TILES) return -2;
+    return quant_gemm_tiles(x, w, scales, offsets, bits, out, m, k, n, tiles, count, is_bf16, scratch, num_threads);
 }
 
 /* Rows ``ids`` of a packed weight, dequantized (d·q + c in fp32, then the output type): what a

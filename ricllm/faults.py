@@ -86,9 +86,9 @@ def slow_steps(engine, factor: float | Callable[[], float]) -> Callable[[], None
     real_run = runner.run
     factor_now = factor if callable(factor) else (lambda: factor)
 
-    def slowed_run(batch):
+    def slowed_run(batch, *allowed):
         started = time.perf_counter()
-        result = real_run(batch)
+        result = real_run(batch, *allowed)
         extra = (factor_now() - 1.0) * (time.perf_counter() - started)
         if extra > 0:
             time.sleep(extra)

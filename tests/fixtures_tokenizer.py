@@ -114,10 +114,11 @@ TINY_SPM_PIECES = (
 TINY_SPM_CHARS = "▁abcdefghijklmnopqrstuvwxyzTHW.,!?'"
 
 
-def add_tiny_spm_tokenizer(writer: gguf.GGUFWriter) -> TinyTokenizerInfo:
+def add_tiny_spm_tokenizer(writer: gguf.GGUFWriter, pad_vocab_to: int = 1) -> TinyTokenizerInfo:
     """Write a tiny SentencePiece-style tokenizer (model "llama", byte fallback) into ``writer``.
 
-    <unk>=0, <s>=1 (added at the start), </s>=2, then <0x00>..<0xFF>, then pieces and characters.
+    <unk>=0, <s>=1 (added at the start), </s>=2, then <0x00>..<0xFF>, then pieces and characters,
+    then unused tokens up to a multiple of ``pad_vocab_to``.
     """
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
@@ -127,6 +128,10 @@ def add_tiny_spm_tokenizer(writer: gguf.GGUFWriter) -> TinyTokenizerInfo:
         tokens.append(piece)
         types.append(gguf.TokenType.NORMAL)
         scores.append(-float(rank) if len(piece) > 1 else -1000.0 - rank)
+    unused = -len(tokens) % pad_vocab_to  # as real vocabularies pad
+    tokens += [f"<unused{i}>" for i in range(unused)]
+    types += [gguf.TokenType.UNUSED] * unused
+    scores += [0.0] * unused
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

@@ -54,8 +54,8 @@ def make_engine(tiny_gguf, slowdown=lambda: 1.0, step_time=true_step_time, **ove
     engine = LLMEngine(EngineConfig(**settings), clock=clock, latency_model=LatencyModel(list(COEFFICIENTS)))
     real_run = engine.runtime.runner.run
 
-    def timed_run(batch):
-        result = real_run(batch)
+    def timed_run(batch, *allowed):
+        result = real_run(batch, *allowed)
         clock.now += step_time(batch.features(), slowdown())
         return result
 

@@ -29,8 +29,8 @@ def engine_with_adapters(tiny_gguf, tmp_path):
     engine, clock = make_engine(tiny_gguf, max_loras=2, step_time=lambda f, s=1.0: 0.0)
     real_run = engine.runtime.runner.run
 
-    def timed_run(batch):
-        result = real_run(batch)
+    def timed_run(batch, *allowed):
+        result = real_run(batch, *allowed)
         clock.now += step_time_with_adapters(batch)
         return result
 

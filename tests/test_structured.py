@@ -117,21 +117,29 @@ def test_the_forced_start_of_an_answer_costs_no_step(llm):
 # ------------------------------------------------------------------ sharing a batch
 
 def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(llm):
-    """The mask touches only the constrained rows: the others sample from the model's own logits."""
-    raw, calls = [], []
-    run, sample = llm.engine.runtime.runner.run, llm.engine.runtime.sample
+    """Unconstrained rows sample from the model's own logits, bit for bit; a constrained row's
+    sampler sees only the tokens its grammar allows."""
+    raw, calls, constrained_calls = [], [], []
+    engine = llm.engine
+    run, sample, sample_allowed = engine.runtime.runner.run, engine.runtime.sample, engine.runtime.sample_allowed
 
-    def recording_run(batch):
-        logits, rows = run(batch)
-        raw.append(torch.as_tensor(logits).clone().numpy())
+    def recording_run(batch, *allowed):
+        logits, rows = run(batch, *allowed)
+        full = logits.unconstrained()[1] if allowed else logits
+        raw.append(None if full is None else torch.as_tensor(full).clone().numpy())
         return logits, rows
 
     def recording_sample(logits, params, generators):
         calls.append((len(raw) - 1, torch.as_tensor(logits).clone().numpy(), [p.structured is not None for p in params]))
         return sample(logits, params, generators)
 
-    engine = llm.engine
+    def recording_sample_allowed(ids, logits, params, generator):
+        token = sample_allowed(ids, logits, params, generator)
+        constrained_calls.append((len(raw) - 1, ids.copy(), params.structured is not None, token))
+        return token
+
     object.__setattr__(engine.runtime, "sample", recording_sample)  # Runtime is frozen
+    object.__setattr__(engine.runtime, "sample_allowed", recording_sample_allowed)
     engine.runtime.runner.run = recording_run
     try:
         plain = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -139,35 +147,26 @@ def test_unconstrained_rows_sharing_a_batch_with_constrained_ones_are_unchanged(
         mixed = llm.generate(PROMPTS + PROMPTS, [plain] * 4 + [constrained] * 4)
     finally:
         object.__setattr__(engine.runtime, "sample", sample)
+        object.__setattr__(engine.runtime, "sample_allowed", sample_allowed)
         del engine.runtime.runner.run
-    mixed_steps = [(raw[step], seen, rows) for step, seen, rows in calls if any(rows) and not all(rows)]
+    mixed_steps = {step for step, *_ in constrained_calls} & {step for step, *_ in calls}
     assert mixed_steps
-    for before, after, constrained_rows in mixed_steps:
-        free = [row for row, c in enumerate(constrained_rows) if not c]
-        bound = [row for row, c in enumerate(constrained_rows) if c]
-        assert np.array_equal(before[free], after[free])  # bit for bit
-        assert np.isinf(after[bound]).any(axis=1).all()  # top-k rows: masked before their draw
+    for step, seen, constrained_rows in calls:
+        assert not any(constrained_rows)
+        assert np.array_equal(raw[step], seen)  # bit for bit
+    vocab = engine.spec.vocab_size
+    assert all(is_constrained and 0 < len(ids) < vocab and token in ids
+               for _, ids, is_constrained, token in constrained_calls)  # drawn among the allowed tokens only
     assert [len(o.token_ids) for o in mixed[:4]] == [12] * 4
     assert all(json.loads(o.text)["action"] in DECISION["properties"]["action"]["enum"] for o in mixed[4:])
 
 
-def test_a_refused_draw_is_drawn_again_from_the_masked_distribution(llm):
-    """Temperature-only rows draw first and are masked only when refused: answers stay valid."""
+def test_a_sampled_constrained_row_draws_only_allowed_tokens(llm):
+    """Temperature-only rows draw once over their allowed tokens: answers stay valid."""
     for seed in range(8):
         out = llm.generate(PROMPTS[seed % 4], SamplingParams(max_tokens=64, temperature=1.5, seed=seed,
                                                              structured={"json": DECISION}))[0]
         jsonschema.validate(json.loads(out.text), DECISION)
-
-
-def test_a_row_whose_draw_the_grammar_allows_skips_the_mask_and_chooses_the_same(llm, monkeypatch):
-    from ricllm.structured.guide import Guide
-
-    note = {"json": {"type": "object", "properties": {"note": {"type": "string", "maxLength": 40}},
-                     "required": ["note"], "additionalProperties": False}}
-    params = [SamplingParams(max_tokens=200, structured=note)]  # greedy: the same token masked or not
-    checked = [o.token_ids for o in llm.generate(PROMPTS, params * 4)]
-    monkeypatch.setattr(Guide, "allows", lambda self, token: False)  # always draw again from the full mask
-    assert [o.token_ids for o in llm.generate(PROMPTS, params * 4)] == checked
 
 
 # ------------------------------------------------------------------ refused at once

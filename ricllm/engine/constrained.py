@@ -1,5 +1,6 @@
 """Constrained decoding: each constraint compiled once, each constrained request's place in its
-grammar, the tokens its grammar forces, and the masks that keep what it samples valid.
+grammar, the tokens its grammar forces, and the tokens it allows next, from whose logits alone it
+samples (the runner computes only those where that is cheaper: ``runtime.narrow_head``).
 
 A constraint is compiled once per engine and cached by its text (``StructuredSpec.key``, the hash
 of its canonical JSON), so a template's requests, and a request the server checked at receipt,
@@ -12,7 +13,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ricllm.engine.runtime.interface import Runtime
+from ricllm.engine.runtime.narrow_head import StepLogits
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.outputs import Rejection
 from ricllm.sampling_params import SamplingParams
@@ -23,14 +27,10 @@ if TYPE_CHECKING:  # llguidance is imported with the first constraint, not with 
     from ricllm.structured.compiler import CompiledGrammar
 
 
-def _checkable_after(params: SamplingParams) -> bool:
-    """Whether a constrained row may draw first and be checked after (no top-k, no top-p filter)."""
-    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
-
-
 class ConstrainedDecoding:
     """The engine's grammars: ``compile`` (cached), ``start`` a request on its grammar, ``force_start``
-    and ``advance`` it (appending the tokens the grammar forces), ``sample`` a step's tokens.
+    and ``advance`` it (appending the tokens the grammar forces), the tokens each row is ``allowed``
+    next, ``sample`` a step's tokens.
 
     Invariant: a constrained request's ``token_ids`` past its prompt are always a prefix of an
     answer its grammar accepts, and its ``guide`` has consumed exactly those tokens.
@@ -101,30 +101,34 @@ class ConstrainedDecoding:
         seq.num_forced_tokens += len(forced)
         return forced
 
-    def sample(self, logits, ready: list[Sequence]) -> list[int]:
+    def allowed(self, ready: list[Sequence]) -> list[np.ndarray | None] | None:
+        """Per row about to sample, the token ids its grammar allows next (ascending; None: no
+        constraint), for the runner to compute only their logits; None when no row has a constraint."""
+        if all(seq.guide is None for seq in ready):
+            return None
+        from ricllm.structured.guide import allowed_ids
+
+        vocab_size = self.runtime.spec.vocab_size
+        return [None if seq.guide is None else allowed_ids(seq.guide, vocab_size) for seq in ready]
+
+    def sample(self, logits: Any, ready: list[Sequence]) -> list[int]:
         """One token per row; a constrained row's token is one its grammar allows.
 
-        Greedy and temperature-only rows draw first and are masked only when the grammar refuses
-        the draw, then draw again: keeping an allowed draw from p, else drawing from p masked,
-        is exactly p restricted to the allowed tokens, and checking one token costs far less than
-        masking a vocabulary. Rows with top-k or top-p are masked before their one draw, since
-        those filters must see the masked distribution.
+        ``logits``: the runner's ``[N, vocab]`` when no row is constrained, else its ``StepLogits``.
+        Unconstrained rows sample from the model's own logits; each constrained row from its allowed
+        tokens' logits alone (``Runtime.sample_allowed``: the first maximum when greedy, else one
+        uniform draw over the allowed ids in vocabulary order), so the k-wide head and the whole
+        head choose alike.
         """
         params, generators = [s.params for s in ready], [s.generator for s in ready]
-        masked_first = [r for r, s in enumerate(ready) if s.guide is not None and not _checkable_after(s.params)]
-        if masked_first:
-            logits = self._mask_rows(logits, [ready[r] for r in masked_first], masked_first)
-        tokens = self.runtime.sample(logits, params, generators)
-        refused = [r for r, s in enumerate(ready) if s.guide is not None and _checkable_after(s.params)
-                   and not s.guide.allows(tokens[r])]
-        if refused:
-            again = self._mask_rows(logits[refused], [ready[r] for r in refused], list(range(len(refused))))
-            for row, token in zip(refused, self.runtime.sample(again, [params[r] for r in refused],
-                                                               [generators[r] for r in refused])):
+        if not isinstance(logits, StepLogits):
+            return self.runtime.sample(logits, params, generators)
+        tokens = [0] * len(ready)
+        rows, full = logits.unconstrained()
+        if rows:
+            sampled = self.runtime.sample(full, [params[r] for r in rows], [generators[r] for r in rows])
+            for row, token in zip(rows, sampled):
                 tokens[row] = token
+        for row, allowed in logits.allowed.items():
+            tokens[row] = self.runtime.sample_allowed(allowed.ids, allowed.logits, params[row], generators[row])
         return tokens
-
-    def _mask_rows(self, logits, seqs: list[Sequence], rows: list[int]):
-        from ricllm.structured.guide import allowed_tokens
-
-        return self.runtime.mask(logits, rows, allowed_tokens([s.guide for s in seqs], logits.shape[-1]))

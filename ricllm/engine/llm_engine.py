@@ -239,12 +239,13 @@ class LLMEngine:
         for seq, _ in batch.items:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
-        logits, _ = self.runtime.runner.run(batch)
+        ready = [seq for seq, num_new in batch.items if seq.num_computed_tokens + num_new == seq.num_tokens]
+        allowed = self.constraints.allowed(ready)  # None: no row is constrained, the whole head for all
+        logits, _ = self.runtime.runner.run(batch) if allowed is None else self.runtime.runner.run(batch, allowed)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
             seq.block_hashes += self.cache.cache_full_blocks(seq)
             seq.evict_blocks(self.cache.evict_outside_window(seq))
-        ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
         return ready, self.constraints.sample(logits, ready)
 
     def _end(self, seq: Sequence, reason: str, now: float, aborted: bool = False) -> RequestOutput:

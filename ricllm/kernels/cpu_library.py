@@ -84,6 +84,8 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_quant_gemm_uses_amx": [],
     "ricllm_quant_gemm_int4_path": [_I],
     "ricllm_quant_gemm": [_P] * 4 + [_I, _P, _I, _I, _I, _I, _P, _I],
+    # x, w, scales, offsets, bits, out, m, k, n, tiles, count, is_bf16, scratch, num_threads
+    "ricllm_quant_gemm_tiles": [_P] * 4 + [_I, _P, _I, _I, _I, _P, _I, _I, _P, _I],
     # x, out, layer pointers, bits, final norm, cos, sin, slots, tables, starts, lens, sinks, windows, lora, dims
     "ricllm_decoder_stack": [_P] * 15 + [_F, _F],
     "ricllm_quant_rows": [_P, _P, _I, _P, _I, _I, _I, _P, _I],

@@ -128,6 +128,26 @@ def quant_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offs
     return out
 
 
+def quant_gemm_tiles(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                     bits: int, out_features: int, tiles: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] -> [M, 16·len(tiles)]`` in x's dtype: the columns of ``quant_gemm`` in the weight's
+    16-row tiles ``tiles`` (int32), in that order, bit for bit (``ricllm_quant_gemm_tiles``)."""
+    if x.dtype not in IS_BF16:
+        raise ValueError(f"quant_gemm_tiles takes bf16 or fp32 activations, not {x.dtype}")
+    x, tiles = x.contiguous(), tiles.to(torch.int32).contiguous()
+    rows, cols = x.shape
+    out = x.new_empty(rows, TILE * tiles.numel())
+    scratch = torch.empty(2 * rows * cols + 8 * rows * (cols // GROUP), dtype=torch.uint8)
+    code = library().ricllm_quant_gemm_tiles(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                             bits, out.data_ptr(), rows, cols, out_features, tiles.data_ptr(),
+                                             tiles.numel(), IS_BF16[x.dtype], scratch.data_ptr(),
+                                             torch.get_num_threads())
+    if code != 0:
+        raise ValueError(f"quant_gemm_tiles refused [{rows}, {cols}] x {tiles.numel()} tiles of [{cols}, "
+                         f"{out_features}] at {bits} bits (code {code})")
+    return out
+
+
 def quant_rows(ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, cols: int,
                out_features: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` of the weight, dequantized: ``[len(ids), cols]`` in ``dtype`` (an embedding

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ricllm.kernels import cpu_quant
+from ricllm.kernels import cpu_library, cpu_quant
 from ricllm.model import formats
 
 INT4_GROUP = 32
@@ -129,6 +129,20 @@ class PackedLinear(nn.Module):
         if self.fmt == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, INT4_GROUP, self.packed_scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed_weight, self.packed_scales)
+
+
+    def narrows(self, rows: int) -> bool:
+        """Whether ``forward_tiles`` gives each output as ``forward`` does for up to ``rows`` rows:
+        ricllm's layout, no dense copy to switch to, and (4-bit) one path for every row count up to
+        ``rows`` (not past AMX's threshold)."""
+        if self.layout != "vnni" or self.weight is not None:
+            return False
+        return self.fmt == "int8" or cpu_library.int4_path(rows) == cpu_library.int4_path(1)
+
+    def forward_tiles(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` on the weight's 16-row tiles ``tiles`` only: ``[rows, 16·len(tiles)]`` (``narrows``)."""
+        return cpu_quant.quant_gemm_tiles(x, self.packed_weight, self.packed_scales, self.packed_offsets,
+                                          4 if self.fmt == "int4" else 8, self.out_features, tiles)
 
 
 class PackedEmbedding(nn.Module):

@@ -1,9 +1,9 @@
-"""One request's place in its grammar, and the token masks of a batch's constrained rows.
+"""One request's place in its grammar, and the tokens it allows next.
 
-A row without a constraint never reaches this module: it pays nothing. A mask is built only for
-a constrained row that samples this step and needs one (``ConstrainedDecoding.sample``); the runtime
-applies it to the row's logits (``Runtime.mask``), so a constrained answer can only ever be a
-prefix of a valid one.
+A row without a constraint never reaches this module: it pays nothing. A constrained row that
+samples this step gets its allowed token ids (``allowed_ids``) before the model's head runs, so
+the head computes only their logits where that is cheaper, and its sampler sees only them
+(``ricllm.engine.runtime.narrow_head``): a constrained answer can only ever be a prefix of a valid one.
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ class Guide:
         if not self.matcher.consume_tokens(token_ids):  # only on a bug: the mask allowed these tokens
             raise RuntimeError(f"grammar refused tokens it allowed: {self.matcher.get_error()}")
 
-    def allows(self, token_id: int) -> bool:
-        return self.matcher.validate_tokens([token_id]) == 1
-
     @property
     def is_complete(self) -> bool:
         """The answer is whole: the grammar allows nothing but the end."""
@@ -39,20 +36,19 @@ class Guide:
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
 
-def allowed_tokens(guides: list[Guide], vocab_size: int) -> np.ndarray:
-    """``[len(guides), vocab_size]`` booleans: which tokens each guide allows next.
+def allowed_ids(guide: Guide, vocab_size: int) -> np.ndarray:
+    """The token ids ``guide`` allows next, ascending (int64). Ids past the model's vocabulary (a
+    grammar tokenizer wider than the head) are never allowed.
 
-    Ids past the grammar's tokenizer (a padded embedding) are never allowed. The masks are filled
-    one after the other on the engine's thread: llguidance's thread pool was slower on a few cores,
-    its threads taking CPU time from the model's (``benchmarks/bench_decisions.py``).
+    Only the mask's nonzero words are unpacked: a grammar usually allows a handful of tokens, and
+    Gemma 3's mask is 8,192 words. Masks are filled one after the other on the engine's thread:
+    llguidance's thread pool was slower on a few cores, its threads taking CPU time from the
+    model's (``benchmarks/bench_decisions.py``).
     """
-    width = guides[0].grammar.fresh_vocab_size
-    bitmask = np.zeros((len(guides), (width + 31) // 32), dtype=np.int32)
-    for row, guide in enumerate(guides):
-        guide.fill_mask(bitmask, row)
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=min(width, vocab_size), bitorder="little")
-    if bits.shape[1] == vocab_size:
-        return bits.view(bool)
-    allowed = np.zeros((len(guides), vocab_size), dtype=bool)
-    allowed[:, :bits.shape[1]] = bits
-    return allowed
+    bitmask = np.zeros((1, (guide.grammar.fresh_vocab_size + 31) // 32), dtype=np.int32)
+    guide.fill_mask(bitmask, 0)
+    words = np.flatnonzero(bitmask[0])
+    bits = np.unpackbits(bitmask[0, words].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+    word, bit = np.nonzero(bits)
+    ids = words[word].astype(np.int64) * 32 + bit
+    return ids[ids < vocab_size]

@@ -1,6 +1,7 @@
 """Weight-only int4/int8 products in every kernel family this CPU runs (amx, avx512, avx2): each one
 matches the torch reference at every row range its paths split on, both widths, bf16 and fp32
-activations; the family follows the CPU's flags and the cap (RICLLM_CPU_KERNELS, RICLLM_NO_AMX).
+activations, and a few tiles' products are the whole product's columns bit for bit; the family
+follows the CPU's flags and the cap (RICLLM_CPU_KERNELS, RICLLM_NO_AMX).
 
 The library is built once per process for one family, so the other families run this file's
 parity tests (and the runtimes' bit-identity test) again in a subprocess with the cap set."""
@@ -79,6 +80,30 @@ def test_parity_with_the_torch_reference_at_every_row_range(bits, dtype):
         assert y.dtype == dtype
         err = rel_err(y, reference(x, exact, bits))
         assert err < tolerance, f"{cpu_library.kernel_family()}: {bits}-bit, {rows} rows, {dtype}: off by {err:.2e}"
+
+
+@needs_products
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_parity_of_a_few_tiles_with_the_whole_product_bit_for_bit(bits, dtype):
+    """``quant_gemm_tiles`` (an LM head on a constraint's allowed tokens) gives the listed tiles'
+    columns of ``quant_gemm``, the same bits, wherever the row count's path computes each output
+    from its own weight row (8-bit; 4-bit on int8 activations); a 4-bit AMX path is refused."""
+    weight = torch.randn(96, 288, generator=torch.Generator().manual_seed(bits)) * 0.05  # 6 tiles, 9 groups
+    packed, scales, offsets = (cpu_quant.pack_int4 if bits == 4 else cpu_quant.pack_int8)(weight)
+    tiles = torch.tensor([4, 0, 5], dtype=torch.int32)  # in any order
+    columns = (tiles[:, None].long() * cpu_quant.TILE + torch.arange(cpu_quant.TILE)).flatten()
+    for rows in ROWS:
+        x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        if bits == 4 and int4_activations(rows) != "int8":
+            with pytest.raises(ValueError, match=r"code -2"):
+                cpu_quant.quant_gemm_tiles(x, packed, scales, offsets, bits, 96, tiles)
+            continue
+        whole = cpu_quant.quant_gemm(x, packed, scales, offsets, bits, 96)
+        part = cpu_quant.quant_gemm_tiles(x, packed, scales, offsets, bits, 96, tiles)
+        assert part.shape == (rows, 48) and torch.equal(part, whole[:, columns]), f"{bits}-bit, {rows} rows, {dtype}"
+    with pytest.raises(ValueError, match=r"code -1"):  # a tile past the weight
+        cpu_quant.quant_gemm_tiles(x, packed, scales, offsets, bits, 96, torch.tensor([6], dtype=torch.int32))
 
 
 @needs_products

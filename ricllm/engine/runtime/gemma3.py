@@ -34,6 +34,7 @@ from torch import nn
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.engine.runtime.llama import Embedding, Linear, apply_rope, rope_inverse_frequencies
 from ricllm.errors import ConfigError
+from ricllm.model.packed_linear import PackedLinear
 from ricllm.model.spec import ModelSpec
 
 # ricllm's C attention kernels take head_dim <= 128 (kernels/cpu_paged_attention.c's MAX_D);
@@ -201,9 +202,20 @@ class Gemma3Model(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
-            logits = self.packed_head(hidden).float()
-        else:
-            weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight).float()
+            return self._softcapped(self.packed_head(hidden).float())
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return self._softcapped(F.linear(hidden, weight).float())
+
+    def head_narrows(self, rows: int) -> bool:
+        """As ``LlamaModel.head_narrows``: a head packed in ricllm's layout."""
+        return isinstance(self.packed_head, PackedLinear) and self.packed_head.narrows(rows)
+
+    @torch.inference_mode()
+    def compute_logits_on_tiles(self, hidden: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, 16·len(tiles)]``: the logits of the head's 16-row tiles ``tiles`` only (the
+        soft cap is per logit)."""
+        return self._softcapped(self.packed_head.forward_tiles(hidden, tiles).float())
+
+    def _softcapped(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.spec.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)

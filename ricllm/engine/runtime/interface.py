@@ -31,7 +31,9 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
 # strings, so that nothing above is needed when the module runs
 Model = Union["LlamaModel", "NativeModel"]
 KVStore = Union["KVCache", "NativeKVCache"]  # ``geometry``, ``layers``, ``total_bytes()``
-Runner = Union["ModelRunner", "NativeModelRunner"]  # ``run(batch) -> (fp32 logits [N, vocab], rows)``
+# ``run(batch) -> (fp32 logits [N, vocab], rows)``; ``run(batch, allowed) -> (StepLogits, rows)`` with
+# each sampled row's allowed ids (None: unconstrained), the constrained rows on the k-wide head (``narrow_head``)
+Runner = Union["ModelRunner", "NativeModelRunner"]
 # ``capacity``, ``load(slot, adapter)``, ``unload(slot)``, ``nbytes``: the C kernels' layout (the
 # native runtime; the torch one on the CPU with the C kernels) or torch tensors on the device
 AdapterSlots = Union["LoraSlots", "TorchLoraSlots"]
@@ -39,7 +41,8 @@ Device = Union["torch.device", str]  # the native runtime's is "cpu"
 DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16"
 Generator = Union["torch.Generator", "np.random.Generator"]
 Sampler = Callable[[Any, "list[SamplingParams]", "list[Generator | None]"], "list[int]"]
-Masker = Callable[[Any, "list[int]", "np.ndarray"], Any]  # (logits, rows, allowed) -> the masked logits
+# (allowed ids ascending, their fp32 logits, params, generator) -> one of the ids
+AllowedSampler = Callable[["np.ndarray", Any, "SamplingParams", "Generator | None"], int]
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class Runtime:
     kv_cache: KVStore
     runner: Runner
     sample: Sampler  # (logits, params, generators) -> token ids
-    mask: Masker  # forbids on the constrained rows what their grammar does not allow, before sampling
+    sample_allowed: AllowedSampler  # a constrained row's token, from its allowed tokens' logits alone
     new_generator: Callable[[int], Generator]  # a seeded generator for one sampled request
     device: Device
     dtype: DType

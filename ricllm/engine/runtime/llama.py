@@ -32,6 +32,7 @@ from torch import nn
 
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.engine.runtime.lora_delta import LoraBatch, LoraLayerBatch
+from ricllm.model.packed_linear import PackedLinear
 from ricllm.model.spec import ModelSpec, RopeScaling
 
 
@@ -234,3 +235,13 @@ class LlamaModel(nn.Module):
             return self.packed_head(hidden).float()
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def head_narrows(self, rows: int) -> bool:
+        """Whether ``compute_logits_on_tiles`` gives each logit as ``compute_logits`` does for up to
+        ``rows`` rows: a head packed in ricllm's layout (``PackedLinear.narrows``)."""
+        return isinstance(self.packed_head, PackedLinear) and self.packed_head.narrows(rows)
+
+    @torch.inference_mode()
+    def compute_logits_on_tiles(self, hidden: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, 16·len(tiles)]``: the logits of the head's 16-row tiles ``tiles`` only."""
+        return self.packed_head.forward_tiles(hidden, tiles).float()

@@ -1,7 +1,9 @@
-"""Turns a scheduled batch into tensors, runs the model once, and returns last-position logits."""
+"""Turns a scheduled batch into tensors, runs the model once, and returns last-position logits
+(for constrained rows, their allowed tokens' logits: ``narrow_head``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ricllm.attention.metadata import AttentionMetadata
@@ -10,6 +12,7 @@ from ricllm.engine.runtime.flat_batch import flatten
 from ricllm.engine.runtime.llama import LlamaModel
 from ricllm.engine.runtime.lora_delta import LoraBatch, TorchLoraSlots, lora_batch
 from ricllm.engine.runtime.lora_slots import LoraSlots
+from ricllm.engine.runtime.narrow_head import TILE, StepLogits, plan_head, step_logits
 from ricllm.engine.scheduler import ScheduledBatch
 
 
@@ -20,6 +23,7 @@ class ModelRunner:
         self.device = device
         self.lora = lora
         self.block_size = kv_cache.geometry.block_size
+        self.narrow_head = True  # constrained rows on the k-wide head where it is exact (off: the whole head)
 
     def prepare(self, batch: ScheduledBatch
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, LoraBatch | None, list[int]]:
@@ -45,9 +49,26 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices."""
+    def run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None = None
+            ) -> tuple[torch.Tensor | StepLogits, list[int]]:
+        """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices;
+        with ``allowed`` (per sampled row, its constraint's allowed ids or None) a ``StepLogits``."""
         input_ids, positions, meta, lora, logits_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, lora)
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)), logits_rows
+        hidden = hidden.index_select(0, self._tensor(logits_rows, torch.int64))
+        if allowed is None:
+            return self.model.compute_logits(hidden), logits_rows
+        return self._head(hidden, allowed), logits_rows
+
+    def _head(self, hidden: torch.Tensor, allowed: list[np.ndarray | None]) -> StepLogits:
+        narrows = self.narrow_head and self.model.head_narrows(len(allowed))
+        plan = plan_head(allowed, self.model.spec.vocab_size // TILE, narrows)
+        full = self.model.compute_logits(hidden[self._tensor(plan.full_rows, torch.int64)]) if plan.full_rows else None
+        narrow = None
+        if plan.narrow_rows:
+            rows = hidden[self._tensor(plan.narrow_rows, torch.int64)]
+            narrow = self.model.compute_logits_on_tiles(rows, torch.from_numpy(plan.tiles))
+        return step_logits(plan, allowed, full, narrow, self._take)
+
+    def _take(self, logits: torch.Tensor, row: int, columns: np.ndarray) -> torch.Tensor:
+        return logits[row, torch.from_numpy(columns).to(logits.device)]

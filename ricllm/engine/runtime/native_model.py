@@ -1,5 +1,6 @@
 """The native model and its runner: one step is the embedding lookup, the decoder stack as one
-C call for all layers (``kernels/cpu_decoder.c``), prefill chunks included, then the packed head.
+C call for all layers (``kernels/cpu_decoder.c``), prefill chunks included, then the packed head
+(on the allowed tokens' tiles only for constrained rows, where that is cheaper: ``narrow_head``).
 The step's LoRA segments go to the same call: each projection gets its rows' adapter updates there
 (``lora_slots``).
 Numpy arrays and ricllm's C kernels only: this module never imports torch. The arrays it hands
@@ -12,6 +13,7 @@ import numpy as np
 from ricllm.cache.kv_cache import NativeKVCache
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.runtime.lora_slots import LoraSlots
+from ricllm.engine.runtime.narrow_head import TILE, StepLogits, plan_head, step_logits
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.kernels.aligned import aligned_empty
 from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, DecoderStackCall, LoraStepArgument, layer_addresses
@@ -82,13 +84,34 @@ class NativeModel:
 
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
         """fp32 ``[N, vocab]``: the packed head's bf16 products, widened (as the torch runtime)."""
+        return self._head(hidden, None)
+
+    def head_narrows(self, rows: int) -> bool:
+        """Whether ``compute_logits_on_tiles`` gives each logit as ``compute_logits`` does for up
+        to ``rows`` rows: always at 8 bits; at 4 bits where one path serves every row count up
+        to ``rows`` (not past AMX's threshold)."""
+        from ricllm.kernels.cpu_library import int4_path
+
+        return self.weights.head.bits == 8 or int4_path(rows) == int4_path(1)
+
+    def compute_logits_on_tiles(self, hidden: np.ndarray, tiles: np.ndarray) -> np.ndarray:
+        """fp32 ``[N, 16·len(tiles)]``: the logits of the head's 16-row tiles ``tiles`` only, each
+        bit for bit the whole head's (``narrow_head``)."""
+        return self._head(hidden, np.ascontiguousarray(tiles, dtype=np.int32))
+
+    def _head(self, hidden: np.ndarray, tiles: np.ndarray | None) -> np.ndarray:
         head = self.weights.head
         rows, cols = hidden.shape
-        out = aligned_empty((rows, head.out_features), np.uint16)
+        width = head.out_features if tiles is None else 16 * tiles.size
+        out = aligned_empty((rows, width), np.uint16)
         scratch = aligned_empty(2 * rows * cols + 8 * rows * (cols // 32), np.uint8)
-        code = self._lib.ricllm_quant_gemm(hidden.ctypes.data, head.weight.ctypes.data, head.scales.ctypes.data,
-                                           head.offsets.ctypes.data, head.bits, out.ctypes.data, rows, cols,
-                                           head.out_features, 1, scratch.ctypes.data, self.threads)
+        arguments = (hidden.ctypes.data, head.weight.ctypes.data, head.scales.ctypes.data, head.offsets.ctypes.data,
+                     head.bits, out.ctypes.data, rows, cols, head.out_features)
+        if tiles is None:
+            code = self._lib.ricllm_quant_gemm(*arguments, 1, scratch.ctypes.data, self.threads)
+        else:
+            code = self._lib.ricllm_quant_gemm_tiles(*arguments, tiles.ctypes.data, tiles.size, 1,
+                                                     scratch.ctypes.data, self.threads)
         if code != 0:
             raise RuntimeError(f"the packed head failed (code {code})")
         logits = aligned_empty(out.shape, np.float32)
@@ -109,10 +132,25 @@ class NativeModelRunner:
     def __init__(self, model: NativeModel, kv_cache: NativeKVCache, lora: LoraSlots):
         self.model, self.kv_cache, self.lora = model, kv_cache, lora
         self.block_size = kv_cache.geometry.block_size
+        self.narrow_head = True  # constrained rows on the k-wide head where it is exact (off: the whole head)
         model.bind_cache(kv_cache)
 
-    def run(self, batch: ScheduledBatch) -> tuple[np.ndarray, list[int]]:
-        """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices."""
+    def run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None = None
+            ) -> tuple[np.ndarray | StepLogits, list[int]]:
+        """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices;
+        with ``allowed`` (per sampled row, its constraint's allowed ids or None) a ``StepLogits``."""
         flat = flatten(batch, self.block_size)
         hidden = self.model.forward(flat.input_ids, flat.positions, flat, self.lora.stack_step(flat.lora_segments))
-        return self.model.compute_logits(_take_rows(hidden, flat.logits_rows)), flat.logits_rows
+        hidden = _take_rows(hidden, flat.logits_rows)
+        if allowed is None:
+            return self.model.compute_logits(hidden), flat.logits_rows
+        return self._head(hidden, allowed), flat.logits_rows
+
+    def _head(self, hidden: np.ndarray, allowed: list[np.ndarray | None]) -> StepLogits:
+        model = self.model
+        plan = plan_head(allowed, model.weights.head.out_features // TILE,
+                         self.narrow_head and model.head_narrows(len(allowed)))
+        full = model.compute_logits(_take_rows(hidden, plan.full_rows)) if plan.full_rows else None
+        narrow = model.compute_logits_on_tiles(_take_rows(hidden, plan.narrow_rows), plan.tiles) \
+            if plan.narrow_rows else None
+        return step_logits(plan, allowed, full, narrow, lambda matrix, row, columns: matrix[row, columns])

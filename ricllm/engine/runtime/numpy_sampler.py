@@ -35,33 +35,23 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 def sample(logits: np.ndarray, params: list[SamplingParams], generators: list) -> list[int]:
     """One token id per row of ``logits [N, vocab]`` (fp32)."""
     greedy = logits.argmax(axis=-1).tolist()
-    tokens = []
-    for row, (p, rng) in enumerate(zip(params, generators)):
-        if p.greedy:
-            tokens.append(greedy[row])
-            continue
-        cumulative = np.cumsum(_softmax(filter_logits(logits[row], p)).astype(np.float64))
-        draw = rng.random() * cumulative[-1]
-        tokens.append(int(min(np.searchsorted(cumulative, draw, side="right"), len(cumulative) - 1)))
-    return tokens
+    return [greedy[row] if p.greedy else _draw(logits[row], p, rng)
+            for row, (p, rng) in enumerate(zip(params, generators))]
+
+
+def sample_allowed(ids: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
+    """One of a constraint's allowed tokens ``ids`` (ascending) from their fp32 ``logits``: the first
+    maximum when greedy, else one uniform draw over them in vocabulary order, as ``sample`` draws
+    over the vocabulary (the tokens outside ``ids`` have no probability to draw)."""
+    return int(ids[int(logits.argmax()) if params.greedy else _draw(logits, params, rng)])
+
+
+def _draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The index one uniform draw picks on the cumulative distribution of a row of logits."""
+    cumulative = np.cumsum(_softmax(filter_logits(logits, params)).astype(np.float64))
+    draw = rng.random() * cumulative[-1]
+    return int(min(np.searchsorted(cumulative, draw, side="right"), len(cumulative) - 1))
 
 
 def new_generator(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
-
-
-def mask(logits: np.ndarray, rows: list[int], allowed: np.ndarray) -> np.ndarray:
-    """Forbid the tokens a row's constraint does not allow (``allowed [len(rows), vocab]``), in place.
-
-    A row that allows few tokens is rebuilt from them (a grammar usually allows a handful);
-    one that allows most has the rest overwritten.
-    """
-    for row, ok in zip(rows, allowed):
-        keep = np.flatnonzero(ok)
-        if 2 * keep.size < ok.size:
-            kept = logits[row, keep]
-            logits[row] = -np.inf
-            logits[row, keep] = kept
-        else:
-            np.putmask(logits[row], ~ok, np.float32(-np.inf))
-    return logits

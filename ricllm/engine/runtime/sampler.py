@@ -1,8 +1,10 @@
 """Next-token choice from the last position's logits: greedy rows in one argmax, sampled rows
-one by one with their own generator (so a seeded request is reproducible in any batch)."""
+one by one with their own generator (so a seeded request is reproducible in any batch); a
+constrained row from its allowed tokens' logits alone (``sample_allowed``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ricllm.sampling_params import SamplingParams
@@ -36,10 +38,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
-@torch.inference_mode()
-def mask(logits: torch.Tensor, rows: list[int], allowed) -> torch.Tensor:
-    """Forbid the tokens a row's constraint does not allow (``allowed``: numpy booleans ``[len(rows), vocab]``)."""
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    forbidden = ~torch.from_numpy(allowed).to(logits.device)
-    logits[index] = logits.index_select(0, index).masked_fill(forbidden, float("-inf"))
-    return logits
+def sample_allowed(ids: np.ndarray, logits: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator | None) -> int:
+    """One of a constraint's allowed tokens ``ids`` (ascending) from their fp32 ``logits``: the first
+    maximum when greedy, else one uniform draw over them in vocabulary order (``numpy_sampler``'s
+    definition, on the request's torch generator), so the draw depends on the allowed tokens'
+    logits alone, not on which head computed them."""
+    logits = logits.cpu()
+    if params.greedy:
+        return int(ids[int(logits.argmax())])
+    cumulative = torch.softmax(filter_logits(logits, params), dim=-1).double().cumsum(0)
+    draw = torch.rand((), dtype=torch.float64, generator=generator) * cumulative[-1]
+    return int(ids[min(int(torch.searchsorted(cumulative, draw, right=True)), len(ids) - 1)])
