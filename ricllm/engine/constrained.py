@@ -12,11 +12,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.outputs import Rejection
 from ricllm.sampling_params import SamplingParams
+from ricllm.errors import InvalidRequestError
 from ricllm.sequence import Sequence
+from ricllm.structured.fallback import Fallback
 from ricllm.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:  # llguidance is imported with the first constraint, not with the engine
@@ -41,6 +45,7 @@ class ConstrainedDecoding:
         self.runtime = runtime
         self.max_model_len = max_model_len
         self._compiler = None  # a GrammarCompiler, built with the first constraint (llguidance's bridge costs ~0.2 s)
+        self._good_fallbacks: set[tuple[str, str]] = set()  # (constraint key, answer) found to satisfy it
 
     @property
     def num_compiled(self) -> int:
@@ -58,12 +63,26 @@ class ConstrainedDecoding:
 
     def grammar_of(self, params: SamplingParams, compiled: CompiledGrammar | None = None) -> CompiledGrammar | None:
         """The request's compiled constraint (None without one): ``compiled`` when the caller
-        compiled it already, else compiled (or found in the cache) now."""
+        compiled it already, else compiled (or found in the cache) now; its ``fallback`` checked
+        against it."""
         if params.structured is None:
             return None
-        if compiled is not None and compiled.spec == params.structured:
-            return compiled
-        return self.compile(params.structured)
+        if compiled is None or compiled.spec != params.structured:
+            compiled = self.compile(params.structured)
+        if params.fallback is not None:
+            self.check_fallback(compiled, params.fallback)
+        return compiled
+
+    def check_fallback(self, grammar: CompiledGrammar, fallback: Fallback) -> None:
+        """``InvalidRequestError`` naming the problem unless the fallback is a whole answer the
+        grammar accepts (checked once per constraint and answer)."""
+        if (grammar.spec.key, fallback.answer) in self._good_fallbacks:
+            return
+        problem = self._compiler.answer_problem(grammar, fallback.answer)
+        if problem is not None:
+            raise InvalidRequestError(f"fallback {fallback.answer!r} does not satisfy the {grammar.spec.kind} "
+                                      f"constraint: {problem}")
+        self._good_fallbacks.add((grammar.spec.key, fallback.answer))
 
     def start(self, seq: Sequence, grammar: CompiledGrammar) -> Rejection | None:
         """Put ``seq`` at the start of its grammar. A ``max_tokens`` shorter than any complete answer
@@ -71,6 +90,7 @@ class ConstrainedDecoding:
         from ricllm.structured.guide import Guide
 
         seq.guide = Guide(grammar)
+        seq.confidence = 1.0  # no decision taken yet
         seq.min_output_tokens = grammar.min_tokens
         requested = seq.params.max_tokens
         if requested < grammar.min_tokens:
@@ -102,29 +122,46 @@ class ConstrainedDecoding:
         return forced
 
     def sample(self, logits, ready: list[Sequence]) -> list[int]:
-        """One token per row; a constrained row's token is one its grammar allows.
+        """One token per row; a constrained row's token is one its grammar allows, and its step
+        multiplies its decision's confidence (``ricllm.structured.fallback``).
 
         Greedy and temperature-only rows draw first and are masked only when the grammar refuses
         the draw, then draw again: keeping an allowed draw from p, else drawing from p masked,
         is exactly p restricted to the allowed tokens, and checking one token costs far less than
         masking a vocabulary. Rows with top-k or top-p are masked before their one draw, since
-        those filters must see the masked distribution.
+        those filters must see the masked distribution. Every constrained row's allowed set is
+        computed once per step: its confidence needs it whether or not its draw was masked.
         """
         params, generators = [s.params for s in ready], [s.generator for s in ready]
-        masked_first = [r for r, s in enumerate(ready) if s.guide is not None and not _checkable_after(s.params)]
+        constrained = [r for r, s in enumerate(ready) if s.guide is not None]
+        if not constrained:
+            return self.runtime.sample(logits, params, generators)
+        allowed = self._allowed(ready, constrained, logits.shape[-1])
+        masked_first = [r for r in constrained if not _checkable_after(ready[r].params)]
         if masked_first:
-            logits = self._mask_rows(logits, [ready[r] for r in masked_first], masked_first)
+            logits = self.runtime.mask(logits, masked_first, allowed[[constrained.index(r) for r in masked_first]])
         tokens = self.runtime.sample(logits, params, generators)
-        refused = [r for r, s in enumerate(ready) if s.guide is not None and _checkable_after(s.params)
-                   and not s.guide.allows(tokens[r])]
+        refused = [r for r in constrained if _checkable_after(ready[r].params) and not ready[r].guide.allows(tokens[r])]
         if refused:
-            again = self._mask_rows(logits[refused], [ready[r] for r in refused], list(range(len(refused))))
+            again = self.runtime.mask(logits[refused], list(range(len(refused))),
+                                      allowed[[constrained.index(r) for r in refused]])
             for row, token in zip(refused, self.runtime.sample(again, [params[r] for r in refused],
                                                                [generators[r] for r in refused])):
                 tokens[row] = token
+        self._multiply_confidence(logits, [ready[r] for r in constrained], constrained, allowed,
+                                  [tokens[r] for r in constrained])
         return tokens
 
-    def _mask_rows(self, logits, seqs: list[Sequence], rows: list[int]):
+    @staticmethod
+    def _allowed(ready: list[Sequence], rows: list[int], vocab_size: int) -> np.ndarray:
+        """``[len(rows), vocab_size]``: which tokens each constrained row's grammar allows now."""
         from ricllm.structured.guide import allowed_tokens
 
-        return self.runtime.mask(logits, rows, allowed_tokens([s.guide for s in seqs], logits.shape[-1]))
+        return allowed_tokens([ready[r].guide for r in rows], vocab_size)
+
+    def _multiply_confidence(self, logits, seqs: list[Sequence], rows: list[int], allowed: np.ndarray,
+                             tokens: list[int]) -> None:
+        """The allowed logits are read as the head gave them: masking leaves them as they were."""
+        for seq, chosen in zip(seqs, self.runtime.chosen_probability(logits, rows, allowed, tokens)):
+            if chosen is not None:  # one allowed token: nothing was decided
+                seq.confidence *= chosen

@@ -3,6 +3,7 @@ one by one with their own generator (so a seeded request is reproducible in any 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ricllm.sampling_params import SamplingParams
@@ -43,3 +44,18 @@ def mask(logits: torch.Tensor, rows: list[int], allowed) -> torch.Tensor:
     forbidden = ~torch.from_numpy(allowed).to(logits.device)
     logits[index] = logits.index_select(0, index).masked_fill(forbidden, float("-inf"))
     return logits
+
+
+@torch.inference_mode()
+def chosen_probability(logits: torch.Tensor, rows: list[int], allowed, tokens: list[int]) -> list[float | None]:
+    """Per row, the temperature-1 softmax over its allowed logits at its chosen token (in float64),
+    whatever the row's own sampling knobs; None where fewer than two tokens were allowed."""
+    chosen = []
+    for row, ok, token in zip(rows, allowed, tokens):
+        ids = np.flatnonzero(ok)
+        if ids.size < 2:
+            chosen.append(None)
+            continue
+        kept = logits[row, torch.from_numpy(ids).to(logits.device)].double()
+        chosen.append(float(torch.softmax(kept, dim=-1)[int(np.searchsorted(ids, token))]))
+    return chosen
