@@ -8,7 +8,7 @@ find it compiled. A request without a constraint costs one ``is None`` here per 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +162,20 @@ class ConstrainedDecoding:
     def _multiply_confidence(self, logits, seqs: list[Sequence], rows: list[int], allowed: np.ndarray,
                              tokens: list[int]) -> None:
         """The allowed logits are read as the head gave them: masking leaves them as they were."""
-        for seq, chosen in zip(seqs, self.runtime.chosen_probability(logits, rows, allowed, tokens)):
-            if chosen is not None:  # one allowed token: nothing was decided
-                seq.confidence *= chosen
+        ends = self.tokenizer.eos_token_ids
+        for seq, ok, values, token in zip(seqs, allowed, self.runtime.allowed_logits(logits, rows, allowed), tokens):
+            share = chosen_share(np.flatnonzero(ok), values, token, ends)
+            if share is not None:  # one outcome allowed: nothing was decided
+                seq.confidence *= share
+
+
+def chosen_share(allowed_ids: np.ndarray, allowed_logits: np.ndarray, token: int, end_ids: Collection[int]) -> float | None:
+    """One step's factor of a decision's confidence: the temperature-1 softmax over the allowed
+    logits at ``token``. The model's end tokens count as one outcome (ending the answer with one or
+    another decides nothing); None where the step allowed fewer than two outcomes."""
+    is_end = np.isin(allowed_ids, list(end_ids))
+    if allowed_ids.size - int(is_end.sum()) + int(is_end.any()) < 2:
+        return None
+    weights = np.exp(allowed_logits - allowed_logits.max())
+    chosen = weights[is_end].sum() if token in end_ids else weights[np.searchsorted(allowed_ids, token)]
+    return float(chosen / weights.sum())

@@ -2,10 +2,12 @@
 
 A decision's confidence is the product, over the decode steps whose constraint allowed at least
 two tokens, of the temperature-1 softmax over the allowed logits at the token chosen: how much of
-the model's probability, restricted to what the grammar allowed, its answer took. Steps the
-grammar forces, and steps where it allowed one token only, choose nothing and count 1. An
-unconstrained answer has none (its "allowed set" is the vocabulary, which says nothing of a
-decision).
+the model's probability, restricted to what the grammar allowed, its answer took. The model's
+end tokens count as one token (ending with one or another decides nothing). Steps the grammar
+forces, and steps where it allowed one token only, choose nothing and count 1. The engine computes
+it (``ricllm.engine.constrained.chosen_share``) from the allowed logits as the model's head gave
+them, whatever the request's temperature, top-k or top-p. An unconstrained answer has none (its
+"allowed set" is the vocabulary, which says nothing of a decision).
 
 A template (or a request) may set a ``Fallback``: when its decision's confidence is below
 ``min_confidence``, the request answers ``answer`` instead, with finish reason ``fallback``.

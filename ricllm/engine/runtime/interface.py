@@ -40,8 +40,8 @@ DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16"
 Generator = Union["torch.Generator", "np.random.Generator"]
 Sampler = Callable[[Any, "list[SamplingParams]", "list[Generator | None]"], "list[int]"]
 Masker = Callable[[Any, "list[int]", "np.ndarray"], Any]  # (logits, rows, allowed) -> the masked logits
-# (logits, rows, allowed, chosen tokens) -> each row's softmax over its allowed logits at its token
-ChosenProbability = Callable[[Any, "list[int]", "np.ndarray", "list[int]"], "list[float | None]"]
+# (logits, rows, allowed) -> each row's logits at its allowed tokens, float64 on the host
+AllowedLogits = Callable[[Any, "list[int]", "np.ndarray"], "list[np.ndarray]"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Runtime:
     runner: Runner
     sample: Sampler  # (logits, params, generators) -> token ids
     mask: Masker  # forbids on the constrained rows what their grammar does not allow, before sampling
-    chosen_probability: ChosenProbability  # a constrained step's share of its allowed tokens' probability
+    allowed_logits: AllowedLogits  # what a constrained step's decision confidence is computed from
     new_generator: Callable[[int], Generator]  # a seeded generator for one sampled request
     device: Device
     dtype: DType

@@ -59,7 +59,7 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
         name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
         tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache, lora),
         lora=lora,
-        sample=numpy_sampler.sample, mask=numpy_sampler.mask, chosen_probability=numpy_sampler.chosen_probability,
+        sample=numpy_sampler.sample, mask=numpy_sampler.mask, allowed_logits=numpy_sampler.allowed_logits,
         new_generator=numpy_sampler.new_generator, device="cpu", dtype="bfloat16",
         threads=threads, attention_backend="cpu", weight_formats=weights.weight_formats, weights_source=source,
         weight_cache_entry=entry, load_s=load_s, capabilities=C_KERNEL_CAPABILITIES)

@@ -46,19 +46,9 @@ def sample(logits: np.ndarray, params: list[SamplingParams], generators: list) -
     return tokens
 
 
-def chosen_probability(logits: np.ndarray, rows: list[int], allowed: np.ndarray, tokens: list[int]) -> list[float | None]:
-    """Per row, the temperature-1 softmax over its allowed logits at its chosen token (in float64),
-    whatever the row's own sampling knobs; None where fewer than two tokens were allowed."""
-    chosen = []
-    for row, ok, token in zip(rows, allowed, tokens):
-        ids = np.flatnonzero(ok)
-        if ids.size < 2:
-            chosen.append(None)
-            continue
-        kept = logits[row, ids].astype(np.float64)
-        top = kept.max()
-        chosen.append(float(np.exp(np.float64(logits[row, token]) - top) / np.exp(kept - top).sum()))
-    return chosen
+def allowed_logits(logits: np.ndarray, rows: list[int], allowed: np.ndarray) -> list[np.ndarray]:
+    """Each row's logits at the tokens it allows (in vocabulary order), as float64 on the host."""
+    return [logits[row, np.flatnonzero(ok)].astype(np.float64) for row, ok in zip(rows, allowed)]
 
 
 def new_generator(seed: int) -> np.random.Generator:

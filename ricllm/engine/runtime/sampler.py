@@ -47,15 +47,7 @@ def mask(logits: torch.Tensor, rows: list[int], allowed) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def chosen_probability(logits: torch.Tensor, rows: list[int], allowed, tokens: list[int]) -> list[float | None]:
-    """Per row, the temperature-1 softmax over its allowed logits at its chosen token (in float64),
-    whatever the row's own sampling knobs; None where fewer than two tokens were allowed."""
-    chosen = []
-    for row, ok, token in zip(rows, allowed, tokens):
-        ids = np.flatnonzero(ok)
-        if ids.size < 2:
-            chosen.append(None)
-            continue
-        kept = logits[row, torch.from_numpy(ids).to(logits.device)].double()
-        chosen.append(float(torch.softmax(kept, dim=-1)[int(np.searchsorted(ids, token))]))
-    return chosen
+def allowed_logits(logits: torch.Tensor, rows: list[int], allowed) -> list[np.ndarray]:
+    """Each row's logits at the tokens it allows (in vocabulary order), as float64 on the host."""
+    picked = [logits[row, torch.from_numpy(np.flatnonzero(ok)).to(logits.device)] for row, ok in zip(rows, allowed)]
+    return [values.double().cpu().numpy() for values in picked]

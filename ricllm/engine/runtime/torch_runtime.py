@@ -21,7 +21,7 @@ from ricllm.engine.runtime.llama_fused import FusedLlamaModel, enable_decoder_st
 from ricllm.engine.runtime.lora_delta import TorchLoraSlots
 from ricllm.engine.runtime.lora_slots import LoraSlots
 from ricllm.engine.runtime.model_runner import ModelRunner
-from ricllm.engine.runtime.sampler import chosen_probability, mask, sample
+from ricllm.engine.runtime.sampler import allowed_logits, mask, sample
 from ricllm.model.heap import release_free_heap
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.packed_linear import resolve_formats
@@ -120,7 +120,7 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
     return Runtime(
         name="torch", why=why, spec=loaded.spec, tokenizer=loaded.tokenizer, model=loaded.model,
         kv_cache=kv_cache, runner=ModelRunner(loaded.model, kv_cache, device, lora), lora=lora, sample=sample,
-        mask=mask, chosen_probability=chosen_probability, new_generator=lambda seed: torch.Generator().manual_seed(seed),
+        mask=mask, allowed_logits=allowed_logits, new_generator=lambda seed: torch.Generator().manual_seed(seed),
         device=device, dtype=dtype,
         threads=threads, attention_backend=loaded.attention_backend, weight_formats=loaded.weight_formats,
         weights_source=loaded.weights_source, weight_cache_entry=loaded.weight_cache_entry, load_s=load_s,

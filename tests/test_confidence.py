@@ -1,0 +1,146 @@
+"""A constrained decision's confidence and its fallback, on the tiny random model in both runtimes.
+
+Confidence is the product, over the steps whose constraint allowed at least two tokens (the
+model's end tokens counting as one), of the temperature-1 softmax over the allowed logits at the
+chosen token: 1.0 when the grammar never leaves a choice, None for free text, the same product
+computed here by hand from the logits each step saw, and the same number from both runtimes. A decision below its ``min_confidence`` answers
+the fallback with finish reason ``fallback``; a fallback the constraint refuses is refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ricllm import LLM, SamplingParams
+from ricllm.engine.constrained import ConstrainedDecoding, chosen_share
+from ricllm.engine.runtime import numpy_sampler, sampler
+from ricllm.errors import InvalidRequestError
+from ricllm.structured.fallback import Fallback
+from ricllm.template import Template
+
+RUNTIMES = ("native", "torch")
+ACTIONS = ["offload", "hold", "escalate"]
+DECISION = {"type": "object", "properties": {
+    "action": {"enum": ACTIONS}, "cio_delta_db": {"type": "integer", "minimum": -6, "maximum": 6}},
+    "required": ["action", "cio_delta_db"], "additionalProperties": False}
+PROMPTS = ["the cell is congested", "hello world", "RLC delay 123", "The answer is"]
+
+
+def tiny(path, runtime: str, **kwargs) -> LLM:
+    return LLM(str(path), weights="int4", runtime=runtime, weight_cache=False, kv_cache_budget="4MiB", **kwargs)
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+def llm(request, tiny_native_gguf) -> LLM:
+    return tiny(tiny_native_gguf, request.param)
+
+
+def test_one_allowed_token_at_every_step_is_confidence_one_and_free_text_has_none(llm):
+    """``choice: [hold]`` forces the answer whole; the one step left, its end, allows the end tokens only."""
+    forced, free = llm.generate(["the cell is congested"] * 2, [
+        SamplingParams(max_tokens=8, structured={"choice": ["hold"]}), SamplingParams(max_tokens=8)])
+    assert forced.text == "hold" and forced.finish_reason == "stop" and forced.confidence == 1.0
+    assert len(forced.token_ids) == forced.num_forced_tokens + 1  # one step was sampled, and decided nothing
+    assert free.confidence is None and len(free.token_ids) == 8
+
+
+def test_confidence_is_the_product_of_each_choice_steps_allowed_softmax(llm, monkeypatch):
+    """Recomputed by hand from the logits and allowed sets each sampling step saw."""
+    steps = []
+    sample = ConstrainedDecoding.sample
+    ends = llm.engine.tokenizer.eos_token_ids
+
+    def recording(self, logits, ready):
+        rows = np.asarray(logits.float().cpu() if isinstance(logits, torch.Tensor) else logits, dtype=np.float64)
+        allowed = [np.flatnonzero(_allowed(s.guide, rows.shape[-1])) for s in ready]
+        tokens = sample(self, logits, ready)
+        steps.append([(s.request_id, rows[r].copy(), allowed[r], tokens[r]) for r, s in enumerate(ready)])
+        return tokens
+
+    monkeypatch.setattr(ConstrainedDecoding, "sample", recording)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=1.0, seed=7, structured={"json": DECISION}))
+    for out in outs:
+        expected, choices = 1.0, 0
+        for request_id, row, ids, token in (step for batch in steps for step in batch if step[0] == out.request_id):
+            outcomes = {"end" if i in ends else int(i) for i in ids}
+            if len(outcomes) >= 2:
+                chosen = [i for i in ids if i in ends] if token in ends else [token]
+                expected *= sum(math.exp(row[i]) for i in chosen) / sum(math.exp(row[i]) for i in ids)
+                choices += 1
+        assert out.finish_reason == "stop" and choices >= 2  # the action and the number at least
+        assert out.confidence == pytest.approx(expected, rel=1e-9), out.text
+
+
+def _allowed(guide, vocab_size: int) -> np.ndarray:
+    from ricllm.structured.guide import allowed_tokens
+
+    return allowed_tokens([guide], vocab_size)[0]
+
+
+def test_a_steps_share_by_hand_and_both_samplers_read_the_same_allowed_logits():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (2, 50)).astype(np.float32)
+    allowed = np.zeros((2, 50), dtype=bool)
+    allowed[0, [1, 2, 48, 49]] = True
+    allowed[1, ::3] = True
+    native = numpy_sampler.allowed_logits(logits.copy(), [0, 1], allowed)
+    torched = sampler.allowed_logits(torch.from_numpy(logits.copy()), [0, 1], allowed)
+    assert all(np.array_equal(a, b) and a.dtype == np.float64 for a, b in zip(native, torched))
+    assert np.array_equal(native[1], logits[1, ::3].astype(np.float64))
+    ids, values = np.array([1, 2, 48, 49]), np.array([1.0, 2.0, 0.5, 0.0])
+    assert chosen_share(ids, values, 2, {48, 49}) == pytest.approx(math.e ** 2 / (math.e + math.e ** 2 + math.e ** 0.5 + 1))
+    assert chosen_share(ids, values, 49, {48, 49}) == pytest.approx((math.e ** 0.5 + 1) / (math.e + math.e ** 2 + math.e ** 0.5 + 1))
+    assert chosen_share(np.array([48, 49]), np.array([3.0, -1.0]), 49, {48, 49}) is None  # ending, one way or another
+    assert chosen_share(np.array([7]), np.array([3.0]), 7, {48, 49}) is None
+
+
+def test_both_runtimes_give_the_same_confidence(tiny_native_gguf):
+    """Where both run the C decoder stack (steps of up to 64 rows) their logits are the same bits,
+    and so is each decision's confidence."""
+    params = SamplingParams(max_tokens=64, structured={"json": DECISION})
+    native, torched = (tiny(tiny_native_gguf, runtime, max_num_batched_tokens=64).generate(PROMPTS, params)
+                       for runtime in RUNTIMES)
+    for a, b in zip(native, torched):
+        assert a.text == b.text and a.finish_reason == "stop" and 0 < a.confidence < 1
+        assert a.confidence == pytest.approx(b.confidence, rel=1e-12)
+
+
+def test_a_decision_below_min_confidence_answers_the_fallback(llm):
+    unsure = SamplingParams(max_tokens=8, structured={"choice": ACTIONS}, fallback=Fallback(1.0, "escalate"))
+    sure = SamplingParams(max_tokens=8, structured={"choice": ACTIONS}, fallback=Fallback(1e-12, "escalate"))
+    replaced, kept = llm.generate(["the cell is congested"] * 2, [unsure, sure])
+    assert replaced.finish_reason == "fallback" and replaced.text == "escalate" and replaced.model_text in ACTIONS
+    assert replaced.confidence < 1.0 and replaced.token_ids == kept.token_ids  # the model's own tokens
+    assert kept.finish_reason == "stop" and kept.text == replaced.model_text and kept.model_text is None
+    assert kept.confidence == replaced.confidence
+
+
+@pytest.mark.parametrize("structured, answer, words", [
+    ({"choice": ACTIONS}, "retreat", "fallback 'retreat' does not satisfy the choice constraint"),
+    ({"json": DECISION}, '{"action":"hold","cio_delta_db":1', "does not satisfy the json constraint: it stops before "
+                                                                "a whole answer"),
+    ({"json": DECISION}, '{"action":"hold"}', "is refused from '}' on"),
+])
+def test_a_fallback_the_constraint_refuses_is_refused_naming_it(llm, structured, answer, words):
+    params = SamplingParams(max_tokens=16, structured=structured, fallback=Fallback(0.5, answer))
+    with pytest.raises(InvalidRequestError, match=words):
+        llm.generate(["hello"], params)
+    template = Template.build("You decide.", structured, min_confidence=0.5, fallback=answer)
+    with pytest.raises(InvalidRequestError, match=words):
+        llm.engine.pin_template(template)
+    assert llm.generate(["hello"], SamplingParams(max_tokens=4))[0].finish_reason == "length"  # the engine goes on
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"structured": {"choice": ACTIONS}, "min_confidence": 0.5}, "fallback is missing"),
+    ({"structured": {"choice": ACTIONS}, "fallback": "hold"}, "min_confidence is missing"),
+    ({"min_confidence": 0.5, "fallback": "hold"}, "needs a constraint"),
+    ({"structured": {"choice": ACTIONS}, "min_confidence": 1.5, "fallback": "hold"}, r"in \(0, 1\]"),
+])
+def test_a_template_takes_min_confidence_and_fallback_together_with_a_constraint(kwargs, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        Template.build("You decide.", **kwargs)
