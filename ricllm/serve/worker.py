@@ -375,10 +375,11 @@ class Worker(EngineDriver):
         """A ``token`` per new output token; the text since the last one rides on the newest.
 
         While running, the last ``holdback`` characters wait (a stop string may be forming), so
-        the token texts concatenate to the result's text.
+        the token texts concatenate to the result's text; to its ``model_text`` where a fallback
+        replaced the model's answer (the tokens are the model's).
         """
         seq = pending.seq
-        token_ids, text = seq.output_token_ids, seq.output_text
+        token_ids, text = seq.output_token_ids, seq.model_text if seq.model_text is not None else seq.output_text
         visible = len(text) if final else max(pending.sent_chars, len(text) - pending.holdback)
         for index in range(pending.sent_tokens, len(token_ids)):
             piece = ""
