@@ -274,6 +274,26 @@ def test_the_client_command_constrains_answers_and_registers_conversations(serve
     capsys.readouterr()
 
 
+def test_the_client_command_registers_a_fallback_and_says_when_it_answered(server, tmp_path, capsys):
+    from ricllm.cli import main
+
+    endpoint = ["--endpoint", server.endpoint]
+    conversation = tmp_path / "congestion.json"
+    conversation.write_text(json.dumps(EXAMPLES))
+    register = ["client", "register-template", "--messages", str(conversation), "--choice", ",".join(ACTIONS),
+                "--template-id", "cli-careful", "--min-confidence", "1", *endpoint]
+    assert main([*register, "--fallback", "retreat"]) == 2
+    assert "VALIDATION: field 'fallback': fallback 'retreat' does not satisfy the choice constraint" in capsys.readouterr().err
+    assert main([*register, "--fallback", "escalate"]) == 0
+    capsys.readouterr()
+    assert main(["client", "generate", QUESTION[0]["content"], "--chat", "--template-id", "cli-careful", *endpoint]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "escalate" and "finish: fallback" in out.err and "confidence 0." in out.err
+    assert "the model answered" in out.err
+    assert main(["client", "unregister-template", "cli-careful", *endpoint]) == 0
+    capsys.readouterr()
+
+
 def test_the_client_command_says_what_is_wrong_with_a_constraint(server, tmp_path, capsys):
     from ricllm.cli import main
 
