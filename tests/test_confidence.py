@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ricllm import LLM, SamplingParams
-from ricllm.engine.constrained import ConstrainedDecoding, chosen_share
+from ricllm.engine.constrained import ConstrainedDecoding, decision_shares
 from ricllm.engine.runtime import numpy_sampler, sampler
 from ricllm.errors import InvalidRequestError
 from ricllm.structured.fallback import Fallback
@@ -87,15 +87,28 @@ def test_a_steps_share_by_hand_and_both_samplers_read_the_same_allowed_logits():
     allowed = np.zeros((2, 50), dtype=bool)
     allowed[0, [1, 2, 48, 49]] = True
     allowed[1, ::3] = True
-    native = numpy_sampler.allowed_logits(logits.copy(), [0, 1], allowed)
-    torched = sampler.allowed_logits(torch.from_numpy(logits.copy()), [0, 1], allowed)
-    assert all(np.array_equal(a, b) and a.dtype == np.float64 for a, b in zip(native, torched))
-    assert np.array_equal(native[1], logits[1, ::3].astype(np.float64))
-    ids, values = np.array([1, 2, 48, 49]), np.array([1.0, 2.0, 0.5, 0.0])
-    assert chosen_share(ids, values, 2, {48, 49}) == pytest.approx(math.e ** 2 / (math.e + math.e ** 2 + math.e ** 0.5 + 1))
-    assert chosen_share(ids, values, 49, {48, 49}) == pytest.approx((math.e ** 0.5 + 1) / (math.e + math.e ** 2 + math.e ** 0.5 + 1))
-    assert chosen_share(np.array([48, 49]), np.array([3.0, -1.0]), 49, {48, 49}) is None  # ending, one way or another
-    assert chosen_share(np.array([7]), np.array([3.0]), 7, {48, 49}) is None
+    rows, ids = np.nonzero(allowed)
+    native = numpy_sampler.allowed_logits(logits.copy(), rows, ids)
+    torched = sampler.allowed_logits(torch.from_numpy(logits.copy()), rows, ids)
+    assert np.array_equal(native, torched) and native.dtype == np.float64
+    assert np.array_equal(native[4:], logits[1, ::3].astype(np.float64))
+    ends = np.array([48, 49])
+    values = np.array([1.0, 2.0, 0.5, 0.0])
+    whole = math.e + math.e ** 2 + math.e ** 0.5 + 1
+    cases = [  # (allowed ids, their logits, chosen): one row each, then all in one batch
+        (np.array([1, 2, 48, 49]), values, 2, math.e ** 2 / whole),
+        (np.array([1, 2, 48, 49]), values, 49, (math.e ** 0.5 + 1) / whole),  # either end: one outcome
+        (np.array([48, 49]), np.array([3.0, -1.0]), 49, None),  # ending, one way or another
+        (np.array([7]), np.array([3.0]), 7, None),
+        (np.array([0, 5, 9]), np.array([0.0, np.log(3.0), 0.0]), 5, 0.6),
+    ]
+    for ids, values_, chosen, share in cases:
+        got = decision_shares(np.zeros(len(ids), dtype=np.int64), ids, values_, np.array([chosen]), ends)
+        assert got == [share] if share is None else got == [pytest.approx(share)]
+    batch = decision_shares(np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(cases)]),
+                            np.concatenate([c[0] for c in cases]), np.concatenate([c[1] for c in cases]),
+                            np.array([c[2] for c in cases]), ends)
+    assert batch == [None if c[3] is None else pytest.approx(c[3]) for c in cases]
 
 
 def test_both_runtimes_give_the_same_confidence(tiny_native_gguf):

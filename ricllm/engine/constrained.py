@@ -8,17 +8,17 @@ find it compiled. A request without a constraint costs one ``is None`` here per 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ricllm.engine.runtime.interface import Runtime
+from ricllm.errors import InvalidRequestError
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.outputs import Rejection
 from ricllm.sampling_params import SamplingParams
-from ricllm.errors import InvalidRequestError
 from ricllm.sequence import Sequence
 from ricllm.structured.fallback import Fallback
 from ricllm.structured.spec import StructuredSpec
@@ -162,20 +162,33 @@ class ConstrainedDecoding:
     def _multiply_confidence(self, logits, seqs: list[Sequence], rows: list[int], allowed: np.ndarray,
                              tokens: list[int]) -> None:
         """The allowed logits are read as the head gave them: masking leaves them as they were."""
-        ends = self.tokenizer.eos_token_ids
-        for seq, ok, values, token in zip(seqs, allowed, self.runtime.allowed_logits(logits, rows, allowed), tokens):
-            share = chosen_share(np.flatnonzero(ok), values, token, ends)
+        row_of, token_ids = np.divmod(np.flatnonzero(allowed), allowed.shape[1])  # each row's ids ascending
+        values = self.runtime.allowed_logits(logits, np.asarray(rows, dtype=np.int64)[row_of], token_ids)
+        ends = np.fromiter(self.tokenizer.eos_token_ids, dtype=np.int64)
+        shares = decision_shares(row_of, token_ids, values, np.asarray(tokens, dtype=np.int64), ends)
+        for seq, share in zip(seqs, shares):
             if share is not None:  # one outcome allowed: nothing was decided
                 seq.confidence *= share
 
 
-def chosen_share(allowed_ids: np.ndarray, allowed_logits: np.ndarray, token: int, end_ids: Collection[int]) -> float | None:
-    """One step's factor of a decision's confidence: the temperature-1 softmax over the allowed
-    logits at ``token``. The model's end tokens count as one outcome (ending the answer with one or
-    another decides nothing); None where the step allowed fewer than two outcomes."""
-    is_end = np.isin(allowed_ids, list(end_ids))
-    if allowed_ids.size - int(is_end.sum()) + int(is_end.any()) < 2:
-        return None
-    weights = np.exp(allowed_logits - allowed_logits.max())
-    chosen = weights[is_end].sum() if token in end_ids else weights[np.searchsorted(allowed_ids, token)]
-    return float(chosen / weights.sum())
+def decision_shares(row_of: np.ndarray, token_ids: np.ndarray, values: np.ndarray, chosen: np.ndarray,
+                    end_ids: np.ndarray) -> list[float | None]:
+    """Each row's factor of its decision's confidence this step: the temperature-1 softmax over its
+    allowed logits at its ``chosen`` token. ``(row_of, token_ids, values)`` list every row's allowed
+    tokens and their logits, rows in order and each row's ids ascending (``np.nonzero`` of the
+    allowed mask). The model's end tokens count as one outcome (ending the answer with one or
+    another decides nothing); a row that allowed fewer than two outcomes gets None. One pass over
+    the batch, whatever its rows."""
+    num_rows = len(chosen)
+    starts = np.searchsorted(row_of, np.arange(num_rows))
+    weights = np.exp(values - np.maximum.reduceat(values, starts)[row_of])
+    is_end = (token_ids[:, None] == end_ids).any(axis=1)
+    counts = np.diff(np.append(starts, len(token_ids)))
+    num_ends = np.add.reduceat(is_end.astype(np.int64), starts)
+    outcomes = counts - num_ends + (num_ends > 0)
+    stride = int(token_ids.max()) + 1
+    chosen_at = np.searchsorted(row_of * stride + token_ids, np.arange(num_rows) * stride + chosen)
+    chosen_is_end = (chosen[:, None] == end_ids).any(axis=1)
+    share = np.where(chosen_is_end, np.add.reduceat(np.where(is_end, weights, 0.0), starts),
+                     weights[np.minimum(chosen_at, len(weights) - 1)]) / np.add.reduceat(weights, starts)
+    return [float(s) if n >= 2 else None for s, n in zip(share, outcomes)]

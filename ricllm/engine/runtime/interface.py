@@ -40,8 +40,8 @@ DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16"
 Generator = Union["torch.Generator", "np.random.Generator"]
 Sampler = Callable[[Any, "list[SamplingParams]", "list[Generator | None]"], "list[int]"]
 Masker = Callable[[Any, "list[int]", "np.ndarray"], Any]  # (logits, rows, allowed) -> the masked logits
-# (logits, rows, allowed) -> each row's logits at its allowed tokens, float64 on the host
-AllowedLogits = Callable[[Any, "list[int]", "np.ndarray"], "list[np.ndarray]"]
+# (logits, rows, token ids) -> logits[rows[i], token_ids[i]] for each i, float64 on the host
+AllowedLogits = Callable[[Any, "np.ndarray", "np.ndarray"], "np.ndarray"]
 
 
 @dataclass(frozen=True)

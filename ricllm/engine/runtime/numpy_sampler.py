@@ -46,9 +46,9 @@ def sample(logits: np.ndarray, params: list[SamplingParams], generators: list) -
     return tokens
 
 
-def allowed_logits(logits: np.ndarray, rows: list[int], allowed: np.ndarray) -> list[np.ndarray]:
-    """Each row's logits at the tokens it allows (in vocabulary order), as float64 on the host."""
-    return [logits[row, np.flatnonzero(ok)].astype(np.float64) for row, ok in zip(rows, allowed)]
+def allowed_logits(logits: np.ndarray, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """``logits[rows[i], token_ids[i]]`` for each i, as float64."""
+    return logits[rows, token_ids].astype(np.float64)
 
 
 def new_generator(seed: int) -> np.random.Generator:

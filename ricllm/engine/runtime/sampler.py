@@ -47,7 +47,8 @@ def mask(logits: torch.Tensor, rows: list[int], allowed) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def allowed_logits(logits: torch.Tensor, rows: list[int], allowed) -> list[np.ndarray]:
-    """Each row's logits at the tokens it allows (in vocabulary order), as float64 on the host."""
-    picked = [logits[row, torch.from_numpy(np.flatnonzero(ok)).to(logits.device)] for row, ok in zip(rows, allowed)]
-    return [values.double().cpu().numpy() for values in picked]
+def allowed_logits(logits: torch.Tensor, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """``logits[rows[i], token_ids[i]]`` for each i, as float64 on the host: one index and one copy
+    from the device, whatever the number of rows."""
+    flat = torch.from_numpy(rows * logits.shape[-1] + token_ids).to(logits.device)
+    return logits.reshape(-1).index_select(0, flat).double().cpu().numpy()
