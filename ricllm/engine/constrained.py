@@ -137,14 +137,15 @@ class ConstrainedDecoding:
         if not constrained:
             return self.runtime.sample(logits, params, generators)
         allowed = self._allowed(ready, constrained, logits.shape[-1])
+        position = {r: i for i, r in enumerate(constrained)}  # a ready row's row in ``allowed``
         masked_first = [r for r in constrained if not _checkable_after(ready[r].params)]
         if masked_first:
-            logits = self.runtime.mask(logits, masked_first, allowed[[constrained.index(r) for r in masked_first]])
+            logits = self.runtime.mask(logits, masked_first, allowed[[position[r] for r in masked_first]])
         tokens = self.runtime.sample(logits, params, generators)
         refused = [r for r in constrained if _checkable_after(ready[r].params) and not ready[r].guide.allows(tokens[r])]
         if refused:
             again = self.runtime.mask(logits[refused], list(range(len(refused))),
-                                      allowed[[constrained.index(r) for r in refused]])
+                                      allowed[[position[r] for r in refused]])
             for row, token in zip(refused, self.runtime.sample(again, [params[r] for r in refused],
                                                                [generators[r] for r in refused])):
                 tokens[row] = token
@@ -175,8 +176,8 @@ def decision_shares(row_of: np.ndarray, token_ids: np.ndarray, values: np.ndarra
                     end_ids: np.ndarray) -> list[float | None]:
     """Each row's factor of its decision's confidence this step: the temperature-1 softmax over its
     allowed logits at its ``chosen`` token. ``(row_of, token_ids, values)`` list every row's allowed
-    tokens and their logits, rows in order and each row's ids ascending (``np.nonzero`` of the
-    allowed mask). The model's end tokens count as one outcome (ending the answer with one or
+    tokens and their logits, rows in order and each row's ids ascending (the allowed mask's
+    entries, row-major); every ``chosen`` token is among its row's. The model's end tokens count as one outcome (ending the answer with one or
     another decides nothing); a row that allowed fewer than two outcomes gets None. One pass over
     the batch, whatever its rows."""
     num_rows = len(chosen)
@@ -190,5 +191,5 @@ def decision_shares(row_of: np.ndarray, token_ids: np.ndarray, values: np.ndarra
     chosen_at = np.searchsorted(row_of * stride + token_ids, np.arange(num_rows) * stride + chosen)
     chosen_is_end = (chosen[:, None] == end_ids).any(axis=1)
     share = np.where(chosen_is_end, np.add.reduceat(np.where(is_end, weights, 0.0), starts),
-                     weights[np.minimum(chosen_at, len(weights) - 1)]) / np.add.reduceat(weights, starts)
+                     weights[chosen_at]) / np.add.reduceat(weights, starts)
     return [float(s) if n >= 2 else None for s, n in zip(share, outcomes)]
