@@ -103,11 +103,9 @@ def test_a_steps_share_by_hand_and_both_samplers_read_the_same_allowed_logits():
         (np.array([0, 5, 9]), np.array([0.0, np.log(3.0), 0.0]), 5, 0.6),
     ]
     for ids, values_, chosen, share in cases:
-        got = decision_shares(np.zeros(len(ids), dtype=np.int64), ids, values_, np.array([chosen]), ends)
+        got = decision_shares([ids], [values_], [chosen], ends)
         assert got == [share] if share is None else got == [pytest.approx(share)]
-    batch = decision_shares(np.concatenate([np.full(len(c[0]), i) for i, c in enumerate(cases)]),
-                            np.concatenate([c[0] for c in cases]), np.concatenate([c[1] for c in cases]),
-                            np.array([c[2] for c in cases]), ends)
+    batch = decision_shares([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], ends)
     assert batch == [None if c[3] is None else pytest.approx(c[3]) for c in cases]
 
 

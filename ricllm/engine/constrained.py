@@ -163,32 +163,33 @@ class ConstrainedDecoding:
     def _multiply_confidence(self, logits, seqs: list[Sequence], rows: list[int], allowed: np.ndarray,
                              tokens: list[int]) -> None:
         """The allowed logits are read as the head gave them: masking leaves them as they were."""
-        row_of, token_ids = np.divmod(np.flatnonzero(allowed), allowed.shape[1])  # each row's ids ascending
-        values = self.runtime.allowed_logits(logits, np.asarray(rows, dtype=np.int64)[row_of], token_ids)
+        ids = [np.flatnonzero(ok) for ok in allowed]
+        flat = self.runtime.allowed_logits(logits, np.repeat(np.asarray(rows, dtype=np.int64), [len(i) for i in ids]),
+                                           np.concatenate(ids))
+        values = np.split(flat, np.cumsum([len(i) for i in ids])[:-1])
         ends = np.fromiter(self.tokenizer.eos_token_ids, dtype=np.int64)
-        shares = decision_shares(row_of, token_ids, values, np.asarray(tokens, dtype=np.int64), ends)
-        for seq, share in zip(seqs, shares):
+        for seq, share in zip(seqs, decision_shares(ids, values, tokens, ends)):
             if share is not None:  # one outcome allowed: nothing was decided
                 seq.confidence *= share
 
 
-def decision_shares(row_of: np.ndarray, token_ids: np.ndarray, values: np.ndarray, chosen: np.ndarray,
+def decision_shares(allowed_ids: list[np.ndarray], allowed_logits: list[np.ndarray], chosen: list[int],
                     end_ids: np.ndarray) -> list[float | None]:
     """Each row's factor of its decision's confidence this step: the temperature-1 softmax over its
-    allowed logits at its ``chosen`` token. ``(row_of, token_ids, values)`` list every row's allowed
-    tokens and their logits, rows in order and each row's ids ascending (the allowed mask's
-    entries, row-major); every ``chosen`` token is among its row's. The model's end tokens count as one outcome (ending the answer with one or
-    another decides nothing); a row that allowed fewer than two outcomes gets None. One pass over
-    the batch, whatever its rows."""
-    num_rows = len(chosen)
-    starts = np.searchsorted(row_of, np.arange(num_rows))
+    allowed logits (``allowed_logits[i]`` at ``allowed_ids[i]``, ascending, float64) at its
+    ``chosen`` token, which is one of them. The model's end tokens count as one outcome (ending the
+    answer with one or another decides nothing); a row that allowed fewer than two outcomes gets
+    None. One pass over the batch, whatever its rows."""
+    counts = np.array([len(ids) for ids in allowed_ids])
+    starts = np.cumsum(counts) - counts
+    token_ids, values = np.concatenate(allowed_ids), np.concatenate(allowed_logits)
+    row_of = np.repeat(np.arange(len(counts)), counts)
     weights = np.exp(values - np.maximum.reduceat(values, starts)[row_of])
     is_end = (token_ids[:, None] == end_ids).any(axis=1)
-    counts = np.diff(np.append(starts, len(token_ids)))
     num_ends = np.add.reduceat(is_end.astype(np.int64), starts)
     outcomes = counts - num_ends + (num_ends > 0)
-    stride = int(token_ids.max()) + 1
-    chosen_at = np.searchsorted(row_of * stride + token_ids, np.arange(num_rows) * stride + chosen)
+    chosen = np.asarray(chosen, dtype=np.int64)
+    chosen_at = starts + np.array([np.searchsorted(ids, token) for ids, token in zip(allowed_ids, chosen)])
     chosen_is_end = (chosen[:, None] == end_ids).any(axis=1)
     share = np.where(chosen_is_end, np.add.reduceat(np.where(is_end, weights, 0.0), starts),
                      weights[chosen_at]) / np.add.reduceat(weights, starts)
