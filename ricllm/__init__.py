@@ -16,7 +16,7 @@ if (os.environ.get("RICLLM_NO_AMX", "") not in ("", "0")
         or os.environ.get("RICLLM_CPU_KERNELS", "").strip().lower() == "avx512"):
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "Template", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Template", "LoRARequest", "Fallback"]
 
 
 def __getattr__(name: str):
@@ -40,4 +40,8 @@ def __getattr__(name: str):
         from ricllm.lora_request import LoRARequest
 
         return LoRARequest
+    if name == "Fallback":
+        from ricllm.structured.fallback import Fallback
+
+        return Fallback
     raise AttributeError(f"module 'ricllm' has no attribute {name!r}")

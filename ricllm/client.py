@@ -138,10 +138,12 @@ def _generate_request(prompt: str | None, messages: list[dict[str, str]] | None,
 
 def _register_request(system_prompt: str | None, messages: list[dict[str, str]] | None,
                       structured: dict[str, Any] | None, template_id: str | None,
-                      adapter: str | None) -> RegisterTemplateRequest:
+                      adapter: str | None, min_confidence: float | None = None,
+                      fallback: str | None = None) -> RegisterTemplateRequest:
     """Validated here too: a conversation or constraint of the wrong shape fails before it is sent."""
     return RegisterTemplateRequest(id=new_request_id(), system_prompt=system_prompt, messages=messages,
-                                   structured=structured, template_id=template_id, adapter=adapter)
+                                   structured=structured, template_id=template_id, adapter=adapter,
+                                   min_confidence=min_confidence, fallback=fallback)
 
 
 def _final(reply: BaseModel, expected: type[BaseModel]) -> Any:
@@ -250,15 +252,18 @@ class RicClient:
 
     def register_template(self, system_prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                           structured: dict[str, Any] | None = None, template_id: str | None = None,
-                          adapter: str | None = None, timeout_s: float | None = None) -> TemplateRegistered:
+                          adapter: str | None = None, min_confidence: float | None = None,
+                          fallback: str | None = None, timeout_s: float | None = None) -> TemplateRegistered:
         """Pin a template's KV blocks on the server; use its ``template_id`` in generate.
 
         The conversation is a system prompt or ``messages`` (system prompt and worked-example
         turns), exactly one; ``structured`` constrains every request that uses it and names none;
         ``adapter`` (a LoRA adapter the server holds) is the one its K/V is pinned under and its
-        requests are served under.
+        requests are served under. ``fallback`` (with ``min_confidence``) is answered instead of
+        a decision less confident than ``min_confidence``; it must satisfy ``structured``.
         """
-        request = _register_request(system_prompt, messages, structured, template_id, adapter)
+        request = _register_request(system_prompt, messages, structured, template_id, adapter, min_confidence,
+                                    fallback)
         return self._call(request, TemplateRegistered, timeout_s)
 
     def unregister_template(self, template_id: str, timeout_s: float | None = None) -> TemplateUnregistered:
@@ -415,9 +420,11 @@ class AsyncRicClient:
     async def register_template(self, system_prompt: str | None = None, *,
                                 messages: list[dict[str, str]] | None = None,
                                 structured: dict[str, Any] | None = None, template_id: str | None = None,
-                                adapter: str | None = None, timeout_s: float | None = None) -> TemplateRegistered:
+                                adapter: str | None = None, min_confidence: float | None = None,
+                                fallback: str | None = None, timeout_s: float | None = None) -> TemplateRegistered:
         """As :meth:`RicClient.register_template`."""
-        request = _register_request(system_prompt, messages, structured, template_id, adapter)
+        request = _register_request(system_prompt, messages, structured, template_id, adapter, min_confidence,
+                                    fallback)
         return await self._call(request, TemplateRegistered, timeout_s)
 
     async def unregister_template(self, template_id: str, timeout_s: float | None = None) -> TemplateUnregistered:

@@ -41,7 +41,11 @@ class RequestOutput:
     """Flat result of one request; timings in seconds on the engine's monotonic clock.
 
     ``finish_reason``: ``stop``, ``length``, ``rejected`` (refused at arrival, see
-    ``rejection``) or ``deadline`` (aborted once its deadline passed, when so configured).
+    ``rejection``), ``deadline`` (aborted once its deadline passed, when so configured) or
+    ``fallback`` (a whole constrained answer below its ``min_confidence``: ``text`` is the
+    fallback's answer, ``model_text`` the model's own, ``token_ids`` the model's tokens).
+    ``confidence`` is a constrained answer's decision confidence (``ricllm.structured.fallback``),
+    None for unconstrained text.
     ``deadline_met`` is None when the request had no deadline or was rejected. ``degradation``
     is set when the ``degrade`` policy admitted it with a smaller ``max_tokens`` than asked.
     A constrained answer that ends by ``length`` is incomplete (it does not parse): never hidden.
@@ -69,6 +73,8 @@ class RequestOutput:
     num_forced_tokens: int = 0  # output tokens the answer's grammar forced (appended without sampling)
     predicted_e2e_s: float | None = None  # admission's finish bound for it, from arrival (promised requests)
     promised_e2e_s: float | None = None  # the same, as of the last admission that counted it
+    confidence: float | None = None  # a constrained answer's decision confidence; None: unconstrained
+    model_text: str | None = None  # the model's own answer, when the fallback replaced it
 
     @property
     def tpot_s(self) -> float | None:

@@ -35,6 +35,7 @@ from ricllm.config import DEFAULT_ZMQ_PORT, MAX_MESSAGE_BYTES
 from ricllm.engine.stats import AdapterStats, KVCacheStats, LatencyStats
 from ricllm.model.identity import ServedModel
 from ricllm.sampling_params import Priority
+from ricllm.structured.fallback import Fallback
 from ricllm.structured.spec import StructuredSpec
 from ricllm.template import Template
 
@@ -45,7 +46,8 @@ RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QU
                      "OUTPUT_TOO_SHORT"]
 ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
                     "UNKNOWN_ADAPTER", "ADAPTER_MISMATCH", "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
-FinishReason = Literal["stop", "length", "cancelled", "deadline"]  # deadline: aborted once it passed
+# deadline: aborted once it passed; fallback: a decision below its template's min_confidence, answered with its fallback
+FinishReason = Literal["stop", "length", "cancelled", "deadline", "fallback"]
 REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
@@ -166,12 +168,16 @@ class RegisterTemplateRequest(_Message):
     messages: Annotated[list[TemplateMessage], Field(min_length=1)] | None = None
     structured: Structured | None = None
     adapter: AdapterName | None = None
+    min_confidence: float | None = Field(None, gt=0, le=1)
+    fallback: NonEmptyStr | None = None
 
     @model_validator(mode="after")
     def _exactly_one_conversation(self) -> RegisterTemplateRequest:
         given = [name for name in ("system_prompt", "messages") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of system_prompt, messages must be given, got {', '.join(given) or 'none'}")
+        if Fallback.build(self.min_confidence, self.fallback) is not None and self.structured is None:
+            raise ValueError("fallback needs structured: the constraint its answer satisfies")
         return self
 
     @property
@@ -182,7 +188,7 @@ class RegisterTemplateRequest(_Message):
     def template(self) -> Template:
         """The template it describes (both fields were checked when the request was)."""
         conversation = self.system_prompt or [m.model_dump() for m in self.messages]
-        return Template.build(conversation, self.structured, self.adapter)
+        return Template.build(conversation, self.structured, self.adapter, self.min_confidence, self.fallback)
 
 
 class UnregisterTemplateRequest(_Message):
@@ -266,7 +272,10 @@ class Timings(_Strict):
 
 
 class Result(_Message):
-    """Final: the whole output. ``deadline_met`` is None when the request had no deadline."""
+    """Final: the whole output. ``deadline_met`` is None when the request had no deadline.
+    ``confidence`` is a constrained answer's decision confidence (None for unconstrained text);
+    with finish reason ``fallback``, ``text`` is the template's fallback and ``model_text`` (and
+    ``token_ids``, and a stream's ``token`` replies) the model's own answer."""
 
     type: Literal["result"] = "result"
     id: RequestId
@@ -279,6 +288,8 @@ class Result(_Message):
     deadline_met: bool | None = None
     degraded: Degraded | None = None  # as in ``accepted``: admitted with a smaller max_tokens
     num_forced_tokens: Count = 0  # output tokens the constraint forced (appended without sampling)
+    confidence: Annotated[float, Field(ge=0, le=1)] | None = None
+    model_text: str | None = None  # the model's own answer, when the fallback replaced it
 
 
 class ErrorReply(_Message):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from ricllm.errors import InvalidRequestError
+from ricllm.structured.fallback import Fallback
 from ricllm.structured.spec import StructuredSpec
 
 # the scheduling classes, the one list: the wire protocol, the OpenAI API, scenarios, the CLI and the
@@ -31,6 +32,8 @@ class SamplingParams:
     ``{"choice": [...]}``, ``{"regex": ...}``, ``{"grammar": ...}``); it is kept as a ``StructuredSpec``.
     ``stop`` strings end the output before the string; ``stop_token_ids`` and the model's EOS
     end it after the token (not shown in ``text``) unless ``ignore_eos``.
+    ``fallback`` (with ``structured``) answers its ``answer`` instead of a decision whose
+    confidence is below its ``min_confidence`` (``ricllm.structured.fallback``).
     """
 
     max_tokens: int = 16
@@ -47,6 +50,7 @@ class SamplingParams:
     structured: StructuredSpec | dict[str, Any] | None = None
     kv_window: int | None = None  # keep only the last kv_window tokens' K/V; None: the engine's; 0: exact
     kv_sinks: int | None = None  # first tokens kept with a window; None: the engine's kv_sinks
+    fallback: Fallback | None = None  # the answer given instead of a decision below its min_confidence
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +70,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int):
             raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.fallback is not None and (not isinstance(self.fallback, Fallback) or self.structured is None):
+            raise InvalidRequestError("fallback is a Fallback, and needs a structured constraint its answer satisfies")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         for name in ("kv_window", "kv_sinks"):

@@ -67,6 +67,8 @@ class Sequence:
     pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
     prefix_hit_tokens: int = 0  # leading prompt tokens cached at admission: an admitted request holds them
     guide: object = None  # a ricllm.structured.guide.Guide when the answer is constrained
+    confidence: float | None = None  # a constrained answer's decision confidence so far (ricllm.structured.fallback)
+    model_text: str | None = None  # the model's own answer, when its fallback replaced it
     num_forced_tokens: int = 0  # output tokens the grammar forced: appended without sampling
     num_forced_at_arrival: int = 0  # of those, the answer's forced start, prefilled with the prompt
     min_output_tokens: int = 1  # the shortest complete answer (its grammar's); degrading never goes below

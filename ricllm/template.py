@@ -5,7 +5,9 @@ The conversation is a system prompt and, optionally, worked examples as user/ass
 it is rendered and pinned as one prefix (``ricllm.engine.chat_prefix``), so its KV blocks are
 computed once and shared by every request. The template's ``structured`` constraint applies to
 every request that uses it and names none of its own; it is compiled once, when the template is
-registered or pinned. Serve, replay and the offline API all describe a template with this type.
+registered or pinned. Its ``fallback`` (``ricllm.structured.fallback``) is the answer its requests
+give instead of a decision below ``min_confidence``; it must satisfy the constraint, which the
+engine checks when the template is pinned. Serve, replay and the offline API all describe a template with this type.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ricllm.errors import InvalidRequestError
+from ricllm.structured.fallback import Fallback
 from ricllm.structured.spec import StructuredSpec
 
 ROLES = ("system", "user", "assistant")
@@ -23,16 +26,20 @@ ROLES = ("system", "user", "assistant")
 @dataclass(frozen=True)
 class Template:
     """``adapter`` names the LoRA adapter its requests are served under (None: the base model); the
-    engine must hold it when the template is pinned, and pins the conversation's K/V under it."""
+    engine must hold it when the template is pinned, and pins the conversation's K/V under it.
+    ``fallback`` applies to the requests that answer under the template's own constraint."""
 
     messages: tuple[dict[str, str], ...]
     structured: StructuredSpec | None = None
     adapter: str | None = None
+    fallback: Fallback | None = None
 
     @classmethod
     def build(cls, messages: str | Sequence[Mapping[str, str]],
-              structured: StructuredSpec | Mapping[str, Any] | None = None, adapter: str | None = None) -> Template:
-        """From a system prompt (a string) or a list of chat messages; checks both."""
+              structured: StructuredSpec | Mapping[str, Any] | None = None, adapter: str | None = None,
+              min_confidence: float | None = None, fallback: str | None = None) -> Template:
+        """From a system prompt (a string) or a list of chat messages; checks both, and that
+        ``min_confidence`` and ``fallback`` come together and with a constraint."""
         if isinstance(messages, str):
             messages = [{"role": "system", "content": messages}]
         checked = tuple(_check_message(i, m) for i, m in enumerate(messages))
@@ -40,7 +47,10 @@ class Template:
             raise InvalidRequestError("a template needs at least one message")
         if adapter is not None and (not isinstance(adapter, str) or not adapter):
             raise InvalidRequestError(f"a template's adapter is the name of a loaded adapter, got {adapter!r}")
-        return cls(checked, StructuredSpec.parse(structured) if structured is not None else None, adapter)
+        confident = Fallback.build(min_confidence, fallback)
+        if confident is not None and structured is None:
+            raise InvalidRequestError("a template's fallback answer needs a constraint (structured) it satisfies")
+        return cls(checked, StructuredSpec.parse(structured) if structured is not None else None, adapter, confident)
 
     @property
     def message_list(self) -> list[dict[str, str]]:

@@ -75,6 +75,11 @@ def add_client_subparser(sub: argparse._SubParsersAction) -> None:
                      help="the LoRA adapter (of the server's lora_modules) its K/V is pinned under and its requests "
                           "are served under")
     add_structured_flags(reg)  # the constraint of every request that names the template and gives none
+    reg.add_argument("--min-confidence", type=float, default=None, metavar="P",
+                     help="with --fallback: a decision less confident than P (in (0, 1]) answers the fallback")
+    reg.add_argument("--fallback", default=None, metavar="ANSWER",
+                     help="with --min-confidence: the answer given instead of an unsure decision (it must satisfy "
+                          "the constraint)")
     unreg = actions.add_parser("unregister-template", parents=[common], help="unpin a registered system prompt")
     unreg.add_argument("template_id")
     cancel = actions.add_parser("cancel", parents=[common], help="cancel an in-flight generate of this client")
@@ -153,6 +158,10 @@ def _timing_line(result: Any) -> str:
     degraded = "" if d is None else (f"; degraded: max_tokens {d.requested_max_tokens} -> {d.granted_max_tokens} "
                                      f"({d.code})")
     forced = f" ({result.num_forced_tokens} forced)" if result.num_forced_tokens else ""
+    if result.confidence is not None:
+        forced += f", confidence {result.confidence:.3f}"
+    if result.model_text is not None:
+        forced += f" (the model answered {result.model_text!r})"
     return (f"[{result.num_prompt_tokens} prompt tokens ({result.num_cached_tokens} cached), "
             f"{len(result.token_ids)} generated{forced}, finish: {result.finish_reason}; queue {_ms(t.queue_s)}, "
             f"TTFT {_ms(t.ttft_s)}, TPOT {_ms(t.tpot_s)}, total {_ms(t.e2e_s)}{deadline}{degraded}]")
@@ -164,7 +173,8 @@ def _register(client: Any, args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.system_prompt == "-" else args.system_prompt
     messages = _read_messages(args.messages) if args.messages is not None else None
     reply = client.register_template(text, messages=messages, structured=structured_from_args(args),
-                                     template_id=args.template_id, adapter=args.adapter)
+                                     template_id=args.template_id, adapter=args.adapter,
+                                     min_confidence=args.min_confidence, fallback=args.fallback)
     examples = f", {reply.num_examples} worked examples" if reply.num_examples else ""
     print(json.dumps(reply.model_dump()) if args.json else
           f"{reply.template_id}  ({reply.num_tokens} tokens, {reply.num_pinned_tokens} pinned{examples})")

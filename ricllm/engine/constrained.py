@@ -17,10 +17,12 @@ import numpy as np
 
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.narrow_head import StepLogits
+from ricllm.errors import InvalidRequestError
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.outputs import Rejection
 from ricllm.sampling_params import SamplingParams
 from ricllm.sequence import Sequence
+from ricllm.structured.fallback import Fallback
 from ricllm.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:  # llguidance is imported with the first constraint, not with the engine
@@ -41,6 +43,7 @@ class ConstrainedDecoding:
         self.runtime = runtime
         self.max_model_len = max_model_len
         self._compiler = None  # a GrammarCompiler, built with the first constraint (llguidance's bridge costs ~0.2 s)
+        self._good_fallbacks: set[tuple[str, str]] = set()  # (constraint key, answer) found to satisfy it
 
     @property
     def num_compiled(self) -> int:
@@ -58,12 +61,26 @@ class ConstrainedDecoding:
 
     def grammar_of(self, params: SamplingParams, compiled: CompiledGrammar | None = None) -> CompiledGrammar | None:
         """The request's compiled constraint (None without one): ``compiled`` when the caller
-        compiled it already, else compiled (or found in the cache) now."""
+        compiled it already, else compiled (or found in the cache) now; its ``fallback`` checked
+        against it."""
         if params.structured is None:
             return None
-        if compiled is not None and compiled.spec == params.structured:
-            return compiled
-        return self.compile(params.structured)
+        if compiled is None or compiled.spec != params.structured:
+            compiled = self.compile(params.structured)
+        if params.fallback is not None:
+            self.check_fallback(compiled, params.fallback)
+        return compiled
+
+    def check_fallback(self, grammar: CompiledGrammar, fallback: Fallback) -> None:
+        """``InvalidRequestError`` naming the problem unless the fallback is a whole answer the
+        grammar accepts (checked once per constraint and answer)."""
+        if (grammar.spec.key, fallback.answer) in self._good_fallbacks:
+            return
+        problem = self._compiler.answer_problem(grammar, fallback.answer)
+        if problem is not None:
+            raise InvalidRequestError(f"fallback {fallback.answer!r} does not satisfy the {grammar.spec.kind} "
+                                      f"constraint: {problem}")
+        self._good_fallbacks.add((grammar.spec.key, fallback.answer))
 
     def start(self, seq: Sequence, grammar: CompiledGrammar) -> Rejection | None:
         """Put ``seq`` at the start of its grammar. A ``max_tokens`` shorter than any complete answer
@@ -71,6 +88,7 @@ class ConstrainedDecoding:
         from ricllm.structured.guide import Guide
 
         seq.guide = Guide(grammar)
+        seq.confidence = 1.0  # no decision taken yet
         seq.min_output_tokens = grammar.min_tokens
         requested = seq.params.max_tokens
         if requested < grammar.min_tokens:
@@ -112,7 +130,8 @@ class ConstrainedDecoding:
         return [None if seq.guide is None else allowed_ids(seq.guide, vocab_size) for seq in ready]
 
     def sample(self, logits: Any, ready: list[Sequence]) -> list[int]:
-        """One token per row; a constrained row's token is one its grammar allows.
+        """One token per row; a constrained row's token is one its grammar allows, and its step
+        multiplies its decision's confidence (``ricllm.structured.fallback``).
 
         ``logits``: the runner's ``[N, vocab]`` when no row is constrained, else its ``StepLogits``.
         Unconstrained rows sample from the model's own logits; each constrained row from its allowed
@@ -131,4 +150,43 @@ class ConstrainedDecoding:
                 tokens[row] = token
         for row, allowed in logits.allowed.items():
             tokens[row] = self.runtime.sample_allowed(allowed.ids, allowed.logits, params[row], generators[row])
+        self._multiply_confidence(logits, ready, tokens)
         return tokens
+
+    def _multiply_confidence(self, logits: StepLogits, ready: list[Sequence], tokens: list[int]) -> None:
+        """Each constrained row's confidence times this step's share of its chosen token."""
+        rows = list(logits.allowed)
+        ids = [np.asarray(logits.allowed[r].ids, dtype=np.int64) for r in rows]
+        values = [_on_host(logits.allowed[r].logits) for r in rows]
+        ends = np.fromiter(self.tokenizer.eos_token_ids, dtype=np.int64)
+        for row, share in zip(rows, decision_shares(ids, values, [tokens[r] for r in rows], ends)):
+            if share is not None:  # one outcome allowed: nothing was decided
+                ready[row].confidence *= share
+
+
+def _on_host(values: Any) -> np.ndarray:
+    """A runtime's logits (numpy, or a torch tensor on any device) as float64 numpy."""
+    return np.asarray(values.cpu() if hasattr(values, "cpu") else values, dtype=np.float64)
+
+
+def decision_shares(allowed_ids: list[np.ndarray], allowed_logits: list[np.ndarray], chosen: list[int],
+                    end_ids: np.ndarray) -> list[float | None]:
+    """Each row's factor of its decision's confidence this step: the temperature-1 softmax over its
+    allowed logits (``allowed_logits[i]`` at ``allowed_ids[i]``, ascending, float64) at its
+    ``chosen`` token, which is one of them. The model's end tokens count as one outcome (ending the
+    answer with one or another decides nothing); a row that allowed fewer than two outcomes gets
+    None. One pass over the batch, whatever its rows."""
+    counts = np.array([len(ids) for ids in allowed_ids])
+    starts = np.cumsum(counts) - counts
+    token_ids, values = np.concatenate(allowed_ids), np.concatenate(allowed_logits)
+    row_of = np.repeat(np.arange(len(counts)), counts)
+    weights = np.exp(values - np.maximum.reduceat(values, starts)[row_of])
+    is_end = (token_ids[:, None] == end_ids).any(axis=1)
+    num_ends = np.add.reduceat(is_end.astype(np.int64), starts)
+    outcomes = counts - num_ends + (num_ends > 0)
+    chosen = np.asarray(chosen, dtype=np.int64)
+    chosen_at = starts + np.array([np.searchsorted(ids, token) for ids, token in zip(allowed_ids, chosen)])
+    chosen_is_end = (chosen[:, None] == end_ids).any(axis=1)
+    share = np.where(chosen_is_end, np.add.reduceat(np.where(is_end, weights, 0.0), starts),
+                     weights[chosen_at]) / np.add.reduceat(weights, starts)
+    return [float(s) if n >= 2 else None for s, n in zip(share, outcomes)]

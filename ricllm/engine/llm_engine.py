@@ -46,6 +46,7 @@ from ricllm.units import format_bytes
 
 if TYPE_CHECKING:  # llguidance is imported with the first constraint, not with the engine
     from ricllm.structured.compiler import CompiledGrammar
+    from ricllm.structured.fallback import Fallback
     from ricllm.structured.spec import StructuredSpec
 
 log = get_logger("ricllm.engine")
@@ -190,6 +191,11 @@ class LLMEngine:
         the result to ``add_request`` as ``grammar``; templates compile theirs when pinned."""
         return self.constraints.compile(spec)
 
+    def check_fallback(self, grammar: CompiledGrammar, fallback: Fallback) -> None:
+        """``InvalidRequestError`` naming the problem unless ``fallback``'s answer is a whole answer
+        of the compiled constraint (a template's is checked when it is pinned, a request's on arrival)."""
+        self.constraints.check_fallback(grammar, fallback)
+
     # ------------------------------------------------------------ the step
 
     def has_unfinished(self) -> bool:
@@ -282,7 +288,7 @@ class LLMEngine:
                      wait: bool = True) -> PinnedTemplate:
         """Pin a template's conversation (a ``Template``, or chat messages) as its chat requests
         start with it: its constraint compiled first (so its requests find it compiled; a
-        constraint that cannot be pins nothing), the conversation rendered (``ChatPrefix``), then
+        constraint that cannot be, or a fallback that does not satisfy it, pins nothing), the conversation rendered (``ChatPrefix``), then
         pinned. With ``wait`` the engine steps until its K/V is computed (before any request: the
         outputs of other requests those steps finish are not returned); otherwise the caller
         steps and sees the pinning request's output. A chat template that refuses the
@@ -291,7 +297,9 @@ class LLMEngine:
         lora_request = None
         if isinstance(template, Template):
             if template.structured is not None:
-                self.compile_structured(template.structured)
+                grammar = self.compile_structured(template.structured)
+                if template.fallback is not None:
+                    self.check_fallback(grammar, template.fallback)
             lora_request = LoRARequest(template.adapter) if template.adapter is not None else None
             template = template.message_list
         try:

@@ -3,7 +3,9 @@
 Each step hands ``OutputProcessor.append`` the tokens it sampled; the processor appends them (and
 what a grammar then forces), detokenizes, applies stop tokens, stop strings and length, and names
 the requests that end. The engine ends them (the scheduler frees their blocks, admission releases
-their reservation) and the processor builds their outputs and keeps the deadline tally.
+their reservation) and the processor builds their outputs and keeps the deadline tally. A whole
+constrained answer whose confidence is below its ``fallback``'s ``min_confidence`` ends as
+``fallback``: its text is the fallback's answer, the model's own is kept beside it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class OutputProcessor:
         ended = []
         for seq, token in zip(ready, tokens):
             reason = self._append_token(seq, token, now)
+            if reason == "stop" and seq.params.fallback is not None and seq.params.fallback.replaces(seq.confidence):
+                reason = _fall_back(seq)
             if reason is not None:
                 ended.append((seq, reason))
         return ended
@@ -97,6 +101,7 @@ class OutputProcessor:
         """Finish a request refused at arrival; its output waits in ``refused`` for the next step."""
         del seq.token_ids[seq.num_prompt_tokens:]  # a refused request answers nothing, forced start included
         seq.num_forced_tokens = seq.num_forced_at_arrival = 0
+        seq.confidence = None  # it decided nothing
         seq.rejection = rejection
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "rejected"
@@ -122,9 +127,19 @@ class OutputProcessor:
             token_ids=seq.output_token_ids, num_cached_tokens=max(seq.num_cached_tokens, 0),
             finish_reason=seq.finish_reason, ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), queue_s=since_arrival(seq.first_scheduled_time),
-            admitted=not rejected, rejection=seq.rejection, deadline_met=met,
+            admitted=not rejected, rejection=seq.rejection, deadline_met=met, confidence=seq.confidence,
+            model_text=seq.model_text,
             deadline_ms=seq.params.deadline_ms, degradation=seq.degradation, num_forced_tokens=seq.num_forced_tokens,
             predicted_e2e_s=since_arrival(seq.predicted_finish), promised_e2e_s=since_arrival(seq.promised_finish))
+
+
+def _fall_back(seq: Sequence) -> str:
+    """Answer the fallback instead of the model's unsure decision, which is kept as ``model_text``."""
+    fallback = seq.params.fallback
+    seq.model_text, seq.output_text = seq.output_text, fallback.answer
+    log.info("decision_fell_back", request_id=seq.request_id, confidence=seq.confidence,
+             min_confidence=fallback.min_confidence)
+    return "fallback"
 
 
 def _truncate_at_stop(seq: Sequence) -> bool:

@@ -45,9 +45,10 @@ class TemplateAdapter:
     trained_now: bool
 
     def template(self, entry: TemplateSpec, base_dir: Path) -> Template:
-        """The template as pinned under its adapter: the adapter's system prompt and the constraint."""
+        """The template as pinned under its adapter: the adapter's system prompt, the constraint and
+        the fallback."""
         constraint = build_template(entry, base_dir).structured
-        return Template.build(self.system_prompt, constraint, adapter=self.name)
+        return Template.build(self.system_prompt, constraint, self.name, entry.min_confidence, entry.fallback)
 
 
 def scenario_adapters(scenario: Scenario, model_path: Path, progress: bool = True) -> dict[str, TemplateAdapter]:

@@ -158,7 +158,9 @@ def is_correct(expected: Mapping[str, Any], answer: Any) -> bool:
 
 def judge(record, check: AnswerCheck | None) -> None:
     """Set ``valid``, ``answer`` and ``correct`` on a finished record; an answer that ended by
-    length is invalid even if its text happens to parse (it was cut, not finished)."""
+    length is invalid even if its text happens to parse (it was cut, not finished). A fallback is
+    judged as the answer; ``model_correct`` judges the model's own answer, which the fallback
+    replaced (the same as ``correct`` where none was), so confidence is measured against it."""
     if check is None or not record.answered:
         return
     answer, problem = check.parse(record.text or "")
@@ -166,3 +168,7 @@ def judge(record, check: AnswerCheck | None) -> None:
     record.answer = answer if record.valid else None
     if record.expected is not None:
         record.correct = record.valid and is_correct(record.expected, record.answer)
+        record.model_correct = record.correct
+        if record.model_text is not None:
+            own, own_problem = check.parse(record.model_text)
+            record.model_correct = own_problem is None and is_correct(record.expected, own)

@@ -76,7 +76,8 @@ class InProcessBackend:
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
                                 ignore_eos=spec.ignore_eos, deadline_ms=spec.deadline_ms,
                                 priority=spec.resolved_priority(), structured=template.structured if template else None,
-                                kv_window=spec.kv_window, kv_sinks=spec.kv_sinks)
+                                kv_window=spec.kv_window, kv_sinks=spec.kv_sinks,
+                                fallback=template.fallback if template else None)
         first: dict[str, float] = {}
         sent = time.perf_counter()
         record.sent_s = sent - t0
@@ -253,4 +254,5 @@ def _fill_from_output(record, output, sent: float, first: float | None, done: fl
                   cached_tokens=output.num_cached_tokens, met=output.deadline_met, text=output.text,
                   granted_max_tokens=output.degradation.granted_max_tokens if output.degradation else None,
                   num_forced_tokens=output.num_forced_tokens, predicted_e2e_s=output.predicted_e2e_s,
-                  promised_e2e_s=output.promised_e2e_s, **common)
+                  promised_e2e_s=output.promised_e2e_s, confidence=output.confidence, model_text=output.model_text,
+                  **common)

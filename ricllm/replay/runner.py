@@ -74,6 +74,8 @@ class Replayer:
         pinned = await self.backend.start(self.plan, templates, {a.name: a.folder for a in self.adapters.values()})
         return {name: {**pinned[name], "examples": t.num_examples,
                        "constraint": t.structured.kind if t.structured else None, "adapter": t.adapter,
+                       **({"min_confidence": t.fallback.min_confidence, "fallback": t.fallback.answer}
+                          if t.fallback else {}),
                        **self._adapter_entry(name)} for name, t in templates.items()}
 
     def _adapter_entry(self, name: str) -> dict:

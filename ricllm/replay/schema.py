@@ -199,6 +199,9 @@ class ExpectRule(_Strict):
 class TemplateSpec(_Strict):
     """A RAN template: a system prompt (``file`` or ``system``), worked examples, the constraint every
     answer must satisfy (``schema``, ``choice`` or ``regex``) and the reference policy (``expect``).
+    ``fallback`` (with ``min_confidence``) is the answer given instead of a decision less confident
+    than ``min_confidence`` (``ricllm.structured.fallback``); it must satisfy the constraint, and
+    ``min_confidence`` is chosen without looking at the rows the replay scores.
     The checks across its fields (an example's answer against the constraint, ``then`` fields
     against the schema, ``when`` against the trace's KPIs) are in ``ricllm.replay.templates``."""
 
@@ -212,6 +215,8 @@ class TemplateSpec(_Strict):
     regex: str | None = Field(None, min_length=1)
     expect: list[ExpectRule] | None = Field(None, min_length=1)
     adapter: AdapterSpec | None = None
+    min_confidence: float | None = Field(None, gt=0, le=1)
+    fallback: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_each(self) -> TemplateSpec:
@@ -225,6 +230,11 @@ class TemplateSpec(_Strict):
             raise ValueError("expect needs schema, choice or regex: an answer is compared field by field")
         if self.adapter is not None and self.adapter.recipe is not None and self.expect is None:
             raise ValueError("an adapter recipe trains on the template's policy: it needs expect")
+        if (self.min_confidence is None) != (self.fallback is None):
+            raise ValueError("min_confidence and fallback go together: "
+                             f"{'fallback' if self.fallback is None else 'min_confidence'} is missing")
+        if self.fallback is not None and not constraints:
+            raise ValueError("fallback needs schema, choice or regex: the constraint its answer satisfies")
         return self
 
     @field_validator("expect")

@@ -4,7 +4,8 @@ reference ``Policy`` of its ``expect`` rules, and the checks that need more than
 
 An entry is a string (the system prompt), ``{file: path}``, or a ``TemplateSpec``. Checked at
 load, each problem with its own field: a worked example's answer must satisfy the template's own
-constraint (a bad example teaches the model a wrong format), every ``then`` field must be one
+constraint (a bad example teaches the model a wrong format), so must its ``fallback`` (it is
+given as the answer), every ``then`` field must be one
 the answer has with a value it may take (else no answer could ever be correct), and every
 ``when`` must read the trace's KPIs.
 """
@@ -53,7 +54,7 @@ def build_template(entry: str | TemplateSpec, base_dir: Path) -> Template:
         return Template.build(messages)
     for example in entry.examples:
         messages += [{"role": "user", "content": example.user}, {"role": "assistant", "content": example.assistant}]
-    return Template.build(messages, entry.structured)
+    return Template.build(messages, entry.structured, None, entry.min_confidence, entry.fallback)
 
 
 def build_policy(entry: TemplateSpec, known_kpis: Iterable[str]) -> Policy:
@@ -79,7 +80,7 @@ def template_problems(name: str, entry: str | TemplateSpec, base_dir: Path, kpis
         return problems + constraint  # the examples and rules cannot be judged against a broken constraint
     check = answer_check(entry)
     if check is not None:
-        problems += _example_problems(where, entry, check)
+        problems += _example_problems(where, entry, check) + _fallback_problems(where, entry, check)
     return problems + _expect_problems(where, entry, check, kpis)
 
 
@@ -128,6 +129,17 @@ def _example_problems(where: tuple, entry: TemplateSpec, check: AnswerCheck) -> 
             message = f"template {where[-1]!r}: worked example {i}'s answer is invalid: {problem}"
             problems.append(((*where, "examples", i, "assistant"), message, "x"))
     return problems
+
+
+def _fallback_problems(where: tuple, entry: TemplateSpec, check: AnswerCheck) -> list[Problem]:
+    """The fallback is given as the answer: it must satisfy the template's constraint."""
+    if entry.fallback is None:
+        return []
+    _, problem = check.parse(entry.fallback)
+    if problem is None:
+        return []
+    return [((*where, "fallback"), f"template {where[-1]!r}: the fallback does not satisfy the constraint: {problem}",
+             "x")]
 
 
 def _expect_problems(where: tuple, entry: TemplateSpec, check: AnswerCheck | None, kpis: list[str]) -> list[Problem]:

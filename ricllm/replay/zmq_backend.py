@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
 
 def template_digest(template: Template) -> str:
-    """Names a template's content (conversation and constraint), so two scenarios never share an id
-    for different templates."""
-    content = json.dumps([template.message_list, template.structured.key if template.structured else None])
+    """Names a template's content (conversation, constraint and fallback), so two scenarios never
+    share an id for different templates."""
+    fallback = [template.fallback.min_confidence, template.fallback.answer] if template.fallback else None
+    content = json.dumps([template.message_list, template.structured.key if template.structured else None,
+                          *([fallback] if fallback else [])])
     return hashlib.sha256(content.encode()).hexdigest()[:10]
 
 
@@ -61,7 +63,9 @@ class ZmqBackend:
         try:
             reply = await self.client.register_template(
                 messages=template.message_list, template_id=f"{name}-{template_digest(template)}",
-                structured=template.structured.to_wire() if template.structured else None)
+                structured=template.structured.to_wire() if template.structured else None,
+                min_confidence=template.fallback.min_confidence if template.fallback else None,
+                fallback=template.fallback.answer if template.fallback else None)
         except RicClientError as exc:
             raise RicllmError(f"template {name!r}: the server refused it: {exc}") from None
         self.template_ids[name] = reply.template_id
@@ -124,4 +128,4 @@ def _fill_from_result(record, result, sent: float, first: float | None, done: fl
                   cached_tokens=result.num_cached_tokens, met=result.deadline_met, text=result.text,
                   granted_max_tokens=result.degraded.granted_max_tokens if result.degraded else None,
                   num_forced_tokens=result.num_forced_tokens, predicted_e2e_s=timings.predicted_e2e_s,
-                  promised_e2e_s=timings.promised_e2e_s)
+                  promised_e2e_s=timings.promised_e2e_s, confidence=result.confidence, model_text=result.model_text)

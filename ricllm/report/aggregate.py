@@ -22,8 +22,10 @@ Definitions (``docs/replay.md`` says the same):
 Decisions, over the requests whose template declares a constraint (``valid``) or a reference
 policy (``correct``, ``useful``):
 
-- ``answered``: admitted and finished with an answer (finish reason ``stop`` or ``length``; one
-  cut off at its deadline or cancelled has none).
+- ``answered``: admitted and finished with an answer (finish reason ``stop``, ``length`` or
+  ``fallback``; one cut off at its deadline or cancelled has none).
+- ``fallback``: answered with the template's fallback in place of a decision less confident than
+  its ``min_confidence``; the fallback is judged as the answer (valid, correct, useful).
 - ``valid_of_answered = valid / answered``: the answer parses and satisfies the template's
   schema, choice or regex; one that ended by length is invalid.
 - ``correct_of_answered = correct / answered``: valid, and every field the policy expects for
@@ -33,6 +35,16 @@ policy (``correct``, ``useful``):
 - ``confusion[template][field][expected][answered]``: answered requests counted by the expected
   and the answered value of each expected field; ``invalid`` for an invalid answer, ``(absent)``
   for a valid one without that field.
+
+Accuracy by confidence (``confidence``), over the judged answers that carry a decision confidence,
+each counted correct by the model's own answer (``model_correct``: a fallback's row by the answer
+it replaced, so the table measures the model, not the fallback):
+
+- ``reliability``: confidence bins of width 0.1 (the last one holds 1.0), each with its count,
+  mean confidence and accuracy; a calibrated model's accuracy is near its bin's confidence.
+- ``coverage``: keeping the most confident x% of the answers (10%, 20%, ... 100%), how many are
+  kept, the lowest confidence kept and their accuracy: what a ``min_confidence`` there would leave
+  to the model.
 """
 
 from __future__ import annotations
@@ -156,8 +168,33 @@ def decision_summary(records: Sequence[RequestRecord], wall_s: float) -> dict[st
         "useful_of_sent": _ratio(useful, len(with_policy)),
         "useful_goodput_rps": useful / wall_s if wall_s > 0 and with_policy else None,
         "forced_tokens": sum(r.num_forced_tokens or 0 for r in answered),
+        "fallback": sum(1 for r in answered if r.finish_reason == "fallback"),
         "confusion": confusion(judged),
     }
+
+
+RELIABILITY_BINS = 10
+COVERAGE_LEVELS = tuple(range(10, 101, 10))  # percent of the answers kept, most confident first
+
+
+def confidence_summary(records: Sequence[RequestRecord]) -> dict[str, list[dict[str, Any]]]:
+    """The reliability table and accuracy against coverage (the definitions above); empty lists
+    when no judged answer carries a confidence."""
+    scored = [(r.confidence, bool(r.model_correct)) for r in records
+              if r.answered and r.expected is not None and r.confidence is not None]
+    bins: dict[int, list[tuple[float, bool]]] = {}
+    for confidence, correct in scored:
+        bins.setdefault(min(int(confidence * RELIABILITY_BINS), RELIABILITY_BINS - 1), []).append((confidence, correct))
+    reliability = [{"low": b / RELIABILITY_BINS, "high": (b + 1) / RELIABILITY_BINS, "count": len(rows),
+                    "mean_confidence": sum(c for c, _ in rows) / len(rows),
+                    "accuracy": sum(1 for _, ok in rows if ok) / len(rows)} for b, rows in sorted(bins.items())]
+    ranked = sorted(scored, key=lambda row: -row[0])
+    coverage = []
+    for level in COVERAGE_LEVELS if ranked else ():
+        kept = ranked[:max(1, math.ceil(level * len(ranked) / 100))]
+        coverage.append({"coverage": level / 100, "kept": len(kept), "min_confidence": kept[-1][0],
+                         "accuracy": sum(1 for _, ok in kept if ok) / len(kept)})
+    return {"reliability": reliability, "coverage": coverage}
 
 
 def template_decisions(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
@@ -219,7 +256,8 @@ def aggregate(records: Sequence[RequestRecord], wall_s: float, class_names: Iter
     if kv:
         overall.update(kv)
     classes = {name: summarize([r for r in records if r.deadline_class == name], wall_s) for name in class_names}
-    return {"overall": overall, "classes": classes, "templates": template_decisions(records)}
+    return {"overall": overall, "classes": classes, "templates": template_decisions(records),
+            "confidence": confidence_summary(records)}
 
 
 def evaluate_targets(targets: dict[str, list[str]], aggregates: dict[str, Any]) -> list[dict[str, Any]]:
@@ -281,6 +319,7 @@ TABLE_METRICS = (
     ("valid_of_answered", "valid % of answered"), ("correct_of_answered", "correct % of answered"),
     ("useful", "useful (valid, correct, met)"), ("useful_of_sent", "useful % of sent"),
     ("useful_goodput_rps", "useful goodput (per s)"), ("forced_tokens", "tokens forced by the grammar"),
+    ("fallback", "answered with the fallback (below min_confidence)"),
     ("p50_ttft_s", "TTFT p50"), ("p95_ttft_s", "TTFT p95"),
     ("p99_ttft_s", "TTFT p99"), ("p50_e2e_s", "E2E p50"), ("p95_e2e_s", "E2E p95"), ("p99_e2e_s", "E2E p99"),
     ("client_p95_e2e_s", "E2E p95 (client)"), ("prefix_cache_hit_rate", "prefix-cache hit rate"),

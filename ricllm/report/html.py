@@ -9,7 +9,7 @@ from html import escape
 from typing import Any
 
 from ricllm.extras import install_hint
-from ricllm.report.aggregate import TABLE_METRICS, fmt_value, matrix_axes
+from ricllm.report.aggregate import TABLE_METRICS, fmt_pct, fmt_value, matrix_axes
 
 STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em auto;max-width:1200px;color:#222}
@@ -77,7 +77,25 @@ def decisions_section(report: dict[str, Any], plots: dict[str, bytes]) -> list[s
     classes = [f"<details><summary>class {escape(name)}</summary>{confusion_block(summary['confusion'])}</details>"
                for name, summary in aggregates["classes"].items() if summary.get("confusion")]
     return ["<h2>Decisions: expected vs answered</h2>", _figure(plots, "decisions", "confusion matrices"),
-            confusion_block(aggregates["overall"]["confusion"]), *classes]
+            confusion_block(aggregates["overall"]["confusion"]), *classes,
+            *confidence_section(aggregates.get("confidence") or {})]
+
+
+def confidence_section(confidence: dict[str, Any]) -> list[str]:
+    """Accuracy by confidence: the reliability table and accuracy against coverage."""
+    bins, coverage = confidence.get("reliability") or [], confidence.get("coverage") or []
+    if not bins:
+        return []
+    note = ("Over the judged answers with a decision confidence, each counted by the model's own answer "
+            "(a fallback's row by the answer it replaced).")
+    reliability = _table(["confidence", "answers", "mean confidence", "accuracy"],
+                         [[f"[{b['low']:.1f}, {b['high']:.1f})", b["count"], f"{b['mean_confidence']:.3f}",
+                           fmt_pct(b["accuracy"])] for b in bins])
+    kept = _table(["most confident kept", "answers", "lowest confidence kept", "accuracy"],
+                  [[fmt_pct(c["coverage"]), c["kept"], f"{c['min_confidence']:.3f}", fmt_pct(c["accuracy"])]
+                   for c in coverage])
+    return ["<h2>Accuracy by confidence</h2>", f"<p>{note}</p>", "<h3>Reliability</h3>", reliability,
+            "<h3>Accuracy against coverage</h3>", kept]
 
 
 def targets_block(report: dict[str, Any]) -> str:
@@ -170,7 +188,7 @@ def _dict_table(data: dict[str, Any]) -> str:
 def _requests_table(report: dict[str, Any]) -> str:
     columns = ("id", "entity", "trace_time_s", "deadline_class", "template", "status", "rejection_code",
                "server_ttft_s", "server_e2e_s", "predicted_e2e_s", "promised_e2e_s", "client_e2e_s", "prompt_tokens", "cached_tokens",
-               "output_tokens", "met", "valid", "correct", "expected", "answer", "text")
+               "output_tokens", "met", "valid", "correct", "confidence", "finish_reason", "expected", "answer", "text")
     if (report.get("faults") or {}).get("phases"):
         columns = (*columns[:15], "reaction_window", *columns[15:])
     rows = [[_cell(r.get(c)) for c in columns] for r in report["requests"]]

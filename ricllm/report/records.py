@@ -24,9 +24,10 @@ SCHEMA_VERSION = 1
 #: How a sent request ended. ``interrupted``: still outstanding when the replay was stopped (Ctrl-C);
 #: ``timeout``: no answer within the drain timeout; ``error``: the engine refused it as malformed.
 STATUSES = ("completed", "rejected", "error", "interrupted", "timeout")
-#: The finish reasons of a request that produced an answer: it ended by itself or at its length
-#: limit (``deadline`` and ``cancelled`` are cut off by the engine, with no answer to act on).
-ANSWERED_REASONS = ("stop", "length")
+#: The finish reasons of a request that produced an answer: it ended by itself, at its length
+#: limit, or with its template's fallback in place of an unsure decision (``deadline`` and
+#: ``cancelled`` are cut off by the engine, with no answer to act on).
+ANSWERED_REASONS = ("stop", "length", "fallback")
 #: ``answer.get(field, MISSING)`` for a field the answer lacks: ``None`` is a value an answer may hold.
 MISSING = object()
 
@@ -84,6 +85,9 @@ class RequestRecord:
     correct: bool | None = None  # every expected field equals the answer's; None: no expectation or no answer
     reaction_window: int | None = None  # the fault phase admitted before the slowdown detector reacted to it
     adapter: str | None = None  # the LoRA adapter it was served under (its template's); None: the base model
+    confidence: float | None = None  # the decision's confidence (ricllm.structured.fallback); None: free text
+    model_text: str | None = None  # the model's own answer, when its template's fallback replaced it
+    model_correct: bool | None = None  # whether the model's own answer was correct: ``correct``, or of model_text
 
     @property
     def answered(self) -> bool:

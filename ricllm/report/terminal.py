@@ -19,8 +19,8 @@ WINDOW_COLUMNS = (
     ("missed_outside_window", "missed"), ("met_of_admitted_outside_window", "met % outside"),
 )
 DECISION_COLUMNS = (
-    ("answered", "answered"), ("valid_of_answered", "valid % answ."), ("correct_of_answered", "correct % answ."),
-    ("useful", "useful"), ("useful_of_sent", "useful % sent"), ("useful_goodput_rps", "useful goodput"),
+    ("answered", "answered"), ("fallback", "fell back"), ("valid_of_answered", "valid % answ."),
+    ("correct_of_answered", "correct % answ."), ("useful", "useful"), ("useful_of_sent", "useful % sent"), ("useful_goodput_rps", "useful goodput"),
 )
 
 
@@ -68,6 +68,8 @@ def print_summary(report: dict[str, Any], console=None) -> None:
                                    DECISION_COLUMNS, scopes))
     for line in template_lines(aggregates.get("templates") or {}):
         console.print(line)
+    for line in confidence_lines(aggregates.get("confidence") or {}):
+        console.print(line)
     phases = (report.get("faults") or {}).get("phases") or []
     if phases:
         for line in fault_lines(report):
@@ -94,6 +96,20 @@ def template_lines(templates: dict[str, Any]) -> list[str]:
         lines.append(f"template {name} ({served}): correct {100 * t['correct_of_judged']:.1f}% of {t['judged']} judged; "
                      f"majority baseline {100 * t['majority_share']:.1f}% "
                      f"(always {json.dumps(t['majority_answer'], separators=(',', ':'))})")
+    return lines
+
+
+def confidence_lines(confidence: dict[str, Any]) -> list[str]:
+    """Accuracy by confidence: the reliability bins, then accuracy at a few coverages."""
+    bins, coverage = confidence.get("reliability") or [], confidence.get("coverage") or []
+    if not bins:
+        return []
+    lines = ["accuracy by confidence (the model's own answers): "
+             + "; ".join(f"[{b['low']:.1f}, {b['high']:.1f}) {b['count']} at {100 * b['accuracy']:.0f}%" for b in bins)]
+    shown = [c for c in coverage if round(100 * c["coverage"]) % 20 == 0]
+    lines.append("accuracy keeping the most confident: " + "; ".join(
+        f"{100 * c['coverage']:.0f}% ({c['kept']}, confidence >= {c['min_confidence']:.3f}) {100 * c['accuracy']:.1f}%"
+        for c in shown))
     return lines
 
 

@@ -108,7 +108,7 @@ class FinishedRequest:
     """What a generate's final ``result`` reports, for the per-request series."""
 
     deadline_class: str
-    finish_reason: str  # stop, length, deadline or cancelled
+    finish_reason: str  # stop, length, deadline, cancelled or fallback
     prompt_tokens: int
     generation_tokens: int
     timings: p.Timings

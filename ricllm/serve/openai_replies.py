@@ -3,9 +3,10 @@ built from the wire protocol's replies (docs/serve.md, OpenAI-compatible API).
 
 ``finish_reason``: ricllm's ``stop`` and ``length`` are OpenAI's; ``deadline`` (the answer ended at
 its deadline, ``on_late`` abort or end_early) is ``length``, since the output was cut by a budget,
-time instead of tokens; ``cancelled`` (a drain timeout) is vLLM's ``abort``. The engine's own reason,
-timings and admission's promise ride along in a ``ricllm`` object that OpenAI clients keep as an
-extra field. A refusal never becomes a choice: it is an HTTP error (:func:`refusal`).
+time instead of tokens; ``cancelled`` (a drain timeout) is vLLM's ``abort``; ``fallback`` (a whole
+answer, a template's) is ``stop``. The engine's own reason, timings, admission's promise and a
+constrained answer's decision ``confidence`` ride along in a ``ricllm`` object that OpenAI clients
+keep as an extra field (``logprobs`` means per-token log probabilities there, not this). A refusal never becomes a choice: it is an HTTP error (:func:`refusal`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import BaseModel
 from ricllm import protocol as p
 from ricllm.serve.openai_models import OpenAIError
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "abort"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "abort", "fallback": "stop"}
 # Can never fit, whatever the load: the request must change (400). Refused for the present load: retry (429).
 NEVER_FITS = ("CONTEXT_TOO_LONG", "KV_BUDGET", "OUTPUT_TOO_SHORT")
 BUSY = ("QUEUE_FULL", "DEADLINE_INFEASIBLE")
@@ -64,12 +65,15 @@ class RicllmDetails(BaseModel):
     bound_ms: float | None = None
     degraded: p.Degraded | None = None
     num_forced_tokens: int = 0
+    confidence: float | None = None  # a constrained answer's decision confidence; None for free text
+    model_text: str | None = None  # the model's own answer, when a fallback replaced it
 
     @classmethod
     def of(cls, result: p.Result, accepted: p.Accepted | None) -> RicllmDetails:
         return cls(finish_reason=result.finish_reason, timings=result.timings, deadline_met=result.deadline_met,
                    bound_ms=accepted.bound_ms if accepted is not None else None, degraded=result.degraded,
-                   num_forced_tokens=result.num_forced_tokens)
+                   num_forced_tokens=result.num_forced_tokens, confidence=result.confidence,
+                   model_text=result.model_text)
 
 
 class Answer:

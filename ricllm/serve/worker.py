@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ricllm.sequence import Sequence
     from ricllm.serve.state import ServerState
     from ricllm.structured.compiler import CompiledGrammar
+    from ricllm.structured.fallback import Fallback
     from ricllm.structured.spec import StructuredSpec
     from ricllm.template import Template
 
@@ -220,7 +221,8 @@ class Worker(EngineDriver):
         adapter = self._adapter(request, template)
         grammar = self._constraint(request, template)
         token_ids = self._prompt_tokens(request, template)
-        params = self._sampling(request, command.received, grammar.spec if grammar is not None else None)
+        params = self._sampling(request, command.received, grammar.spec if grammar is not None else None,
+                                _fallback(request, template))
         internal_id = str(next(self._ids))
         seq = self._add(request, token_ids, params, internal_id, command.received, grammar, adapter)
         if seq.rejection is not None:  # its output comes back from the next step: ignored, unknown id
@@ -304,7 +306,7 @@ class Worker(EngineDriver):
                                   f"{exc}", request.id) from None
 
     def _sampling(self, request: p.GenerateRequest, received: float,
-                  constraint: StructuredSpec | None) -> SamplingParams:
+                  constraint: StructuredSpec | None, fallback: Fallback | None) -> SamplingParams:
         """The deadline counts from receipt (the engine is given it as the arrival); one that passed
         before the request reached the engine is refused at once (the intake's check)."""
         from ricllm.sampling_params import SamplingParams, default_priority
@@ -313,7 +315,7 @@ class Worker(EngineDriver):
         self.intake.check_deadline(request, received)
         try:
             return SamplingParams(**request.sampling_kwargs(), deadline_ms=request.deadline_ms, priority=priority,
-                                  structured=constraint)
+                                  structured=constraint, fallback=fallback)
         except InvalidRequestError as exc:
             raise p.ProtocolError("VALIDATION", str(exc), request.id) from None
 
@@ -373,10 +375,11 @@ class Worker(EngineDriver):
         """A ``token`` per new output token; the text since the last one rides on the newest.
 
         While running, the last ``holdback`` characters wait (a stop string may be forming), so
-        the token texts concatenate to the result's text.
+        the token texts concatenate to the result's text; to its ``model_text`` where a fallback
+        replaced the model's answer (the tokens are the model's).
         """
         seq = pending.seq
-        token_ids, text = seq.output_token_ids, seq.output_text
+        token_ids, text = seq.output_token_ids, seq.model_text if seq.model_text is not None else seq.output_text
         visible = len(text) if final else max(pending.sent_chars, len(text) - pending.holdback)
         for index in range(pending.sent_tokens, len(token_ids)):
             piece = ""
@@ -399,7 +402,8 @@ class Worker(EngineDriver):
             id=pending.request.id, text=out.text, token_ids=out.token_ids,
             num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=out.num_cached_tokens,
             finish_reason=out.finish_reason, timings=timings, deadline_met=out.deadline_met,
-            degraded=_degraded(out.degradation), num_forced_tokens=out.num_forced_tokens))
+            degraded=_degraded(out.degradation), num_forced_tokens=out.num_forced_tokens,
+            confidence=out.confidence, model_text=out.model_text))
         return timings
 
     def _account(self, pending: _Pending, out: RequestOutput, timings: p.Timings) -> None:
@@ -412,7 +416,7 @@ class Worker(EngineDriver):
                  outcome="result",
                  prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
                  output_tokens=len(out.token_ids), forced_tokens=out.num_forced_tokens,
-                 constraint=structured.kind if structured is not None else None,
+                 constraint=structured.kind if structured is not None else None, confidence=out.confidence,
                  **{f"{k[:-2]}_ms": None if v is None else round(v * 1000, 3) for k, v in timings.model_dump().items()},
                  deadline_ms=pending.request.deadline_ms, deadline_met=out.deadline_met)
 
@@ -461,8 +465,16 @@ class Worker(EngineDriver):
             return
         self._check_adapter(template.adapter, request.id)
         if template.structured is not None:
-            self._compile(template.structured, request.id)  # its own error reply; the pin finds it compiled
+            grammar = self._compile(template.structured, request.id)  # its own error reply; the pin finds it compiled
+            if template.fallback is not None:
+                self._check_fallback(grammar, template.fallback, request.id)
         self._pin(command, template_id, template)
+
+    def _check_fallback(self, grammar: CompiledGrammar, fallback: Fallback, request_id: str) -> None:
+        try:
+            self.engine.check_fallback(grammar, fallback)
+        except InvalidRequestError as exc:
+            raise p.ProtocolError("VALIDATION", f"field 'fallback': {exc}", request_id) from None
 
     def _pin(self, command: Command, template_id: str, template: Template) -> None:
         """Queue the pin; the register request is answered once its prefill has run (``_pinned``)."""
@@ -488,7 +500,7 @@ class Worker(EngineDriver):
         request: p.RegisterTemplateRequest = command.request
         if registered.template != template:
             raise p.ProtocolError("VALIDATION", f"field 'template_id': {registered.template_id!r} is registered with "
-                                  "another conversation or constraint, or another adapter; unregister it first",
+                                  "another conversation or constraint, or another adapter or fallback; unregister it first",
                                   request.id)
         if registered.pinned:
             command.reply(registered.registered(request.id, self.engine.config.block_size))
@@ -633,6 +645,14 @@ def _timings(out: RequestOutput) -> p.Timings:
     return p.Timings(queue_s=e2e if queue_s is None else min(queue_s, e2e), ttft_s=out.ttft_s, e2e_s=e2e,
                      tpot_s=out.tpot_s, predicted_e2e_s=out.predicted_e2e_s, promised_e2e_s=out.promised_e2e_s)
 
+
+
+def _fallback(request: p.GenerateRequest, template: _Template | None) -> Fallback | None:
+    """The template's fallback, for a request that answers under the template's constraint (one
+    with its own constraint is not judged by the template's answer)."""
+    if template is None or request.structured is not None:
+        return None
+    return template.template.fallback
 
 
 def _degraded(degradation) -> p.Degraded | None:

@@ -93,6 +93,20 @@ class GrammarCompiler:
                  max_tokens=compiled.max_tokens, max_decisions=compiled.max_decisions)
         return compiled
 
+    def answer_problem(self, compiled: CompiledGrammar, text: str) -> str | None:
+        """Why ``text`` is not a whole answer the grammar accepts (None when it is), judged by the
+        grammar itself on the text's tokens: what the engine would let the model write."""
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        matcher = compiled.new_matcher()
+        accepted = matcher.validate_tokens(tokens)
+        if accepted < len(tokens):
+            refused = self.tokenizer.decode(tokens[accepted:], skip_special_tokens=False)
+            return f"it is refused from {refused!r} on"
+        matcher.consume_tokens(tokens)
+        if not matcher.is_accepting():
+            return "it stops before a whole answer (the constraint expects more)"
+        return None
+
     def _fewest_tokens(self, answers: list[str] | None) -> int:
         """The fewest tokens that spell one of the answers (1 when they are not known)."""
         if not answers:

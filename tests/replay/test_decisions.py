@@ -164,6 +164,13 @@ def test_planned_requests_carry_the_policys_expected_answer(tmp_path):
      "not a valid regular expression"),
     ("choice: [sleep, stay]", "choice: [sleep, stay, sleep]", "prompts.templates.energy.choice",
      "the choices repeat one another"),
+    ("choice: [sleep, stay]", "choice: [sleep, stay]\n      min_confidence: 0.6\n      fallback: nap",
+     "prompts.templates.energy.fallback",
+     "template 'energy': the fallback does not satisfy the constraint: 'nap' is not one of ['sleep', 'stay']"),
+    ("choice: [sleep, stay]", "choice: [sleep, stay]\n      fallback: stay", "prompts.templates.energy",
+     "min_confidence and fallback go together: min_confidence is missing"),
+    ("choice: [sleep, stay]", "choice: [sleep, stay]\n      min_confidence: 1.5\n      fallback: stay",
+     "prompts.templates.energy.min_confidence", "less than or equal to 1"),
 ])
 def test_template_mistakes_name_the_template_and_the_field(tmp_path, old, new, field, words):
     assert old in SCENARIO

@@ -338,6 +338,63 @@ def test_a_choice_template_gets_only_valid_answers_and_they_are_judged(decisions
     assert "valid % answ." in out and "100.0%" in out
 
 
+def with_fallback(scenario: Path, folder: Path, min_confidence: float = 0.3) -> Path:
+    """DECISIONS whose template answers escalate below ``min_confidence``, a level fixed here before any
+    answer is scored (the random model's three-way decisions sit near 0.2 and near 0.33)."""
+    text = scenario.read_text().replace("      choice: [offload, hold, escalate]\n", (
+        f"      choice: [offload, hold, escalate]\n      min_confidence: {min_confidence}\n      fallback: escalate\n"))
+    path = folder / "fallback.yaml"
+    path.write_text(text)
+    return path
+
+
+def check_fallbacks(report: dict, min_confidence: float = 0.3) -> None:
+    """Every answer carries its confidence; exactly those below min_confidence answered the fallback,
+    judged as the answer and counted; accuracy by confidence is recomputed from the records."""
+    requests = report["requests"]
+    assert len(requests) == 24 and all(r["status"] == "completed" and r["valid"] for r in requests)
+    fell_back = [r for r in requests if r["finish_reason"] == "fallback"]
+    assert fell_back and len(fell_back) < 24  # both kinds, at this level
+    for r in requests:
+        assert 0 < r["confidence"] < 1 and (r["finish_reason"] == "fallback") is (r["confidence"] < min_confidence)
+        expected = r["expected"]["answer"]
+        assert r["correct"] is (r["text"] == expected)  # a fallback is judged as the answer
+        own = r["model_text"] if r["finish_reason"] == "fallback" else r["text"]
+        assert own in ("offload", "hold", "escalate") and r["model_correct"] is (own == expected)
+    assert all(r["text"] == "escalate" for r in fell_back)
+    assert all(r["model_text"] is None for r in requests if r["finish_reason"] == "stop")
+    aggregates = report["aggregates"]
+    assert aggregates["overall"]["fallback"] == len(fell_back) and aggregates["overall"]["answered"] == 24
+    assert aggregates["overall"]["correct_of_answered"] == sum(r["correct"] for r in requests) / 24
+    bins = aggregates["confidence"]["reliability"]
+    assert sum(b["count"] for b in bins) == 24
+    for b in bins:
+        inside = [r for r in requests if b["low"] <= r["confidence"] < b["high"]]
+        assert b["count"] == len(inside) and b["accuracy"] == sum(r["model_correct"] for r in inside) / len(inside)
+    ranked = sorted(requests, key=lambda r: -r["confidence"])
+    for level in aggregates["confidence"]["coverage"]:
+        kept = ranked[:level["kept"]]
+        assert level["kept"] == max(1, math.ceil(level["coverage"] * 24 - 1e-9))
+        assert level["accuracy"] == sum(r["model_correct"] for r in kept) / len(kept)
+    assert aggregates["confidence"]["coverage"][-1]["kept"] == 24
+    template = report["scenario"]["templates"]["congestion"]
+    assert (template["min_confidence"], template["fallback"]) == (min_confidence, "escalate")
+
+
+def test_a_template_with_a_fallback_answers_it_below_min_confidence_and_the_report_counts_it(
+        decisions_replayed, tmp_path, capsys):
+    _, scenario, _ = decisions_replayed
+    path, out = with_fallback(scenario, tmp_path), tmp_path / "report"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
+        assert main(["replay", str(path), "--out", str(out), "--no-progress"]) == 0
+    check_fallbacks(json.loads((out / "report.json").read_text()))
+    printed = capsys.readouterr().out
+    assert "fell back" in printed and "accuracy by confidence" in printed and "accuracy keeping the most confident" in printed
+    page = " ".join(parse_html(out / "report.html").text)
+    assert "Accuracy by confidence" in page and "Accuracy against coverage" in page
+
+
 def test_zeromq_replay_path_imports_no_torch(tmp_path):
     code = ("import sys\n"
             "from ricllm.cli import build_parser\n"
@@ -436,6 +493,15 @@ def test_replay_over_zeromq_against_ricllm_serve(serve, tiny_gguf, fit_file, tmp
     assert report["aggregates"]["overall"]["bound_requests"] == len(completed)  # carried over the wire
     assert any(s.get("kv_used_blocks") is not None for s in report["timeline"])
     assert report["engine"]["source"] == "server" and report["engine"]["server_stats"]
+
+
+def test_a_template_with_a_fallback_over_zeromq(serve, decisions_replayed, tmp_path):
+    """The server registers the template's min_confidence and fallback, and its results carry both."""
+    _, scenario, _ = decisions_replayed
+    out = tmp_path / "report"
+    assert main(["replay", str(with_fallback(scenario, tmp_path)), "--endpoint", serve, "--out", str(out),
+                 "--no-progress"]) == 0
+    check_fallbacks(json.loads((out / "report.json").read_text()))
 
 
 def uncompilable(scenario: Path, folder: Path) -> Path:

@@ -146,6 +146,15 @@ def test_response_format_json_schema_gives_json_that_validates(openai_client):
     assert chat.model_extra["ricllm"]["num_forced_tokens"] > 0
 
 
+def test_a_constrained_answer_carries_its_confidence_beside_the_choice_not_in_logprobs(openai_client):
+    constrained = openai_client.completions.create(model=MODEL, prompt="Cell 17 is congested.", max_tokens=16,
+                                                   extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    free = openai_client.completions.create(model=MODEL, prompt="Cell 17 is congested.", max_tokens=4)
+    assert constrained.choices[0].text in ("yes", "no") and constrained.choices[0].logprobs is None
+    assert 0.5 <= constrained.model_extra["ricllm"]["confidence"] < 1  # the greedy one of two answers
+    assert free.model_extra["ricllm"]["confidence"] is None
+
+
 def test_response_format_json_object_gives_an_object(openai_client):
     completion = openai_client.completions.create(model=MODEL, prompt="{", max_tokens=64, temperature=0.8, seed=1,
                                                   extra_body={"response_format": {"type": "json_object"}})

@@ -112,6 +112,50 @@ def test_registering_a_template_again_needs_the_same_conversation_and_constraint
         client.unregister_template("lone")
 
 
+def test_a_template_with_a_fallback_answers_it_for_a_decision_below_min_confidence(server):
+    with RicClient(server.endpoint, timeout_s=60) as client:
+        client.register_template(messages=EXAMPLES, structured={"choice": ACTIONS}, template_id="unsure",
+                                 min_confidence=1.0, fallback="escalate")
+        replaced = client.generate(messages=QUESTION, template_id="unsure", max_tokens=16)
+        streamed = list(client.stream(messages=QUESTION, template_id="unsure", max_tokens=16))
+        own = client.generate(messages=QUESTION, template_id="unsure", structured={"choice": ACTIONS}, max_tokens=16)
+        free = client.generate("Cell 17", max_tokens=4)
+        client.unregister_template("unsure")
+    assert replaced.finish_reason == "fallback" and replaced.text == "escalate" and replaced.model_text in ACTIONS
+    assert 0 < replaced.confidence < 1
+    result, tokens = streamed[-1], streamed[:-1]
+    assert result.finish_reason == "fallback" and result.text == "escalate"
+    assert "".join(t.text for t in tokens) == result.model_text  # the stream carried the model's own answer
+    # a request with its own constraint is not judged by the template's fallback
+    assert own.finish_reason == "stop" and own.text == replaced.model_text and own.confidence == replaced.confidence
+    assert own.model_text is None and free.confidence is None
+
+
+def test_a_template_whose_fallback_breaks_its_constraint_is_refused_and_nothing_is_pinned(server):
+    with RicClient(server.endpoint, timeout_s=60) as client:
+        pinned_before = client.stats().kv_cache.pinned_blocks
+        with pytest.raises(ServerError) as refused:
+            client.register_template(messages=EXAMPLES, structured={"choice": ACTIONS}, template_id="bad-fallback",
+                                     min_confidence=0.5, fallback="retreat")
+        assert refused.value.code == "VALIDATION"
+        assert refused.value.message.startswith("field 'fallback': fallback 'retreat' does not satisfy the choice "
+                                                "constraint")
+        stats = client.stats()
+        assert "bad-fallback" not in stats.templates and stats.kv_cache.pinned_blocks == pinned_before
+    dealer = Dealer(server.endpoint)
+    try:
+        dealer.send({"v": 1, "type": "register_template", "id": "free", "system_prompt": "s",
+                     "min_confidence": 0.5, "fallback": "hold"})
+        [free] = dealer.until_final("free")
+        dealer.send({"v": 1, "type": "register_template", "id": "half", "system_prompt": "s",
+                     "structured": {"choice": ACTIONS}, "fallback": "hold"})
+        [half] = dealer.until_final("half")
+    finally:
+        dealer.close()
+    assert free.code == "VALIDATION" and "fallback needs structured" in free.message
+    assert half.code == "VALIDATION" and "min_confidence is missing" in half.message
+
+
 def test_a_template_whose_constraint_cannot_compile_is_refused_and_nothing_is_pinned(server):
     with RicClient(server.endpoint, timeout_s=60) as client:
         pinned_before = client.stats().kv_cache.pinned_blocks
@@ -227,6 +271,26 @@ def test_the_client_command_constrains_answers_and_registers_conversations(serve
                  *endpoint]) == 0
     assert capsys.readouterr().out.strip() in ACTIONS
     assert main(["client", "unregister-template", "cli-congestion", *endpoint]) == 0
+    capsys.readouterr()
+
+
+def test_the_client_command_registers_a_fallback_and_says_when_it_answered(server, tmp_path, capsys):
+    from ricllm.cli import main
+
+    endpoint = ["--endpoint", server.endpoint]
+    conversation = tmp_path / "congestion.json"
+    conversation.write_text(json.dumps(EXAMPLES))
+    register = ["client", "register-template", "--messages", str(conversation), "--choice", ",".join(ACTIONS),
+                "--template-id", "cli-careful", "--min-confidence", "1", *endpoint]
+    assert main([*register, "--fallback", "retreat"]) == 2
+    assert "VALIDATION: field 'fallback': fallback 'retreat' does not satisfy the choice constraint" in capsys.readouterr().err
+    assert main([*register, "--fallback", "escalate"]) == 0
+    capsys.readouterr()
+    assert main(["client", "generate", QUESTION[0]["content"], "--chat", "--template-id", "cli-careful", *endpoint]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "escalate" and "finish: fallback" in out.err and "confidence 0." in out.err
+    assert "the model answered" in out.err
+    assert main(["client", "unregister-template", "cli-careful", *endpoint]) == 0
     capsys.readouterr()
 
 
