@@ -77,7 +77,6 @@ from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import ADAPTER_ROWS_PER_BLOCK, StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
-from ricllm.kv_window import pinned_blocks_held
 from ricllm.outputs import Degradation, Rejection
 from ricllm.sequence import Sequence, SequenceStatus
 
@@ -303,7 +302,7 @@ class AdmissionController:
                              f"{total} tokens exceeds the context of {self.max_model_len} tokens",
                              dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                   max_model_len=self.max_model_len))
-        pinned = pinned_blocks_held(pinned_hits, seq.kv_window, self.block_size)
+        pinned = seq.pinned_blocks_held(pinned_hits, self.block_size)
         need = seq.most_blocks(self.block_size, self.token_budget) - pinned
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ricllm.affinity import format_cpu_list, pin_current_thread
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
+from ricllm.cache.kv_groups import sliding_windows
 from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.chat_prefix import PinnedTemplate, render_chat_prefix
@@ -70,7 +71,8 @@ class LLMEngine:
         self.loras = LoraRegistry(self.runtime.lora, self.spec, self.served_model.served_name)  # the adapters, by name
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         num_blocks = self.kv_cache.geometry.num_blocks
-        self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                    sliding_windows(self.kv_cache.geometry.groups))
         self.checks = RequestChecks(config, self.spec.vocab_size, self.max_model_len, num_blocks, self.cache)
         self.constraints = ConstrainedDecoding(self.tokenizer, self.runtime, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.constraints)
@@ -137,10 +139,11 @@ class LLMEngine:
         grammar = self.constraints.grammar_of(params, grammar)
         now = self.clock()
         arrival = now if arrival_time is None else min(arrival_time, now)
+        kv_window, *group_windows = self.checks.kv_windows_of(params, pinning=pin_on_finish is not None)
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text, arrival_time=arrival,
-                       pin_on_finish=pin_on_finish, adapter=adapter,
-                       kv_window=None if pin_on_finish is not None else self.checks.kv_window_of(params))
+                       pin_on_finish=pin_on_finish, adapter=adapter, kv_window=kv_window,
+                       group_windows=tuple(group_windows))
         rejection = self.constraints.start(seq, grammar) if grammar is not None else None
         if rejection is not None:
             self.outputs.refuse(seq, rejection, now)
@@ -163,7 +166,7 @@ class LLMEngine:
 
     def _admit(self, seq: Sequence, now: float) -> bool:
         """Ask admission; a refused request is finished as rejected (False)."""
-        pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter)
+        pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter, seq.group_windows)
         rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
                                           after_idle=self.steps.idle_at(now), cached_hits=len(hits))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
@@ -244,6 +247,7 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
             seq.block_hashes += self.cache.cache_full_blocks(seq)
             seq.evict_blocks(self.cache.evict_outside_window(seq))
+            seq.evict_group_blocks(self.cache.evict_outside_group_windows(seq))
         ready = [seq for seq, _ in batch.items if seq.num_computed_tokens == seq.num_tokens]
         return ready, self.constraints.sample(logits, ready)
 
