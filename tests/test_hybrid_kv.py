@@ -203,3 +203,17 @@ def test_a_requests_own_window_applies_to_the_global_layers_and_narrows_the_slid
     assert chunked[0] == chunked[1]
     exact = [o.token_ids for o in _engine(tiny_gemma3).generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
     assert exact != chunked[0], "the request's window changed nothing on the global layer"
+
+
+def test_the_kv_stats_count_each_groups_blocks(tiny_gemma3):
+    llm = _engine(tiny_gemma3, max_num_batched_tokens=16)
+    engine = llm.engine
+    seq = engine.add_request(random_prompts(VOCAB, [60], seed=16)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    kv = engine.snapshot().kv_cache
+    assert kv.group_windows == (0,) + (WINDOW,) * 6
+    assert kv.group_used_blocks[0] == len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK) == 16
+    assert all(used == len(t) - n <= KVWindow(0, WINDOW).max_blocks(16, BLOCK)
+               for used, t, n in zip(kv.group_used_blocks[1:], seq.group_tables, seq.group_evicted))
+    assert sum(kv.group_used_blocks) == kv.used_blocks

@@ -162,6 +162,12 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
+    def held_blocks_by_group(self, seqs: list[Sequence]) -> tuple[int, ...]:
+        """Distinct blocks ``seqs`` hold in each cache group, group 0 first (pins apart)."""
+        tables_by_group = zip(*((seq.block_table, *seq.group_tables) for seq in seqs))
+        held = tuple(len({b for table in tables for b in table} - {EVICTED}) for tables in tables_by_group)
+        return held or (0,) * (1 + len(self.group_windows))
+
     @property
     def num_pinned_blocks(self) -> int:
         return len({bid for pin in self.pins.values() for bid in pin.block_ids})

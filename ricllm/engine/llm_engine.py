@@ -396,7 +396,8 @@ def _kv_cache_stats(kv_cache: KVStore, cache: KVCacheManager, scheduler: Schedul
         prefix_cache_queries_tokens=cache.prefix_queries_tokens,
         prefix_cache_hits_tokens=cache.prefix_hits_tokens,
         preemptions=scheduler.num_preemptions, waits=scheduler.num_waits,
-        kv_cache_dtype=g.kv_format.name)
+        kv_cache_dtype=g.kv_format.name, group_windows=tuple(group.window for group in g.groups),
+        group_used_blocks=cache.held_blocks_by_group(scheduler.running) if g.groups else ())
 
 
 def _build_admission(engine: LLMEngine, latency_model) -> AdmissionController:
@@ -438,7 +439,8 @@ def _log_start(runtime: Runtime, config: EngineConfig, max_model_len: int, start
     g = kv_cache.geometry
     log.info(
         "kv_cache_allocated",
-        equation="M_KV = 2*L*n*n_kv*(d_h*b+s)*B",
+        equation="M_KV = sum_g 2*L_g*n_g*n_kv*(d_h*b+s)*B" if g.groups else "M_KV = 2*L*n*n_kv*(d_h*b+s)*B",
+        groups=[(len(group.layers), group.window) for group in g.groups] or None,
         layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=str(runtime.dtype).removeprefix("torch."), kv_cache_dtype=g.kv_format.name,
         scale_bytes_per_row=g.kv_format.scale_bytes,
