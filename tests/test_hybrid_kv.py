@@ -217,3 +217,20 @@ def test_the_kv_stats_count_each_groups_blocks(tiny_gemma3):
     assert all(used == len(t) - n <= KVWindow(0, WINDOW).max_blocks(16, BLOCK)
                for used, t, n in zip(kv.group_used_blocks[1:], seq.group_tables, seq.group_evicted))
     assert sum(kv.group_used_blocks) == kv.used_blocks
+
+
+def test_gemma3_270m_holds_the_per_group_equations_blocks_at_4096_tokens():
+    from ricllm.cache.kv_cache import plan_cache
+    from ricllm.cache.kv_format import kv_format
+    from ricllm.cache.kv_groups import sliding_windows
+    from ricllm.kv_window import group_window
+
+    spec = _gemma_spec(18, ((512,) * 5 + (0,)) * 3)
+    geometry = plan_cache(spec, 64 << 20, 16, kv_format("auto", "bfloat16"))
+    assert geometry.bytes_per_block == 2 * 3 * 16 * 1 * 256 * 2 == 49_152
+    seq = Sequence(request_id="r", token_ids=[1] * 4000, num_prompt_tokens=4000,
+                   params=SamplingParams(max_tokens=96), arrival_time=0.0,
+                   group_windows=tuple(group_window(w, None) for w in sliding_windows(geometry.groups)))
+    blocks = seq.most_blocks(16, 1)
+    assert blocks == 256 + 5 * 33
+    assert blocks * geometry.bytes_per_block == 20_692_992  # against 6 · 256 blocks with every layer whole
