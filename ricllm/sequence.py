@@ -27,7 +27,7 @@ class BlockGrant:
     (then ``num_computed_tokens`` is what it has computed with them). ``num_cached_tokens`` is the
     prefix hit counted at its first allocation (None on later ones). ``group_block_ids[g - 1]`` go to
     the end of cache group ``g``'s table (``ricllm.cache.kv_groups``), as many as ``block_ids``,
-    ``EVICTED`` at a hit's positions that group's window no longer reads."""
+    ``EVICTED`` at a hit's positions that group's window does not read."""
 
     block_ids: list[int]
     hit_hashes: list[int] = field(default_factory=list)

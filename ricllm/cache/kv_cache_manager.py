@@ -25,7 +25,7 @@ Dropping a reference frees nothing that another holder (a pin, another sequence)
 A hybrid model's cache has several groups (``ricllm.cache.kv_groups``), one block table each per
 sequence, every table as long as group 0's (``block_table``); groups 1.. are ``Sequence.group_tables``.
 Each group allocates a block at every new position, so a step's writes land in every group, and
-a sliding-window group lets go of each block its window no longer reads, as a windowed
+a sliding-window group lets go of each block no later query of its window reads, as a windowed
 sequence's group 0 does. Their full blocks are cached under the group's own key of group 0's
 chained hash (``group_key``). A cached prefix is a hit only where every group holds what the
 prefix's next query reads: group 0 every block, a sliding-window group the blocks of its window
@@ -66,7 +66,7 @@ def needed_positions(window: KVWindow | None, num_computed: int, block_size: int
 class PrefixHit(list):
     """A prompt's leading cached blocks in group 0 (the list itself: one group's hit is a plain list
     of blocks); ``group_blocks[g - 1][i]`` is group ``g``'s block at position ``i``, None where the
-    group's window no longer reads it at the first recomputed token."""
+    group's window does not read from the first recomputed token on."""
 
     def __init__(self, blocks: list[Block], group_blocks: list[list[Block | None]]):
         super().__init__(blocks)
@@ -148,8 +148,8 @@ class KVCacheManager:
 
     def _group_hit(self, group: int, window: KVWindow | None, token_ids: list[int],
                    hashes: list[int]) -> list[Block | None] | None:
-        """Group ``group``'s blocks for a hit of ``len(hashes)`` blocks (None where ``window`` no
-        longer reads), or None when it misses one it reads."""
+        """Group ``group``'s blocks for a hit of ``len(hashes)`` blocks (None where ``window`` does not
+        read), or None when it misses one it reads."""
         needed = set(needed_positions(window, len(hashes) * self.block_size, self.block_size))
         blocks: list[Block | None] = []
         for i, block_hash in enumerate(hashes):
@@ -272,7 +272,7 @@ class KVCacheManager:
         return gone
 
     def evict_outside_group_windows(self, seq: Sequence) -> list[list[int]]:
-        """Release, in each cache group 1.., the blocks its window no longer shows any later query
+        """Release, in each cache group 1.., the blocks its window shows no later query
         (after ``cache_full_blocks``); per group, the block-table positions that went."""
         gone_by_group = []
         for window, table, evicted in zip(seq.group_windows, seq.group_tables, seq.group_evicted):
