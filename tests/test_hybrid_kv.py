@@ -234,3 +234,11 @@ def test_gemma3_270m_holds_the_per_group_equations_blocks_at_4096_tokens():
     blocks = seq.most_blocks(16, 1)
     assert blocks == 256 + 5 * 33
     assert blocks * geometry.bytes_per_block == 20_692_992  # against 6 · 256 blocks with every layer whole
+
+
+def test_the_admission_caps_count_every_groups_blocks(tiny_gemma3):
+    llm = _engine(tiny_gemma3, admission="deadline", max_num_batched_tokens=16)
+    admission, num_blocks = llm.engine.admission, llm.engine.kv_cache.geometry.num_blocks
+    row = next(r for r in admission.caps(1000, 16, contexts=(128,)) if r["context"] == 128)
+    each = -(-144 // BLOCK) + 6 * KVWindow(0, WINDOW).max_blocks(16, BLOCK)
+    assert row["max_batch_memory"] == num_blocks // each

@@ -410,7 +410,7 @@ def _build_admission(engine: LLMEngine, latency_model) -> AdmissionController:
     latency.kernel_limits = engine.runtime.capabilities.kernel_limits  # which steps pass them is the runtime's
     config = engine.config
     return AdmissionController(config.admission, latency, engine.kv_cache.geometry.num_blocks, config.block_size,
-                               config.max_num_batched_tokens, engine.max_model_len)
+                               config.max_num_batched_tokens, engine.max_model_len, engine.cache.group_windows)
 
 
 def _freeze_heap() -> None:
