@@ -242,3 +242,27 @@ def test_the_admission_caps_count_every_groups_blocks(tiny_gemma3):
     row = next(r for r in admission.caps(1000, 16, contexts=(128,)) if r["context"] == 128)
     each = -(-144 // BLOCK) + 6 * KVWindow(0, WINDOW).max_blocks(16, BLOCK)
     assert row["max_batch_memory"] == num_blocks // each
+
+
+def test_a_pinned_template_shorter_than_the_window_stays_whole_in_every_group(tmp_path):
+    path = write_tiny_gemma3_gguf(tmp_path / "tiny_gemma3_w32.gguf", seed=3, window=32)
+    llm = _engine(path)
+    template = random_prompts(VOCAB, [24], seed=17)[0]
+    handle = llm.pin_prefix(template)
+    assert len(handle.block_ids) == 6 * 7  # its 6 blocks in each of the 7 groups
+    prompts = [template + tail for tail in random_prompts(VOCAB, [30], seed=18)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    pinned = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.cache.prefix_hits_tokens >= 24
+    assert pinned == [o.token_ids for o in _engine(path, enable_prefix_caching=False).generate(prompts, params)]
+
+
+def test_info_shows_the_cache_groups(tiny_gemma3):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    info = subprocess.run([sys.executable, "-m", "ricllm.cli", "info", str(tiny_gemma3)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert "7 of 1 layers each: 1 keeping every token, 6 keeping the last 8" in info.stdout, info.stderr[-2000:]
