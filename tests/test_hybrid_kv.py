@@ -266,3 +266,28 @@ def test_info_shows_the_cache_groups(tiny_gemma3):
     info = subprocess.run([sys.executable, "-m", "ricllm.cli", "info", str(tiny_gemma3)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert "7 of 1 layers each: 1 keeping every token, 6 keeping the last 8" in info.stdout, info.stderr[-2000:]
+
+
+def test_under_more_load_than_the_pool_holds_every_request_finishes_with_its_solo_tokens(tiny_gemma3):
+    """100 blocks of 2,048 B; each request holds up to 20 blocks in the global layer's group and 7 in
+    each sliding one: three at once do not fit, so some are preempted and recomputed."""
+    prompts = random_prompts(VOCAB, [60, 55, 62, 48], seed=19)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    tight = LLM(str(tiny_gemma3), dtype="float32", block_size=BLOCK, kv_cache_budget=100 * 2048,
+                max_num_batched_tokens=16)
+    engine = tight.engine
+    assert engine.kv_cache.geometry.num_blocks == 100
+    original = engine.step
+
+    def checked_step():
+        finished = original()
+        check_every_groups_references(engine)
+        assert engine.cache.pool.num_used <= 100
+        return finished
+
+    engine.step = checked_step
+    together = [o.token_ids for o in tight.generate(prompts, params)]
+    assert engine.scheduler.num_preemptions > 0
+    roomy = _engine(tiny_gemma3, max_num_batched_tokens=16)
+    assert together == [o.token_ids for o in roomy.generate(prompts, params)]
+    assert engine.cache.pool.num_used == 0
