@@ -36,6 +36,7 @@ window: all of them), so a pinned template is a hit in every group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from ricllm.cache.block_pool import Block, BlockPool, hash_block
 from ricllm.kv_window import EVICTED, KVWindow
@@ -65,8 +66,9 @@ def needed_positions(window: KVWindow | None, num_computed: int, block_size: int
 
 class PrefixHit(list):
     """A prompt's leading cached blocks in group 0 (the list itself: one group's hit is a plain list
-    of blocks); ``group_blocks[g - 1][i]`` is group ``g``'s block at position ``i``, None where the
-    group's window does not read from the first recomputed token on."""
+    of blocks); ``group_blocks[g - 1][i]`` is group ``g``'s cached block at position ``i``, None where
+    it has none: the hit holds one at every position the group's window reads from the first
+    recomputed token on (``needed_positions``), and a sequence takes only those."""
 
     def __init__(self, blocks: list[Block], group_blocks: list[list[Block | None]]):
         super().__init__(blocks)
@@ -137,30 +139,25 @@ class KVCacheManager:
 
     def _hit_in_every_group(self, token_ids: list[int], hits: list[Block],
                             windows: tuple[KVWindow | None, ...]) -> PrefixHit:
-        """The longest leading part of group 0's ``hits`` that every other group can serve too."""
-        hashes = [b.block_hash for b in hits]
+        """The longest leading part of group 0's ``hits`` that every other group can serve too: each
+        group's cached blocks looked up once, then each length checked by counting the misses among
+        the positions its window reads."""
+        chunks = [token_ids[i * self.block_size:(i + 1) * self.block_size] for i in range(len(hits))]
+        found = [[self.pool.lookup(group_key(g, block.block_hash), chunk) for block, chunk in zip(hits, chunks)]
+                 for g in range(1, len(windows) + 1)]
+        misses = [list(accumulate((block is None for block in blocks), initial=0)) for blocks in found]
         for length in range(len(hits), 0, -1):
-            group_blocks = [self._group_hit(g, window, token_ids, hashes[:length])
-                            for g, window in enumerate(windows, start=1)]
-            if all(blocks is not None for blocks in group_blocks):
-                return PrefixHit(hits[:length], group_blocks)
+            if all(self._reads_only_cached(w, m, length) for w, m in zip(windows, misses)):
+                return PrefixHit(hits[:length], [blocks[:length] for blocks in found])
         return PrefixHit([], [[] for _ in windows])
 
-    def _group_hit(self, group: int, window: KVWindow | None, token_ids: list[int],
-                   hashes: list[int]) -> list[Block | None] | None:
-        """Group ``group``'s blocks for a hit of ``len(hashes)`` blocks (None where ``window`` does not
-        read), or None when it misses one it reads."""
-        needed = set(needed_positions(window, len(hashes) * self.block_size, self.block_size))
-        blocks: list[Block | None] = []
-        for i, block_hash in enumerate(hashes):
-            block = None
-            if i in needed:
-                chunk = token_ids[i * self.block_size:(i + 1) * self.block_size]
-                block = self.pool.lookup(group_key(group, block_hash), chunk)
-                if block is None:
-                    return None
-            blocks.append(block)
-        return blocks
+    def _reads_only_cached(self, window: KVWindow | None, misses: list[int], length: int) -> bool:
+        """Whether a hit of ``length`` blocks finds every block ``window`` reads (``misses[i]``: how
+        many of the first ``i`` positions the group has no cached block for)."""
+        gone = window.evictable(length * self.block_size, self.block_size) if window else range(0)
+        if not gone:
+            return misses[length] == 0
+        return misses[gone.start] == 0 and misses[length] == misses[gone.stop]
 
     def held_blocks_by_group(self, seqs: list[Sequence]) -> tuple[int, ...]:
         """Distinct blocks ``seqs`` hold in each cache group, group 0 first (pins apart)."""
