@@ -291,3 +291,13 @@ def test_under_more_load_than_the_pool_holds_every_request_finishes_with_its_sol
     roomy = _engine(tiny_gemma3, max_num_batched_tokens=16)
     assert together == [o.token_ids for o in roomy.generate(prompts, params)]
     assert engine.cache.pool.num_used == 0
+
+
+def test_a_template_too_long_to_compute_in_every_group_at_once_is_refused_naming_the_groups(tiny_gemma3):
+    from ricllm.errors import CapacityError
+
+    llm = LLM(str(tiny_gemma3), dtype="float32", block_size=BLOCK, kv_cache_budget=100 * 2048)
+    with pytest.raises(CapacityError, match="each of the 7 KV cache groups at once: 112 blocks"):
+        llm.pin_prefix(random_prompts(VOCAB, [60], seed=20)[0])  # 16 blocks × 7 groups > 100
+    handle = llm.pin_prefix(random_prompts(VOCAB, [40], seed=21)[0])  # 11 × 7 = 77 computed, 10 + 6 · 2 pinned
+    assert len(handle.block_ids) == 22

@@ -11,7 +11,9 @@ Invariants
 - The KV store holds ``group_size`` (K, V) slots; the ``j``-th layer of every group reads and
   writes slot ``j``, through its own group's block table, so no two groups touch one block.
 - Full-attention groups come first; group 0 is the one whose block table is ``Sequence.block_table``
-  and carries the prefix-cache hashes and a request's own ``kv_window``. A model whose layers all
+  and carries the prefix-cache hashes and a request's own ``kv_window`` (a model without
+  full-attention layers has a sliding-window group 0, which then keeps the whole sequence: correct,
+  not the least memory). A model whose layers all
   attend alike (the Llama family) is one group of every layer: one slot per layer, exactly the
   store and tables of a cache without groups.
 - A sliding-window group keeps, of each sequence, only the blocks a later query of its window can

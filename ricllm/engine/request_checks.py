@@ -82,6 +82,13 @@ class RequestChecks:
             raise InvalidRequestError("prefix to pin is empty")
         needed = self.cache.blocks_to_pin(len(token_ids))
         room = self.num_blocks - self.cache.num_pinned_blocks - reserved - 1
+        if self.cache.group_windows:  # the pinning request computes the prefix whole in every cache group
+            whole = self.cache.blocks_for_tokens(len(token_ids) + 1) * (1 + len(self.cache.group_windows))
+            if whole > self.num_blocks - self.cache.num_pinned_blocks:
+                raise CapacityError(
+                    f"pinning {len(token_ids)} tokens computes them in each of the {1 + len(self.cache.group_windows)} "
+                    f"KV cache groups at once: {whole} blocks, but the pool holds "
+                    f"{self.num_blocks - self.cache.num_pinned_blocks} besides {self.cache.num_pinned_blocks} pinned")
         if needed > room:
             raise CapacityError(
                 f"pinning {len(token_ids)} tokens needs {needed} full KV blocks, but only {room} can be pinned "
