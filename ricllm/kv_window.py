@@ -64,6 +64,17 @@ def pinned_blocks_held(pinned_hits: int, window: KVWindow | None, block_size: in
     return pinned_hits if window is None else min(pinned_hits, -(-window.sinks // block_size))
 
 
+def group_window(layer_window: int, own: KVWindow | None) -> KVWindow | None:
+    """What a cache group whose layers see ``layer_window`` tokens (0: the whole sequence) keeps of
+    a sequence whose own window is ``own``: a full-attention group keeps what ``own`` keeps (its
+    sinks + window; None: every token); a sliding-window group keeps the layer's window, or
+    ``own``'s where that is narrower, and no sinks (the layer reads none)."""
+    if layer_window == 0:
+        return own
+    narrower = own is not None and own.window < layer_window
+    return KVWindow(0, own.window if narrower else layer_window)
+
+
 def window_of(sinks: int | None, window: int | None) -> KVWindow | None:
     """A request's window (None or 0: exact, every token kept)."""
     return KVWindow(sinks or 0, window) if window else None

@@ -5,7 +5,8 @@ here?" is really "does its KV cache fit, and can it be streamed in time?". Both 
 arithmetic on the model's shape:
 
 * the KV-cache equation ``M_KV = 2·L·n·n_kv·d_h·b·B`` (K and V, layers, context tokens, KV heads,
-  head dim, bytes per element, batch);
+  head dim, bytes per element, batch), summed over the layer groups of a model with sliding-window
+  layers, whose ``n`` is capped at their window: ``M_KV = Σ_g 2·L_g·min(n, w_g)·n_kv·d_h·b·B``;
 * the bandwidth roofline of decode: each step streams all weights once (shared by the batch) and
   the whole batch's KV, so one answer of ``tokens`` tokens takes at least
   ``tokens × (M_weights + M_KV(n, B)) / BW``.
@@ -61,6 +62,10 @@ NAMED_SHAPES: dict[str, ModelSpec] = {
     "llama-2-70b": _shape("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 4096, 10000.0),
     "llama-3-8b": _shape("Llama-3-8B", 32, 32, 8, 128, 4096, 14336, 128256, 8192, 500000.0),
     "smollm2-135m": _shape("SmolLM2-135M", 30, 9, 3, 64, 576, 1536, 49152, 8192, 100000.0, tied=True),
+    # five sliding-window layers (512 tokens) to one global layer, as ricllm.model.loader reads the file
+    "gemma-3-270m": replace(_shape("Gemma-3-270M", 18, 4, 1, 256, 640, 2048, 262144, 32768, 1_000_000.0, tied=True),
+                            architecture="gemma3", layer_windows=((512,) * 5 + (0,)) * 3,
+                            rope_local_theta=10_000.0, rms_norm_eps=1e-6),
 }
 
 
@@ -84,8 +89,26 @@ def kv_product(spec: ModelSpec, kv_bytes: float) -> str:
     return "·".join(map(str, factors)) + f" = {kv_bytes_per_token(spec, kv_bytes):,.0f} B"
 
 
+def layer_groups(spec: ModelSpec) -> list[tuple[int, int]]:
+    """``(L_g, w_g)`` per attention type, full-attention layers (``w`` 0) first."""
+    counts: dict[int, int] = {}
+    for layer in range(spec.num_layers):
+        window = spec.layer_window(layer)
+        counts[window] = counts.get(window, 0) + 1
+    return [(counts[w], w) for w in sorted(counts)]
+
+
 def kv_cache_bytes(spec: ModelSpec, context: int, batch: int, kv_bytes: float) -> float:
-    """``M_KV = 2·L·n·n_kv·d_h·b·B``: the cache of ``batch`` sequences of ``context`` tokens."""
+    """``M_KV = Σ_g 2·L_g·min(n, w_g)·n_kv·d_h·b·B`` (``w_g`` 0: ``n``): the cache of ``batch``
+    sequences of ``context`` tokens, a sliding-window layer keeping its window's tokens only. One
+    group of every layer for a model without sliding windows: ``2·L·n·n_kv·d_h·b·B``."""
+    per_layer_token = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    return sum(per_layer_token * layers * (min(context, window) if window else context)
+               for layers, window in layer_groups(spec)) * batch
+
+
+def kv_cache_whole_bytes(spec: ModelSpec, context: int, batch: int, kv_bytes: float) -> float:
+    """``2·L·n·n_kv·d_h·b·B``: the cache if every layer kept the whole sequence."""
     return kv_bytes_per_token(spec, kv_bytes) * context * batch
 
 
@@ -249,8 +272,15 @@ def _largest(fits: Callable[[int], bool], guess: float, cap: int | None = None) 
         k = min(k, cap)
     while k > 0 and not fits(k):
         k -= 1
-    while (cap is None or k < cap) and fits(k + 1):
-        k += 1
+    step = 1  # up in doubling steps, back to single ones at a miss: a sliding window's cache grows slower than the guess
+    while cap is None or k < cap:
+        probe = k + step if cap is None else min(k + step, cap)
+        if fits(probe):
+            k, step = probe, step * 2
+        elif step == 1:
+            break
+        else:
+            step = 1
     return k
 
 
@@ -375,12 +405,31 @@ def _header(p: Plan) -> list[str]:
         f"node         memory {format_size(p.memory_bytes)}, reserved {format_size(p.reserved_bytes)}, "
         f"bandwidth {b.bandwidth_bytes_per_s / 1e9:,.6g} GB/s, deadline {_ms(b.deadline_s)} for {b.tokens} tokens",
         f"KV/token     2·L·n_kv·d_h·b = {kv_product(s, p.kv_bytes)} = {format_size(p.kv_bytes_per_token)}",
+        *_groups_text(p),
         f"weights      {b.weights_bytes:,.0f} B = {format_size(b.weights_bytes)}  ({p.weights_source})",
         f"KV memory    memory − reserved − weights = {b.available_bytes:,.0f} B = {format_size(b.available_bytes)}",
         *textwrap.wrap(TIME_MODEL, 100, initial_indent="time model   ", subsequent_indent=" " * 13),
         f"             weights alone: {_ms(b.time_s(0))}; per-step read budget deadline × BW / tokens = "
         f"{format_size(b.step_bytes)}",
     ]
+
+
+def _groups_text(p: Plan) -> list[str]:
+    """For a model with sliding-window layers: the per-group equation at the reference context, and
+    what it saves against a cache that keeps every layer whole."""
+    groups = layer_groups(p.spec)
+    if len(groups) == 1:
+        return []
+    n, s = p.reference_context, p.spec
+    terms = " + ".join(f"2·{layers}·{min(n, w) if w else n}·{s.num_kv_heads}·{s.head_dim}·{p.kv_bytes:g}"
+                       for layers, w in groups)
+    kinds = ", ".join(f"{layers} layers keep {'every token' if not w else f'{w} tokens'}" for layers, w in groups)
+    grouped, whole = kv_cache_bytes(s, n, 1, p.kv_bytes), kv_cache_whole_bytes(s, n, 1, p.kv_bytes)
+    return [f"KV groups    {kinds}",
+            f"             one {format_context(n)} sequence: Σ_g 2·L_g·min(n, w_g)·n_kv·d_h·b = {terms} = "
+            f"{format_size(grouped)}",
+            f"             every layer whole: {kv_product(s, p.kv_bytes)} × {n:,} = {format_size(whole)}; "
+            f"saved {1 - grouped / whole:.1%}"]
 
 
 def _grid_text(p: Plan) -> list[str]:
@@ -440,6 +489,10 @@ def plan_to_json(p: Plan) -> dict:
                    "tokens": b.tokens, "kv_bytes_per_element": _num(p.kv_bytes),
                    "reference_context": p.reference_context},
         "kv_bytes_per_token": _num(p.kv_bytes_per_token), "kv_product": kv_product(s, p.kv_bytes),
+        "kv_groups": [{"num_layers": layers, "window": window} for layers, window in layer_groups(s)],
+        "kv_bytes_at_reference_context": _num(kv_cache_bytes(s, p.reference_context, 1, p.kv_bytes)),
+        "kv_bytes_at_reference_context_every_layer_whole":
+            _num(kv_cache_whole_bytes(s, p.reference_context, 1, p.kv_bytes)),
         "weights_bytes": _num(b.weights_bytes), "weights_source": p.weights_source,
         "available_kv_bytes": _num(b.available_bytes), "step_budget_bytes": b.step_bytes,
         "weights_only_time_s": b.time_s(0), "time_model": TIME_MODEL,

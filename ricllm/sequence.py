@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ricllm.kv_window import EVICTED, KVWindow, most_blocks
+from ricllm.kv_window import EVICTED, KVWindow, most_blocks, pinned_blocks_held
 from ricllm.lora_request import AdapterSlot
 from ricllm.sampling_params import SamplingParams
 
@@ -25,12 +25,15 @@ class BlockGrant:
     for it to record (``Sequence.take_blocks``): ``block_ids`` go to the end of its block table in
     order, the first ``len(hit_hashes)`` of them prefix-cache hits whose K/V is computed already
     (then ``num_computed_tokens`` is what it has computed with them). ``num_cached_tokens`` is the
-    prefix hit counted at its first allocation (None on later ones)."""
+    prefix hit counted at its first allocation (None on later ones). ``group_block_ids[g - 1]`` go to
+    the end of cache group ``g``'s table (``ricllm.cache.kv_groups``), as many as ``block_ids``,
+    ``EVICTED`` at a hit's positions that group's window does not read."""
 
     block_ids: list[int]
     hit_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int | None = None
     num_cached_tokens: int | None = None
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in sets and lists by identity
@@ -56,6 +59,12 @@ class Sequence:
     kv_window: KVWindow | None = None  # sink + window retention; None: every token's K/V kept
     adapter: AdapterSlot | None = None  # the LoRA adapter it is served under; None: the base model
     num_evicted_blocks: int = 0  # block_table entries the window let go
+    # cache groups 1.. of a hybrid model (``ricllm.cache.kv_groups``; group 0's are the three fields
+    # above): what each keeps of this sequence, its block table (as long as ``block_table``, EVICTED
+    # where its window let a block go) and how many entries it let go
+    group_windows: tuple[KVWindow | None, ...] = ()
+    group_tables: list[list[int]] = field(default_factory=list)
+    group_evicted: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     output_text: str = ""
     detokenizer: object = None
@@ -80,9 +89,19 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def __post_init__(self) -> None:
+        if len(self.group_tables) != len(self.group_windows):
+            self.group_tables = [[] for _ in self.group_windows]
+            self.group_evicted = [0 for _ in self.group_windows]
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def windows(self) -> tuple[KVWindow | None, ...]:
+        """What each cache group keeps of it, group 0 first (None: every token)."""
+        return (self.kv_window, *self.group_windows)
 
     # the KV cache manager hands back what a sequence takes and gives up; the sequence records it
 
@@ -93,6 +112,9 @@ class Sequence:
             self.num_computed_tokens = grant.num_computed_tokens
         if grant.num_cached_tokens is not None:
             self.num_cached_tokens = grant.num_cached_tokens
+        for g, block_ids in enumerate(grant.group_block_ids):
+            self.group_tables[g] += block_ids
+            self.group_evicted[g] += block_ids.count(EVICTED)
 
     def evict_blocks(self, positions: list[int]) -> None:
         """Its window let these block-table positions go (``KVCacheManager.evict_outside_window``)."""
@@ -100,11 +122,21 @@ class Sequence:
             self.block_table[i] = EVICTED
         self.num_evicted_blocks += len(positions)
 
+    def evict_group_blocks(self, positions: list[list[int]]) -> None:
+        """The windows of cache groups 1.. let these positions go, per group
+        (``KVCacheManager.evict_outside_group_windows``)."""
+        for g, gone in enumerate(positions):
+            for i in gone:
+                self.group_tables[g][i] = EVICTED
+            self.group_evicted[g] += len(gone)
+
     def drop_blocks(self) -> None:
         """It holds no block any more (``KVCacheManager.free`` released them)."""
         self.block_table = []
         self.block_hashes = []
         self.num_evicted_blocks = 0
+        self.group_tables = [[] for _ in self.group_windows]
+        self.group_evicted = [0 for _ in self.group_windows]
 
     @property
     def num_output_tokens(self) -> int:
@@ -116,13 +148,21 @@ class Sequence:
 
     @property
     def num_held_blocks(self) -> int:
-        """Blocks this sequence holds a reference on (its table less what its window evicted)."""
-        return len(self.block_table) - self.num_evicted_blocks
+        """Blocks this sequence holds a reference on (its tables less what their windows evicted)."""
+        return (len(self.block_table) - self.num_evicted_blocks
+                + sum(len(t) for t in self.group_tables) - sum(self.group_evicted))
 
     def most_blocks(self, block_size: int, chunk: int) -> int:
         """The most blocks it can hold at once, prompt + ``max_tokens`` computed in steps of up to
-        ``chunk`` tokens: every block, or for a windowed sequence what its window keeps resident."""
-        return most_blocks(self.num_prompt_tokens + self.params.max_tokens, self.kv_window, block_size, chunk)
+        ``chunk`` tokens, summed over its cache groups: each group's every block, or what its window
+        keeps resident."""
+        total = self.num_prompt_tokens + self.params.max_tokens
+        return sum(most_blocks(total, window, block_size, chunk) for window in self.windows)
+
+    def pinned_blocks_held(self, pinned_hits: int, block_size: int) -> int:
+        """Of its ``pinned_hits`` leading pinned blocks, those it holds at its most, summed over its
+        groups (a sliding-window group's move out of its window: none counts)."""
+        return sum(pinned_blocks_held(pinned_hits, window, block_size) for window in self.windows)
 
     @property
     def num_uncomputed_tokens(self) -> int:

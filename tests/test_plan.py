@@ -291,3 +291,41 @@ def test_adapters_add_their_bytes_to_the_weights(tiny_gguf, tmp_path):
     assert json.loads(done.stdout)["weights_bytes"] == weights + estimate
     bad = ricllm("plan", str(tiny_gguf), "--lora-modules", "no-equals-sign")
     assert bad.returncode != 0 and "name=path" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ---------------------------------------------------------------- a model with sliding-window layers
+
+GEMMA3 = NAMED_SHAPES["gemma-3-270m"]
+
+
+def test_gemma3_270m_kv_is_the_per_group_equation_with_the_sliding_layers_capped_at_their_window():
+    assert GEMMA3.num_parameters() == 268_098_176
+    # 3 global layers keep every token, 15 sliding-window layers their last 512
+    grouped = equation(3, 4096, 1, 256, 2, 1) + equation(15, 512, 1, 256, 2, 1)
+    assert kv_cache_bytes(GEMMA3, 4096, 1, 2) == grouped == 20_447_232
+    assert kv_cache_bytes(GEMMA3, 300, 8, 2) == equation(18, 300, 1, 256, 2, 8)  # shorter than the window: whole
+    whole = equation(18, 4096, 1, 256, 2, 1)
+    text = render_text(plan(GEMMA3, 16 * GiB, 4 * GiB, 900e9, 0.5, 32, 2, GEMMA3.num_parameters() * 2))
+    assert "2·3·4096·1·256·2 + 2·15·512·1·256·2 = 20.45 MB (19.50 MiB)" in text
+    assert f"{format_size(whole)}; saved {1 - grouped / whole:.1%}" in text and "saved 72.9%" in text
+
+
+def test_gemma3_limits_use_the_grouped_cache():
+    p = plan(GEMMA3, 1 * GiB, 0, 900e9, 10.0, 32, 2, 0, contexts=[4096], batches=[1, 64])
+    limit = p.max_batch_per_context[4096]
+    assert p.budget.fits_memory(kv_cache_bytes(GEMMA3, 4096, limit.value, 2))
+    assert not p.budget.fits_memory(kv_cache_bytes(GEMMA3, 4096, limit.value + 1, 2))
+    assert limit.value == GiB // 20_447_232
+    longest = p.max_context_per_batch[64]
+    assert p.budget.fits_memory(kv_cache_bytes(GEMMA3, longest.value, 64, 2))
+    assert longest.bound_by == "model max" or not p.budget.fits_memory(kv_cache_bytes(GEMMA3, longest.value + 1, 64, 2))
+
+
+def test_cli_json_carries_the_gemma3_groups_and_the_whole_figure():
+    result = ricllm("plan", "gemma-3-270m", "--json", "--contexts", "4K", "--batches", "1")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["kv_groups"] == [{"num_layers": 3, "window": 0}, {"num_layers": 15, "window": 512}]
+    assert data["kv_bytes_at_reference_context"] == 20_447_232
+    assert data["kv_bytes_at_reference_context_every_layer_whole"] == 75_497_472
+    assert data["grid"][0]["kv_bytes"] == 20_447_232

@@ -8,6 +8,7 @@ position ``context_lens[i] - q_len_i + j`` and sees keys ``0..`` that position.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ class AttentionMetadata:
     kv_sinks, kv_windows: ``[B]`` int32 when some sequence of the step keeps a sink + window
         cache (``ricllm.kv_window``): query ``p`` sees key ``j <= p`` iff ``j < sinks`` or
         ``j > p - window``; window 0 is an exact sequence. None when every sequence is exact.
+    group_slot_mappings, group_block_tables: a hybrid cache's groups 1.. (``ricllm.cache.kv_groups``),
+        each as ``slot_mapping`` and ``block_tables`` are group 0's; empty for a one-group cache.
     """
 
     slot_mapping: torch.Tensor
@@ -44,8 +47,18 @@ class AttentionMetadata:
     # the prefill part of the step: sequences with more than one query row (decodes have one)
     prefill_rows: int = 0  # Σ their query lengths
     prefill_products: int = 0  # Σ their query length × context length: the attention work of prefill
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
+    group_block_tables: tuple[torch.Tensor, ...] = ()
     # Derived tensors memoized by backends for reuse across layers (gather indices, masks).
     scratch: dict = field(default_factory=dict, repr=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The step as the layers of cache group ``group`` attend it: through that group's blocks."""
+        if group == 0:
+            return self
+        return dataclasses.replace(self, slot_mapping=self.group_slot_mappings[group - 1],
+                                   block_tables=self.group_block_tables[group - 1],
+                                   group_slot_mappings=(), group_block_tables=(), scratch={})
 
     @property
     def num_seqs(self) -> int:

@@ -1,7 +1,12 @@
-"""The KV store: one K and one V tensor per layer, allocated once from the byte budget.
+"""The KV store: one K and one V tensor per slot, allocated once from the byte budget.
 
-    bytes_per_block = 2 · L · block_size · n_kv · (d_h · b + s)     (s: an int8 row's scale, else 0)
+    bytes_per_block = 2 · L_g · block_size · n_kv · (d_h · b + s)   (s: an int8 row's scale, else 0)
     num_blocks      = budget // bytes_per_block
+
+``L_g`` is the layers of one cache group (``ricllm.cache.kv_groups``): every layer for the Llama
+family (one slot per layer), three for Gemma 3 270M, whose six groups (one of full-attention
+layers, five of sliding-window layers) share the pool block by block. Layer ``i`` reads and writes
+slot ``layer_slots[i]`` through its group's block table.
 
 These tensors are the only KV storage the engine ever holds; nothing grows after start-up.
 """
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ricllm.cache.kv_format import KVFormat
+from ricllm.cache.kv_groups import KVCacheGroup, group_size, kv_cache_groups, layer_slots
 from ricllm.errors import ConfigError
 from ricllm.kernels.aligned import aligned_zeros
 from ricllm.model.spec import ModelSpec
@@ -33,9 +39,11 @@ class CacheGeometry:
     bytes_per_block: int
     budget_bytes: int
     kv_format: KVFormat
+    groups: tuple[KVCacheGroup, ...] = ()  # empty: one group of every layer
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the pool holds in one group's blocks: the tokens of one sequence of a one-group cache."""
         return self.num_blocks * self.block_size
 
     @property
@@ -47,14 +55,24 @@ def plan_cache(spec: ModelSpec, budget_bytes: int, block_size: int, kv_format: K
     """Blocks of ``kv_format`` rows that fit the budget; an error when not even one does."""
     if block_size < 1:
         raise ConfigError(f"block_size must be at least 1, got {block_size}")
-    bytes_per_block = kv_format.bytes_per_token(spec) * block_size
+    groups = kv_cache_groups(spec)
+    per_token = kv_format.bytes_per_token(spec) * group_size(groups) // spec.num_layers
+    bytes_per_block = per_token * block_size
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
             f"kv_cache_budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below one block: "
             f"a block of {block_size} {kv_format.name} tokens needs {bytes_per_block} B "
-            f"(block_size·{kv_format.equation(spec)} = {block_size}·{kv_format.bytes_per_token(spec)})")
-    return CacheGeometry(num_blocks, block_size, bytes_per_block, budget_bytes, kv_format)
+            f"(block_size·{kv_format.equation(spec, group_size(groups))} = {block_size}·{per_token})")
+    return CacheGeometry(num_blocks, block_size, bytes_per_block, budget_bytes, kv_format,
+                         groups if len(groups) > 1 else ())
+
+
+def store_slots(spec: ModelSpec, geometry: CacheGeometry) -> tuple[int, list[int]]:
+    """The store's (K, V) slots, and each layer's slot."""
+    if not geometry.groups:
+        return spec.num_layers, list(range(spec.num_layers))
+    return group_size(geometry.groups), layer_slots(geometry.groups, spec.num_layers)
 
 
 def cache_shape(spec: ModelSpec, geometry: CacheGeometry) -> tuple[int, int, int, int]:
@@ -65,7 +83,9 @@ def cache_shape(spec: ModelSpec, geometry: CacheGeometry) -> tuple[int, int, int
 
 class KVCache:
     """``layers[i] = (k, v)``, each ``[num_blocks, block_size, n_kv_heads, head_dim]`` in ``dtype``, or
-    raw bytes ``uint8 [..., head_dim + 4]`` for an int8 pool (``ricllm.cache.kv_format``).
+    raw bytes ``uint8 [..., head_dim + 4]`` for an int8 pool (``ricllm.cache.kv_format``): layer
+    ``i``'s slot (layers of different groups at one place in their groups share a slot, each through
+    its own group's blocks).
 
     The whole budget is allocated and zeroed at start. The pages are resident from then on, so a
     node short of memory fails at start rather than under load. Zeros, not garbage, sit in the
@@ -78,13 +98,15 @@ class KVCache:
         shape = cache_shape(spec, geometry)
         dtype = torch.uint8 if geometry.kv_format.quantized else dtype
         self.geometry = geometry
-        self.layers = [
+        num_slots, slot_of_layer = store_slots(spec, geometry)
+        self.slots = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(spec.num_layers)
+            for _ in range(num_slots)
         ]
+        self.layers = [self.slots[slot] for slot in slot_of_layer]
 
     def total_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.slots)
 
 
 class NativeKVCache:

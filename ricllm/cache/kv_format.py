@@ -48,11 +48,13 @@ class KVFormat:
         """``2·L·n_kv·(d_h·b + s)``: K and V of one token in every layer."""
         return 2 * spec.num_layers * spec.num_kv_heads * self.row_bytes(spec.head_dim)
 
-    def equation(self, spec: ModelSpec) -> str:
-        """The product written out, for error messages and logs."""
+    def equation(self, spec: ModelSpec, num_layers: int | None = None) -> str:
+        """The product written out over ``num_layers`` (a cache group's; None: every layer), for
+        error messages and logs."""
         row = f"({spec.head_dim}·{self.element_bytes}+{self.scale_bytes})" if self.quantized \
             else f"{spec.head_dim}·{self.element_bytes}"
-        return f"2·L·n_kv·{'(d_h·b+s)' if self.quantized else 'd_h·b'} = 2·{spec.num_layers}·{spec.num_kv_heads}·{row}"
+        layers = spec.num_layers if num_layers is None else num_layers
+        return f"2·L·n_kv·{'(d_h·b+s)' if self.quantized else 'd_h·b'} = 2·{layers}·{spec.num_kv_heads}·{row}"
 
 
 def kv_format(kv_cache_dtype: str, activation_dtype: str) -> KVFormat:

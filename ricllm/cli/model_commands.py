@@ -78,6 +78,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         per_token = spec.kv_bytes_per_token(size)
         rows.append((f"KV bytes/token {label}", f"{per_token} B  (2·{spec.num_layers}·{spec.num_kv_heads}·"
                      f"{spec.head_dim}·{size}); full context {format_bytes(per_token * spec.max_position_embeddings)}"))
+    rows += _kv_group_rows(spec)
     rows.append(("CPU kernels", _cpu_kernels()))
     rows += _auto_choices(ckpt.tensor_types())
     width = max(len(label) for label, _ in rows)
@@ -93,6 +94,24 @@ def _sliding_window_rows(spec) -> list[tuple[str, str]]:
         return []
     return [("sliding window", f"{max(windowed)} tokens in {len(windowed)} of {spec.num_layers} layers "
                                f"(their RoPE theta {spec.rope_local_theta})")]
+
+
+def _kv_group_rows(spec) -> list[tuple[str, str]]:
+    """A hybrid KV cache's groups (none for a model whose layers all attend alike)."""
+    from ricllm.cache.kv_groups import kv_cache_groups
+    from ricllm.plan import kv_cache_bytes
+    from ricllm.units import format_bytes
+
+    groups = kv_cache_groups(spec)
+    if len(groups) == 1:
+        return []
+    full = sum(1 for g in groups if not g.sliding)
+    windows = sorted({g.window for g in groups if g.sliding})
+    grouped = int(kv_cache_bytes(spec, spec.max_position_embeddings, 1, 2))
+    return [("KV cache groups", f"{len(groups)} of {len(groups[0].layers)} layers each: {full} keeping every token, "
+                                f"{len(groups) - full} keeping the last {', '.join(map(str, windows))} "
+                                f"(one pool of blocks, a block table per group); full context bf16 "
+                                f"{format_bytes(grouped)}")]
 
 
 def _auto_choices(tensor_types: dict[str, str]) -> list[tuple[str, str]]:

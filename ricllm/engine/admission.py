@@ -2,7 +2,8 @@
 
 A request with a deadline is admitted only if
 - memory: its worst case, ``ceil((prompt + max_tokens) / block_size)`` blocks (for a windowed
-  request, no more than its window keeps at once: ``KVWindow.max_blocks``) less the full
+  request, no more than its window keeps at once: ``KVWindow.max_blocks``; with a hybrid cache,
+  the sum over its cache groups, a sliding-window group's at most its window's) less the full
   blocks it shares with pinned prefixes, fits beside what every admitted deadline request has
   reserved (pinned blocks excluded). An admitted request therefore never waits for memory and is
   never preempted; best-effort requests use only capacity nobody reserved, and are the ones
@@ -77,7 +78,7 @@ from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import ADAPTER_ROWS_PER_BLOCK, StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
-from ricllm.kv_window import pinned_blocks_held
+from ricllm.kv_window import KVWindow, most_blocks
 from ricllm.outputs import Degradation, Rejection
 from ricllm.sequence import Sequence, SequenceStatus
 
@@ -244,8 +245,9 @@ class AdmissionController:
     """
 
     def __init__(self, config: AdmissionSettings, latency: LatencyModel, num_blocks: int, block_size: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, group_windows: tuple[int, ...] = ()):
         self.config = config
+        self.group_windows = group_windows  # the layer windows of a hybrid cache's groups 1.. (kv_groups)
         self.latency = latency
         latency.keep_overruns(config.stall_reserve_steps, config.stall_reserve_max_ms / 1000)
         self.num_blocks = num_blocks
@@ -303,7 +305,7 @@ class AdmissionController:
                              f"{total} tokens exceeds the context of {self.max_model_len} tokens",
                              dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                   max_model_len=self.max_model_len))
-        pinned = pinned_blocks_held(pinned_hits, seq.kv_window, self.block_size)
+        pinned = seq.pinned_blocks_held(pinned_hits, self.block_size)
         need = seq.most_blocks(self.block_size, self.token_budget) - pinned
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
@@ -416,11 +418,16 @@ class AdmissionController:
         and fits the KV budget, per context: what the tightest deadline class allows."""
         rows = []
         for context in (c for c in contexts if c + tokens <= self.max_model_len):
-            blocks_each = -(-(context + tokens) // self.block_size)
+            blocks_each = self._blocks_each(context + tokens)
             by_memory = self.num_blocks // blocks_each
             rows.append({"context": context, "max_batch_memory": by_memory,
                          "max_batch": self._largest_batch_in_time(context, tokens, deadline_ms / 1000, by_memory)})
         return rows
+
+    def _blocks_each(self, total: int) -> int:
+        """The most blocks a request of ``total`` tokens holds, over every cache group."""
+        windows = (None, *(KVWindow(0, w) if w else None for w in self.group_windows))
+        return sum(most_blocks(total, window, self.block_size, self.token_budget) for window in windows)
 
     def _largest_batch_in_time(self, context: int, tokens: int, deadline_s: float, limit: int) -> int:
         def fits(batch: int) -> bool:

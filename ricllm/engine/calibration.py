@@ -113,7 +113,7 @@ def measure_bandwidth(device, megabytes: int = 128) -> float:
 
 def roofline_of(engine) -> Roofline:
     """Bytes a small-batch step must read: packed weights where a layer has them, else dense."""
-    per_token = engine.kv_cache.geometry.bytes_per_block / engine.kv_cache.geometry.block_size
+    per_token = engine.kv_cache.geometry.kv_format.bytes_per_token(engine.spec)  # every layer's K and V
     if engine.runtime.name == "native":
         return Roofline(float(engine.runtime.model.weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"))
     from ricllm.model.packed_linear import PackedLinear

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ricllm.affinity import format_cpu_list, pin_current_thread
 from ricllm.cache.kv_cache_manager import KVCacheManager, PinHandle
+from ricllm.cache.kv_groups import sliding_windows
 from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.chat_prefix import PinnedTemplate, render_chat_prefix
@@ -71,7 +72,8 @@ class LLMEngine:
         self.loras = LoraRegistry(self.runtime.lora, self.spec, self.served_model.served_name)  # the adapters, by name
         self.max_model_len = min(self.spec.max_position_embeddings, config.max_model_len or 1 << 62)
         num_blocks = self.kv_cache.geometry.num_blocks
-        self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                    sliding_windows(self.kv_cache.geometry.groups))
         self.checks = RequestChecks(config, self.spec.vocab_size, self.max_model_len, num_blocks, self.cache)
         self.constraints = ConstrainedDecoding(self.tokenizer, self.runtime, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.constraints)
@@ -138,10 +140,11 @@ class LLMEngine:
         grammar = self.constraints.grammar_of(params, grammar)
         now = self.clock()
         arrival = now if arrival_time is None else min(arrival_time, now)
+        kv_window, *group_windows = self.checks.kv_windows_of(params, pinning=pin_on_finish is not None)
         seq = Sequence(request_id=request_id or str(next(self._ids)), token_ids=list(token_ids),
                        num_prompt_tokens=len(token_ids), params=params, prompt=text, arrival_time=arrival,
-                       pin_on_finish=pin_on_finish, adapter=adapter,
-                       kv_window=None if pin_on_finish is not None else self.checks.kv_window_of(params))
+                       pin_on_finish=pin_on_finish, adapter=adapter, kv_window=kv_window,
+                       group_windows=tuple(group_windows))
         rejection = self.constraints.start(seq, grammar) if grammar is not None else None
         if rejection is not None:
             self.outputs.refuse(seq, rejection, now)
@@ -164,7 +167,7 @@ class LLMEngine:
 
     def _admit(self, seq: Sequence, now: float) -> bool:
         """Ask admission; a refused request is finished as rejected (False)."""
-        pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter)
+        pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter, seq.group_windows)
         rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
                                           after_idle=self.steps.idle_at(now), cached_hits=len(hits))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
@@ -252,6 +255,7 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
             seq.block_hashes += self.cache.cache_full_blocks(seq)
             seq.evict_blocks(self.cache.evict_outside_window(seq))
+            seq.evict_group_blocks(self.cache.evict_outside_group_windows(seq))
         return ready, self.constraints.sample(logits, ready)
 
     def _end(self, seq: Sequence, reason: str, now: float, aborted: bool = False) -> RequestOutput:
@@ -401,7 +405,8 @@ def _kv_cache_stats(kv_cache: KVStore, cache: KVCacheManager, scheduler: Schedul
         prefix_cache_queries_tokens=cache.prefix_queries_tokens,
         prefix_cache_hits_tokens=cache.prefix_hits_tokens,
         preemptions=scheduler.num_preemptions, waits=scheduler.num_waits,
-        kv_cache_dtype=g.kv_format.name)
+        kv_cache_dtype=g.kv_format.name, group_windows=tuple(group.window for group in g.groups),
+        group_used_blocks=cache.held_blocks_by_group(scheduler.running) if g.groups else ())
 
 
 def _build_admission(engine: LLMEngine, latency_model) -> AdmissionController:
@@ -414,7 +419,7 @@ def _build_admission(engine: LLMEngine, latency_model) -> AdmissionController:
     latency.kernel_limits = engine.runtime.capabilities.kernel_limits  # which steps pass them is the runtime's
     config = engine.config
     return AdmissionController(config.admission, latency, engine.kv_cache.geometry.num_blocks, config.block_size,
-                               config.max_num_batched_tokens, engine.max_model_len)
+                               config.max_num_batched_tokens, engine.max_model_len, engine.cache.group_windows)
 
 
 def _freeze_heap() -> None:
@@ -443,7 +448,8 @@ def _log_start(runtime: Runtime, config: EngineConfig, max_model_len: int, start
     g = kv_cache.geometry
     log.info(
         "kv_cache_allocated",
-        equation="M_KV = 2*L*n*n_kv*(d_h*b+s)*B",
+        equation="M_KV = sum_g 2*L_g*n_g*n_kv*(d_h*b+s)*B" if g.groups else "M_KV = 2*L*n*n_kv*(d_h*b+s)*B",
+        groups=[(len(group.layers), group.window) for group in g.groups] or None,
         layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         dtype=str(runtime.dtype).removeprefix("torch."), kv_cache_dtype=g.kv_format.name,
         scale_bytes_per_row=g.kv_format.scale_bytes,

@@ -187,7 +187,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
-            hits = self.cache.find_cached_prefix(seq.token_ids, seq.adapter) if seq.num_computed_tokens == 0 else []
+            hits = (self.cache.find_cached_prefix(seq.token_ids, seq.adapter, seq.group_windows)
+                    if seq.num_computed_tokens == 0 else [])
             cached = seq.num_computed_tokens + len(hits) * self.cache.block_size  # held since admission, or hit now
             num_new = self._hold_best_effort(seq, self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached),
                                              start=cached)
@@ -227,10 +228,7 @@ class Scheduler:
         """Best effort may only take blocks that no admitted request has reserved."""
         if self.gate is None:
             return True
-        held = len(seq.block_table) + len(hits)
-        needed = self.cache.blocks_for_tokens(
-            seq.num_computed_tokens + len(hits) * self.cache.block_size + num_new) - held
-        return needed <= self.cache.pool.num_free - self.gate.outstanding_reservation()
+        return self.cache.new_blocks(seq, num_new, hits) <= self.cache.pool.num_free - self.gate.outstanding_reservation()
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, scheduled: set, hits=()) -> bool:
         """Allocate, preempting others as needed: best effort first, newest first.

@@ -18,7 +18,7 @@ class KVCacheStats:
 
     num_blocks: int
     block_size: int
-    bytes_per_block: int  # 2·L·block_size·n_kv·(d_h·b + s): int8 rows count their scales
+    bytes_per_block: int  # 2·L_g·block_size·n_kv·(d_h·b + s), L_g a cache group's layers: int8 rows count their scales
     budget_bytes: int
     allocated_bytes: int
     used_blocks: int
@@ -31,6 +31,10 @@ class KVCacheStats:
     preemptions: int
     waits: int
     kv_cache_dtype: str = "bfloat16"  # the pool's element type: the activations' or "int8"
+    # a hybrid cache's groups (ricllm.cache.kv_groups), group 0 first: each group's layers' window
+    # (0: the whole sequence) and the distinct blocks running sequences hold in it; empty for one group
+    group_windows: tuple[int, ...] = ()
+    group_used_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

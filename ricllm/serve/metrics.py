@@ -155,6 +155,13 @@ def _kv_series(kv: KVCacheStats, model: str) -> Iterator[Metric]:
     for state, value in _block_states(kv):
         blocks.add_metric([model, state], value)
     yield blocks
+    if kv.group_windows:
+        groups = GaugeMetricFamily(f"{PREFIX}_kv_cache_group_blocks",
+                                   "KV-cache blocks running requests hold, by cache group (window 0: full attention)",
+                                   labels=["model_name", "group", "window"])
+        for group, (window, used) in enumerate(zip(kv.group_windows, kv.group_used_blocks)):
+            groups.add_metric([model, str(group), str(window)], used)
+        yield groups
     yield _counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                    kv.prefix_cache_queries_tokens, model)
     yield _counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",

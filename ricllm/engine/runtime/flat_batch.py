@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ricllm.engine.scheduler import ScheduledBatch
-from ricllm.sequence import Sequence
 
 
 @dataclass
@@ -27,6 +26,10 @@ class FlatBatch:
     # (start row, end row, adapter slot): consecutive sequences of one slot share a segment; rows of
     # sequences without an adapter lie in none. Empty when no sequence has one.
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
+    # cache groups 1.. of a hybrid model: each group's slots and block tables, as ``slot_mapping`` and
+    # ``block_tables`` are group 0's (``ricllm.cache.kv_groups``)
+    group_slot_mappings: list[list[int]] = field(default_factory=list)
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
@@ -38,7 +41,7 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
         end = start + num_new
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
-        slots += _slots(seq, start, end, block_size)
+        slots += _slots(seq.block_table, start, end, block_size)
         starts.append(starts[-1] + num_new)
         context_lens.append(end)
         if end == seq.num_tokens:
@@ -46,6 +49,13 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
     seqs = [seq for seq, _ in batch.items]
     width = max(len(s.block_table) for s in seqs)
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    num_groups = len(seqs[0].group_tables)
+    group_tables = [[s.group_tables[g] + [0] * (width - len(s.group_tables[g])) for s in seqs]
+                    for g in range(num_groups)]
+    group_slots = [[slot for seq, num_new in batch.items
+                    for slot in _slots(seq.group_tables[g], seq.num_computed_tokens,
+                                       seq.num_computed_tokens + num_new, block_size)]
+                   for g in range(num_groups)]
     windowed = any(s.kv_window is not None for s in seqs)
     return FlatBatch(
         input_ids, positions, slots, starts, context_lens, tables, logits_rows,
@@ -54,7 +64,7 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
         prefill_products=sum(n * length for (_, n), length in zip(batch.items, context_lens) if n > 1),
         kv_sinks=[s.kv_window.sinks if s.kv_window else 0 for s in seqs] if windowed else None,
         kv_windows=[s.kv_window.window if s.kv_window else 0 for s in seqs] if windowed else None,
-        lora_segments=_lora_segments(batch, starts))
+        lora_segments=_lora_segments(batch, starts), group_slot_mappings=group_slots, group_block_tables=group_tables)
 
 
 def _lora_segments(batch: ScheduledBatch, starts: list[int]) -> list[tuple[int, int, int]]:
@@ -69,6 +79,5 @@ def _lora_segments(batch: ScheduledBatch, starts: list[int]) -> list[tuple[int, 
     return segments
 
 
-def _slots(seq: Sequence, start: int, end: int, block_size: int) -> list[int]:
-    table = seq.block_table
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

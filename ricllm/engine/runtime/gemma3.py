@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ricllm.attention.metadata import AttentionMetadata
+from ricllm.cache.kv_groups import kv_cache_groups, layer_groups
 from ricllm.engine.runtime.llama import Embedding, Linear, apply_rope, rope_inverse_frequencies
 from ricllm.errors import ConfigError
 from ricllm.model.packed_linear import PackedLinear
@@ -167,6 +168,9 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.rope = LayerRoPE(spec)
+        groups = kv_cache_groups(spec)
+        self.group_windows = [group.window for group in groups]
+        self.group_of_layer = layer_groups(groups, spec.num_layers) if len(groups) > 1 else [0] * spec.num_layers
         self.packed_head = None  # the head in a packed weight format (``llama_weights.pack_head``)
         self.requires_grad_(False)
 
@@ -193,11 +197,17 @@ class Gemma3Model(nn.Module):
         x = self.embed(input_ids)
         x = x * x.new_tensor(self.embed_scale)  # √hidden rounded to the activations' dtype, as HF does
         rope_by_base = self.rope(positions, x.dtype)
-        metas = {window: meta if window == 0 else sliding_window_metadata(meta, window)
-                 for window in {layer.window for layer in self.layers}}
-        for layer, base, kv_cache in zip(self.layers, self.rope.base_of_layer, kv_caches):
-            x = layer(x, rope_by_base[base], kv_cache, metas[layer.window])
+        metas = [self._group_metadata(meta, g, window) for g, window in enumerate(self.group_windows)]
+        for layer, base, kv_cache, g in zip(self.layers, self.rope.base_of_layer, kv_caches, self.group_of_layer):
+            x = layer(x, rope_by_base[base], kv_cache, metas[g])
         return self.norm(x)
+
+    def _group_metadata(self, meta: AttentionMetadata, group: int, window: int) -> AttentionMetadata:
+        """The step through cache group ``group``'s blocks, with its layers' window (0: none)."""
+        if len(self.group_windows) == 1:  # one group: every layer attends alike, through group 0
+            return meta if window == 0 else sliding_window_metadata(meta, window)
+        grouped = meta.for_group(group)
+        return grouped if window == 0 else sliding_window_metadata(grouped, window)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

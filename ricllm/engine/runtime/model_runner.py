@@ -41,6 +41,8 @@ class ModelRunner:
             prefill_products=flat.prefill_products,
             kv_sinks=None if flat.kv_sinks is None else self._tensor(flat.kv_sinks, torch.int32),
             kv_windows=None if flat.kv_windows is None else self._tensor(flat.kv_windows, torch.int32),
+            group_slot_mappings=tuple(self._tensor(slots, torch.int64) for slots in flat.group_slot_mappings),
+            group_block_tables=tuple(self._tensor(tables, torch.int32) for tables in flat.group_block_tables),
         )
         return (self._tensor(flat.input_ids, torch.int64), self._tensor(flat.positions, torch.int64), meta,
                 lora_batch(self.lora, flat.lora_segments), flat.logits_rows)
