@@ -136,14 +136,20 @@ def test_the_template_digest_changes_with_the_policy(scenario, congestion):
         assert digest != adapt.template_digest(changed, adapt.template_policy(changed, "congestion"))
 
 
-def test_trace_rows_mixed_with_drawn_rows_say_how_many_of_each(tiny_gguf, tmp_path, capsys):
+def adapt_link_on(model, out, capsys, *args: str) -> str:
+    """What ``ricllm adapt link ARGS`` prints, training a few steps of batch 4 on ``model`` into ``out``."""
     require_module("peft")
-    out = tmp_path / "adapter"
-    code = main(["adapt", "link", "--rows", "trace", "--prompt", "replay", "--drawn-share", "0.25", "--model",
-                 str(tiny_gguf), "--out", str(out), "--examples", "16", "--eval-examples", "4", "--steps", "1",
-                 "--batch-size", "4", "--no-progress"])
+    code = main(["adapt", "link", *args, "--model", str(model), "--out", str(out), "--batch-size", "4",
+                 "--no-progress"])
     printed = capsys.readouterr().out
     assert code == 0, printed
+    return printed
+
+
+def test_trace_rows_mixed_with_drawn_rows_say_how_many_of_each(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "adapter"
+    printed = adapt_link_on(tiny_gguf, out, capsys, "--rows", "trace", "--prompt", "replay", "--drawn-share", "0.25",
+                            "--examples", "16", "--eval-examples", "4", "--steps", "1")
     assert "trained on 12 of the trace's 9600 KPI reports" in printed
     assert "and 4 rows drawn from those reports' KPI ranges (seed 0), replay user prompts" in printed
     training = json.loads((out / "ricllm_adapt.json").read_text())["training"]
@@ -329,13 +335,9 @@ def test_drawn_rows_judged_on_the_scored_requests_take_ranges_from_outside_the_w
     outside = adapt.unscored_part(scenario, trace)
     assert outside.rows and all(row.time_s < 800 for row in outside.rows)
     assert len(outside.rows) == sum(row.time_s < 800 for row in trace.rows)
-    require_module("peft")
     out = tmp_path / "adapter"
-    code = main(["adapt", "link", "--rows", "drawn", "--held-out", "scored", "--prompt", "replay", "--model",
-                 str(tiny_gguf), "--out", str(out), "--examples", "16", "--eval-examples", "8", "--steps", "2",
-                 "--batch-size", "4", "--no-progress"])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
+    printed = adapt_link_on(tiny_gguf, out, capsys, "--rows", "drawn", "--held-out", "scored", "--prompt", "replay",
+                            "--examples", "16", "--eval-examples", "8", "--steps", "2")
     assert "trained on 16 rows drawn from the KPI ranges of the trace's rows outside the window the replay " \
            "scores (0 s to 800 s of trace time" in printed
     assert "held out the 8 requests the replay scores for this template (from 800 s on of trace time)" in printed
