@@ -495,15 +495,6 @@ def test_replay_over_zeromq_against_ricllm_serve(serve, tiny_gguf, fit_file, tmp
     assert report["engine"]["source"] == "server" and report["engine"]["server_stats"]
 
 
-def test_a_template_with_a_fallback_over_zeromq(serve, decisions_replayed, tmp_path):
-    """The server registers the template's min_confidence and fallback, and its results carry both."""
-    _, scenario, _ = decisions_replayed
-    out = tmp_path / "report"
-    assert main(["replay", str(with_fallback(scenario, tmp_path)), "--endpoint", serve, "--out", str(out),
-                 "--no-progress"]) == 0
-    check_fallbacks(json.loads((out / "report.json").read_text()))
-
-
 def uncompilable(scenario: Path, folder: Path) -> Path:
     """DECISIONS with a schema jsonschema accepts but the grammar engine cannot compile (``not``)."""
     text = scenario.read_text().replace("choice: [offload, hold, escalate]",
@@ -526,7 +517,8 @@ def test_a_schema_the_engine_cannot_compile_stops_the_replay_naming_the_template
 
 def test_a_choice_template_over_zeromq(serve, decisions_replayed, tmp_path, capsys):
     """The server pins the same conversation (worked examples included) as the in-process engine, and
-    its requests inherit the template's constraint: every answer valid."""
+    its requests inherit the template's constraint: every answer valid. The same server then
+    registers the template with a min_confidence and a fallback, and its results carry both."""
     _, scenario, in_process = decisions_replayed
     out = tmp_path / "report"
     assert main(["replay", str(scenario), "--endpoint", serve, "--out", str(out), "--no-progress"]) == 0
@@ -536,6 +528,10 @@ def test_a_choice_template_over_zeromq(serve, decisions_replayed, tmp_path, caps
     template = report["scenario"]["templates"]["congestion"]
     assert template["template_id"].startswith("congestion-")
     assert (template["tokens"], template["pinned_tokens"]) == (pinned["tokens"], pinned["pinned_tokens"])
+    out = tmp_path / "fallback-report"
+    assert main(["replay", str(with_fallback(scenario, tmp_path)), "--endpoint", serve, "--out", str(out),
+                 "--no-progress"]) == 0
+    check_fallbacks(json.loads((out / "report.json").read_text()))
     # a template the server cannot compile: an error reply, named; the replay stops before sending anything
     capsys.readouterr()
     bad = uncompilable(scenario, tmp_path)
