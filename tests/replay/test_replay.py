@@ -442,10 +442,12 @@ def server_available() -> None:
     require_module("prometheus_client")
 
 
-@pytest.fixture
-def serve(tiny_gguf, fit_file, tmp_path):
-    """`ricllm serve` in a subprocess, configured by a descriptor file, on free ports."""
+@pytest.fixture(scope="module")
+def serve(tiny_gguf, fit_file, tmp_path_factory):
+    """`ricllm serve` in a subprocess, configured by a descriptor file, on free ports; one server for
+    the module's ZeroMQ replays, each of which registers its own templates."""
     server_available()
+    tmp_path = tmp_path_factory.mktemp("serve")
     descriptor = json.loads((ROOT / "xapp_descriptor" / "config-file.json").read_text())
     descriptor["controls"].update(model=str(tiny_gguf), latency_fit=str(fit_file), dtype="float32",
                                   kv_cache_budget="2MiB", log_format="console", threads=1)
