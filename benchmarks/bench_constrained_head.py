@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: no folder of ours shadows an installed package
 
+from benchmarks.engine_steps import full_decode_step_ms
 from benchmarks.results import publish
 from ricllm import LLM, SamplingParams
 from ricllm.engine.runtime.narrow_head import MAX_TILE_SHARE, TILE
@@ -45,14 +46,10 @@ def decode_step_ms(llm: LLM, prompts: list[str], runs: int) -> float:
     for run in range(runs):
         params = SamplingParams(max_tokens=16, temperature=0.8, seed=run, structured=CHOICE)
         seqs = [engine.add_request(p, params) for p in prompts]
-        if any(s.rejection is not None for s in seqs):
-            raise SystemExit(f"bench_constrained_head: a request was refused: {seqs[0].rejection}")
-        while engine.has_unfinished():
-            every_stream = all(s.in_decode and not s.is_finished for s in seqs)
-            started = time.perf_counter()
-            engine.step()
-            if every_stream:
-                times.append((time.perf_counter() - started) * 1000)
+        times += full_decode_step_ms(engine, seqs, "bench_constrained_head")
+    if not times:
+        raise SystemExit(f"bench_constrained_head: no step of {runs} batches had every one of {len(prompts)} "
+                         "streams decoding (the grammar forced the rest of each answer); raise --runs")
     return statistics.median(times)
 
 

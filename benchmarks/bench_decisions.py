@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: no folder of ours shadows an installed package
 
+from benchmarks.engine_steps import full_decode_step_ms
 from benchmarks.results import publish
 from ricllm import LLM, LoRARequest, SamplingParams
 from ricllm.model.loader import resolve_model_path
@@ -193,15 +194,7 @@ def _decode_step_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> flo
     """Median wall time of the steps in which every stream decodes (masking, sampling, grammar included)."""
     engine = llm.engine
     seqs = [engine.add_request(p, params) for p in prompts]
-    if any(s.rejection is not None for s in seqs):
-        raise SystemExit(f"bench_decisions: a masking-cost request was refused: {seqs[0].rejection}")
-    times = []
-    while engine.has_unfinished():
-        full = all(s.in_decode and not s.is_finished for s in seqs)
-        started = time.perf_counter()
-        engine.step()
-        if full:
-            times.append((time.perf_counter() - started) * 1000)
+    times = full_decode_step_ms(engine, seqs, "bench_decisions (masking cost)")
     return statistics.median(times)
 
 
