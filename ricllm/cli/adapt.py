@@ -168,23 +168,15 @@ def _drawn_split_rows(args: argparse.Namespace, scenario, trace, template) -> Ro
     scored = {example.user for example in split.held_out}
     training = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, args.examples, args.seed,
                                    prompt=args.prompt, missing_share=args.missing_share, exclude=scored)
-    held_out = split.held_out[:args.eval_examples] if args.eval_examples else split.held_out
-    trained = {example.user for example in training}
-    seen = [example for example in held_out if example.user in trained]
-    start, end = split.scored_window
-    outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
+    held = _scored_held_out(split, training, args.eval_examples)
     trained_on = (f"trained on {len(training)} rows drawn from the KPI ranges of the trace's rows outside the window "
-                  f"the replay scores ({outside} of trace time; seed {args.seed}, {args.missing_share:.0%} with one "
-                  f"KPI missing), {args.prompt} user prompts")
-    held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
-                     f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
-                     "verbatim in training")
+                  f"the replay scores ({held.outside} of trace time; seed {args.seed}, {args.missing_share:.0%} with "
+                  f"one KPI missing), {args.prompt} user prompts")
     manifest = {"training": {"source": "uniform over the KPI ranges of the rows outside the scored window",
                              "rows": len(training), "seed": args.seed, "missing_share": args.missing_share,
-                             "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside]},
-                "held_out": {"source": "the requests the replay scores", "rows": len(held_out),
-                             "window_s": [start, None if end == float("inf") else end], "seen_in_training": len(seen)}}
-    return Rows(training, held_out, trained_on, held_out_from, len(seen), manifest)
+                             "spans_s": held.spans},
+                "held_out": held.manifest}
+    return Rows(training, held.rows, trained_on, held.said, held.seen, manifest)
 
 
 def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
@@ -196,30 +188,44 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     drawn = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, drawn_count, args.seed,
                                 prompt=args.prompt, missing_share=args.missing_share,
                                 exclude={example.user for example in split.held_out}) if drawn_count else []
-    held_out = split.held_out
-    if args.eval_examples is not None and len(held_out) > args.eval_examples:
-        held_out = held_out[:args.eval_examples]
     training = split.training + drawn
-    trained = {example.user for example in training}
-    seen = [example for example in held_out if example.user in trained]
-    start, end = split.scored_window
-    outside = " and ".join(_span(lo, hi) for lo, hi in split.outside)
+    held = _scored_held_out(split, training, args.eval_examples)
     trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "
-                  f"window the replay scores ({outside} of trace time; a seeded sample), each rendered as the "
+                  f"window the replay scores ({held.outside} of trace time; a seeded sample), each rendered as the "
                   f"replay's request for this template"
                   + (f", and {len(drawn)} rows drawn from those reports' KPI ranges (seed {args.seed})" if drawn else "")
                   + f", {args.prompt} user prompts")
-    held_out_from = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} "
-                     f"of trace time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear "
-                     "verbatim in training")
-    window = [start, None if end == float("inf") else end]
     manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(training),
                              "reports_outside": split.reports_outside, "drawn_rows": len(drawn),
-                             "spans_s": [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside],
-                             "seed": args.seed},
-                "held_out": {"source": "the requests the replay scores", "rows": len(held_out), "window_s": window,
-                             "seen_in_training": len(seen)}}
-    return Rows(training, held_out, trained_on, held_out_from, len(seen), manifest)
+                             "spans_s": held.spans, "seed": args.seed},
+                "held_out": held.manifest}
+    return Rows(training, held.rows, trained_on, held.said, held.seen, manifest)
+
+
+@dataclass
+class HeldOut:
+    """The scored requests judged, what the run says and records of them, and where training came from."""
+
+    rows: list
+    seen: int  # held-out rows whose user prompt a training row has verbatim
+    said: str
+    manifest: dict[str, Any]
+    outside: str  # the trace spans training came from, in words
+    spans: list  # the same spans for the manifest (None: open-ended)
+
+
+def _scored_held_out(split, training: list, eval_examples: int | None) -> HeldOut:
+    """The split's scored requests (the first ``eval_examples`` of them), and how many training saw verbatim."""
+    held_out = split.held_out[:eval_examples] if eval_examples else split.held_out
+    trained = {example.user for example in training}
+    seen = [example for example in held_out if example.user in trained]
+    start, end = split.scored_window
+    said = (f"held out the {len(held_out)} requests the replay scores for this template ({_span(start, end)} of trace "
+            f"time); {len(seen)} of them ({len({e.user for e in seen})} distinct prompts) appear verbatim in training")
+    manifest = {"source": "the requests the replay scores", "rows": len(held_out),
+                "window_s": [start, None if end == float("inf") else end], "seen_in_training": len(seen)}
+    return HeldOut(held_out, len(seen), said, manifest, " and ".join(_span(lo, hi) for lo, hi in split.outside),
+                   [[lo, None if hi == float("inf") else hi] for lo, hi in split.outside])
 
 
 def _span(start: float, end: float) -> str:

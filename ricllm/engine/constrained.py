@@ -42,6 +42,7 @@ class ConstrainedDecoding:
         self.tokenizer = tokenizer
         self.runtime = runtime
         self.max_model_len = max_model_len
+        self._end_ids = np.fromiter(tokenizer.eos_token_ids, dtype=np.int64)  # one outcome for confidence
         self._compiler = None  # a GrammarCompiler, built with the first constraint (llguidance's bridge costs ~0.2 s)
         self._good_fallbacks: set[tuple[str, str]] = set()  # (constraint key, answer) found to satisfy it
 
@@ -158,8 +159,7 @@ class ConstrainedDecoding:
         rows = list(logits.allowed)
         ids = [np.asarray(logits.allowed[r].ids, dtype=np.int64) for r in rows]
         values = [_on_host(logits.allowed[r].logits) for r in rows]
-        ends = np.fromiter(self.tokenizer.eos_token_ids, dtype=np.int64)
-        for row, share in zip(rows, decision_shares(ids, values, [tokens[r] for r in rows], ends)):
+        for row, share in zip(rows, decision_shares(ids, values, [tokens[r] for r in rows], self._end_ids)):
             if share is not None:  # one outcome allowed: nothing was decided
                 ready[row].confidence *= share
 
