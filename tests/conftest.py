@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import require_module, smollm2_path, write_tiny_llama_gguf
+from tests.smollm2_oracle import ORACLE_FILE_ENV, compute_oracle_figures
 
 torch.set_num_threads(2)
 
@@ -42,6 +43,22 @@ def tiny_native_gguf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle_file(smollm2, tmp_path_factory) -> Path:
+    """The default model's HF fp32 oracle figures (``tests/smollm2_oracle.py``) in a file: this run's
+    parent's where a test started this run on another CPU's kernels, else computed here once."""
+    if os.environ.get(ORACLE_FILE_ENV):
+        return Path(os.environ[ORACLE_FILE_ENV])
+    file = tmp_path_factory.mktemp("smollm2_oracle") / "figures.pt"
+    torch.save(compute_oracle_figures(smollm2, load_hf_oracle(smollm2)), file)
+    return file
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle(smollm2_oracle_file) -> dict:
+    return torch.load(smollm2_oracle_file)
 
 
 def load_hf_oracle(path):

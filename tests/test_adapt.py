@@ -4,6 +4,7 @@ loss on the answer's tokens only, and an adapter PEFT writes that ricllm reads."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -254,13 +255,53 @@ def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp
                                     "seen_in_training": 0}
 
 
+def test_counterfactual_twins_move_one_kpi_across_a_threshold_and_take_the_policys_answer(link):
+    scenario, trace, template = link
+    twins = adapt.counterfactual_twins(scenario, trace, template, 300, seed=1)
+    assert len(twins) == 300 and all(t.time_s < 800 for t in twins)  # twins of the unscored reports only
+    assert all(re.fullmatch(r"RSRP: \S+ dBm\. SINR: \S+ dB\. PRB usage: \S+ %\.", t.user) for t in twins)
+    reports: dict[float, list[dict]] = {}
+    for row in trace.rows:
+        reports.setdefault(row.time_s, []).append({k: row.kpis.get(k) for k in template.kpis})
+    cuts = {(kpi, bound) for kpi in template.kpis for bound in template.thresholds(kpi)}
+    moved_labels = 0
+    for twin in twins:
+        assert twin.expected == template.policy.expected(twin.kpis)
+
+        def crossed(source: dict) -> bool:
+            changed = [k for k in template.kpis if source[k] != twin.kpis[k]]
+            return len(changed) == 1 and source[changed[0]] is not None and any(
+                kpi == changed[0] and (source[kpi] < bound) != (twin.kpis[kpi] < bound) for kpi, bound in cuts)
+        sources = [source for source in reports[twin.time_s] if crossed(source)]
+        assert sources, twin
+        moved_labels += all(template.policy.expected(s) != twin.expected for s in sources)
+    assert moved_labels >= 50  # many twins answer other than the report they were made from
+    assert adapt.counterfactual_twins(scenario, trace, template, 300, seed=1) == twins
+
+
+def test_trace_rows_mixed_with_counterfactual_twins_say_so(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "adapter"
+    printed = adapt_link_on(tiny_gguf, out, capsys, "--rows", "trace", "--prompt", "replay",
+                            "--counterfactual-share", "0.25", "--examples", "16", "--eval-examples", "4", "--steps",
+                            "1", "--judge", "adapter")
+    assert "trained on 12 of the trace's 9600 KPI reports" in printed
+    assert "and 4 counterfactual twins of those reports" in printed
+    assert "with the adapter" in printed and "base model (no adapter)" not in printed  # --judge adapter
+    training = json.loads((out / "ricllm_adapt.json").read_text())["training"]
+    assert training["rows"] == 16 and training["counterfactual_rows"] == 4 and training["drawn_rows"] == 0
+
+
 @pytest.mark.parametrize("argv, named", [
     (["adapt", "default", "--rows", "trace"], "--set pacing.start_s=SECONDS"),
     (["adapt", "link", "--rows", "trace", "--set", "pacing.start_s=5000"], "nothing to hold out"),
     (["adapt", "link", "--rows", "trace", "--eval-seed", "3"], "drop --eval-seed"),
     (["adapt", "link", "--drawn-share", "0.5"], "--drawn-share mixes drawn rows into --rows trace"),
     (["adapt", "link", "--rows", "trace", "--drawn-share", "1"], "--drawn-share must be in [0, 1), got 1.0"),
-], ids=["nothing-outside", "nothing-scored", "eval-seed", "drawn-share-without-trace", "drawn-share-whole"])
+    (["adapt", "link", "--counterfactual-share", "0.5"], "--counterfactual-share mixes twins of the trace's reports"),
+    (["adapt", "link", "--rows", "trace", "--drawn-share", "0.5", "--counterfactual-share", "0.5"],
+     "must leave some trace reports: their sum is 1"),
+], ids=["nothing-outside", "nothing-scored", "eval-seed", "drawn-share-without-trace", "drawn-share-whole",
+        "twins-without-trace", "no-reports-left"])
 def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

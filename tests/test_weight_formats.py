@@ -23,9 +23,9 @@ from ricllm import LLM, SamplingParams
 from ricllm.errors import ConfigError
 from ricllm.kernels.cpu_library import cpu_family
 from ricllm.model.packed_linear import INT4_GROUP, PackedLinear, can_pack, resolve_formats, vnni_layout_available
-from tests.conftest import load_hf_oracle
 from tests.helpers import require, write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
+from tests.smollm2_oracle import TEXT
 from tests.test_budget import assert_budget_held, generate_checking_pool
 from tests.test_oracle_parity import random_prompts
 
@@ -316,56 +316,10 @@ def perplexity(llm: LLM, token_ids: list[int]) -> float:
 
 # --------------------------------------------------------------------- the default model keeps its quality
 
-PROMPTS = [
-    "The O-RAN near-real-time RIC hosts xApps that",
-    "Cell 17 reports RRU.PrbUsedDl=92 of 106 PRBs and DRB.UEThpDl=12000 kbps. The load is",
-    "Photosynthesis is the process by which plants",
-    "Here is a short story about a lighthouse keeper who",
-]
-CONTINUATION = 128
-
-TEXT = (
-    "Radio access networks connect phones, sensors and cars to the core network through base "
-    "stations spread across a city. Each base station serves a few cells, and each cell shares a "
-    "limited number of physical resource blocks among the users it serves. When many users are "
-    "active at the same time, the resource blocks run out, throughput drops and calls may fail. "
-    "Operators therefore watch key performance indicators such as resource block usage, the number "
-    "of connected users and the downlink throughput of every cell, often once per second. "
-    "The O-RAN Alliance opened this control loop to third parties: a near-real-time RAN intelligent "
-    "controller runs small applications, called xApps, that read these indicators and adjust the "
-    "network within ten milliseconds to one second. An xApp may hand users over to a neighbouring "
-    "cell, change the transmit power, or switch off a carrier at night to save energy. Because the "
-    "decisions must arrive in time, every xApp has to answer within a strict deadline, and an answer "
-    "that comes too late is worth nothing. Language models can explain what they see in plain words, "
-    "but they are large and slow, so engineers keep them small, quantize their weights and share the "
-    "memory of their attention cache between many requests."
-)
-
-
 @pytest.fixture(scope="module")
-def oracle(smollm2):
-    return load_hf_oracle(smollm2)
-
-
-@pytest.fixture(scope="module")
-def oracle_choices(smollm2, oracle):
-    """(prompt + 128 greedy tokens, positions, the HF fp32 oracle's argmax at each position).
-
-    The continuation comes from ricllm with dense fp32 weights, whose greedy tokens are HF's
-    (test_smollm2); the oracle's choices come from one teacher-forced HF forward pass, which
-    is much cheaper on two cores than HF's own token-by-token generation.
-    """
-    reference = LLM(str(smollm2), dtype="float32", kv_cache_budget="64MiB", weight_cache=False)
-    assert reference.engine.runtime.weight_formats == ("dense", "dense")  # auto packs only with bf16
-    outputs = reference.generate(PROMPTS, SamplingParams(max_tokens=CONTINUATION, ignore_eos=True))
-    sequences = []
-    for out in outputs:
-        full = out.prompt_token_ids + out.token_ids
-        positions = list(range(len(out.prompt_token_ids) - 1, len(full) - 1))
-        with torch.no_grad():
-            choices = oracle(torch.tensor([full])).logits[0, positions].argmax(-1)
-        sequences.append((full, positions, choices))
-    return sequences
+def oracle_choices(smollm2_oracle):
+    """(prompt + 128 greedy tokens, positions, the HF fp32 oracle's argmax at each position)."""
+    return smollm2_oracle["choices"]
 
 
 @pytest.fixture(scope="module")
@@ -376,12 +330,9 @@ def smollm2_checkpoint(smollm2):
 
 
 @pytest.fixture(scope="module")
-def reference_perplexity(smollm2_checkpoint, oracle):
-    """The text's perplexity under the HF fp32 oracle (= ricllm with dense fp32 weights)."""
-    ids = smollm2_checkpoint.tokenizer.encode(TEXT)
-    with torch.no_grad():
-        logits = oracle(torch.tensor([ids])).logits[0, :-1].float()
-    return math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
+def reference_perplexity(smollm2_oracle):
+    """TEXT's perplexity under the HF fp32 oracle (= ricllm with dense fp32 weights)."""
+    return smollm2_oracle["perplexity"]
 
 
 @pytest.fixture(scope="module", params=FORMATS)

@@ -308,6 +308,45 @@ def split_by_time(scenario: Scenario, trace: LoadedTrace, template: TemplatePoli
     return TraceSplit(training, held_out, (start, end), outside, reports)
 
 
+def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, count: int, seed: int,
+                         prompt: PromptForm = "replay") -> list[Example]:
+    """``count`` twins of the trace's reports outside the scored window, each labelled by the policy.
+    A twin is a report with one KPI that the policy compares with a number (``PRB < 50``) moved
+    across that number, by up to the distance it had from it (``_across``), such that the policy
+    answers it otherwise than the report. Where two KPIs go together in the trace's hours (high SINR
+    with low load), such pairs tell a rule that reads both from a rule that reads one, which the
+    reports alone may not, and they put rows on both sides of every number as near to it as the
+    reports are. Reports with that KPI missing are not twinned."""
+    outside = unscored_part(scenario, trace)
+    cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
+    if not cuts or not outside.rows:
+        return []
+    ranges = kpi_ranges(outside, template)
+    render = _report_prompt(scenario, template.name)
+    rng = random.Random(seed)
+    twins: list[Example] = []
+    for _ in range(50 * count):
+        if len(twins) == count:
+            break
+        row, (kpi, bound) = rng.choice(outside.rows), rng.choice(cuts)
+        if row.kpis.get(kpi) is None:
+            continue
+        twin = dataclasses.replace(row, kpis={**row.kpis, kpi: _across(row.kpis[kpi], bound, ranges[kpi], rng)})
+        if template.policy.expected(twin.kpis) != template.policy.expected(row.kpis):
+            twins.append(_trace_example(render(twin), twin, template, prompt))
+    return twins
+
+
+def _across(value: float, bound: float, span: tuple[float, float], rng: random.Random) -> float:
+    """A value on the other side of ``bound`` from ``value`` (``value < bound`` or not), uniform between
+    ``bound`` and ``value``'s mirror image in it, kept within the KPI's range ``span``; one decimal."""
+    mirror = min(max(2 * bound - value, span[0]), span[1])
+    moved = round(rng.uniform(min(bound, mirror), max(bound, mirror)), 1)
+    if value >= bound:
+        return moved if moved < bound else round(bound - 0.1, 1)
+    return moved if moved >= bound else bound
+
+
 def majority_share(labels: Sequence[Mapping[str, Any]]) -> tuple[str, float]:
     """The most common answer and its share (the always-answer-it baseline)."""
     label, n = Counter(json.dumps(dict(answer), sort_keys=True) for answer in labels).most_common(1)[0]

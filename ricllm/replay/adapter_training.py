@@ -41,6 +41,20 @@ class TrainingSettings:
     batch_size: int = 8
     learning_rate: float = 1e-3
     seed: int = 0
+    bf16: bool = False  # products in bf16 (torch's CPU autocast), weights, adapter and optimizer in fp32
+
+
+def bf16_training(asked: str) -> tuple[bool, str]:
+    """Whether training multiplies in bf16 for ``asked`` (``auto``, ``float32``, ``bfloat16``), and why:
+    ``auto`` takes bf16 where the CPU multiplies it in hardware, about 1.4 times the fp32 steps on
+    2 cores of an AVX-512 BF16 CPU; elsewhere torch would widen each bf16 product to fp32, slower than
+    fp32 itself."""
+    from ricllm.kernels.cpu_library import cpu_bf16
+
+    if asked != "auto":
+        return asked == "bfloat16", f"asked for {asked}"
+    has, why = cpu_bf16()
+    return has, f"auto: {'the CPU multiplies bf16' if has else 'the CPU does not multiply bf16'} ({why})"
 
 
 @dataclass
@@ -106,7 +120,8 @@ def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example],
     bar = tqdm(range(settings.steps), desc="training", unit="step", disable=not progress)
     batches = _batches(items, settings)
     for _ in bar:
-        loss = batch_loss(model, next(batches), shared, pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+            loss = batch_loss(model, next(batches), shared, pad_id)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
