@@ -722,7 +722,7 @@ static void int4_panels(Int4Tile tile_product, int panel_rows, const int8_t *xq,
 #pragma omp parallel num_threads(num_threads)
     {
         team_before(team);
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static) collapse(2) nowait
         for (int p = 0; p < panels; p++)
             for (int j = 0; j < count; j++) {
                 const int first = p * panel_rows, rows = m - first < panel_rows ? m - first : panel_rows;
@@ -730,7 +730,10 @@ static void int4_panels(Int4Tile tile_product, int panel_rows, const int8_t *xq,
                              sx + (int64_t)first * groups, rows, k, n, tiles ? tiles[j] : j, j,
                              (char *)out + first * out_row, is_bf16);
             }
-        team_after(team);
+        if (team) {  /* the additions read every thread's tiles; without a team the region ends as a parallel for */
+#pragma omp barrier
+            team_after(team);
+        }
     }
 }
 #endif
@@ -819,7 +822,7 @@ static int quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *sca
 #pragma omp parallel num_threads(num_threads)
     {
         team_before(team);
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static) collapse(2) nowait
         for (int j = 0; j < count; j++)
             for (int rb = 0; rb < row_blocks; rb++) {
                 const int t = tiles ? tiles[j] : j;
@@ -833,7 +836,10 @@ static int quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *sca
                                    n_out, t, j, (char *)out + first * out_row, is_bf16);
 #endif
             }
-        team_after(team);
+        if (team) {  /* the additions read every thread's tiles; without a team the region ends as a parallel for */
+#pragma omp barrier
+            team_after(team);
+        }
     }
     return 0;
 #else
