@@ -314,7 +314,7 @@ void ricllm_lora_add(const void *work, int thread, int threads) {
 int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
                 const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
                 const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads) {
-    if (in <= 0 || out <= 0 || segments < 0 || y_stride < out) return -1;
+    if (in <= 0 || out <= 0 || segments < 0 || x_stride < in || y_stride < out) return -1;
     LoraUpdate updates[segments > 0 ? segments : 1];
     int rows = 0, max_rank = 0;
     for (int s = 0; s < segments; s++) {
@@ -326,7 +326,7 @@ int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int 
     LoraBatch batch = {.x = x, .x_stride = x_stride, .in = in, .y = y, .y_stride = y_stride, .segments = segments,
                        .starts = starts, .ends = ends, .outputs = 1, .output = {{0, out, updates}},
                        .is_bf16 = is_bf16, .weights_bf16 = weights_bf16};
-    if (rows == 0) return ricllm_lora_prepare(&batch, NULL, 1);
+    if (rows == 0) return 0;
     const int threads = rows >= PARALLEL_ROWS && num_threads > 1 ? num_threads : 1;
     int last_row = 0;
     for (int s = 0; s < segments; s++) last_row = ends[s] > last_row ? ends[s] : last_row;
