@@ -16,7 +16,9 @@ A configuration's time in a round is the median of its decode steps' times. Conf
 interleaved: each round runs every stream count and configuration once, the configurations'
 order rotated by one each round, so a slow minute of a shared machine lands on different ones.
 Tables show the median [min–max] of the rounds; a ratio is the median [min–max] of the
-per-round ratios against no adapter in the same round.
+per-round ratios against no adapter in the same round. The details name the CPU, the kernel
+family and the load average at the start and the end: a ratio measured while other processes
+share the cores says little (each step's threads wait for the slowest of them).
 
     python benchmarks/bench_lora.py                      # native runtime, 1/8/32 streams, 3 rounds
     python benchmarks/bench_lora.py --runtimes native torch --rounds 5
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -217,6 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    load_start = os.getloadavg()[0]
     from benchmarks.results import machine, publish
     from ricllm.kernels.cpu_library import cpu_family
     from ricllm.model.loader import default_model_path, open_checkpoint
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     details = (f"Kernel family {cpu_family() or 'none'}, {args.threads} threads, {args.model.name} ({args.weights} "
                f"weights); {ADAPTERS} random adapters of rank {args.rank} on q, k, v, o, gate, up and down of every "
                f"layer; {args.prompt_len}-token prompts, median of {args.steps} decode steps per round, "
-               f"{args.rounds} interleaved rounds: median [min–max].\n")
+               f"{args.rounds} interleaved rounds: median [min–max]. Load average (1 min) {load_start:.2f} at the "
+               f"start, {os.getloadavg()[0]:.2f} at the end (the benchmark keeps {args.threads} cores busy).\n")
     body = "\n".join(sections)
     if args.append:
         publish("LoRA decode step cost (bench_lora.py)", details, body, append=True)

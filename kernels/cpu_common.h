@@ -7,6 +7,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* Buffers the kernels stream through start on a cache line: malloc's 16-byte alignment makes every
  * 64-byte vector load of a row straddle two lines (a 128-byte bf16 row then touches three). Over-
@@ -22,6 +25,39 @@ static inline void *alloc_lines(size_t bytes) {
 }
 static inline void free_lines(void *aligned) {
     if (aligned) free(((void **)aligned)[-1]);
+}
+
+/* This thread's number in its team, and the team's size (0 and 1 outside a parallel region). */
+static inline int team_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Work that rides in another kernel's team (the decoder stack's LoRA updates, in the team of the
+ * projection's product): every thread runs ``before`` ahead of its share of the kernel, and
+ * ``after`` once every thread has done its share and ``before``, so ``after`` may read what both
+ * wrote. Each is given the thread's number and the team's size. A NULL TeamWork: none. */
+typedef struct {
+    void (*before)(const void *context, int thread, int threads);
+    void (*after)(const void *context, int thread, int threads);
+    const void *context;
+} TeamWork;
+
+static inline void team_before(const TeamWork *work) {
+    if (work) work->before(work->context, team_thread(), team_size());
+}
+static inline void team_after(const TeamWork *work) {
+    if (work) work->after(work->context, team_thread(), team_size());
 }
 
 static inline float bf16_to_f32(uint16_t x) {

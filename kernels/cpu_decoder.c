@@ -16,11 +16,14 @@
  * ``x`` (the embedded tokens, [T, hidden]) is the residual stream and is updated in place.
  *
  * With LoRA adapters (``lora`` not NULL), each projection's output gets, on the rows of each of
- * the step's segments, its slot's low-rank update (cpu_lora.c) right after its product and before
- * anything reads it: q, k and v on their columns of the qkv rows (from h), o on delta (from attn),
- * gate and up on their halves of the gate_up rows (from h), down on delta (from act).
+ * the step's segments, its slot's low-rank update (cpu_lora.c) before anything reads it: q, k and
+ * v on their columns of the qkv rows (from h), o on delta (from attn), gate and up on their halves
+ * of the gate_up rows (from h), down on delta (from act). The product's own team does it, the
+ * low-rank products before its tiles and the additions after them: a decode step's update is a
+ * few microseconds, too little for a team of its own (a fork and join each) yet worth both cores.
  */
 #include "cpu_common.h"
+#include "cpu_lora.h"
 
 int ricllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out, int rows, int dim,
                         float eps, int is_bf16, int num_threads);
@@ -35,13 +38,9 @@ int ricllm_attention(const void *q, const void *k_cache, const void *v_cache, vo
                      int head_dim, int block_size, int table_width, float scale,
                      int is_bf16, int cache_type, const int32_t *sinks, const int32_t *windows,
                      int num_threads);
-int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
-                      int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads);
-size_t ricllm_lora_scratch_bytes(int in, int max_rank, int num_threads);
-int ricllm_lora_in(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
-                   const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
-                   const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads,
-                   void *scratch);
+int ricllm_quant_gemm_with(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
+                           int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads,
+                           const TeamWork *team);
 
 /* A layer's pointers, in this order (``layer_ptrs`` holds LAYER_POINTERS per layer). Each
  * projection is (packed weight, fp16 scales, int32 offsets) as ``ricllm_quant_gemm`` takes it. */
@@ -58,18 +57,10 @@ int ricllm_decoder_stack_layer_pointers(void) { return LAYER_POINTERS; }
 /* The LoRA projections of a layer, in the order it runs them (ricllm.model.lora.PROJECTIONS) */
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_PROJECTIONS };
 
-/* One slot's update of one projection of one layer: A [rank, in] and Bᵀ [rank, out]; rank 0: the
- * slot's adapter leaves that projection alone. */
-typedef struct {
-    const void *a;
-    const void *b_t;
-    float scale;
-    int32_t rank;
-} LoraUpdate;
-
-/* A step's adapters: rows [starts[s], ends[s]) take slot slots[s]'s updates, which ``table``
- * holds at [slot][layer][projection] (``slot_count`` slots of ``layers`` layers); A and B are all
- * bf16 or all fp32 (``weights_bf16``). */
+/* A step's adapters: rows [starts[s], ends[s]) take slot slots[s]'s updates (LoraUpdate, cpu_lora.h:
+ * rank 0 where the slot's adapter leaves a projection alone), which ``table`` holds at
+ * [slot][layer][projection] (``slot_count`` slots of ``layers`` layers); A and B are all bf16 or all
+ * fp32 (``weights_bf16``). */
 typedef struct {
     const int32_t *starts;
     const int32_t *ends;
@@ -92,26 +83,47 @@ int ricllm_decoder_stack_lora_layout(int which) {
     }
 }
 
-/* y (columns of rows y_stride apart) += the step's updates of ``projection`` in layer ``layer``,
- * from x: one ricllm_lora call over the segments whose slot updates it. */
-static int add_lora(const LoraStep *lora, int layer, int projection, const void *x, int in, void *y,
-                    int64_t y_stride, int out, int is_bf16, int threads, void *scratch) {
+/* A projection a product's team updates: its LORA_* number and its columns of the product's rows. */
+typedef struct {
+    int projection;
+    int64_t column;
+    int out;
+} LoraTarget;
+
+/* What a product's team needs for its LoRA updates: the batch and its work, room for its
+ * LORA_MOST_OUTPUTS × segments updates, and the scratch (for ``threads`` threads). */
+typedef struct {
+    LoraBatch batch;
+    TeamWork work;
+    LoraUpdate *updates;
+    void *scratch;
+    int threads;
+} LoraProduct;
+
+/* The step's updates of ``count`` projections of layer ``layer`` that read x, each on its columns of
+ * y's rows (y_stride apart), as ``*work`` for the product's team: NULL when no segment's slot
+ * updates them. Returns 0, or -1 for updates that do not fit their columns. */
+static int lora_product(const LoraStep *lora, int layer, const void *x, int in, void *y, int64_t y_stride,
+                        int is_bf16, int count, const LoraTarget *targets, LoraProduct *product,
+                        const TeamWork **work) {
+    *work = NULL;
     if (lora == NULL || lora->segments == 0) return 0;
-    const int n = lora->segments;
-    int32_t starts[n], ends[n], ranks[n];
-    const void *a[n], *b_t[n];
-    float scales[n];
-    int count = 0;
-    for (int s = 0; s < n; s++) {
-        const LoraUpdate *u = &lora->table[((int64_t)lora->slots[s] * lora->layers + layer) * LORA_PROJECTIONS
-                                           + projection];
-        if (u->rank == 0) continue;
-        starts[count] = lora->starts[s], ends[count] = lora->ends[s], ranks[count] = u->rank;
-        a[count] = u->a, b_t[count] = u->b_t, scales[count] = u->scale;
-        count++;
+    LoraBatch *batch = &product->batch;
+    *batch = (LoraBatch){.x = x, .x_stride = in, .in = in, .y = y, .y_stride = y_stride, .segments = lora->segments,
+                         .starts = lora->starts, .ends = lora->ends, .outputs = count, .is_bf16 = is_bf16,
+                         .weights_bf16 = lora->weights_bf16};
+    for (int p = 0; p < count; p++) {
+        LoraUpdate *updates = product->updates + (int64_t)p * lora->segments;
+        for (int s = 0; s < lora->segments; s++)
+            updates[s] = lora->table[((int64_t)lora->slots[s] * lora->layers + layer) * LORA_PROJECTIONS
+                                     + targets[p].projection];
+        batch->output[p] = (LoraOutput){targets[p].column, targets[p].out, updates};
     }
-    return ricllm_lora_in(x, in, y, y_stride, in, out, count, starts, ends, ranks, a, b_t, scales, is_bf16,
-                          lora->weights_bf16, threads, scratch);
+    if (!ricllm_lora_has_work(batch)) return 0;
+    if (ricllm_lora_prepare(batch, product->scratch, product->threads) != 0) return -1;
+    product->work = (TeamWork){ricllm_lora_low_rank, ricllm_lora_add, batch};
+    *work = &product->work;
+    return 0;
 }
 
 /* The largest rank the step's segments use (0 without LoRA), or -1 when the step does not fit
@@ -154,43 +166,47 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
     const int lora_rank = lora_max_rank(lora, dims[LAYERS], rows);
     if (lora_rank < 0) return -1;
     const size_t lora_at = (activations + gemm_scratch + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(widest_input, lora_rank, threads) : 0;
+    const int lora_threads = threads > 0 ? threads : 1;
+    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(rows, widest_input, lora_rank, LORA_MOST_OUTPUTS,
+                                                                 lora_threads) : 0;
     char *buffer = alloc_lines(lora_at + lora_scratch + 64);
     if (!buffer) return -2;
     char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
     char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;
-    char *scratch = act + row * inter, *lora_scratch_at = buffer + lora_at;
+    char *scratch = act + row * inter;
     const int kv_width = kv_heads * head_dim;
+    LoraUpdate lora_updates[LORA_MOST_OUTPUTS * (lora && lora->segments > 0 ? lora->segments : 1)];
+    LoraProduct lora_work = {.updates = lora_updates, .scratch = buffer + lora_at, .threads = lora_threads};
+    const LoraTarget qkv_lora[] = {{LORA_Q, 0, q_width}, {LORA_K, q_width, kv_width},
+                                   {LORA_V, q_width + kv_width, kv_width}};
+    const LoraTarget o_lora[] = {{LORA_O, 0, hidden}}, down_lora[] = {{LORA_DOWN, 0, hidden}};
+    const LoraTarget gate_up_lora[] = {{LORA_GATE, 0, inter}, {LORA_UP, inter, inter}};
+    const TeamWork *with_lora;  /* the product's LoRA updates, for its team */
     int code = 0;
     for (int l = 0; l < dims[LAYERS]; l++) {
         const void *const *p = layer_ptrs + (int64_t)l * LAYER_POINTERS;
         const int32_t *b = bits + (int64_t)l * PROJECTIONS;
         TRY(ricllm_add_rms_norm(x, l == 0 ? NULL : delta, p[ATTN_NORM], h, rows, hidden, eps, is_bf16, threads));
-        TRY(ricllm_quant_gemm(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
-                              scratch, threads));
-        TRY(add_lora(lora, l, LORA_Q, h, hidden, qkv, qkv_width, q_width, is_bf16, threads, lora_scratch_at));
-        TRY(add_lora(lora, l, LORA_K, h, hidden, qkv + q_width * elt, qkv_width, kv_width, is_bf16, threads,
-                     lora_scratch_at));
-        TRY(add_lora(lora, l, LORA_V, h, hidden, qkv + (q_width + kv_width) * elt, qkv_width, kv_width, is_bf16,
-                     threads, lora_scratch_at));
+        TRY(lora_product(lora, l, h, hidden, qkv, qkv_width, is_bf16, 3, qkv_lora, &lora_work, &with_lora));
+        TRY(ricllm_quant_gemm_with(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
+                                   scratch, threads, with_lora));
         TRY(ricllm_rope_store(qkv, q, cos, sin, slots, (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads,
                               kv_heads, head_dim, is_bf16, dims[CACHE_TYPE], threads));
         TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, block_tables, query_start, context_lens,
                              dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH],
                              scale, is_bf16, dims[CACHE_TYPE], sinks, windows, threads));
-        TRY(ricllm_quant_gemm(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
-                              scratch, threads));
-        TRY(add_lora(lora, l, LORA_O, attn, q_width, delta, hidden, hidden, is_bf16, threads, lora_scratch_at));
+        TRY(lora_product(lora, l, attn, q_width, delta, hidden, is_bf16, 1, o_lora, &lora_work, &with_lora));
+        TRY(ricllm_quant_gemm_with(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
+                                   scratch, threads, with_lora));
         TRY(ricllm_add_rms_norm(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));
-        TRY(ricllm_quant_gemm(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
-                              is_bf16, scratch, threads));
-        TRY(add_lora(lora, l, LORA_GATE, h, hidden, gate_up, 2 * inter, inter, is_bf16, threads, lora_scratch_at));
-        TRY(add_lora(lora, l, LORA_UP, h, hidden, gate_up + inter * elt, 2 * inter, inter, is_bf16, threads,
-                     lora_scratch_at));
+        TRY(lora_product(lora, l, h, hidden, gate_up, 2 * inter, is_bf16, 2, gate_up_lora, &lora_work,
+                         &with_lora));
+        TRY(ricllm_quant_gemm_with(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
+                                   is_bf16, scratch, threads, with_lora));
         TRY(ricllm_silu_mul(gate_up, act, rows, inter, is_bf16, threads));
-        TRY(ricllm_quant_gemm(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden, is_bf16,
-                              scratch, threads));
-        TRY(add_lora(lora, l, LORA_DOWN, act, inter, delta, hidden, hidden, is_bf16, threads, lora_scratch_at));
+        TRY(lora_product(lora, l, act, inter, delta, hidden, is_bf16, 1, down_lora, &lora_work, &with_lora));
+        TRY(ricllm_quant_gemm_with(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden,
+                                   is_bf16, scratch, threads, with_lora));
     }
     TRY(ricllm_add_rms_norm(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
                             threads));

@@ -1,29 +1,34 @@
-/* Low-rank (LoRA) updates of one projection's output, for a batch whose rows are grouped by adapter.
+/* Low-rank (LoRA) updates of projections' outputs, for a batch whose rows are grouped by adapter.
  *
  *   for each segment s, for each row r in [start_s, end_s):   y[r] += scale_s · (x[r] · A_sᵀ) · B_sᵀ
  *
  * A_s is [rank_s, in] and B_s is given transposed, [rank_s, out], so that both products stream
- * whole rows: t = x[r] · A_sᵀ is rank_s dot products along ``in``, and t · B_sᵀ adds rank_s
- * scaled rows of B_sᵀ along ``out``. Rows that no segment covers are not touched (requests
- * without an adapter); segments must not overlap. The sums are fp32 and y is rounded once, when
- * the update is added: y[r] = round(y[r] + scale · Σ_j t_j · B_sᵀ[j]).
+ * whole rows: t = scale · x[r] · A_sᵀ is rank_s dot products along ``in``, and t · B_sᵀ adds rank_s
+ * rows of B_sᵀ along ``out``. Rows that no segment covers are not touched (requests without an
+ * adapter); segments must not overlap. The sums are fp32 and y is rounded once, when the update is
+ * added: y[r] = round(y[r] + Σ_j t_j · B_sᵀ[j]).
  *
  * x and y are rows of ``in`` and ``out`` values, ``x_stride`` and ``y_stride`` elements apart, so
  * y may be a column slice of a fused output (q, k and v inside one qkv row; gate and up inside
  * one gate_up row). Activations are fp32 or bf16 (``is_bf16``), the A and B values fp32 or bf16
  * (``weights_bf16``).
  *
+ * A batch (cpu_lora.h) holds the updates of up to three projections that read one x, in two
+ * halves that a team of threads shares: the low-rank products t (pieces of a block of rows times a
+ * few rows of A), then the additions to y (ranges of output columns). At decode sizes the work is
+ * a few microseconds a projection, mostly reading A and B; the decoder stack runs the halves in
+ * the team of the projection's own product (before its tiles and after them), so they take both
+ * cores without a team of their own. Each value comes from the same code however the pieces fall
+ * to threads: the sums are the same bits with any thread count.
+ *
  * At rank 8-64 this is a few percent of the projection's own multiply-adds. Rows of one segment
  * share each read of A and B: a block of up to ROWS_AT_ONCE rows loads each vector of A and B once
  * for all its rows.
  */
-#include "cpu_common.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_lora.h"
 
 #define ROWS_AT_ONCE 4
-#define PARALLEL_ROWS 32  /* below this many rows, one thread: waking a team costs more than the work */
+#define PARALLEL_ROWS 32  /* a call on its own: below this many rows, one thread (a team costs more) */
 /* GCC's vector types, so that each family's build holds its sums in its own registers: 16 floats a
  * vector with AVX-512, 8 with AVX2. Each block of rows keeps at least four independent sums going
  * (a multiply-add's latency is about four of its issue slots), and at most 16 vectors of them (AVX2 has 16
@@ -39,21 +44,18 @@
 #define MOST_A_ROWS 4
 #define OUT_VECTORS(rows) ((rows) == 1 ? 4 : 2)
 #define MOST_OUT_VECTORS 4
+/* the additions split y's columns at multiples of this: every block's run of OUT_VECTORS vectors
+ * then starts where it would without the split */
+#define COLUMN_CHUNK (MOST_OUT_VECTORS * LANES)
 typedef float vfloat __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
 typedef uint32_t vbits __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
 typedef uint16_t vhalf __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
 
-/* The row functions take the two type flags, the row count and the block of A's rows as compile-
+/* The inner functions take the type flags, the row count and the block of A's rows as compile-
  * time constants (always inlined into a dispatch on them), so their loops unroll into registers. */
 #define INLINE static inline __attribute__((always_inline))
 /* loops over a block's rows, rows of A and vectors of outputs, unrolled: their sums stay in registers */
 #define UNROLL _Pragma("GCC unroll 16")
-#define DISPATCH2(is_bf16, weights_bf16, call) do {                                   \
-        if (is_bf16) { const int xb = 1; if (weights_bf16) { const int wb = 1; call; } \
-                       else { const int wb = 0; call; } }                              \
-        else { const int xb = 0; if (weights_bf16) { const int wb = 1; call; }       \
-               else { const int wb = 0; call; } }                                     \
-    } while (0)
 
 /* LANES values from index i, widened from bf16 (fp32's upper half) or loaded as fp32 */
 INLINE vfloat load_lanes(const void *base, int64_t i, const int bf) {
@@ -78,8 +80,8 @@ INLINE float sum_lanes(vfloat v) {
     return sum;
 }
 
-/* t[i, j + jj] = scale · x_i · A[j + jj] for jj < a_rows: each A vector loaded once for all rows. */
-INLINE void low_rank(const float *xs, int in, const int rows, const void *a, int j, const int a_rows, int rank,
+/* t[i·t_stride + j + jj] = scale · x_i · A[j + jj] for jj < a_rows: each A vector loaded once for all rows. */
+INLINE void low_rank(const float *xs, int in, const int rows, const void *a, int j, const int a_rows, int t_stride,
                      float scale, const int wb, float *t) {
     vfloat sums[MOST_A_ROWS][ROWS_AT_ONCE];
     UNROLL for (int jj = 0; jj < a_rows; jj++)
@@ -98,26 +100,36 @@ INLINE void low_rank(const float *xs, int in, const int rows, const void *a, int
             float sum = sum_lanes(sums[jj][i]);
             const int64_t row_of_a = (int64_t)(j + jj) * in;
             for (int kk = k; kk < in; kk++) sum += xs[(int64_t)i * in + kk] * load_at(a, row_of_a + kk, wb);
-            t[i * rank + j + jj] = sum * scale;
+            t[i * t_stride + j + jj] = sum * scale;
         }
     }
 }
 
-/* Rows [first, first + rows) of one segment, rows <= ROWS_AT_ONCE: t = scale · x · Aᵀ, then y += t · Bᵀ,
- * OUT_VECTORS(rows) vectors of outputs at a time, each B vector loaded once for all rows. ``scratch``
- * holds ROWS_AT_ONCE · (in + rank) floats. */
-INLINE void lora_block(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int first,
-                       const int rows, int rank, const void *a, const void *b_t, float scale, const int xb,
-                       const int wb, float *scratch) {
-    float *xs = scratch, *t = xs + ROWS_AT_ONCE * in;
-    for (int i = 0; i < rows; i++) load_row(x, (int64_t)(first + i) * x_stride, in, xb, xs + (int64_t)i * in);
-    int j = 0;
-    const int a_rows = A_ROWS(rows);
-    for (; j + a_rows <= rank; j += a_rows) low_rank(xs, in, rows, a, j, a_rows, rank, scale, wb, t);
-    for (; j < rank; j++) low_rank(xs, in, rows, a, j, 1, rank, scale, wb, t);
-    int o = 0;
+/* low_rank for ``rows`` (1 to ROWS_AT_ONCE) rows of x, at A rows [j, j + A_ROWS(rows)), or the one
+ * A row j (``single``: the rank's remainder) */
+static void low_rank_piece(const float *xs, int in, int rows, const void *a, int j, int single, int t_stride,
+                           float scale, int weights_bf16, float *t) {
+#define LOW_RANK(count, wb) (single ? low_rank(xs, in, count, a, j, 1, t_stride, scale, wb, t) \
+                                    : low_rank(xs, in, count, a, j, A_ROWS(count), t_stride, scale, wb, t))
+#define LOW_RANK_ROWS(count) (weights_bf16 ? LOW_RANK(count, 1) : LOW_RANK(count, 0))
+    switch (rows) {
+    case 1: LOW_RANK_ROWS(1); break;
+    case 2: LOW_RANK_ROWS(2); break;
+    case 3: LOW_RANK_ROWS(3); break;
+    default: LOW_RANK_ROWS(4); break;
+    }
+#undef LOW_RANK_ROWS
+#undef LOW_RANK
+}
+
+/* y[first + i, o] += Σ_j t[i·t_stride + j] · Bᵀ[j, o] for the block's rows and columns [from, to),
+ * OUT_VECTORS(rows) vectors of outputs at a time, each B vector loaded once for all rows; from is a
+ * multiple of COLUMN_CHUNK and so is to unless it is ``out`` (where the last columns run one by one). */
+INLINE void add_to_rows(const float *t, int t_stride, const void *b_t, int rank, int out, int from, int to, void *y,
+                        int64_t y_stride, int first, const int rows, const int xb, const int wb) {
+    int o = from;
     const int vectors = OUT_VECTORS(rows);
-    for (; o + vectors * LANES <= out; o += vectors * LANES) {
+    for (; o + vectors * LANES <= to; o += vectors * LANES) {
         vfloat sums[ROWS_AT_ONCE][MOST_OUT_VECTORS];
         UNROLL for (int i = 0; i < rows; i++)
             UNROLL for (int c = 0; c < vectors; c++) sums[i][c] = (vfloat){0};
@@ -126,7 +138,7 @@ INLINE void lora_block(const void *x, int64_t x_stride, void *y, int64_t y_strid
             UNROLL for (int c = 0; c < vectors; c++)
                 weights[c] = load_lanes(b_t, (int64_t)jj * out + o + c * LANES, wb);
             UNROLL for (int i = 0; i < rows; i++)
-                UNROLL for (int c = 0; c < vectors; c++) sums[i][c] += t[i * rank + jj] * weights[c];
+                UNROLL for (int c = 0; c < vectors; c++) sums[i][c] += t[i * t_stride + jj] * weights[c];
         }
         UNROLL for (int i = 0; i < rows; i++) {
             const int64_t at = (int64_t)(first + i) * y_stride + o;
@@ -134,93 +146,201 @@ INLINE void lora_block(const void *x, int64_t x_stride, void *y, int64_t y_strid
                 store_lanes(y, at + c * LANES, xb, load_lanes(y, at + c * LANES, xb) + sums[i][c]);
         }
     }
-    for (; o < out; o++) {
+    for (; o < to; o++) {
         for (int i = 0; i < rows; i++) {
             float sum = 0.0f;
-            for (int jj = 0; jj < rank; jj++) sum += t[i * rank + jj] * load_at(b_t, (int64_t)jj * out + o, wb);
+            for (int jj = 0; jj < rank; jj++) sum += t[i * t_stride + jj] * load_at(b_t, (int64_t)jj * out + o, wb);
             const int64_t at = (int64_t)(first + i) * y_stride + o;
             store_at(y, at, xb, load_at(y, at, xb) + sum);
         }
     }
 }
 
-/* lora_block with its row count a compile-time constant */
-INLINE void lora_rows(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int first,
-                      int rows, int rank, const void *a, const void *b_t, float scale, const int xb, const int wb,
-                      float *scratch) {
-#define LORA_BLOCK(count) lora_block(x, x_stride, y, y_stride, in, out, first, count, rank, a, b_t, scale, xb, wb, \
-                                     scratch)
+/* add_to_rows for ``rows`` (1 to ROWS_AT_ONCE) rows, its types compile-time constants */
+static void add_piece(const float *t, int t_stride, const void *b_t, int rank, int out, int from, int to, void *y,
+                      int64_t y_stride, int first, int rows, int is_bf16, int weights_bf16) {
+#define ADD(count, xb, wb) add_to_rows(t, t_stride, b_t, rank, out, from, to, y, y_stride, first, count, xb, wb)
+#define ADD_TYPES(count) (is_bf16 ? (weights_bf16 ? ADD(count, 1, 1) : ADD(count, 1, 0)) \
+                                  : (weights_bf16 ? ADD(count, 0, 1) : ADD(count, 0, 0)))
     switch (rows) {
-    case 1: LORA_BLOCK(1); break;
-    case 2: LORA_BLOCK(2); break;
-    case 3: LORA_BLOCK(3); break;
-    default: LORA_BLOCK(4); break;
+    case 1: ADD_TYPES(1); break;
+    case 2: ADD_TYPES(2); break;
+    case 3: ADD_TYPES(3); break;
+    default: ADD_TYPES(4); break;
     }
-#undef LORA_BLOCK
+#undef ADD_TYPES
+#undef ADD
 }
 
 static int blocks_of(int rows) { return (rows + ROWS_AT_ONCE - 1) / ROWS_AT_ONCE; }
 
-static size_t scratch_per_thread(int in, int max_rank) {
-    return ((size_t)ROWS_AT_ONCE * (in + max_rank) * sizeof(float) + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+static size_t lines(size_t bytes) { return (bytes + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE; }
+
+static size_t scratch_per_thread(int in) { return lines((size_t)ROWS_AT_ONCE * in * sizeof(float)); }
+
+static size_t low_rank_bytes(int rows, int max_rank, int outputs) {
+    return lines((size_t)outputs * rows * max_rank * sizeof(float));
 }
 
-/* The scratch ``ricllm_lora_in`` takes for inputs of ``in`` values, ranks up to ``max_rank`` and
- * up to ``num_threads`` threads. */
-size_t ricllm_lora_scratch_bytes(int in, int max_rank, int num_threads) {
-    return scratch_per_thread(in, max_rank) * (size_t)(num_threads > 0 ? num_threads : 1);
+size_t ricllm_lora_scratch_bytes(int rows, int in, int max_rank, int outputs, int num_threads) {
+    return low_rank_bytes(rows, max_rank, outputs) + scratch_per_thread(in) * (size_t)(num_threads > 0 ? num_threads : 1);
 }
 
-/* ``ricllm_lora`` in the caller's scratch (``ricllm_lora_scratch_bytes(in, max rank, num_threads)``
- * bytes, 4-byte aligned): the decoder stack calls it for every projection of every layer, from
- * its own buffer. Returns 0, or -1 for arguments out of range. */
-int ricllm_lora_in(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
-                   const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
-                   const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads,
-                   void *scratch) {
-    if (in <= 0 || out <= 0 || segments < 0 || x_stride < in || y_stride < out) return -1;
-    int blocks = 0, rows = 0, max_rank = 0;
-    for (int s = 0; s < segments; s++) {
-        if (starts[s] < 0 || ends[s] < starts[s] || ranks[s] <= 0) return -1;
-        blocks += blocks_of(ends[s] - starts[s]);
-        rows += ends[s] - starts[s];
-        max_rank = ranks[s] > max_rank ? ranks[s] : max_rank;
+int ricllm_lora_prepare(LoraBatch *batch, void *scratch, int num_threads) {
+    if (batch->in <= 0 || batch->segments < 0 || batch->x_stride < batch->in || batch->outputs < 0
+        || batch->outputs > LORA_MOST_OUTPUTS) return -1;
+    int rows = 0, max_rank = 0;
+    for (int s = 0; s < batch->segments; s++) {
+        if (batch->starts[s] < 0 || batch->ends[s] < batch->starts[s]) return -1;
+        rows = batch->ends[s] > rows ? batch->ends[s] : rows;
     }
-    if (blocks == 0) return 0;
-    const int threads = rows >= PARALLEL_ROWS ? num_threads : 1;
-    const size_t per_thread = scratch_per_thread(in, max_rank);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int block = 0; block < blocks; block++) {
-        int s = 0, first_block = 0;  /* the segment this block is in, and that segment's first block */
-        while (first_block + blocks_of(ends[s] - starts[s]) <= block) {
-            first_block += blocks_of(ends[s] - starts[s]);
-            s++;
+    for (int p = 0; p < batch->outputs; p++) {
+        const LoraOutput *output = &batch->output[p];
+        if (output->out <= 0 || output->column < 0 || output->column + output->out > batch->y_stride) return -1;
+        for (int s = 0; s < batch->segments; s++) {
+            if (output->updates[s].rank < 0) return -1;
+            max_rank = output->updates[s].rank > max_rank ? output->updates[s].rank : max_rank;
         }
-        const int first = starts[s] + (block - first_block) * ROWS_AT_ONCE;
-        const int count = ends[s] - first < ROWS_AT_ONCE ? ends[s] - first : ROWS_AT_ONCE;
-#ifdef _OPENMP
-        float *mine = (float *)((char *)scratch + per_thread * (size_t)omp_get_thread_num());
-#else
-        float *mine = (float *)scratch;
-#endif
-        DISPATCH2(is_bf16, weights_bf16, lora_rows(x, x_stride, y, y_stride, in, out, first, count, ranks[s], a[s],
-                                                  b_t[s], scales[s], xb, wb, mine));
     }
+    batch->rows = rows, batch->rank_stride = max_rank;
+    batch->low_rank = (float *)scratch;
+    batch->scratch = (char *)scratch + low_rank_bytes(rows, max_rank, batch->outputs);
+    batch->scratch_per_thread = scratch_per_thread(batch->in);
+    (void)num_threads;  /* the caller sized the scratch for its threads */
     return 0;
 }
 
-/* Returns 0, -1 for arguments out of range (a negative width, rank or row, a segment that ends
- * before it starts), -2 when out of memory. */
+int ricllm_lora_has_work(const LoraBatch *batch) {
+    for (int p = 0; p < batch->outputs; p++)
+        for (int s = 0; s < batch->segments; s++)
+            if (batch->output[p].updates[s].rank > 0 && batch->ends[s] > batch->starts[s]) return 1;
+    return 0;
+}
+
+/* The pieces of a batch are numbered in one order, each with a cost, and thread ``thread`` of
+ * ``threads`` takes those whose first unit of cost falls in its share [total·thread/threads,
+ * total·(thread+1)/threads): consecutive pieces, about as much work on each thread. */
+typedef struct {
+    int64_t from, to, at;  /* the thread's share, and the cost counted so far */
+} Share;
+
+static Share share_of(int64_t total, int thread, int threads) {
+    return (Share){total * thread / threads, total * (thread + 1) / threads, 0};
+}
+
+/* Whether the next piece, of ``cost``, is the thread's (and counts it). */
+static int take(Share *share, int64_t cost) {
+    const int mine = share->at >= share->from && share->at < share->to;
+    share->at += cost;
+    return mine;
+}
+
+static float *low_rank_rows(const LoraBatch *b, int p, int first) {
+    return b->low_rank + ((int64_t)p * b->rows + first) * b->rank_stride;
+}
+
+/* The first half: t = scale · x · Aᵀ in pieces of (output, segment, block of rows, A_ROWS rows of A or
+ * one), costed by the rows of A they read. */
+void ricllm_lora_low_rank(const void *work, int thread, int threads) {
+    const LoraBatch *b = work;
+    int64_t total = 0;
+    for (int p = 0; p < b->outputs; p++)
+        for (int s = 0; s < b->segments; s++)
+            total += (int64_t)b->output[p].updates[s].rank * blocks_of(b->ends[s] - b->starts[s]);
+    Share share = share_of(total, thread, threads);
+    float *xs = (float *)(b->scratch + b->scratch_per_thread * (size_t)thread);
+    int loaded = -1;  /* the first row of the block of x in xs */
+    for (int p = 0; p < b->outputs; p++)
+        for (int s = 0; s < b->segments; s++) {
+            const LoraUpdate *u = &b->output[p].updates[s];
+            for (int first = b->starts[s]; first < b->ends[s]; first += ROWS_AT_ONCE) {
+                const int rows = b->ends[s] - first < ROWS_AT_ONCE ? b->ends[s] - first : ROWS_AT_ONCE;
+                const int a_rows = A_ROWS(rows);
+                for (int j = 0; j < u->rank;) {
+                    const int single = j + a_rows > u->rank, count = single ? 1 : a_rows;
+                    if (take(&share, count)) {
+                        if (loaded != first) {
+                            for (int i = 0; i < rows; i++)
+                                load_row(b->x, (int64_t)(first + i) * b->x_stride, b->in, b->is_bf16,
+                                         xs + (int64_t)i * b->in);
+                            loaded = first;
+                        }
+                        low_rank_piece(xs, b->in, rows, u->a, j, single, b->rank_stride, u->scale, b->weights_bf16,
+                                       low_rank_rows(b, p, first));
+                    }
+                    j += count;
+                }
+            }
+        }
+}
+
+/* The second half: y += t · Bᵀ in pieces of (output, COLUMN_CHUNK columns), each for every
+ * segment's rows, costed by the rows of Bᵀ they read. */
+void ricllm_lora_add(const void *work, int thread, int threads) {
+    const LoraBatch *b = work;
+    int64_t total = 0, per_chunk[LORA_MOST_OUTPUTS];
+    for (int p = 0; p < b->outputs; p++) {
+        per_chunk[p] = 0;
+        for (int s = 0; s < b->segments; s++)
+            per_chunk[p] += (int64_t)b->output[p].updates[s].rank * blocks_of(b->ends[s] - b->starts[s]);
+        total += per_chunk[p] * ((b->output[p].out + COLUMN_CHUNK - 1) / COLUMN_CHUNK);
+    }
+    Share share = share_of(total, thread, threads);
+    for (int p = 0; p < b->outputs; p++) {
+        const LoraOutput *output = &b->output[p];
+        int from = -1, to = -1;  /* the thread's columns of this output */
+        for (int o = 0; o < output->out; o += COLUMN_CHUNK)
+            if (take(&share, per_chunk[p])) {
+                from = from < 0 ? o : from;
+                to = o + COLUMN_CHUNK < output->out ? o + COLUMN_CHUNK : output->out;
+            }
+        if (from < 0 || per_chunk[p] == 0) continue;
+        void *y = (char *)b->y + output->column * (b->is_bf16 ? 2 : 4);
+        for (int s = 0; s < b->segments; s++) {
+            const LoraUpdate *u = &output->updates[s];
+            if (u->rank == 0) continue;
+            for (int first = b->starts[s]; first < b->ends[s]; first += ROWS_AT_ONCE) {
+                const int rows = b->ends[s] - first < ROWS_AT_ONCE ? b->ends[s] - first : ROWS_AT_ONCE;
+                add_piece(low_rank_rows(b, p, first), b->rank_stride, u->b_t, u->rank, output->out, from, to, y,
+                          b->y_stride, first, rows, b->is_bf16, b->weights_bf16);
+            }
+        }
+    }
+}
+
+/* One projection's update, on its own: the two halves in a team of its own from PARALLEL_ROWS rows,
+ * else on the calling thread. Returns 0, -1 for arguments out of range (a negative width, rank or
+ * row, a segment that ends before it starts), -2 when out of memory. */
 int ricllm_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int in, int out, int segments,
                 const int32_t *starts, const int32_t *ends, const int32_t *ranks, const void *const *a,
                 const void *const *b_t, const float *scales, int is_bf16, int weights_bf16, int num_threads) {
-    if (in <= 0 || segments < 0) return -1;
-    int max_rank = 0;
-    for (int s = 0; s < segments; s++) max_rank = ranks[s] > max_rank ? ranks[s] : max_rank;
-    char *scratch = alloc_lines(ricllm_lora_scratch_bytes(in, max_rank, num_threads));
+    if (in <= 0 || out <= 0 || segments < 0 || x_stride < in || y_stride < out) return -1;
+    LoraUpdate updates[segments > 0 ? segments : 1];
+    int rows = 0, max_rank = 0;
+    for (int s = 0; s < segments; s++) {
+        if (starts[s] < 0 || ends[s] < starts[s] || ranks[s] <= 0) return -1;
+        updates[s] = (LoraUpdate){a[s], b_t[s], scales[s], ranks[s]};
+        rows += ends[s] - starts[s];
+        max_rank = ranks[s] > max_rank ? ranks[s] : max_rank;
+    }
+    LoraBatch batch = {.x = x, .x_stride = x_stride, .in = in, .y = y, .y_stride = y_stride, .segments = segments,
+                       .starts = starts, .ends = ends, .outputs = 1, .output = {{0, out, updates}},
+                       .is_bf16 = is_bf16, .weights_bf16 = weights_bf16};
+    if (rows == 0) return 0;
+    const int threads = rows >= PARALLEL_ROWS && num_threads > 1 ? num_threads : 1;
+    int last_row = 0;
+    for (int s = 0; s < segments; s++) last_row = ends[s] > last_row ? ends[s] : last_row;
+    char *scratch = alloc_lines(ricllm_lora_scratch_bytes(last_row, in, max_rank, 1, threads));
     if (!scratch) return -2;
-    const int code = ricllm_lora_in(x, x_stride, y, y_stride, in, out, segments, starts, ends, ranks, a, b_t,
-                                    scales, is_bf16, weights_bf16, num_threads, scratch);
+    int code = ricllm_lora_prepare(&batch, scratch, threads);
+    if (code == 0) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            ricllm_lora_low_rank(&batch, team_thread(), team_size());
+#pragma omp barrier
+            ricllm_lora_add(&batch, team_thread(), team_size());
+        }
+    }
     free_lines(scratch);
     return code;
 }

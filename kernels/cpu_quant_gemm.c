@@ -512,7 +512,7 @@ static void int4_tiles_amx_dequantized(const uint8_t *w, const uint16_t *scales,
 }
 
 static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, const uint16_t *scales, void *out,
-                         int m, int k, int n, int is_bf16, int num_threads) {
+                         int m, int k, int n, int is_bf16, int num_threads, const TeamWork *team) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -529,6 +529,7 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
             /* the exact path also reads the rows past a partial block: zeros there, never stale
              * bytes (a denormal or NaN pattern would cost a microcode assist per instruction) */
             memset(products, 0, 2048);
+            team_before(team);
             if (m >= AMX_DEQUANTIZED_ROWS) {
 #pragma omp for schedule(static) collapse(2)
                 for (int p = 0; p < panels; p++)
@@ -547,6 +548,7 @@ static int int4_gemm_amx(const uint16_t *xb, const float *sx, const uint8_t *w, 
                                       n, t, (char *)out + first * out_row, is_bf16, expanded, products);
                     }
             }
+            team_after(team);
             _tile_release();
             free(expanded);
         }
@@ -714,17 +716,25 @@ typedef void (*Int4Tile)(const uint8_t *w, const uint16_t *scales, const int8_t 
  * weight's tiles ``tiles`` in that order (NULL: every tile, in order). */
 static void int4_panels(Int4Tile tile_product, int panel_rows, const int8_t *xq, const float *dx, const float *sx,
                         const uint8_t *w, const uint16_t *scales, void *out, int m, int k, const int32_t *tiles,
-                        int count, int is_bf16, int num_threads) {
+                        int count, int is_bf16, int num_threads, const TeamWork *team) {
     const int groups = k / GROUP, n = count * TILE, panels = (m + panel_rows - 1) / panel_rows;
     const size_t out_row = (size_t)n * (is_bf16 ? 2 : 4);
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int p = 0; p < panels; p++)
-        for (int j = 0; j < count; j++) {
-            const int first = p * panel_rows, rows = m - first < panel_rows ? m - first : panel_rows;
-            tile_product(w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups,
-                         sx + (int64_t)first * groups, rows, k, n, tiles ? tiles[j] : j, j,
-                         (char *)out + first * out_row, is_bf16);
+#pragma omp parallel num_threads(num_threads)
+    {
+        team_before(team);
+#pragma omp for schedule(static) collapse(2) nowait
+        for (int p = 0; p < panels; p++)
+            for (int j = 0; j < count; j++) {
+                const int first = p * panel_rows, rows = m - first < panel_rows ? m - first : panel_rows;
+                tile_product(w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups,
+                             sx + (int64_t)first * groups, rows, k, n, tiles ? tiles[j] : j, j,
+                             (char *)out + first * out_row, is_bf16);
+            }
+        if (team) {  /* the additions read every thread's tiles; without a team the region ends as a parallel for */
+#pragma omp barrier
+            team_after(team);
         }
+    }
 }
 #endif
 
@@ -754,13 +764,14 @@ int ricllm_quant_gemm_int4_path(int m) {
 /* 4-bit, on the activations its path takes: int8 per group (VNNI, AVX2), or bf16 with each
  * group's fp32 sum (AMX tiles: every tile, ``tiles`` NULL). */
 static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, void *out, int m, int k, int n,
-                     const int32_t *tiles, int count, int is_bf16, void *scratch, int num_threads) {
+                     const int32_t *tiles, int count, int is_bf16, void *scratch, int num_threads,
+                     const TeamWork *team) {
     const int groups = k / GROUP;
 #if HAVE_AMX
     if (int4_path(m) != INT4_VNNI_INT8) {
         float *sx = (float *)((uint16_t *)scratch + (int64_t)m * k);
         const uint16_t *xb = bf16_activations(x, m, k, is_bf16, scratch, sx);
-        return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads);
+        return int4_gemm_amx(xb, sx, w, scales, out, m, k, n, is_bf16, num_threads, team);
     }
 #endif
     (void)n;
@@ -769,26 +780,28 @@ static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, vo
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
     reorder_for_quads(xq, (int64_t)m * k);
-    int4_panels(int4_tile_int8, INT8_PANEL, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16, num_threads);
+    int4_panels(int4_tile_int8, INT8_PANEL, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16, num_threads,
+                team);
     return 0;
 #else
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
     int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16,
-                num_threads);
+                num_threads, team);
     return 0;
 #endif
 }
 #endif
 
 /* The products of ``count`` tiles of 16 outputs into ``out [M, 16·count]``: the weight's tiles
- * ``tiles`` in that order, or (NULL) every tile in order. */
+ * ``tiles`` in that order, or (NULL) every tile in order; the team also does ``team`` (NULL: nothing
+ * else). */
 static int quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
                             int bits, void *out, int m, int k, int n, const int32_t *tiles, int count,
-                            int is_bf16, void *scratch, int num_threads) {
+                            int is_bf16, void *scratch, int num_threads, const TeamWork *team) {
 #if HAVE_BF16_DOT || HAVE_AVX2
-    if (bits == 4) return int4_gemm(x, w, scales, out, m, k, n, tiles, count, is_bf16, scratch, num_threads);
+    if (bits == 4) return int4_gemm(x, w, scales, out, m, k, n, tiles, count, is_bf16, scratch, num_threads, team);
 #endif
 #if HAVE_VNNI || HAVE_AVX2
     const int groups = k / GROUP, n_out = count * TILE;
@@ -806,26 +819,45 @@ static int quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *sca
     (void)n;
     /* tile-major: a tile's weights stay in L1 while every block of rows passes (the LM head's
      * 28 MB would otherwise stream from memory once per block) */
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int j = 0; j < count; j++)
-        for (int rb = 0; rb < row_blocks; rb++) {
-            const int t = tiles ? tiles[j] : j;
-            const int first = rb * rows_at_once, rows = m - first < rows_at_once ? m - first : rows_at_once;
+#pragma omp parallel num_threads(num_threads)
+    {
+        team_before(team);
+#pragma omp for schedule(static) collapse(2) nowait
+        for (int j = 0; j < count; j++)
+            for (int rb = 0; rb < row_blocks; rb++) {
+                const int t = tiles ? tiles[j] : j;
+                const int first = rb * rows_at_once, rows = m - first < rows_at_once ? m - first : rows_at_once;
 #if HAVE_VNNI
-            ROW_COUNT_DISPATCH(rows, int8_tile, w, scales, offsets, xq + (int64_t)first * k,
-                               dx + (int64_t)first * groups, k, n_out, t, j, (char *)out + first * out_row,
-                               is_bf16);
+                ROW_COUNT_DISPATCH(rows, int8_tile, w, scales, offsets, xq + (int64_t)first * k,
+                                   dx + (int64_t)first * groups, k, n_out, t, j, (char *)out + first * out_row,
+                                   is_bf16);
 #else
-            INT8_AVX2_DISPATCH(rows, w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups, k, n_out,
-                               t, j, (char *)out + first * out_row, is_bf16);
+                INT8_AVX2_DISPATCH(rows, w, scales, xq + (int64_t)first * k, dx + (int64_t)first * groups, k,
+                                   n_out, t, j, (char *)out + first * out_row, is_bf16);
 #endif
+            }
+        if (team) {  /* the additions read every thread's tiles; without a team the region ends as a parallel for */
+#pragma omp barrier
+            team_after(team);
         }
+    }
     return 0;
 #else
     (void)x; (void)w; (void)scales; (void)offsets; (void)bits; (void)out; (void)m; (void)k; (void)n; (void)tiles;
-    (void)count; (void)is_bf16; (void)scratch; (void)num_threads;
+    (void)count; (void)is_bf16; (void)scratch; (void)num_threads; (void)team;
     return -3;
 #endif
+}
+
+/* ``ricllm_quant_gemm`` whose team also does ``team`` (cpu_common.h; NULL: nothing else): its
+ * ``after`` sees the whole product in ``out``. A call that fails runs neither half. */
+int ricllm_quant_gemm_with(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
+                           int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads,
+                           const TeamWork *team) {
+    if (k % GROUP != 0 || n % TILE != 0 || (bits != 4 && bits != 8)) return -1;
+    if (!ricllm_quant_gemm_supported(bits)) return -3;
+    return quant_gemm_tiles(x, w, scales, offsets, bits, out, m, k, n, NULL, n / TILE, is_bf16, scratch,
+                            num_threads, team);
 }
 
 /* out[M, N] = x[M, K] · Wᵀ. ``scratch`` holds M·K bytes + 2·M·K/32 floats (8-bit, and 4-bit's
@@ -833,10 +865,7 @@ static int quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *sca
  * CPU lacks the instructions (``ricllm_quant_gemm_supported``; the caller uses torch's kernels). */
 int ricllm_quant_gemm(const void *x, const uint8_t *w, const uint16_t *scales, const int32_t *offsets,
                       int bits, void *out, int m, int k, int n, int is_bf16, void *scratch, int num_threads) {
-    if (k % GROUP != 0 || n % TILE != 0 || (bits != 4 && bits != 8)) return -1;
-    if (!ricllm_quant_gemm_supported(bits)) return -3;
-    return quant_gemm_tiles(x, w, scales, offsets, bits, out, m, k, n, NULL, n / TILE, is_bf16, scratch,
-                            num_threads);
+    return ricllm_quant_gemm_with(x, w, scales, offsets, bits, out, m, k, n, is_bf16, scratch, num_threads, NULL);
 }
 
 /* out[M, 16·count] = the columns of x · Wᵀ in the weight's tiles ``tiles`` (16 outputs each), in that
@@ -853,7 +882,8 @@ int ricllm_quant_gemm_tiles(const void *x, const uint8_t *w, const uint16_t *sca
         if (tiles[j] < 0 || tiles[j] >= n / TILE) return -1;
     if (!ricllm_quant_gemm_supported(bits)) return -3;
     if (bits == 4 && int4_path(m) >= INT4_AMX_TILES) return -2;
-    return quant_gemm_tiles(x, w, scales, offsets, bits, out, m, k, n, tiles, count, is_bf16, scratch, num_threads);
+    return quant_gemm_tiles(x, w, scales, offsets, bits, out, m, k, n, tiles, count, is_bf16, scratch, num_threads,
+                            NULL);
 }
 
 /* Rows ``ids`` of a packed weight, dequantized (d·q + c in fp32, then the output type): what a

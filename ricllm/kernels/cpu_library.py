@@ -39,7 +39,7 @@ CSRC = shipped_folder("kernels")
 IS_BF16_BY_NAME = {"bfloat16": 1, "float32": 0}  # the element types the kernels take: their is_bf16 flag
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c",
            CSRC / "cpu_decoder.c", CSRC / "cpu_prefill_attention.c", CSRC / "cpu_lora.c")
-HEADERS = (CSRC / "cpu_common.h",)
+HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_lora.h")
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax
 # relies on -inf behaving as IEEE says.
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",

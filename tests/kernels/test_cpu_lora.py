@@ -142,6 +142,22 @@ def test_parity_one_adapter_on_every_row_and_no_segments():
     np.testing.assert_array_equal(y, before)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_any_thread_count_gives_the_same_bits(bf16):
+    """The decoder stack shares a projection's update among its product's threads, the per-op path
+    runs it on one: the two must agree bit for bit. Widths that split into column ranges with a
+    ragged end, and ranks with a remainder past the blocks of A rows."""
+    rng = np.random.default_rng(17)
+    for rows, in_features, out_features in [(40, 203, 331), (64, 576, 192), (37, 97, 1536)]:
+        x, y = batch(rng, rows, in_features, out_features, bf16=bf16)
+        segments = segments_with_gaps(rng, rows, in_features, out_features, bf16_weights=bf16)
+        one, two = y.copy(), y.copy()
+        apply_lora(x, one, segments, threads=1)
+        apply_lora(x, two, segments, threads=2)
+        np.testing.assert_array_equal(one, two)
+        assert not np.array_equal(one, y)
+
+
 @pytest.mark.parametrize("problem, make, message", [
     ("overlap", lambda w, x, y: ([LoraSegment(0, 4, w), LoraSegment(3, 6, w)], x, y), "overlap"),
     ("outside", lambda w, x, y: ([LoraSegment(2, 9, w)], x, y), "outside the step's 8 rows"),
