@@ -16,7 +16,8 @@ import pytest
 
 from ricllm import SamplingParams
 from ricllm.cache.kv_groups import kv_cache_groups
-from ricllm.engine.admission import NO_BEST_EFFORT, finish_bounds, work_of
+from ricllm.config import AdmissionSettings
+from ricllm.engine.admission import NO_BEST_EFFORT, AdmissionController, finish_bounds, work_of
 from ricllm.engine.latency_model import LatencyModel, Roofline, feature_vector, runs_op_by_op
 from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
 from ricllm.engine.runtime.narrow_head import TILE, plan_head
@@ -174,3 +175,14 @@ def test_plan_prices_the_head_apart_and_a_constrained_steps_weights():
     head = spec.vocab_size * spec.hidden_size * 2.0
     assert result.head_bytes == pytest.approx(head)
     assert constrained_step_bytes(weights, head, spec) == pytest.approx(weights - head + head * 16 / (262144 // 16))
+
+
+def test_the_caps_table_charges_a_gemma_request_what_its_groups_read():
+    """The largest batch of 4,096-token requests that meets a deadline: larger when the five
+    sliding groups are charged their window than when every layer reads the whole context."""
+    def largest_batch(group_windows: tuple[int, ...]) -> int:
+        controller = AdmissionController(AdmissionSettings(policy="deadline", safety_margin=0.0),
+                                         LatencyModel(list(COEFFICIENTS)), 100_000, 16, 512, 8192, group_windows)
+        return controller.caps(10_000, 16, contexts=(4096,))[0]["max_batch"]
+
+    assert largest_batch((512,) * 5) > largest_batch((0,) * 5) >= 1

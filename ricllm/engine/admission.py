@@ -11,17 +11,21 @@ A request with a deadline is admitted only if
 - time: an upper bound on every admitted request's finish time, this one included, stays
   inside its deadline (with a safety margin) when they run earliest-deadline-first.
 
-The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by op]``
-(``LatencyModel``), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
+The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by op] + k·H``
+(``LatencyModel``; C and Q the positions each KV cache group's layers read, averaged over the
+groups, H the head's rows), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
 + decode_k - [P_k' > 0]``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it,
 ``P_k'`` its own and ``M`` the per-step token budget: the step that ends a prefill samples its
 first token. Every step carries at most all ``B`` sequences (best effort included) at
-their final contexts ``C_max``, and best effort at most ``best_effort_chunk`` prefill tokens; all
-pending prefill tokens are charged to everyone (later-deadline prefill chunks may share ``k``'s
-steps), so
+their final contexts ``C_max`` (what each group reads there: a sliding-window group at most its
+window), each sampling at most one whole head row, and best effort at most ``best_effort_chunk``
+prefill tokens; all pending prefill tokens are charged to everyone (later-deadline prefill chunks
+may share ``k``'s steps), and so are the positions a chunk reads past a sliding window (its first
+query's window to its last one's: at most a request's prefill tokens in each such group,
+``chunk_reach_s``), so
 
-    finish_k <= now + busy + m · (N_k · max(a + c·B + d·C_max + b·chunk + e·W, roofline(C_max))
-                                  + b·P_all + e·Q_all + f·prefill_steps_k) + stall + idle
+    finish_k <= now + busy + m · (N_k · max(a + (c + k)·B + d·C_max + b·chunk + e·W, roofline(C_max))
+                                  + b·P_all + e·Q_all + d'·R_all + f·prefill_steps_k) + stall + idle
 
 with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
 the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
@@ -469,7 +473,7 @@ class AdmissionController:
 
     def _largest_batch_in_time(self, context: int, tokens: int, deadline_s: float, limit: int) -> int:
         def fits(batch: int) -> bool:
-            works = [Work(deadline_s, context, tokens, context + tokens)] * batch
+            works = [Work(deadline_s, context, tokens, context + tokens, group_reaches=self.group_windows)] * batch
             return finish_bounds(works, self.latency, self.token_budget, 0.0)[-1] * (
                 1 + self.config.safety_margin) <= deadline_s
 
@@ -553,12 +557,17 @@ class AdmissionController:
         return cap
 
     def _largest_prefill_within(self, target_s: float, decodes: list[Sequence], first: Sequence, budget: int) -> int:
-        """Binary search: predicted step time grows with the prefill tokens it carries."""
-        context = sum(s.num_computed_tokens + 1 for s in decodes)
+        """Binary search: predicted step time grows with the prefill tokens it carries (the K/V
+        positions read per cache group, as ``ScheduledBatch.features`` counts them; the chunk's
+        last row may sample)."""
+        context = sum(mean_positions_read(s.num_computed_tokens + 1, s.group_reaches) for s in decodes)
 
         def step_s(tokens: int) -> float:
             attended = first.num_computed_tokens + tokens
-            return self.latency.predict(StepFeatures(tokens, len(decodes), context + attended, tokens * attended))
+            reads = mean_positions_read(attended, first.group_reaches, tokens - 1)
+            attention = tokens * mean_positions_read(attended, first.group_reaches)
+            return self.latency.predict(StepFeatures(tokens, len(decodes), context + reads, attention,
+                                                     head_rows=len(decodes) + 1, prefill_products=tokens * attended))
 
         low, high = 0, budget
         while low < high:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ricllm.engine.latency_model import LatencyModel, Roofline, fit
-from ricllm.errors import ConfigError
+from ricllm.errors import ConfigError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.paths import cache_dir, file_digest
 from ricllm.sampling_params import SamplingParams
@@ -226,10 +226,15 @@ def _constrained_samples(engine, prompt, started: float, budget_s: float) -> lis
                 or not _fits(engine, batch, 64, 8)):
             break
         engine.step_history.clear()
-        for _ in range(batch):
-            engine.add_request(prompt(64), params)
+        try:
+            seqs = [engine.add_request(prompt(64), params) for _ in range(batch)]
+        except InvalidRequestError as exc:  # a vocabulary without digits: no constrained steps to time
+            log.info("latency_calibration_without_constrained_steps", reason=str(exc))
+            break
         while engine.has_unfinished():
             engine.step()
+        if any(seq.rejection is not None for seq in seqs):
+            break
         samples += [(r.features, r.duration_s) for r in engine.step_history]
     return samples
 

@@ -14,8 +14,9 @@ step's real composition:
 
 Between two events (a prefill done, a request finished) the composition is constant, so every step
 of the segment costs the same: each is charged at the contexts of the segment's last step (contexts
-grow by one a step, so that is an upper bound) and, when a step of it may pass the runtime's
-kernel limits, the op-by-op terms.
+grow by one a step, so that is an upper bound; a sliding-window cache group's reads at the
+request's final context, and a prefill chunk's up to its window plus the chunk), one whole head
+row per sequence and, when a step of it may pass the runtime's kernel limits, the op-by-op terms.
 Prefill tokens and their attention are charged once, where they run, as the closed form charges
 them. Best effort is charged as the closed form charges it, on every step: its sequences at their
 final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
