@@ -78,3 +78,22 @@ def group_window(layer_window: int, own: KVWindow | None) -> KVWindow | None:
 def window_of(sinks: int | None, window: int | None) -> KVWindow | None:
     """A request's window (None or 0: exact, every token kept)."""
     return KVWindow(sinks or 0, window) if window else None
+
+
+def reach(window: KVWindow | None) -> int:
+    """The most positions a query reads under ``window``: its sinks and window (0: every position)."""
+    return 0 if window is None else window.sinks + window.window
+
+
+def mean_positions_read(attended: int, group_reaches: tuple[int, ...], span: int = 0) -> int | float:
+    """K/V positions a sequence's layers read in a step, averaged over its cache groups (each group
+    has as many layers: ``ricllm.cache.kv_groups``), when its last query attends to ``attended``
+    positions and its first sits ``span`` positions before it: a group of reach ``r``
+    (``group_reaches``, groups 1..; 0: every position) reads at most ``r + span`` (the first query's
+    reach to the last one's), group 0 is counted whole (a request's own window is not credited: an
+    upper bound). Times the bytes of one position across every layer, it is the step's K/V bytes;
+    with one group (the Llama family) it is ``attended``."""
+    if not group_reaches:
+        return attended
+    reads = sum(min(attended, r + span) if r else attended for r in group_reaches)
+    return (attended + reads) / (1 + len(group_reaches))

@@ -8,8 +8,11 @@ arithmetic on the model's shape:
   head dim, bytes per element, batch), summed over the layer groups of a model with sliding-window
   layers, whose ``n`` is capped at their window: ``M_KV = Σ_g 2·L_g·min(n, w_g)·n_kv·d_h·b·B``;
 * the bandwidth roofline of decode: each step streams all weights once (shared by the batch) and
-  the whole batch's KV, so one answer of ``tokens`` tokens takes at least
-  ``tokens × (M_weights + M_KV(n, B)) / BW``.
+  the whole batch's KV, each layer group's at what it keeps (a sliding-window layer reads its
+  window), so one answer of ``tokens`` tokens takes at least ``tokens × (M_weights + M_KV(n, B)) / BW``.
+  The LM head is a term of its own within ``M_weights``, ``M_head = V·d·b``: read whole by a step
+  with an unconstrained row, only the allowed tokens' tiles by a step whose rows are all
+  constrained (``ricllm.engine.runtime.narrow_head``), which the report shows beside it.
 
 Nothing here imports torch or loads weights; ``ricllm plan PATH`` reads a checkpoint's metadata only.
 """
@@ -46,7 +49,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_REFERENCE_CONTEXT = 4096
 NAMED_WEIGHT_BYTES = 2  # named shapes are assumed stored in fp16/bf16
 TIME_MODEL = ("answer time = tokens × (M_weights + M_KV(n, B)) / BW ≤ deadline: every decode step streams "
-              "all weights once and the whole batch's KV at context n; prefill, compute and overheads are "
+              "all weights once and the whole batch's KV at context n (a sliding-window layer's at its window); prefill, compute and overheads are "
               "ignored, so the time is a lower bound and 'ok' cells are an upper bound on what is admissible")
 
 
@@ -115,6 +118,22 @@ def kv_cache_whole_bytes(spec: ModelSpec, context: int, batch: int, kv_bytes: fl
 def answer_time_s(weights_bytes: float, kv_total_bytes: float, tokens: int, bandwidth_bytes_per_s: float) -> float:
     """Bandwidth roofline of ``tokens`` decode steps: each reads the weights once plus all of the KV."""
     return tokens * (weights_bytes + kv_total_bytes) / bandwidth_bytes_per_s
+
+
+HEAD_TILE = 16  # output rows per tile of a packed head (ricllm.engine.runtime.narrow_head.TILE)
+CONSTRAINED_TOKENS = 16  # the allowed tokens of the constrained step the report prices
+
+
+def head_share(spec: ModelSpec) -> float:
+    """The LM head's share of the parameters, ``V·d / parameters``: of ``M_weights``, the head's."""
+    return spec.vocab_size * spec.hidden_size / spec.num_parameters()
+
+
+def constrained_step_bytes(weights: float, head: float, spec: ModelSpec, allowed: int = CONSTRAINED_TOKENS) -> float:
+    """What a step whose every row allows ``allowed`` tokens reads of the weights: the head's
+    tiles of 16 rows that hold them (at most ``allowed`` of them), the rest whole."""
+    tiles = -(-spec.vocab_size // HEAD_TILE)
+    return weights - head + head * min(allowed, tiles) / tiles
 
 
 def weights_bytes(spec: ModelSpec, bytes_per_parameter: float) -> float:
@@ -247,6 +266,7 @@ class Plan:
     context_cap: int
     reference_context: int
     kv_bytes_per_token: float
+    head_bytes: float  # of the weights, the LM head's
     cells: tuple[Cell, ...]
     max_batch_per_context: dict[int, Limit]
     max_context_per_batch: dict[int, Limit]
@@ -351,11 +371,12 @@ def _check_inputs(memory_bytes: float, reserved_bytes: float, bandwidth_bytes_pe
 def plan(spec: ModelSpec, memory_bytes: float, reserved_bytes: float, bandwidth_bytes_per_s: float,
          deadline_s: float, tokens: int, kv_bytes: float, weights: float, *, weights_source: str = "",
          contexts: Sequence[int] = CONTEXTS, batches: Sequence[int] = BATCHES, max_context: int | None = None,
-         reference_context: int | None = None) -> Plan:
+         reference_context: int | None = None, head_bytes: float | None = None) -> Plan:
     """Evaluate the KV equation and the roofline over a context × batch grid, plus the what-ifs.
 
     ``weights`` is M_weights in bytes; ``kv_bytes`` the bytes per KV element (2 for fp16).
     ``max_context`` overrides the model's own maximum (e.g. a RoPE-scaled deployment).
+    ``head_bytes``: the LM head's part of ``weights`` (None: its share of the parameters).
     """
     _check_inputs(memory_bytes, reserved_bytes, bandwidth_bytes_per_s, deadline_s, tokens, kv_bytes, weights)
     cap = max_context or spec.max_position_embeddings
@@ -367,8 +388,9 @@ def plan(spec: ModelSpec, memory_bytes: float, reserved_bytes: float, bandwidth_
     cells = tuple(_cell(spec, n, b, kv_bytes, budget) for n in grid_contexts for b in grid_batches)
     per_context = {n: _limit(lambda k, n=n: kv_cache_bytes(spec, n, k, kv_bytes), budget) for n in grid_contexts}
     per_batch = {b: _limit(lambda k, b=b: kv_cache_bytes(spec, k, b, kv_bytes), budget, cap) for b in grid_batches}
+    head = weights * head_share(spec) if head_bytes is None else head_bytes
     return Plan(spec, memory_bytes, reserved_bytes, kv_bytes, weights_source, budget, cap, reference,
-                kv_bytes_per_token(spec, kv_bytes), cells, per_context, per_batch,
+                kv_bytes_per_token(spec, kv_bytes), head, cells, per_context, per_batch,
                 _what_ifs(spec, kv_bytes, budget, reference))
 
 
@@ -407,11 +429,25 @@ def _header(p: Plan) -> list[str]:
         f"KV/token     2·L·n_kv·d_h·b = {kv_product(s, p.kv_bytes)} = {format_size(p.kv_bytes_per_token)}",
         *_groups_text(p),
         f"weights      {b.weights_bytes:,.0f} B = {format_size(b.weights_bytes)}  ({p.weights_source})",
+        *_head_text(p),
         f"KV memory    memory − reserved − weights = {b.available_bytes:,.0f} B = {format_size(b.available_bytes)}",
         *textwrap.wrap(TIME_MODEL, 100, initial_indent="time model   ", subsequent_indent=" " * 13),
         f"             weights alone: {_ms(b.time_s(0))}; per-step read budget deadline × BW / tokens = "
         f"{format_size(b.step_bytes)}",
     ]
+
+
+def _head_text(p: Plan) -> list[str]:
+    """The head as a term of its own: its bytes, and what a step whose rows are all constrained
+    reads of the weights."""
+    s, b = p.spec, p.budget
+    constrained = constrained_step_bytes(b.weights_bytes, p.head_bytes, s)
+    text = (f"V·d = {s.vocab_size:,}·{s.hidden_size:,} parameters ({head_share(s):.1%}): {format_size(p.head_bytes)} "
+            f"of the weights, read whole by a step with an unconstrained row; a step whose rows all allow "
+            f"{CONSTRAINED_TOKENS} tokens reads at most {CONSTRAINED_TOKENS} of its "
+            f"{-(-s.vocab_size // HEAD_TILE):,} tiles: weights {format_size(constrained)}, alone "
+            f"{_ms(b.tokens * constrained / b.bandwidth_bytes_per_s)} for {b.tokens} tokens")
+    return textwrap.wrap(text, 100, initial_indent="head         ", subsequent_indent=" " * 13)
 
 
 def _groups_text(p: Plan) -> list[str]:
@@ -494,6 +530,9 @@ def plan_to_json(p: Plan) -> dict:
         "kv_bytes_at_reference_context_every_layer_whole":
             _num(kv_cache_whole_bytes(s, p.reference_context, 1, p.kv_bytes)),
         "weights_bytes": _num(b.weights_bytes), "weights_source": p.weights_source,
+        "head_bytes": _num(p.head_bytes),
+        "constrained_step_weights_bytes": _num(constrained_step_bytes(b.weights_bytes, p.head_bytes, s)),
+        "constrained_step_allowed_tokens": CONSTRAINED_TOKENS,
         "available_kv_bytes": _num(b.available_bytes), "step_budget_bytes": b.step_bytes,
         "weights_only_time_s": b.time_s(0), "time_model": TIME_MODEL,
         "grid": [{"context": c.context, "batch": c.batch, "kv_bytes": _num(c.kv_bytes), "time_s": c.time_s,
@@ -593,13 +632,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec, weights, source = resolve_model(args.model, per_param)
     if args.max_loras < 0 or args.lora_rank < 1:
         raise PlanError(f"--max-loras must be ≥ 0 and --lora-rank ≥ 1, got {args.max_loras} and {args.lora_rank}")
+    head = weights * head_share(spec)
     adapters, what = adapters_bytes(spec, args.lora_modules or (), args.max_loras, args.lora_rank)
     if adapters:
         weights, source = weights + adapters, f"{source} + {what}: {format_size(adapters)}"
     result = plan(spec, memory, reserved, bandwidth, args.deadline_ms / 1e3, args.tokens,
                   kv_element_bytes(args.kv_dtype, spec), weights, weights_source=source,
                   contexts=contexts or CONTEXTS, batches=batches or BATCHES,
-                  max_context=args.max_context, reference_context=args.ref_context)
+                  max_context=args.max_context, reference_context=args.ref_context, head_bytes=head)
     print(json.dumps(plan_to_json(result), indent=2) if args.json else render_text(result))
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ricllm.kv_window import EVICTED, KVWindow, most_blocks, pinned_blocks_held
+from ricllm.kv_window import EVICTED, KVWindow, most_blocks, pinned_blocks_held, reach
 from ricllm.lora_request import AdapterSlot
 from ricllm.sampling_params import SamplingParams
 
@@ -102,6 +102,12 @@ class Sequence:
     def windows(self) -> tuple[KVWindow | None, ...]:
         """What each cache group keeps of it, group 0 first (None: every token)."""
         return (self.kv_window, *self.group_windows)
+
+    @property
+    def group_reaches(self) -> tuple[int, ...]:
+        """The most positions a query of cache groups 1.. reads (0: every position): what a step's
+        layers read of it (``kv_window.mean_positions_read``)."""
+        return tuple(reach(window) for window in self.group_windows)
 
     # the KV cache manager hands back what a sequence takes and gives up; the sequence records it
 

@@ -139,3 +139,18 @@ def test_a_constrained_draw_is_one_uniform_draw_over_the_allowed_ids_in_vocabula
     tie = np.array([1.0, 2.0, 2.0], dtype=np.float32)
     assert numpy_sampler.sample_allowed(np.array([4, 9, 12]), tie, greedy, None) == 9  # the first maximum
     assert sampler.sample_allowed(np.array([4, 9, 12]), torch.from_numpy(tie), greedy, None) == 9
+
+
+def test_the_steps_the_k_wide_head_narrows_record_its_share_of_the_head(tiny_native_gguf: Path):
+    """The latency model's head term (``StepFeatures.head_rows``): a step whose constrained rows
+    ran on their allowed tiles records each as its tiles' share of the head; with the whole head,
+    each sampled row is one."""
+    head_rows = {}
+    for narrow in (True, False):
+        llm = LLM(str(tiny_native_gguf), weights="int4", runtime="native", weight_cache=False, kv_cache_budget="4MiB")
+        llm.engine.runtime.runner.narrow_head = narrow
+        llm.generate(PROMPTS, [SamplingParams(max_tokens=16, structured=CHOICE)] * len(PROMPTS))
+        head_rows[narrow] = [record.features.head_rows for record in llm.engine.step_history]
+    assert all(float(rows).is_integer() for rows in head_rows[False])
+    assert sum(head_rows[True]) < sum(head_rows[False])
+    assert any(not float(rows).is_integer() for rows in head_rows[True])

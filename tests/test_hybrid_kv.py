@@ -4,15 +4,20 @@ hits and pins served only where every group holds what they read."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ricllm import LLM, SamplingParams
 from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.cache.kv_groups import kv_cache_groups
+from ricllm.engine.admission import NO_BEST_EFFORT, work_of
+from ricllm.engine.schedule_bound import schedule_bounds
 from ricllm.kv_window import EVICTED, KVWindow, most_blocks
 from ricllm.model.spec import ModelSpec
 from ricllm.sequence import Sequence
 from tests.helpers import write_tiny_gemma3_gguf
+from tests.test_admission import drain, make_engine
 from tests.test_oracle_parity import random_prompts
 
 BLOCK = 4
@@ -301,3 +306,19 @@ def test_a_template_too_long_to_compute_in_every_group_at_once_is_refused_naming
         llm.pin_prefix(random_prompts(VOCAB, [60], seed=20)[0])  # 16 blocks × 7 groups > 100
     handle = llm.pin_prefix(random_prompts(VOCAB, [40], seed=21)[0])  # 11 × 7 = 77 computed, 10 + 6 · 2 pinned
     assert len(handle.block_ids) == 22
+
+
+def test_a_gemma_request_is_promised_what_its_groups_read_and_finishes_within_it(tiny_gemma3):
+    """Admission on a clock whose steps cost the fit of what they carried: a prompt far past the
+    window is promised a bound that charges the sliding groups their window, below the bound of
+    every layer reading the whole context, and it finishes within it."""
+    engine, clock = make_engine(tiny_gemma3, kv_cache_budget="4MiB", block_size=BLOCK)
+    prompt = random_prompts(VOCAB, [200], seed=11)[0]
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=30, deadline_ms=60_000, ignore_eos=True))
+    assert seq.promised and seq.group_reaches == (WINDOW,) * 6
+    work, model, budget = work_of(seq), engine.admission.latency, engine.config.max_num_batched_tokens
+    windowed = schedule_bounds([work], model, budget, clock.now, NO_BEST_EFFORT)[0]
+    whole = schedule_bounds([replace(work, group_reaches=())], model, budget, clock.now, NO_BEST_EFFORT)[0]
+    assert windowed < whole
+    drain(engine)
+    assert seq.finish_time <= seq.predicted_finish

@@ -11,17 +11,21 @@ A request with a deadline is admitted only if
 - time: an upper bound on every admitted request's finish time, this one included, stays
   inside its deadline (with a safety margin) when they run earliest-deadline-first.
 
-The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by op]``
-(``LatencyModel``), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
+The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by op] + k·H``
+(``LatencyModel``; C and Q the positions each KV cache group's layers read, averaged over the
+groups, H the head's rows), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
 + decode_k - [P_k' > 0]``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it,
 ``P_k'`` its own and ``M`` the per-step token budget: the step that ends a prefill samples its
 first token. Every step carries at most all ``B`` sequences (best effort included) at
-their final contexts ``C_max``, and best effort at most ``best_effort_chunk`` prefill tokens; all
-pending prefill tokens are charged to everyone (later-deadline prefill chunks may share ``k``'s
-steps), so
+their final contexts ``C_max`` (what each group reads there: a sliding-window group at most its
+window), each sampling at most one whole head row, and best effort at most ``best_effort_chunk``
+prefill tokens; all pending prefill tokens are charged to everyone (later-deadline prefill chunks
+may share ``k``'s steps), and so are the positions a chunk reads past a sliding window (its first
+query's window to its last one's: at most a request's prefill tokens in each such group,
+``chunk_reach_s``), so
 
-    finish_k <= now + busy + m · (N_k · max(a + c·B + d·C_max + b·chunk + e·W, roofline(C_max))
-                                  + b·P_all + e·Q_all + f·prefill_steps_k) + stall + idle
+    finish_k <= now + busy + m · (N_k · max(a + (c + k)·B + d·C_max + b·chunk + e·W, roofline(C_max))
+                                  + b·P_all + e·Q_all + d'·R_all + f·prefill_steps_k) + stall + idle
 
 with ``m`` the larger of the error model's two busy multipliers (``StepErrors``: measured / fitted,
 the 0.9 quantile of each kind's steps among the last 32 busy steps, at most 2 s old, seeded by the
@@ -78,7 +82,7 @@ from ricllm.config import AdmissionSettings
 from ricllm.engine.latency_model import LatencyModel, runs_op_by_op
 from ricllm.engine.scheduler import ADAPTER_ROWS_PER_BLOCK, StepFeatures
 from ricllm.engine.schedule_bound import schedule_bounds, step_counts
-from ricllm.kv_window import KVWindow, most_blocks
+from ricllm.kv_window import KVWindow, mean_positions_read, most_blocks
 from ricllm.outputs import Degradation, Rejection
 from ricllm.sequence import Sequence, SequenceStatus
 
@@ -99,6 +103,23 @@ class Work:
     request_id: str = ""
     running: bool = False  # seated in the batch: its prefill is served before waiting requests'
     adapter: int | None = None  # the runtime slot of the LoRA adapter it is served under
+    group_reaches: tuple[int, ...] = ()  # what a query of each of its cache groups 1.. reads (0: all)
+
+    def reads(self, context: int, span: int = 0) -> int | float:
+        """K/V positions its layers read at ``context``, averaged over its cache groups
+        (``kv_window.mean_positions_read``; ``span``: its chunk's first query sits that far back)."""
+        return mean_positions_read(context, self.group_reaches, span)
+
+    @property
+    def whole_share(self) -> float:
+        """The share of its cache groups whose layers read its whole context (1 with one group)."""
+        return (1 + self.group_reaches.count(0)) / (1 + len(self.group_reaches))
+
+    @property
+    def window_reads(self) -> float:
+        """What its sliding-window groups read at its final context, averaged over its groups: with
+        ``whole_share``, ``reads(c) <= whole_share · c + window_reads`` for every ``c`` it reaches."""
+        return sum(min(self.final_context, r) for r in self.group_reaches if r) / (1 + len(self.group_reaches))
 
 
 def work_of(seq: Sequence) -> Work:
@@ -114,7 +135,8 @@ def work_of(seq: Sequence) -> Work:
     forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
     return Work(seq.deadline, prefill_left + forced_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id,
-                seq.status is SequenceStatus.RUNNING, seq.adapter.slot if seq.adapter is not None else None)
+                seq.status is SequenceStatus.RUNNING, seq.adapter.slot if seq.adapter is not None else None,
+                seq.group_reaches)
 
 
 def adapter_step_s(works: list[Work], model: LatencyModel, best_effort_adapted: int = 0) -> float:
@@ -137,8 +159,9 @@ def adapter_prefill_s(works: list[Work], model: LatencyModel) -> float:
 
 @dataclass(frozen=True)
 class BestEffortLoad:
-    """Best-effort sequences that share every step with admitted work: how many, the sum of their
-    final contexts (prompt + max_tokens, which their decode steps read), and the longest final
+    """Best-effort sequences that share every step with admitted work: how many, the sum of the
+    K/V positions their decode steps read at their final contexts (prompt + max_tokens, averaged
+    over their cache groups: ``Work.reads``), and the longest final
     context among those that may still bring prefill chunks (0: none may; a constrained answer's
     forced tokens come as chunks too)."""
 
@@ -150,18 +173,22 @@ class BestEffortLoad:
     @classmethod
     def of(cls, seqs: list[Sequence]) -> BestEffortLoad:
         pending = [_final_context(s) for s in seqs if not s.in_decode or s.guide is not None]
-        return cls(len(seqs), sum(map(_final_context, seqs)), max(pending, default=0),
+        return cls(len(seqs), sum(map(_final_reads, seqs)), max(pending, default=0),
                    sum(s.adapter is not None for s in seqs))
 
     def plus(self, joining: Sequence) -> BestEffortLoad:
         """With a sequence that joins now: it has its prompt to prefill."""
         context = _final_context(joining)
-        return BestEffortLoad(self.seqs + 1, self.context + context, max(self.longest_pending, context),
+        return BestEffortLoad(self.seqs + 1, self.context + _final_reads(joining), max(self.longest_pending, context),
                               self.adapted + (joining.adapter is not None))
 
 
 def _final_context(seq: Sequence) -> int:
     return seq.num_prompt_tokens + seq.params.max_tokens
+
+
+def _final_reads(seq: Sequence) -> int | float:
+    return mean_positions_read(_final_context(seq), seq.group_reaches)
 
 
 NO_BEST_EFFORT = BestEffortLoad()
@@ -189,11 +216,11 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     once: the first step of the work is the first after the gap.
     """
     batch = len(works) + best_effort.seqs
-    context_max = sum(w.final_context for w in works) + best_effort.context
-    a, b, c, d, e, f, g, h = model.coefficients  # LatencyModel pads a shorter fit with zeros
-    step = a + c * batch + d * context_max
+    context_max = sum(w.reads(w.final_context) for w in works) + best_effort.context
+    a, b, c, d, e, f, g, h, k = model.coefficients  # LatencyModel pads a shorter fit with zeros
+    step = a + (c + k) * batch + d * context_max
     prefill_all = sum(w.prefill_left for w in works)
-    attention_all = sum(w.prefill_left * w.final_context for w in works)
+    attention_all = sum(w.prefill_left * w.reads(w.final_context) for w in works)
     chunk, chunk_attention = 0, 0
     if best_effort.longest_pending and best_effort_chunk:
         chunk = best_effort_chunk
@@ -204,13 +231,28 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
     step += adapter_step_s(works, model, best_effort.adapted)
     step += model.adapter_block_s * chunk / ADAPTER_ROWS_PER_BLOCK if best_effort.adapted else 0.0
-    prefill_cost = (b + g * op) * prefill_all + (e + h * op) * attention_all + adapter_prefill_s(works, model)
+    prefill_cost = ((b + g * op) * prefill_all + (e + h * op) * attention_all + adapter_prefill_s(works, model)
+                    + chunk_reach_s(works, model))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
         reserve = model.reserve(steps - after_idle, after_idle)
         bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * op * prefill_steps) + reserve)
     return bounds
+
+
+def chunk_reach_s(works: list[Work], model: LatencyModel) -> float:
+    """What prefill chunks read beyond ``context_max`` in sliding-window groups: a chunk of ``n``
+    tokens reads up to ``n - 1`` positions past its window (its first query's window to its last
+    one's), so a request's chunks read at most its prefill tokens more in each such group; charged
+    at the dearer of the fit's and the roofline's price of a position. 0 with one cache group."""
+    extra = sum(w.prefill_left * (1 - w.whole_share) for w in works)
+    if not extra:
+        return 0.0
+    per_position = model.coefficients[3]
+    if model.roofline is not None:
+        per_position = max(per_position, model.roofline.kv_bytes_per_token / model.roofline.bandwidth_bytes_per_s)
+    return per_position * extra
 
 
 def may_run_op_by_op(works: list[Work], token_budget: int, limits: KernelLimits | None, chunk: int = 0,
@@ -431,7 +473,7 @@ class AdmissionController:
 
     def _largest_batch_in_time(self, context: int, tokens: int, deadline_s: float, limit: int) -> int:
         def fits(batch: int) -> bool:
-            works = [Work(deadline_s, context, tokens, context + tokens)] * batch
+            works = [Work(deadline_s, context, tokens, context + tokens, group_reaches=self.group_windows)] * batch
             return finish_bounds(works, self.latency, self.token_budget, 0.0)[-1] * (
                 1 + self.config.safety_margin) <= deadline_s
 
@@ -515,12 +557,17 @@ class AdmissionController:
         return cap
 
     def _largest_prefill_within(self, target_s: float, decodes: list[Sequence], first: Sequence, budget: int) -> int:
-        """Binary search: predicted step time grows with the prefill tokens it carries."""
-        context = sum(s.num_computed_tokens + 1 for s in decodes)
+        """Binary search: predicted step time grows with the prefill tokens it carries (the K/V
+        positions read per cache group, as ``ScheduledBatch.features`` counts them; the chunk's
+        last row may sample)."""
+        context = sum(mean_positions_read(s.num_computed_tokens + 1, s.group_reaches) for s in decodes)
 
         def step_s(tokens: int) -> float:
             attended = first.num_computed_tokens + tokens
-            return self.latency.predict(StepFeatures(tokens, len(decodes), context + attended, tokens * attended))
+            reads = mean_positions_read(attended, first.group_reaches, tokens - 1)
+            attention = tokens * mean_positions_read(attended, first.group_reaches)
+            return self.latency.predict(StepFeatures(tokens, len(decodes), context + reads, attention,
+                                                     head_rows=len(decodes) + 1, prefill_products=tokens * attended))
 
         low, high = 0, budget
         while low < high:

@@ -1,8 +1,9 @@
 """Calibrate the step-latency model by a short profiling sweep, and cache the fit on disk.
 
 The sweep runs real steps of the loaded engine: prefill-only steps of several sizes, decode
-steps at several batch sizes and contexts, prompts joining a running decode batch (mixed steps)
-and chunks behind a cached prefix (a prompt's tail after its template), then fits
+steps at several batch sizes and contexts, prompts joining a running decode batch (mixed steps),
+chunks behind a cached prefix (a prompt's tail after its template) and decodes of constrained
+answers (where the runtime narrows the head, the head's term is set apart by them), then fits
 ``LatencyModel``; last, a few steps that each follow a pause measure what a first step after an
 idle gap costs beyond the fit (the after-idle seed of ``StepErrors``). The fit depends on the
 model file, dtype, weight format, attention backend, device, thread count and ricllm version,
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ricllm.engine.latency_model import LatencyModel, Roofline, fit
-from ricllm.errors import ConfigError
+from ricllm.errors import ConfigError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.paths import cache_dir, file_digest
 from ricllm.sampling_params import SamplingParams
@@ -28,13 +29,17 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 10  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 11  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
 MIXED = ((16, 48), (16, 96), (16, 400))  # (decoding sequences of 64 tokens, length of the prompt that joins)
 # (cached prefix, chunk): a prompt's tail after a template's cached blocks, and a template's own later chunks
 PREFIX_CHUNKS = ((512, 8), (512, 32), (512, 200))
+# decodes whose grammar allows a few tokens a step: where the runtime narrows the head, their steps
+# compute a sliver of it, which sets the head's term apart from the decode rows'
+CONSTRAINED_BATCHES = (1, 8, 32)
+CONSTRAINED_ANSWER = {"regex": "[0-9]{16}"}
 AFTER_IDLE_PAUSES = 4  # steps measured after a pause: a seed, which the first real gaps then refine
 AFTER_IDLE_PAUSE_S = 0.3  # well past IDLE_GAP_S: long enough for the clock to ramp down and caches to cool
 AFTER_IDLE_PREFIX = 512  # cached tokens before each after-pause step's tail: a request behind a template
@@ -112,23 +117,29 @@ def measure_bandwidth(device, megabytes: int = 128) -> float:
 
 
 def roofline_of(engine) -> Roofline:
-    """Bytes a small-batch step must read: packed weights where a layer has them, else dense."""
+    """Bytes a small-batch step must read: packed weights where a layer has them, else dense; the
+    head's among them, since a step reads only what its sampled rows need of it."""
     per_token = engine.kv_cache.geometry.kv_format.bytes_per_token(engine.spec)  # every layer's K and V
     if engine.runtime.name == "native":
-        return Roofline(float(engine.runtime.model.weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"))
+        weights = engine.runtime.model.weights
+        return Roofline(float(weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"),
+                        float(weights.head.decode_bytes))
     from ricllm.model.packed_linear import PackedLinear
 
     model = engine.runtime.model
     shadowed = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None}
     embedding = getattr(model.embed, "weight", None)  # none when served from the packed head
-    if embedding is not None and not (model.lm_head is None and model.packed_head is None):
+    embedding_is_head = model.lm_head is None and model.packed_head is None
+    if embedding is not None and not embedding_is_head:
         shadowed.add(id(embedding))  # only looked up, row by row, unless it is the head
     # rope tables: rows looked up; 8-bit offsets: recomputed from the weights by one- and two-row products
-    tensors = [t for name, t in model.named_buffers()
+    tensors = [(name, t) for name, t in model.named_buffers()
                if not name.startswith("rope.") and not name.endswith("packed_offsets")] + [
-        t for t in model.parameters() if id(t) not in shadowed]
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.runtime.device))
+        (name, t) for name, t in model.named_parameters() if id(t) not in shadowed]
+    head_names = ("lm_head.", "packed_head.") + (("embed.",) if embedding_is_head else ())
+    weight_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    head_bytes = sum(t.numel() * t.element_size() for name, t in tensors if name.startswith(head_names))
+    return Roofline(float(weight_bytes), float(per_token), measure_bandwidth(engine.runtime.device), float(head_bytes))
 
 
 def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
@@ -163,6 +174,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
     samples += _prefix_chunk_samples(engine, prompt)
+    samples += _constrained_samples(engine, prompt, started, budget_s)
     model = fit(samples, roofline_of(engine), engine.runtime.capabilities.kernel_limits)
     model = LatencyModel(model.coefficients, model.roofline,
                          {**model.residuals, "after_idle": _after_idle_excesses(engine, model, prompt)},
@@ -201,6 +213,29 @@ def _prefix_chunk_samples(engine, prompt) -> list:
             continue
         _run(engine, prefix)
         samples += [(r.features, r.duration_s) for r in _run(engine, prefix + prompt(chunk))]
+    return samples
+
+
+def _constrained_samples(engine, prompt, started: float, budget_s: float) -> list:
+    """Decode steps of constrained answers, batches of ``CONSTRAINED_BATCHES`` (within the sweep's
+    budget)."""
+    samples = []
+    params = SamplingParams(max_tokens=8, ignore_eos=True, structured=CONSTRAINED_ANSWER)
+    for batch in CONSTRAINED_BATCHES:
+        if (time.perf_counter() - started > budget_s * 0.75 or batch > engine.config.max_num_seqs
+                or not _fits(engine, batch, 64, 8)):
+            break
+        engine.step_history.clear()
+        try:
+            seqs = [engine.add_request(prompt(64), params) for _ in range(batch)]
+        except InvalidRequestError as exc:  # a vocabulary without digits: no constrained steps to time
+            log.info("latency_calibration_without_constrained_steps", reason=str(exc))
+            break
+        while engine.has_unfinished():
+            engine.step()
+        if any(seq.rejection is not None for seq in seqs):
+            break
+        samples += [(r.features, r.duration_s) for r in engine.step_history]
     return samples
 
 

@@ -164,6 +164,12 @@ class ConstrainedDecoding:
                 ready[row].confidence *= share
 
 
+def computed_head_rows(logits: Any, rows: int) -> float:
+    """The rows the runner's head computed for ``rows`` sampled rows, each by its share of the
+    vocabulary: all whole, unless its ``StepLogits`` narrowed some."""
+    return logits.head_rows if isinstance(logits, StepLogits) else float(rows)
+
+
 def _on_host(values: Any) -> np.ndarray:
     """A runtime's logits (numpy, or a torch tensor on any device) as float64 numpy."""
     return np.asarray(values.cpu() if hasattr(values, "cpu") else values, dtype=np.float64)

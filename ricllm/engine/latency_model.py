@@ -1,16 +1,22 @@
 """Predict one engine step's time from what it carries, so admission can promise deadlines.
 
-    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q) ) + l·A
+    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q) + k·H ) + l·A
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
-term in P misses for long prompts), S = 1 for a step past the runtime's kernel limits
+term in P misses for long prompts). C and Q are taken per KV cache group and averaged over the
+groups (``StepFeatures``): a sliding-window group's layers read at most their window, so a
+Gemma 3 sequence of 4,096 tokens reads 4,096 positions in its one global group and 512 in each
+of its five sliding ones; with one group (the Llama family) they are the whole context. H the LM
+head's rows, each by the share of the vocabulary's columns computed (the k-wide constrained head
+computes its allowed tiles only; ``narrow_head``). S = 1 for a step past the runtime's kernel limits
 (``runs_op_by_op``; ``RuntimeCapabilities.kernel_limits``): with the C kernels, decode steps and
 small prefill chunks (a prompt's tail behind its template) run as one C call, whose prefill rows
 ride on the weights the decodes read anyway, while larger prefill steps run op by op (attention in
 SDPA or the C prefill kernel), a fixed cost and dearer tokens of their own. A runtime without such
 limits (a GPU, the torch reference) has S = 0 on every step. The roofline ``(weight bytes + KV
-bytes read) / bandwidth`` is the floor: no step can be faster than reading its bytes once. A Σ over
+bytes read per group + head bytes read) / bandwidth`` is the floor: no step can be faster than
+reading its bytes once (a step that samples no row reads none of the head). A Σ over
 the step's LoRA adapters of ⌈its rows / 4⌉, the reads of their weights the CPU kernel makes (4 rows
 of one adapter share each read); ``l`` is not fitted: it is the largest resident adapter's bytes at
 the roofline's measured bandwidth (``price_adapters``), so the term is known before any adapter's
@@ -44,30 +50,38 @@ if TYPE_CHECKING:
     from ricllm.engine.runtime.capabilities import KernelLimits
 
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step",
-            "op_by_op_prefill_tokens", "op_by_op_prefill_attention")
+            "op_by_op_prefill_tokens", "op_by_op_prefill_attention", "head_rows")
 
 
 def runs_op_by_op(f: StepFeatures, limits: KernelLimits | None) -> bool:
     """A step with prefill beyond the runtime's kernel ``limits`` (None: it has none, so no step
     passes them; a one-token prefill chunk counts as prefill here and as a decode row in the kernel)."""
     return limits is not None and f.num_prefill_tokens > 0 and not limits.cover(f.num_prefill_tokens,
-                                                                                 f.prefill_attention)
+                                                                                 f.prefill_products)
 
 
 def feature_vector(f: StepFeatures, limits: KernelLimits | None) -> np.ndarray:
     op = 1.0 if runs_op_by_op(f, limits) else 0.0
     return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention,
-                     op, op * f.num_prefill_tokens, op * f.prefill_attention])
+                     op, op * f.num_prefill_tokens, op * f.prefill_attention, f.head_rows])
 
 
 @dataclass
 class Roofline:
-    weight_bytes: float
-    kv_bytes_per_token: float
+    """Bytes a step must read, at a measured bandwidth: the weights (the head's share of them as
+    far as its rows read it), and the K/V of every layer at each cache group's positions read."""
+
+    weight_bytes: float  # every weight a step with a whole head row reads, the head's included
+    kv_bytes_per_token: float  # K and V of one position across every layer
     bandwidth_bytes_per_s: float
+    head_bytes: float = 0.0  # of ``weight_bytes``, the LM head's
 
     def seconds(self, f: StepFeatures) -> float:
-        return (self.weight_bytes + self.kv_bytes_per_token * f.num_context_tokens) / self.bandwidth_bytes_per_s
+        """A narrowed head's rows share their tiles' reads: ``head_rows`` (capped at one whole read)
+        is at least the share a step reads."""
+        unread_head = self.head_bytes * max(1.0 - f.head_rows, 0.0)
+        kv = self.kv_bytes_per_token * f.num_context_tokens
+        return (self.weight_bytes - unread_head + kv) / self.bandwidth_bytes_per_s
 
 
 @dataclass
@@ -212,7 +226,11 @@ class LatencyModel:
 
     @classmethod
     def from_json(cls, data: dict) -> "LatencyModel":
-        """A fit file (a ``correction`` an older version wrote is ignored: it was one run's)."""
+        """A fit file (a ``correction`` an older version wrote is ignored: it was one run's). Its
+        ``features`` must be the leading terms of ``FEATURES``, in order: a term it lacks is 0."""
+        named = list(data.get("features") or FEATURES[:len(data["coefficients"])])
+        if named != list(FEATURES[:len(named)]) or len(named) != len(data["coefficients"]):
+            raise ValueError(f"its terms {named} are not this ricllm's {list(FEATURES)}: calibrate afresh")
         roofline = Roofline(**data["roofline"]) if data.get("roofline") else None
         residuals = {kind: [float(v) for v in values] for kind, values in (data.get("residuals") or {}).items()
                      if kind in STEP_KINDS}

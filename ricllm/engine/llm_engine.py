@@ -17,6 +17,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ricllm.affinity import format_cpu_list, pin_current_thread
@@ -25,7 +26,7 @@ from ricllm.cache.kv_groups import sliding_windows
 from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.chat_prefix import PinnedTemplate, render_chat_prefix
-from ricllm.engine.constrained import ConstrainedDecoding
+from ricllm.engine.constrained import ConstrainedDecoding, computed_head_rows
 from ricllm.engine.lora_registry import LoraRegistry
 from ricllm.engine.output_processor import OutputProcessor
 from ricllm.engine.request_checks import RequestChecks
@@ -218,10 +219,10 @@ class LLMEngine:
         if not batch:
             return finished
         features, after_idle = batch.features(), self.steps.idle_at(entered)
-        ready, tokens = self._run(batch)
+        ready, tokens, head_rows = self._run(batch)
         now = self.clock()
         finished += [self._end(seq, reason, now) for seq, reason in self.outputs.append(ready, tokens, now)]
-        self.steps.record(features, self.clock() - entered, after_idle)
+        self.steps.record(replace(features, head_rows=head_rows), self.clock() - entered, after_idle)
         return finished
 
     def _schedule(self, now: float) -> tuple[ScheduledBatch, list[RequestOutput]]:
@@ -242,8 +243,10 @@ class LLMEngine:
             raise RuntimeError("scheduler could not schedule any request: this is a bug in ricllm")
         return batch, ended
 
-    def _run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """Compute the batch's tokens once; sample a token for each request now wholly computed."""
+    def _run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], float]:
+        """Compute the batch's tokens once; sample a token for each request now wholly computed.
+        Also returns the rows the head computed, each by its share of the vocabulary
+        (``StepFeatures.head_rows``: the k-wide constrained head computes less than a row)."""
         started = self.clock()
         for seq, _ in batch.items:
             if seq.first_scheduled_time is None:
@@ -256,7 +259,7 @@ class LLMEngine:
             seq.block_hashes += self.cache.cache_full_blocks(seq)
             seq.evict_blocks(self.cache.evict_outside_window(seq))
             seq.evict_group_blocks(self.cache.evict_outside_group_windows(seq))
-        return ready, self.constraints.sample(logits, ready)
+        return ready, self.constraints.sample(logits, ready), computed_head_rows(logits, len(ready))
 
     def _end(self, seq: Sequence, reason: str, now: float, aborted: bool = False) -> RequestOutput:
         """End a request: its blocks freed (a pin's prompt blocks kept), its reservation released."""

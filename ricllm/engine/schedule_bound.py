@@ -14,8 +14,9 @@ step's real composition:
 
 Between two events (a prefill done, a request finished) the composition is constant, so every step
 of the segment costs the same: each is charged at the contexts of the segment's last step (contexts
-grow by one a step, so that is an upper bound) and, when a step of it may pass the runtime's
-kernel limits, the op-by-op terms.
+grow by one a step, so that is an upper bound; a sliding-window cache group's reads at the
+request's final context, and a prefill chunk's up to its window plus the chunk), one whole head
+row per sequence and, when a step of it may pass the runtime's kernel limits, the op-by-op terms.
 Prefill tokens and their attention are charged once, where they run, as the closed form charges
 them. Best effort is charged as the closed form charges it, on every step: its sequences at their
 final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
@@ -50,6 +51,7 @@ class StepCost:
     op_by_op: float
     op_by_op_prefill_token: float
     op_by_op_attention: float
+    per_head_row: float  # each sequence samples at most one row a step, computed whole at most
     model: LatencyModel
     best_effort_seqs: int = 0
     best_effort_context: int = 0
@@ -64,7 +66,7 @@ class StepCost:
         and ``adapted_prefill`` of the tokens are under LoRA adapters."""
         seqs += self.best_effort_seqs
         context += self.best_effort_context
-        step = self.fixed + self.per_seq * seqs + self.per_context * context
+        step = self.fixed + (self.per_seq + self.per_head_row) * seqs + self.per_context * context
         if self.model.roofline is not None:
             step = max(step, self.model.roofline.seconds(StepFeatures(0, seqs, context)))
         op = bool(prefill) and op_by_op
@@ -79,35 +81,46 @@ class StepCost:
 def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int, works: list = ()) -> StepCost:
     """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step, and the
     adapter reads of ``works`` and of best effort."""
-    a, b, c, d, e, f, g, h = model.coefficients
+    a, b, c, d, e, f, g, h, k = model.coefficients
     fixed = a
     chunk = best_effort_chunk if best_effort.longest_pending else 0
     if chunk:  # charged as if its steps ran op by op
         fixed += (b + g) * chunk + (e + h) * min(chunk * best_effort.longest_pending, model.kernel_prefill_work)
     adapters = len({w.adapter for w in works if w.adapter is not None})
     best_effort_reads = (best_effort.adapted + chunk) / ADAPTER_ROWS_PER_BLOCK + 1 if best_effort.adapted else 0.0
-    return StepCost(fixed, c, d, b, e, f, g, h, model, best_effort.seqs, best_effort.context,
+    return StepCost(fixed, c, d, b, e, f, g, h, k, model, best_effort.seqs, best_effort.context,
                     model.adapter_block_s, best_effort_reads if not adapters else best_effort_reads + adapters)
 
 
 @dataclass
 class Decoding:
     """The requests past their prefill: when each finishes (in steps), and the sums that give the
-    batch's context at any step without visiting each request (``final - (end - step)``)."""
+    positions the batch reads at any step without visiting each request. A request at context
+    ``final - (end - step)`` reads at most ``share · (final - (end - step)) + window`` (``Work.
+    whole_share``, ``Work.window_reads``): its whole-context groups follow its context, its sliding
+    groups are charged what they read at its final context."""
 
     ends: list = field(default_factory=list)  # heap of (end step, index)
-    final_sum: int = 0
-    end_sum: int = 0
+    final_sum: float = 0  # Σ share · final context
+    end_sum: float = 0  # Σ share · end step
+    share_sum: float = 0  # Σ share
+    window_sum: float = 0  # Σ window reads
     adapted: int = 0  # of them, under LoRA adapters
 
-    def join(self, index: int, end_step: int, final_context: int, adapted: bool = False) -> None:
+    def join(self, index: int, end_step: int, work, adapted: bool = False) -> None:
         heapq.heappush(self.ends, (end_step, index))
-        self.final_sum += final_context
-        self.end_sum += end_step
+        self.add(work, end_step, 1)
         self.adapted += adapted
 
-    def context_at(self, step: int) -> int:
-        return self.final_sum - self.end_sum + len(self.ends) * step
+    def add(self, work, end_step: int, sign: int) -> None:
+        share = work.whole_share
+        self.final_sum += sign * share * work.final_context
+        self.end_sum += sign * share * end_step
+        self.share_sum += sign * share
+        self.window_sum += sign * work.window_reads
+
+    def context_at(self, step: int) -> float:
+        return self.final_sum - self.end_sum + self.share_sum * step + self.window_sum
 
     def next_end(self) -> float:
         return self.ends[0][0] if self.ends else math.inf
@@ -164,8 +177,9 @@ class Plan:
         end = self.step + steps
         taken = queue.take(steps * max(per_step, 0))
         prefill = sum(got for _, got, _ in taken)
-        attention = sum(got * self.attends(i) for i, got, _ in taken)
-        context = self.decoding.context_at(end) + sum(self.attends(i) for i, _, _ in taken)
+        attention = sum(got * self.works[i].reads(self.attends(i)) for i, got, _ in taken)
+        context = self.decoding.context_at(end) + sum(self.works[i].reads(self.attends(i), min(got, per_step) - 1)
+                                                      for i, got, _ in taken)
         seqs = len(self.decoding.ends) + len(taken)
         adapted = [(i, got) for i, got, _ in taken if self.works[i].adapter is not None]
         self.seconds += self.cost.segment_seconds(steps, seqs, context, prefill, attention,
@@ -198,15 +212,13 @@ class Plan:
         if work.decode_left - sampled == 0:
             self.finish_seconds[index] = self.seconds
         else:
-            self.decoding.join(index, self.step + work.decode_left - sampled, work.final_context,
-                               work.adapter is not None)
+            self.decoding.join(index, self.step + work.decode_left - sampled, work, work.adapter is not None)
 
     def leave_at(self, step: int) -> None:
         decoding = self.decoding
         while decoding.ends and decoding.ends[0][0] <= step:
             end, index = heapq.heappop(decoding.ends)
-            decoding.final_sum -= self.works[index].final_context
-            decoding.end_sum -= end
+            decoding.add(self.works[index], end, -1)
             decoding.adapted -= self.works[index].adapter is not None
             self.finish_seconds[index] = self.seconds
 

@@ -18,6 +18,7 @@ import bisect
 from dataclasses import dataclass
 
 from ricllm.cache.kv_cache_manager import KVCacheManager
+from ricllm.kv_window import mean_positions_read
 from ricllm.sequence import Sequence, SequenceStatus
 
 NEVER = float("inf")
@@ -27,13 +28,31 @@ ADAPTER_ROWS_PER_BLOCK = 4
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """The inputs of the step-latency model."""
+    """The inputs of the step-latency model.
+
+    Context and attention are counted per KV cache group (``ricllm.cache.kv_groups``) and averaged
+    over the groups, which have as many layers each: a sliding-window group's layers read at most
+    their window, a full-attention group's the whole context (``kv_window.mean_positions_read``).
+    With one group of every layer (the Llama family) they are the positions each sequence attends
+    to. The LM head is a term of its own: the rows it computes, each counted by the share of the
+    vocabulary's columns computed (a whole row 1; a row of the k-wide constrained head its tiles'
+    share)."""
 
     num_prefill_tokens: int
     num_decode_seqs: int
-    num_context_tokens: int  # Σ over the batch of the positions each sequence attends to
-    prefill_attention: int = 0  # Σ over prefill chunks of chunk length × positions attended
+    num_context_tokens: float  # Σ over the batch of the K/V positions read, averaged over the cache groups
+    prefill_attention: float = 0  # Σ over prefill chunks of chunk length × positions read, averaged alike
     adapter_blocks: int = 0  # Σ over the step's adapters of ⌈its rows / ADAPTER_ROWS_PER_BLOCK⌉: reads of their weights
+    head_rows: float | None = None  # None: one whole row per decode sequence
+    # Σ over prefill chunks of chunk length × positions attended, every layer whole: the measure the
+    # runtime's kernel limits are stated in (None: ``prefill_attention``)
+    prefill_products: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_rows is None:
+            object.__setattr__(self, "head_rows", self.num_decode_seqs)
+        if self.prefill_products is None:
+            object.__setattr__(self, "prefill_products", self.prefill_attention)
 
 
 @dataclass
@@ -47,22 +66,26 @@ class ScheduledBatch:
         return sum(n for _, n in self.items)
 
     def features(self) -> "StepFeatures":
-        """What the step costs: prefill tokens, decode sequences, K/V positions read, and the reads
-        of LoRA adapters' weights."""
-        prefill = decode = context = attention = 0
+        """What the step costs: prefill tokens, decode sequences, K/V positions read (per cache
+        group), the head's rows (each sequence that samples: a whole row, until the runner says
+        how much of the head it computed) and the reads of LoRA adapters' weights."""
+        prefill = decode = products = head = context = attention = 0
         adapter_rows: dict[int, int] = {}
         for seq, num_new in self.items:
             if seq.adapter is not None:
                 adapter_rows[seq.adapter.slot] = adapter_rows.get(seq.adapter.slot, 0) + num_new
             is_decode = num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             attended = seq.num_computed_tokens + num_new
+            reaches = seq.group_reaches
             decode += is_decode
-            context += attended
+            head += attended == seq.num_tokens
+            context += mean_positions_read(attended, reaches, num_new - 1)
             if not is_decode:
                 prefill += num_new
-                attention += num_new * attended
+                attention += num_new * mean_positions_read(attended, reaches)
+                products += num_new * attended
         blocks = sum(-(-rows // ADAPTER_ROWS_PER_BLOCK) for rows in adapter_rows.values())
-        return StepFeatures(prefill, decode, context, attention, blocks)
+        return StepFeatures(prefill, decode, context, attention, blocks, head, products)
 
     def __bool__(self) -> bool:
         return bool(self.items)

@@ -57,6 +57,7 @@ class StepLogits:
     full: Any | None
     full_rows: list[int]
     allowed: dict[int, AllowedLogits]
+    head_rows: float = 0.0  # the rows the head computed, each by its share of the head's columns (``HeadPlan``)
 
     def unconstrained(self) -> tuple[list[int], Any | None]:
         """The unconstrained rows and their full logits (None when there are none)."""
@@ -75,6 +76,13 @@ class HeadPlan:
     full_rows: list[int]
     narrow_rows: list[int]
     tiles: np.ndarray
+    num_tiles: int  # the head's
+
+    @property
+    def head_rows(self) -> float:
+        """Rows computed, each counted by the share of the head's columns it gets: the latency
+        model's head term (``StepFeatures.head_rows``)."""
+        return len(self.full_rows) + len(self.narrow_rows) * self.tiles.size / self.num_tiles
 
 
 def plan_head(allowed: list[np.ndarray | None], num_tiles: int, narrows: bool) -> HeadPlan:
@@ -82,13 +90,13 @@ def plan_head(allowed: list[np.ndarray | None], num_tiles: int, narrows: bool) -
     allowed tiles are at most ``MAX_TILE_SHARE`` of its ``num_tiles``, times the constrained rows'
     part of the rows; every row whole otherwise."""
     constrained = [row for row, ids in enumerate(allowed) if ids is not None]
-    everything = HeadPlan(list(range(len(allowed))), [], np.empty(0, np.int32))
+    everything = HeadPlan(list(range(len(allowed))), [], np.empty(0, np.int32), num_tiles)
     if not narrows or not constrained:
         return everything
     tiles = np.unique(np.concatenate([allowed[row] // TILE for row in constrained])).astype(np.int32)
     if tiles.size > MAX_TILE_SHARE * num_tiles * len(constrained) / len(allowed):
         return everything
-    return HeadPlan([row for row, ids in enumerate(allowed) if ids is None], constrained, tiles)
+    return HeadPlan([row for row, ids in enumerate(allowed) if ids is None], constrained, tiles, num_tiles)
 
 
 def step_logits(plan: HeadPlan, allowed: list[np.ndarray | None], full, narrow,
@@ -101,4 +109,4 @@ def step_logits(plan: HeadPlan, allowed: list[np.ndarray | None], full, narrow,
         ids = allowed[row]
         columns = np.searchsorted(plan.tiles, ids // TILE) * TILE + ids % TILE
         by_row[row] = AllowedLogits(ids, take(narrow, j, columns))
-    return StepLogits(full, plan.full_rows, by_row)
+    return StepLogits(full, plan.full_rows, by_row, plan.head_rows)
