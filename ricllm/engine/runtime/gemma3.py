@@ -38,9 +38,9 @@ from ricllm.errors import ConfigError
 from ricllm.model.packed_linear import PackedLinear
 from ricllm.model.spec import ModelSpec
 
-# ricllm's C attention kernels take head_dim <= 128 (kernels/cpu_paged_attention.c's MAX_D);
-# Gemma 3's heads are 256 wide
-C_KERNEL_MAX_HEAD_DIM = 128
+# ricllm's C attention kernels take head_dim <= 256 (kernels/cpu_paged_attention.c's MAX_D): Gemma 3's
+# heads are 256 wide
+C_KERNEL_MAX_HEAD_DIM = 256
 
 
 def attention_backend_name(requested: str, device: torch.device, head_dim: int) -> str:
