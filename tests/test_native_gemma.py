@@ -153,22 +153,40 @@ def recorded_logits(llm: LLM, prompts, params):
     return [o.token_ids for o in outs], [recorder.stacked(o.request_id)[1] for o in outs]
 
 
-def test_the_tiny_gemma3_gives_the_torch_runtimes_tokens_and_logits(tiny_gemma3_wide):
-    """Prompts of 5-100 tokens against windows of 8 (a 100-token prompt is one chunk of 100 rows: the
-    prefill kernel on the global layer), then 16 decodes: the native runtime's greedy tokens and logits
-    are the torch runtime's (packed int8 there too, attending in the same C kernels)."""
-    import torch
-
-    prompts = random_prompts(317, (5, 23, 100), seed=1)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+def runtimes_logits(path: Path, prompts, params, **settings):
+    """Each runtime's (greedy tokens, recorded logits)."""
     results = {}
     for runtime in ("native", "torch"):
-        llm = tiny(tiny_gemma3_wide, runtime)
+        llm = tiny(path, runtime, **settings)
         assert llm.engine.runtime.name == runtime and llm.engine.spec.head_dim == 256
         results[runtime] = recorded_logits(llm, prompts, params)
-    (native_tokens, native_logits), (torch_tokens, torch_logits) = results["native"], results["torch"]
+    return results["native"], results["torch"]
+
+
+def test_the_tiny_gemma3_gives_the_torch_runtimes_logits_bit_for_bit(tiny_gemma3_wide):
+    """Prompts of 5-64 tokens against windows of 8, then 16 decodes: where the torch runtime attends
+    in the same C kernel (steps of up to 64 rows) and runs Gemma's norms, QK-norm and GeGLU in the
+    native stack's C kernels, the two compute the same bits."""
+    import torch
+
+    prompts = random_prompts(317, (5, 23, 64), seed=1)
+    (native_tokens, native_logits), (torch_tokens, torch_logits) = runtimes_logits(
+        tiny_gemma3_wide, prompts, SamplingParams(max_tokens=16, ignore_eos=True), max_num_batched_tokens=64)
     assert native_tokens == torch_tokens
-    for ours, theirs in zip(native_logits, torch_logits):
+    for ours, theirs in zip(native_logits, torch_logits, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_prompt_chunk_past_64_rows_gives_the_torch_runtimes_tokens(tiny_gemma3_wide):
+    """A 100-token prompt read in one chunk: its global layer attends in the blocked prefill kernel
+    here, in SDPA or the prefill kernel in the torch runtime; the logits agree to bf16 rounding."""
+    import torch
+
+    prompts = random_prompts(317, (100, 9), seed=3)
+    (native_tokens, native_logits), (torch_tokens, torch_logits) = runtimes_logits(
+        tiny_gemma3_wide, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert native_tokens == torch_tokens
+    for ours, theirs in zip(native_logits, torch_logits, strict=True):
         scale = theirs.abs().max().item()
         assert torch.allclose(ours, theirs, atol=0.02 * scale, rtol=0), (ours - theirs).abs().max().item()
 
