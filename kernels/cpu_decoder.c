@@ -1,4 +1,4 @@
-/* A Llama decoder stack for one decode step, as one C call.
+/* A Llama decoder stack for one decode step, as one C call (and Gemma 3's, at the end of this file).
  *
  * Why: at decode batch sizes each layer's kernels take tens of microseconds, and calling them
  * one by one from Python (about ten calls a layer, each with its tensor allocations and
@@ -210,6 +210,110 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
     }
     TRY(ricllm_add_rms_norm(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
                             threads));
+done:
+    free_lines(buffer);
+    return code;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Gemma 3's decoder stack (ricllm/engine/runtime/gemma3.py is the reference): the same kernels, with
+ * Gemma's norms (scaled in fp32: ricllm_add_rms_norm_scaled), QK-norm, a norm after each sublayer,
+ * GeGLU, each layer's RoPE table and each layer's view of the cache:
+ *
+ *   for each layer:  x += delta; h = n1(x);  q, k, v = W_qkv h;  q, k = n_q(q), n_k(k) per head
+ *                    RoPE_θ(q, k); cache[slots_view] = k, v;  delta = n_post1(W_o attend_view(q))
+ *                    x += delta; h = n2(x);  delta = n_post2(W_down (gelu_tanh(W_gate h) ⊙ W_up h))
+ *   out = n(x + delta)
+ *
+ * A layer's view is its cache group's block tables and slots with its sliding window (ricllm/cache/
+ * kv_groups.py): layers of one view attend alike. No LoRA: Gemma's adapters are not served natively.
+ */
+int ricllm_add_rms_norm_scaled(void *x, const void *delta, const void *weight, void *out, int rows, int dim,
+                               float eps, int is_bf16, int num_threads);
+int ricllm_qk_norm(void *qkv, const void *q_weight, const void *k_weight, int rows, int heads, int kv_heads,
+                   int head_dim, float eps, int is_bf16, int num_threads);
+int ricllm_gelu_tanh_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads);
+
+/* A Gemma 3 layer's pointers beside LAYER_POINTERS: its QK-norm and post-sublayer norm weights */
+enum { Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM, GEMMA3_NORMS };
+
+/* What a Gemma 3 step needs beyond the Llama stack's arguments. ``cos``/``sin`` hold ``rope_tables``
+ * tables of [rows, head_dim] one after another; a view's sinks and windows are NULL together when
+ * no sequence keeps a window there. */
+typedef struct {
+    const void *const *norms;             /* GEMMA3_NORMS per layer */
+    const int32_t *layer_rope;            /* per layer: its table in cos/sin */
+    const int32_t *layer_view;            /* per layer: its view */
+    const int64_t *const *view_slots;     /* per view: the step's cache slots [rows] */
+    const int32_t *const *view_tables;    /* per view: block tables [batch, table_width] */
+    const int32_t *const *view_sinks;     /* per view: [batch] or NULL */
+    const int32_t *const *view_windows;   /* per view: [batch] or NULL */
+    int32_t views;
+    int32_t rope_tables;
+} Gemma3Step;
+
+/* What Python checks its copy of the structure against: its size and GEMMA3_NORMS. */
+int ricllm_gemma3_stack_layout(int which) {
+    switch (which) {
+    case 0: return (int)sizeof(Gemma3Step);
+    case 1: return GEMMA3_NORMS;
+    default: return -1;
+    }
+}
+
+/* Returns 0, -1 for a step whose layers name a view or RoPE table it does not have, or the first
+ * failing kernel's code (-2: out of memory). dims and layer_ptrs as ricllm_decoder_stack's. */
+int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptrs, const int32_t *bits,
+                                const void *final_norm, const void *cos, const void *sin,
+                                const int32_t *query_start, const int32_t *context_lens, const Gemma3Step *step,
+                                const int32_t *dims, float eps, float scale) {
+    const int rows = dims[ROWS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
+    const int head_dim = dims[HEAD_DIM], inter = dims[INTER], is_bf16 = dims[IS_BF16], threads = dims[NUM_THREADS];
+    const int q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
+    const int widest_input = inter > hidden ? (inter > q_width ? inter : q_width) : (hidden > q_width ? hidden : q_width);
+    const size_t elt = is_bf16 ? 2 : 4, row = (size_t)rows * elt;
+    for (int l = 0; l < dims[LAYERS]; l++)
+        if (step->layer_view[l] < 0 || step->layer_view[l] >= step->views || step->layer_rope[l] < 0
+            || step->layer_rope[l] >= step->rope_tables) return -1;
+    const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
+    const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
+    char *buffer = alloc_lines(activations + gemm_scratch + 64);
+    if (!buffer) return -2;
+    char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
+    char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;
+    char *scratch = act + row * inter;
+    const size_t table_bytes = (size_t)rows * head_dim * elt;
+    int code = 0;
+    for (int l = 0; l < dims[LAYERS]; l++) {
+        const void *const *p = layer_ptrs + (int64_t)l * LAYER_POINTERS;
+        const void *const *n = step->norms + (int64_t)l * GEMMA3_NORMS;
+        const int32_t *b = bits + (int64_t)l * PROJECTIONS;
+        const int view = step->layer_view[l];
+        const size_t table = (size_t)step->layer_rope[l] * table_bytes;
+        TRY(ricllm_add_rms_norm_scaled(x, l == 0 ? NULL : delta, p[ATTN_NORM], h, rows, hidden, eps, is_bf16,
+                                       threads));
+        TRY(ricllm_quant_gemm(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
+                              scratch, threads));
+        TRY(ricllm_qk_norm(qkv, n[Q_NORM], n[K_NORM], rows, heads, kv_heads, head_dim, eps, is_bf16, threads));
+        TRY(ricllm_rope_store(qkv, q, (const char *)cos + table, (const char *)sin + table, step->view_slots[view],
+                              (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads, kv_heads, head_dim, is_bf16,
+                              dims[CACHE_TYPE], threads));
+        TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, step->view_tables[view], query_start, context_lens,
+                             dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH], scale,
+                             is_bf16, dims[CACHE_TYPE], step->view_sinks[view], step->view_windows[view], threads));
+        TRY(ricllm_quant_gemm(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
+                              scratch, threads));
+        TRY(ricllm_add_rms_norm_scaled(delta, NULL, n[POST_ATTN_NORM], delta, rows, hidden, eps, is_bf16, threads));
+        TRY(ricllm_add_rms_norm_scaled(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));
+        TRY(ricllm_quant_gemm(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
+                              is_bf16, scratch, threads));
+        TRY(ricllm_gelu_tanh_mul(gate_up, act, rows, inter, is_bf16, threads));
+        TRY(ricllm_quant_gemm(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden, is_bf16,
+                              scratch, threads));
+        TRY(ricllm_add_rms_norm_scaled(delta, NULL, n[POST_FFN_NORM], delta, rows, hidden, eps, is_bf16, threads));
+    }
+    TRY(ricllm_add_rms_norm_scaled(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
+                                   threads));
 done:
     free_lines(buffer);
     return code;

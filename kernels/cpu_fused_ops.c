@@ -116,6 +116,78 @@ int ricllm_silu_mul(const void *gate_up, void *out, int rows, int inter, int is_
     return 0;
 }
 
+/* Gemma 3's RMSNorm (HF's Gemma3RMSNorm): normalised and scaled in fp32, rounded once after, where
+ * Llama's rounds the normalised row before the scale. ``weight`` holds HF's ``1 + w`` (the GGUF's). */
+INLINE void add_rms_norm_scaled_row(void *x, const void *delta, const void *weight, void *out, int64_t base,
+                                    int64_t out_base, int dim, float eps, const int bf, float *row) {
+    load_row(x, base, dim, bf, row);
+    if (delta) {
+        for (int i = 0; i < dim; i++) row[i] = round_to(row[i] + load_at(delta, base + i, bf), bf);
+        store_row(x, base, dim, bf, row);
+    }
+    float sum_sq = 0.0f;
+    for (int i = 0; i < dim; i++) sum_sq += row[i] * row[i];
+    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+    for (int i = 0; i < dim; i++) store_at(out, out_base + i, bf, row[i] * inv_rms * load_at(weight, i, bf));
+}
+
+/* x += delta (if given), then out = round(x / rms(x) · w): Gemma 3's norms on the residual stream and
+ * on a sublayer's output (``delta`` NULL; ``out`` may be ``x``: each row is read before it is written). */
+int ricllm_add_rms_norm_scaled(void *x, const void *delta, const void *weight, void *out, int rows, int dim,
+                               float eps, int is_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float row[dim];
+        DISPATCH(is_bf16, add_rms_norm_scaled_row(x, delta, weight, out, (int64_t)r * dim, (int64_t)r * dim, dim,
+                                                  eps, bf, row));
+    }
+    return 0;
+}
+
+/* QK-norm in place on the fused projection ``qkv [T, (H + 2·KVH)·D]``: each query head's D values
+ * normed with ``q_weight``, each key head's with ``k_weight`` (Gemma 3's RMSNorm over the head dim),
+ * the values left as they are. */
+int ricllm_qk_norm(void *qkv, const void *q_weight, const void *k_weight, int rows, int heads, int kv_heads,
+                   int head_dim, float eps, int is_bf16, int num_threads) {
+    const int per_row = heads + 2 * kv_heads;
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int t = 0; t < rows; t++) {
+        float row[head_dim];
+        for (int h = 0; h < heads + kv_heads; h++) {
+            const int64_t at = ((int64_t)t * per_row + h) * head_dim;
+            const void *weight = h < heads ? q_weight : k_weight;
+            DISPATCH(is_bf16, add_rms_norm_scaled_row(qkv, NULL, weight, qkv, at, at, head_dim, eps, bf, row));
+        }
+    }
+    return 0;
+}
+
+/* out = round(round(gelu_tanh(gate)) * up) over ``gate_up [T, 2·I]`` (gate first): GeGLU, rounded as
+ * eager torch's F.gelu(gate, approximate="tanh") * up. 0.5·g·(1 + tanh(y)) = g / (1 + exp(-2y)),
+ * y = √(2/π)·(g + 0.044715·g³): the form of silu_mul's, whose loop vectorizes (tanhf's does not). */
+INLINE void gelu_tanh_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int inter, const int bf) {
+    enum { CHUNK = 64 };
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    float g[CHUNK], u[CHUNK];
+    for (int first = 0; first < inter; first += CHUNK) {
+        const int n = inter - first < CHUNK ? inter - first : CHUNK;
+        load_row(gate_up, in + first, n, bf, g);
+        load_row(gate_up, in + inter + first, n, bf, u);
+        for (int i = 0; i < n; i++) {
+            const float x = g[i], minus_2y = -2.0f * beta * (x + kappa * (x * x * x));
+            g[i] = round_to(x / (1.0f + exp_approx(minus_2y > 87.0f ? 87.0f : minus_2y)), bf) * u[i];
+        }
+        store_row(out, dst + first, n, bf, g);
+    }
+}
+
+int ricllm_gelu_tanh_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int t = 0; t < rows; t++)
+        DISPATCH(is_bf16, gelu_tanh_mul_row(gate_up, out, (int64_t)t * 2 * inter, (int64_t)t * inter, inter, bf));
+    return 0;
+}
+
 /* fp32 copies of bf16 values (the upper half of an fp32 is a bf16): the logits the samplers read.
  * numpy widens a [rows, vocab] array in several passes on one thread (~0.14 ms at 8 rows of
  * SmolLM2's 49,152, 0.5-0.66 ms at 32: ~1% of a decode step); this is one pass on the threads. */

@@ -50,7 +50,8 @@
 
 #define QT 8          /* queries per work item: K/V rows are reused across them */
 #define MAX_G 8       /* query heads per KV head (GQA ratios 1 to 8) */
-#define MAX_D 128     /* head_dim */
+#define MAX_D 256     /* head_dim (Gemma 3's heads are 256 wide); a work item's row buffers are sized by
+                       * the actual head_dim, so narrower heads keep small stack frames */
 #define MAX_ROWS (QT * MAX_G)
 
 typedef struct {
@@ -423,6 +424,7 @@ static void attend_chunk_any(const float *qf, const void *const *krow, const voi
                              int visible, int kv_type, int d, int rb, float *acc, float *row_max, float *row_sum) {
     if (d == 64) ATTEND_CHUNK_RB(64)
     if (d == 128) ATTEND_CHUNK_RB(128)
+    if (d == 256) ATTEND_CHUNK_RB(256)
     ATTEND_CHUNK_RB(d)
 }
 
@@ -455,7 +457,7 @@ static void attend_vec(const Shape *s, Tile tile, int kvh, int key_begin, int ke
     const int kv_type = s->cache_type == CACHE_INT8 && !is_bf16 ? INT8_IN_ORDER : s->cache_type;
     const int blocks = (g + RB_MAX - 1) / RB_MAX;
     const Segments seg = segments(s, tile.seq, ti.first_pos, key_begin, key_end);
-    float qf[MAX_ROWS * MAX_D] __attribute__((aligned(64)));
+    float qf[ti.rows * d] __attribute__((aligned(64)));
     float row_max[MAX_ROWS], row_sum[MAX_ROWS];
     const void *krow[KT], *vrow[KT];
 
@@ -509,7 +511,7 @@ static inline __attribute__((always_inline)) void attend_portable(
         const void *kc, const void *vc, int is_bf16, const int d, float *acc, RowState *state) {
     const TileInfo ti = tile_info(s, tile);
     const Segments seg = segments(s, tile.seq, ti.first_pos, key_begin, key_end);
-    float qf[MAX_ROWS * MAX_D], key[PKT][MAX_D], val[PKT][MAX_D];
+    float qf[ti.rows * d], key[PKT][d], val[PKT][d];
     float score[MAX_ROWS][PKT], row_max[MAX_ROWS], row_sum[MAX_ROWS];
 
     for (int r = 0; r < ti.rows; r++) {
@@ -594,7 +596,7 @@ static void merge_and_store(const Shape *s, Tile tile, int kvh, int splits, int6
     const int d = s->head_dim;
     const TileInfo ti = tile_info(s, tile);
     for (int r = 0; r < ti.rows; r++) {
-        float m = -INFINITY, total = 0.0f, row[MAX_D] __attribute__((aligned(64)));
+        float m = -INFINITY, total = 0.0f, row[d] __attribute__((aligned(64)));
         for (int p = 0; p < splits; p++) m = state[p * split_stride + r].max > m ? state[p * split_stride + r].max : m;
         for (int i = 0; i < d; i++) row[i] = 0.0f;
         for (int p = 0; p < splits; p++) {

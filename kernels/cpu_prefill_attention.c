@@ -38,7 +38,7 @@
 #define KC 32                    /* keys per chunk: two 16-lane vectors of scores per row */
 #define RG 4                     /* rows per register tile */
 #define PF_MAX_G 8
-#define PF_MAX_D 128
+#define PF_MAX_D 256             /* Gemma 3's heads; a block's row buffers are sized by the actual head_dim */
 #define PF_MAX_ROWS (QB * PF_MAX_G)
 
 typedef struct {
@@ -427,7 +427,8 @@ static void attend_block(const PrefillShape *s, QueryBlock blk, int kvh, const v
     const int d = s->head_dim;
     const size_t elt = use_bf16_dot(s, is_bf16) ? 2 : 4;
     Rows rows;
-    float o[PF_MAX_ROWS * PF_MAX_D], qf[PF_MAX_ROWS * PF_MAX_D], row_max[PF_MAX_ROWS + 16], row_sum[PF_MAX_ROWS + 16];
+    /* QB·G rows, and the AMX path's bf16 queries padded to 16 rows (half as many bytes) fit qf */
+    float o[QB * s->group * d], qf[QB * s->group * d], row_max[PF_MAX_ROWS + 16], row_sum[PF_MAX_ROWS + 16];
     block_rows(s, blk, kvh, &rows, q, is_bf16);
 #if PREFILL_AMX
     uint16_t *qp = (uint16_t *)qf;  /* the AMX path reads bf16 queries, never fp32 ones */
@@ -495,7 +496,7 @@ int ricllm_prefill_attention_uses_amx(void) {
 
 /* The sequences of at least ``min_query_len`` queries (the others' rows are left as they are).
  * Returns 0, or a negative code: -1 for a shape the kernel does not take (odd head_dim, more than
- * 8 query heads per KV head, head_dim over 128), -2 when out of memory. */
+ * 8 query heads per KV head, head_dim over 256), -2 when out of memory. */
 static int prefill_attention_taking(const void *q, const void *k_cache, const void *v_cache, void *out,
                                     const int32_t *block_tables, const int32_t *query_start,
                                     const int32_t *context_lens, int batch, int heads, int kv_heads,

@@ -166,13 +166,15 @@ TINY_GEMMA3 = dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=7, ffn=12
 
 
 def write_tiny_gemma3_gguf(path: Path, *, seed: int = 0, quant: str | None = None, window: int = 8,
-                           pad_vocab_to: int = 1) -> Path:
+                           pad_vocab_to: int = 1, head_dim: int = TINY_GEMMA3["head_dim"],
+                           kv_heads: int = TINY_GEMMA3["kv_heads"]) -> Path:
     """A random Gemma 3 GGUF (``gemma3``: seven layers, so six windowed ones of ``window`` tokens around
     one global layer, heads 32 wide against a hidden size of 64) that both ricllm and HF transformers load.
 
     Its norms are stored as llama.cpp's converter stores Gemma's: ``1 + w``. ``quant`` ("Q8_0" or "Q5_0")
     stores the 2-D layer weights quantized; ``pad_vocab_to`` pads the vocabulary with unused tokens to
-    a multiple (16: a head that tiles)."""
+    a multiple (16: a head that tiles). ``head_dim`` and ``kv_heads`` widen or narrow the attention (256
+    and 1: Gemma 3 270M's)."""
     import gguf
 
     from tests.fixtures_tokenizer import add_tiny_spm_tokenizer
@@ -181,7 +183,7 @@ def write_tiny_gemma3_gguf(path: Path, *, seed: int = 0, quant: str | None = Non
     writer = gguf.GGUFWriter(str(path), "gemma3")
     vocab = add_tiny_spm_tokenizer(writer, pad_vocab_to=pad_vocab_to).vocab_size
     t = TINY_GEMMA3
-    h, heads, kv_heads, head_dim, ffn = t["hidden"], t["heads"], t["kv_heads"], t["head_dim"], t["ffn"]
+    h, heads, ffn = t["hidden"], t["heads"], t["ffn"]
     writer.add_name("tiny-random-gemma3")
     writer.add_block_count(t["layers"])
     writer.add_context_length(t["context"])

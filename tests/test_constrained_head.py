@@ -71,7 +71,7 @@ def test_gemma3s_k_wide_head_chooses_what_its_whole_head_chooses(tmp_path: Path)
     gguf = write_tiny_gemma3_gguf(tmp_path / "tiny_gemma3.gguf", seed=3, pad_vocab_to=16)
     tokens = {}
     for narrow in (True, False):
-        llm = LLM(str(gguf), weights="int8", weight_cache=False, kv_cache_budget="8MiB")
+        llm = LLM(str(gguf), weights="int8", weight_cache=False, kv_cache_budget="8MiB", runtime="torch")
         assert llm.engine.spec.architecture == "gemma3" and llm.engine.runtime.model.head_narrows(20)
         llm.engine.runtime.runner.narrow_head = narrow
         narrow_steps = count_narrow_steps(llm)

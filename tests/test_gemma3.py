@@ -103,11 +103,12 @@ def test_a_requests_own_window_narrows_the_windowed_layers_where_it_is_narrower(
     assert own.kv_windows.tolist() == [512, 512, 100] and own.kv_sinks.tolist() == [0] * 3
 
 
-def test_runtime_auto_serves_gemma3_in_torch_and_says_why(tiny_gemma3):
+def test_runtime_auto_serves_dense_gemma3_in_torch_and_says_why(tiny_gemma3):
+    """F32 layers leave ``weights="auto"`` dense, which only the torch runtime multiplies."""
     llm = LLM(str(tiny_gemma3), kv_cache_budget="8MiB")
     assert llm.engine.runtime.name == "torch"
-    assert "architecture 'gemma3'" in llm.engine.runtime.why and "Llama-family" in llm.engine.runtime.why
-    with pytest.raises(ConfigError, match="runtime 'native' cannot serve.*architecture 'gemma3'"):
+    assert "weights 'auto' leave the layers dense" in llm.engine.runtime.why
+    with pytest.raises(ConfigError, match="runtime 'native' cannot serve.*weights 'auto' leave the layers dense"):
         LLM(str(tiny_gemma3), kv_cache_budget="8MiB", runtime="native")
 
 
@@ -115,11 +116,11 @@ def test_heads_wider_than_the_c_kernels_take_attend_in_the_torch_reference_on_th
     from ricllm.engine.runtime.gemma3 import attention_backend_name
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert attention_backend_name("auto", cpu, 256) == "torch"
-    assert attention_backend_name("auto", cpu, 128) == "auto"  # the C kernel takes it
-    assert attention_backend_name("auto", gpu, 256) == "auto"
-    with pytest.raises(ConfigError, match="heads are 256 wide.*at most 128"):
-        attention_backend_name("cpu", cpu, 256)
+    assert attention_backend_name("auto", cpu, 512) == "torch"
+    assert attention_backend_name("auto", cpu, 256) == "auto"  # the C kernel takes Gemma 3's heads
+    assert attention_backend_name("auto", gpu, 512) == "auto"
+    with pytest.raises(ConfigError, match="heads are 512 wide.*at most 256"):
+        attention_backend_name("cpu", cpu, 512)
 
 
 def test_the_weight_cache_gives_back_the_converted_model(tmp_path, monkeypatch):

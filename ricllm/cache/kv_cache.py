@@ -121,11 +121,13 @@ class NativeKVCache:
     def __init__(self, spec: ModelSpec, geometry: CacheGeometry):
         shape = cache_shape(spec, geometry)
         self.geometry = geometry
-        self.pool = aligned_zeros((spec.num_layers, 2, *shape), np.uint8 if geometry.kv_format.quantized else np.uint16)
+        num_slots, slot_of_layer = store_slots(spec, geometry)
+        self.pool = aligned_zeros((num_slots, 2, *shape), np.uint8 if geometry.kv_format.quantized else np.uint16)
         pool_bytes = self.pool.reshape(-1).view(np.uint8)
         pool_bytes[::PAGE_BYTES] = 0
         pool_bytes[-1:] = 0  # the pool starts inside a page (on a cache line), so its last page may be after the stride
-        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(spec.num_layers)]
+        self.slots = [(self.pool[i, 0], self.pool[i, 1]) for i in range(num_slots)]
+        self.layers = [self.slots[slot] for slot in slot_of_layer]
 
     def total_bytes(self) -> int:
         return self.pool.nbytes

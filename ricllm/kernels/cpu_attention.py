@@ -76,6 +76,6 @@ def _attend(entry: str, query, k_cache, v_cache, block_tables, query_start_loc, 
         torch.get_num_threads())
     if code != 0:
         raise ValueError(f"the CPU attention kernel does not take {q.shape[1]} heads over {n_kv} KV heads "
-                         f"of dim {head_dim} (at most 8 query heads per KV head, head_dim <= 128)"
+                         f"of dim {head_dim} (at most 8 query heads per KV head, head_dim <= 256)"
                          + (" or a KV window (the prefill kernel)" if windows is not None else ""))
     return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -1,7 +1,8 @@
 """Fused elementwise layer steps for the CPU (``kernels/cpu_fused_ops.c``), one C call each.
 
-``CpuFusedOps`` is what the fused layers (``ricllm.engine.runtime.llama_fused``) call instead of the
-torch ops when the engine runs the ``cpu`` attention backend: add + RMSNorm, RoPE + K/V store, SiLU·up. Each rounds where
+``CpuFusedOps`` is what the fused layers (``ricllm.engine.runtime.llama_fused``; Gemma 3's in bf16) call instead
+of the torch ops when the engine runs the ``cpu`` attention backend: add + RMSNorm, RoPE + K/V store, SiLU·up;
+Gemma 3's RMSNorm, QK-norm and GeGLU (those the native runtime's Gemma stack runs). Each rounds where
 eager torch rounds, so a model computes the same thing either way up to the order of the fp32
 sums in the norm; the torch layers remain the reference (tests compare the two).
 Activations must be contiguous bf16 or fp32 tensors on the CPU.
@@ -78,4 +79,34 @@ class CpuFusedOps:
         out = gate_up.new_empty(rows, width // 2)
         self._lib.ricllm_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self._is_bf16,
                                   torch.get_num_threads())
+        return out
+
+    def rms_norm_scaled(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma 3's RMSNorm of ``x [rows, dim]``: ``round(x / rms(x) · weight)``, scaled in fp32."""
+        rows, dim = x.shape
+        if x.dtype != self.dtype or weight.dtype != self.dtype or not x.is_contiguous():
+            _reject(f"rms_norm_scaled takes contiguous {self.dtype} tensors")
+        out = torch.empty_like(x)
+        self._lib.ricllm_add_rms_norm_scaled(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+                                             self._is_bf16, torch.get_num_threads())
+        return out
+
+    def qk_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int,
+                eps: float) -> None:
+        """Gemma 3's QK-norm in place on ``qkv [T, (H + 2·KVH)·D]``: each query and key head normed."""
+        rows, width = qkv.shape
+        head_dim = q_weight.shape[0]
+        if not qkv.is_contiguous() or qkv.dtype != self.dtype or width != (heads + 2 * kv_heads) * head_dim:
+            _reject(f"qk_norm takes a contiguous {self.dtype} qkv of width (heads + 2 kv_heads) head_dim")
+        self._lib.ricllm_qk_norm(qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), rows, heads, kv_heads,
+                                 head_dim, eps, self._is_bf16, torch.get_num_threads())
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` for ``gate_up [T, 2·I]`` (gate first) -> ``[T, I]``: GeGLU."""
+        rows, width = gate_up.shape
+        if not gate_up.is_contiguous() or gate_up.dtype != self.dtype:
+            _reject(f"gelu_tanh_mul takes a contiguous {self.dtype} tensor")
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.ricllm_gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, self._is_bf16,
+                                       torch.get_num_threads())
         return out

@@ -79,6 +79,10 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_add_rms_norm": [_P] * 4 + [_I, _I, _F, _I, _I],
     "ricllm_rope_store": [_P] * 7 + [_I] * 7,
     "ricllm_silu_mul": [_P, _P] + [_I] * 4,
+    "ricllm_add_rms_norm_scaled": [_P] * 4 + [_I, _I, _F, _I, _I],
+    # qkv, q_weight, k_weight, rows, heads, kv_heads, head_dim, eps, is_bf16, num_threads
+    "ricllm_qk_norm": [_P] * 3 + [_I] * 4 + [_F, _I, _I],
+    "ricllm_gelu_tanh_mul": [_P, _P] + [_I] * 4,
     "ricllm_bf16_to_f32": [_P, _P, ctypes.c_int64, _I],
     "ricllm_quant_gemm_supported": [_I],
     "ricllm_quant_gemm_uses_amx": [],
@@ -92,6 +96,9 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_decoder_stack_dims": [],
     "ricllm_decoder_stack_layer_pointers": [],
     "ricllm_decoder_stack_lora_layout": [_I],
+    # x, out, layer pointers, bits, final norm, cos, sin, starts, lens, the Gemma3Step, dims; eps, scale
+    "ricllm_gemma3_decoder_stack": [_P] * 11 + [_F, _F],
+    "ricllm_gemma3_stack_layout": [_I],
     # x, x_stride, y, y_stride, in, out, segments, starts, ends, ranks, a, b_t, scales, is_bf16, weights_bf16, threads
     "ricllm_lora": [_P, ctypes.c_int64, _P, ctypes.c_int64, _I, _I, _I] + [_P] * 6 + [_I, _I, _I],
 }

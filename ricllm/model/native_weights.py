@@ -37,6 +37,8 @@ MAGIC = b"RICLLMNW"
 FORMAT_VERSION = 2  # 2: the tokenizer's vocabulary and merges outside its JSON
 ALIGN = 64
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the decoder stack's order within a layer
+# Gemma 3's norms beside the two of every layer, in its decoder stack's order (kernels/cpu_decoder.c)
+GEMMA3_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 TOKENIZER_MERGES = "tokenizer.merges"  # int32 [merges, 2]: (left, right) token ids, in rank order
 
 
@@ -65,6 +67,7 @@ class NativeLayer:
     attn_norm: np.ndarray  # uint16 (bf16) [hidden]
     ffn_norm: np.ndarray
     projections: dict[str, Packed]  # PROJECTIONS
+    norms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # Gemma 3's GEMMA3_NORMS; else empty
 
 
 @dataclass
@@ -76,14 +79,17 @@ class NativeWeights:
     norm: np.ndarray  # uint16 (bf16) [hidden]
     head: Packed
     embedding: np.ndarray | None  # uint16 (bf16) [vocab, hidden]; None: rows dequantized from the head
-    rope_cos: np.ndarray  # uint16 (bf16) [max_positions, head_dim]
+    rope_cos: np.ndarray  # uint16 (bf16) [max_positions, head_dim]; Gemma 3: its global layers' base
     rope_sin: np.ndarray
+    rope_local_cos: np.ndarray | None = None  # Gemma 3: its sliding-window layers' base; else None
+    rope_local_sin: np.ndarray | None = None
 
     def weight_bytes(self) -> int:
         """Bytes a one-stream decode step reads: every projection and norm and the head (an
         embedding is only looked up, row by row)."""
         layers = sum(p.decode_bytes for layer in self.layers for p in layer.projections.values())
-        norms = sum(layer.attn_norm.nbytes + layer.ffn_norm.nbytes for layer in self.layers)
+        norms = sum(layer.attn_norm.nbytes + layer.ffn_norm.nbytes + sum(n.nbytes for n in layer.norms.values())
+                    for layer in self.layers)
         return layers + norms + self.norm.nbytes + self.head.decode_bytes
 
 
@@ -99,12 +105,14 @@ def read(path: Path) -> NativeWeights:
         return Packed(arrays[f"{prefix}.weight"], arrays[f"{prefix}.scales"], arrays[f"{prefix}.offsets"], width)
 
     layers = [NativeLayer(arrays[f"layers.{i}.attn_norm"], arrays[f"layers.{i}.ffn_norm"],
-                          {p: packed(f"layers.{i}.{p}", bits[i][k]) for k, p in enumerate(PROJECTIONS)})
+                          {p: packed(f"layers.{i}.{p}", bits[i][k]) for k, p in enumerate(PROJECTIONS)},
+                          {n: arrays[f"layers.{i}.{n}"] for n in GEMMA3_NORMS if f"layers.{i}.{n}" in arrays})
               for i in range(spec.num_layers)]
     tokenizer = _tokenizer(meta["tokenizer"], meta.get("tokenizer_tokens"), arrays.get(TOKENIZER_MERGES))
     return NativeWeights(spec, tokenizer, tuple(meta["weight_formats"]),
                          layers, arrays["norm"], packed("head", meta["head_bits"]), arrays.get("embedding"),
-                         arrays["rope.cos"], arrays["rope.sin"])
+                         arrays["rope.cos"], arrays["rope.sin"], arrays.get("rope.local_cos"),
+                         arrays.get("rope.local_sin"))
 
 
 def _tokenizer(state: dict, tokens: list[str] | None, merges: np.ndarray | None) -> Tokenizer:
@@ -136,7 +144,7 @@ def _map(path: Path) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def write(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model, weight_formats: tuple[str, str]) -> None:
-    """Save a packed ``LlamaModel`` (every projection and the head in the VNNI layout: see
+    """Save a packed ``LlamaModel`` or ``Gemma3Model`` (every projection and the head in the VNNI layout: see
     :func:`unsupported_reason`) atomically: a temporary file, then a rename."""
     arrays, bits = _model_arrays(model)
     metadata = {"spec": dataclasses.asdict(spec), "weight_formats": list(weight_formats), "bits": bits,
@@ -161,7 +169,7 @@ def _tokenizer_parts(tokenizer: Tokenizer, arrays: dict[str, np.ndarray]) -> dic
 
 
 def unsupported_reason(model) -> str | None:
-    """Why a converted ``LlamaModel`` cannot be served natively, or None when it can."""
+    """Why a converted ``LlamaModel`` or ``Gemma3Model`` cannot be served natively, or None when it can."""
     from ricllm.model.packed_linear import PackedEmbedding, PackedLinear
 
     def own(m) -> bool:
@@ -197,6 +205,10 @@ def _model_arrays(model) -> tuple[dict[str, np.ndarray], list[list[int]]]:
                                          layer.mlp.down_proj)))
         arrays[f"layers.{i}.attn_norm"], arrays[f"layers.{i}.ffn_norm"] = host(layer.attn_norm.weight), host(
             layer.ffn_norm.weight)
+        if model.spec.architecture == "gemma3":
+            norms = (layer.attn.q_norm, layer.attn.k_norm, layer.post_attn_norm, layer.post_ffn_norm)
+            for name, norm in zip(GEMMA3_NORMS, norms, strict=True):
+                arrays[f"layers.{i}.{name}"] = host(norm.weight)
         for name, m in modules.items():
             for part in ("weight", "scales", "offsets"):
                 arrays[f"layers.{i}.{name}.{part}"] = host(getattr(m, f"packed_{part}"))
@@ -207,6 +219,13 @@ def _model_arrays(model) -> tuple[dict[str, np.ndarray], list[list[int]]]:
     if not isinstance(model.embed, PackedEmbedding):
         arrays["embedding"] = host(model.embed.weight)
     # the tables as a step uses them: fp32 angles rounded to bf16 by torch, so both runtimes agree bit for bit
+    if model.spec.architecture == "gemma3":
+        # every position's (cos, sin) per base, as ``LayerRoPE`` computes a step's: 0 global, 1 local
+        positions = torch.arange(model.spec.max_position_embeddings)
+        (cos, sin), (local_cos, local_sin) = model.rope(positions, torch.bfloat16)
+        arrays["rope.cos"], arrays["rope.sin"] = host(cos[:, 0]), host(sin[:, 0])
+        arrays["rope.local_cos"], arrays["rope.local_sin"] = host(local_cos[:, 0]), host(local_sin[:, 0])
+        return arrays, bits
     arrays["rope.cos"], arrays["rope.sin"] = host(model.rope.cos.to(torch.bfloat16)), host(
         model.rope.sin.to(torch.bfloat16))
     return arrays, bits

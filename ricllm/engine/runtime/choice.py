@@ -18,7 +18,7 @@ from ricllm.config import EngineConfig
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.errors import ConfigError
 
-NATIVE_ARCHITECTURES = ("llama", "mistral")  # its C decoder stack: SwiGLU, pre-norms only
+NATIVE_ARCHITECTURES = ("llama", "mistral", "gemma3")  # its C decoder stacks: Llama's and Gemma 3's
 
 
 def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | None:
@@ -41,7 +41,7 @@ def native_unsupported_reason(config: EngineConfig, model_path: Path) -> str | N
         return "max_packed_rows keeps a dense bf16 copy, which only the torch runtime multiplies"
     architecture = read_architecture(model_path)
     if architecture is not None and architecture not in NATIVE_ARCHITECTURES:
-        return f"architecture {architecture!r}: the native runtime runs Llama-family models only"
+        return f"architecture {architecture!r}: the native runtime runs Llama-family models and Gemma 3 only"
     if not (quant_gemm_available(4) and quant_gemm_available(8)):
         return "ricllm's packed-weight kernels do not run here (they need a C compiler and an x86-64-v3 CPU: AVX2, FMA, F16C)"
     return _dense_weights_reason(config, model_path)

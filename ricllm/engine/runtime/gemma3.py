@@ -19,6 +19,10 @@ model hands the sliding-window layers a second metadata object for the step
 (``sliding_window_metadata``) in which every sequence's window is the layer's. The cache still
 keeps every layer's whole sequence: a sliding-window layer only masks what it does not read.
 
+With bf16 activations on the ``cpu`` backend the norms, QK-norm and GeGLU run in the C kernels the
+native runtime's Gemma stack runs (``c_ops``): where both runtimes attend in the same kernel (decode
+steps, prefill chunks up to 64 rows) they compute the same bits.
+
 Weights come in through ``gemma3_weights``; the projections pack as the Llama model's do (the
 same module names: ``attn.qkv_proj``, ``attn.o_proj``, ``mlp.gate_up_proj``, ``mlp.down_proj``).
 """
@@ -38,9 +42,9 @@ from ricllm.errors import ConfigError
 from ricllm.model.packed_linear import PackedLinear
 from ricllm.model.spec import ModelSpec
 
-# ricllm's C attention kernels take head_dim <= 128 (kernels/cpu_paged_attention.c's MAX_D);
-# Gemma 3's heads are 256 wide
-C_KERNEL_MAX_HEAD_DIM = 128
+# ricllm's C attention kernels take head_dim <= 256 (kernels/cpu_paged_attention.c's MAX_D): Gemma 3's
+# heads are 256 wide
+C_KERNEL_MAX_HEAD_DIM = 256
 
 
 def attention_backend_name(requested: str, device: torch.device, head_dim: int) -> str:
@@ -55,16 +59,26 @@ def attention_backend_name(requested: str, device: torch.device, head_dim: int) 
     return "torch"
 
 
+def c_ops(backend):
+    """The C kernels of the native runtime's Gemma stack (``CpuFusedOps``) where the ``cpu`` backend runs
+    bf16 activations: the norms, QK-norm and GeGLU then round exactly as there, so the two runtimes
+    compute the same bits where they attend in the same kernel. None elsewhere: torch's ops."""
+    ops = getattr(backend, "fused_ops", None)
+    return ops if ops is not None and ops.dtype == torch.bfloat16 else None
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) ⊙ g``, normalised and scaled in fp32 and cast back after, as HF's
     Gemma3RMSNorm (Llama's casts before the scale)."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, ops=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)  # from the file, never initialised
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dim() == 2:
+            return self.ops.rms_norm_scaled(x.contiguous(), self.weight, self.eps)
         return (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight.float()).to(x.dtype)
 
 
@@ -112,13 +126,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qkv_sizes = (spec.q_size, spec.kv_size, spec.kv_size)
         self.scale = spec.attention_scale
-        self.backend = backend
+        self.backend, self.ops = backend, c_ops(backend)
 
     def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = apply_rope(self.q_norm(q.view(tokens, self.num_heads, self.head_dim)), *rope_cos_sin)
-        k = apply_rope(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), *rope_cos_sin)
+        qkv = self.qkv_proj(x)
+        if self.ops is not None:  # QK-norm in place, as the native stack does it
+            qkv = qkv.contiguous()
+            self.ops.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                             self.q_norm.eps)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        q, k = q.reshape(tokens, self.num_heads, self.head_dim), k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.ops is None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope_cos_sin), apply_rope(k, *rope_cos_sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
@@ -127,12 +148,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GeGLU: ``W_down · (gelu_tanh(W_gate · x) ⊙ W_up · x)``, gate and up in one projection."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, ops=None):
         super().__init__()
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.gelu_tanh_mul(self.gate_up_proj(x).contiguous()))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
@@ -141,12 +165,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, index: int, backend):
         super().__init__()
         self.window = spec.layer_window(index)  # 0: the layer attends to the whole sequence
-        self.attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        ops = c_ops(backend)
+        self.attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.attn = Attention(spec, backend)
-        self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
-        self.post_ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.mlp = MLP(spec, ops)
+        self.post_ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
     def forward(self, x, rope_cos_sin, kv_cache, meta):
         h = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope_cos_sin, kv_cache, meta))
@@ -157,7 +182,7 @@ class Gemma3Model(nn.Module):
     """The model runner's interface as ``LlamaModel``'s: ``forward`` to the final norm's hidden
     states, ``compute_logits`` for the rows that sample."""
 
-    decoder_stack = None  # no C decoder stack runs Gemma
+    decoder_stack = None  # op by op here; Gemma 3's C decoder stack is the native runtime's (native_gemma3)
 
     def __init__(self, spec: ModelSpec, backend):
         super().__init__()
@@ -165,7 +190,7 @@ class Gemma3Model(nn.Module):
         self.embed = Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_scale = spec.hidden_size ** 0.5
         self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, c_ops(backend))
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.rope = LayerRoPE(spec)
         groups = kv_cache_groups(spec)

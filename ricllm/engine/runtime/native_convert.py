@@ -50,7 +50,8 @@ def conversion_code_digest() -> str:
     runtime_dir = Path(__file__).parent  # the torch model the conversion runs, and its loading
     digest = hashlib.sha256()
     for path in [model_dir / name for name in ("loader.py", "packed_linear.py", "native_weights.py")] + [
-            runtime_dir / "llama.py", runtime_dir / "llama_weights.py", kernels_dir / "cpu_quant.py", Path(__file__)]:
+            runtime_dir / "llama.py", runtime_dir / "llama_weights.py", runtime_dir / "gemma3.py",
+            runtime_dir / "gemma3_weights.py", kernels_dir / "cpu_quant.py", Path(__file__)]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -21,7 +21,8 @@ from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
 
 
-def _int32(values) -> np.ndarray:
+def int32_array(values) -> np.ndarray:
+    """``values`` as a contiguous int32 array: what the kernels take for tables and lengths."""
     return np.ascontiguousarray(values, dtype=np.int32)
 
 
@@ -36,14 +37,14 @@ class NativeModel:
         spec = self.spec
         self._stack = DecoderStackCall(
             hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            inter=spec.intermediate_size, is_bf16=1, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
+            inter=spec.intermediate_size, is_bf16=1, eps=spec.rms_norm_eps, scale=spec.attention_scale,
             bits=[layer.projections[p].bits for layer in weights.layers for p in native_weights.PROJECTIONS])
 
     def bind_cache(self, kv_cache: NativeKVCache) -> None:
         """Take every layer's weight and K/V pointers once: the arrays live as long as the engine."""
         addresses = []
         for layer, (k, v) in zip(self.weights.layers, kv_cache.layers, strict=True):
-            qkv, o, gate_up, down = (_addresses(layer.projections[p]) for p in native_weights.PROJECTIONS)
+            qkv, o, gate_up, down = (packed_addresses(layer.projections[p]) for p in native_weights.PROJECTIONS)
             addresses += layer_addresses(layer.attn_norm.ctypes.data, qkv, o, layer.ffn_norm.ctypes.data, gate_up,
                                          down, k.ctypes.data, v.ctypes.data)
         self._stack.bind(addresses, block_size=kv_cache.geometry.block_size,
@@ -72,8 +73,10 @@ class NativeModel:
         where = np.asarray(positions, dtype=np.int64)
         cos, sin = self.weights.rope_cos[where], self.weights.rope_sin[where]
         slots = np.asarray(flat.slot_mapping, dtype=np.int64)
-        tables, starts, lens = _int32(flat.block_tables), _int32(flat.query_start_loc), _int32(flat.context_lens)
-        sinks, windows = (None, None) if flat.kv_windows is None else (_int32(flat.kv_sinks), _int32(flat.kv_windows))
+        tables, starts, lens = (int32_array(values) for values in (flat.block_tables, flat.query_start_loc,
+                                                                   flat.context_lens))
+        sinks, windows = (None, None) if flat.kv_windows is None else (int32_array(flat.kv_sinks),
+                                                                       int32_array(flat.kv_windows))
         out = aligned_empty(x.shape, x.dtype)
         self._stack(x.ctypes.data, out.ctypes.data, self.weights.norm.ctypes.data, cos.ctypes.data, sin.ctypes.data,
                     slots.ctypes.data, tables.ctypes.data, starts.ctypes.data, lens.ctypes.data,
@@ -124,7 +127,8 @@ def _take_rows(array: np.ndarray, rows) -> np.ndarray:
     return np.take(array, rows, axis=0, out=aligned_empty((len(rows), *array.shape[1:]), array.dtype))
 
 
-def _addresses(p: Packed) -> tuple[int, int, int]:
+def packed_addresses(p: Packed) -> tuple[int, int, int]:
+    """A packed projection's (weight, scales, offsets) addresses, as the decoder stacks take them."""
     return p.weight.ctypes.data, p.scales.ctypes.data, p.offsets.ctypes.data
 
 

@@ -1,7 +1,7 @@
 """The native runtime: the model as ricllm's C kernels on numpy arrays, with no torch in the process.
 
-This module builds it: the thread count, the weights, the model (``native_model``), its KV store
-and the numpy sampler. Every step runs as one C call for all layers (``kernels/cpu_decoder.c``: the
+This module builds it: the thread count, the weights, the model (``native_model``; Gemma 3's in
+``native_gemma3``), its KV store and the numpy sampler. Every step runs as one C call for all layers (``kernels/cpu_decoder.c``: the
 same kernels, order and roundings as the torch runtime's decoder stack), prefill chunks included:
 the C attention kernel attends causally through the block tables. Where the torch runtime also
 uses the stack (decode steps, small prefills) the two give bit-identical logits.
@@ -25,6 +25,7 @@ from ricllm.engine.runtime.capabilities import C_KERNEL_CAPABILITIES
 from ricllm.engine.runtime.interface import Runtime
 from ricllm.engine.runtime.lora_slots import LoraSlots
 from ricllm.engine.runtime.native_convert import load_weights
+from ricllm.engine.runtime.native_gemma3 import NativeGemma3Model
 from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
 
 
@@ -50,11 +51,13 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     threads = default_threads(config)
     weights, source, entry = load_weights(config, model_path)
     load_s = time.perf_counter() - started
-    model = NativeModel(weights, threads)
+    model = (NativeGemma3Model if weights.spec.architecture == "gemma3" else NativeModel)(weights, threads)
     geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size,
                           kv_format(config.kv_cache_dtype, "bfloat16"))
     kv_cache = NativeKVCache(weights.spec, geometry)
-    lora = LoraSlots(weights.spec, config.max_loras, bf16=True)  # the activations' type: bf16
+    # the activations' type: bf16. Adapters are served on the Llama family only: Gemma 3 gets no slots,
+    # so loading one is refused by name (``lora_registry``)
+    lora = LoraSlots(weights.spec, config.max_loras if weights.spec.architecture == "llama" else 0, bf16=True)
     return Runtime(
         name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
         tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache, lora),
