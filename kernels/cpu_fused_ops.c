@@ -90,19 +90,24 @@ int ricllm_rope_store(const void *qkv, void *q_out, const void *cos, const void 
     return 0;
 }
 
-/* In chunks through fp32 buffers: the loops over them vectorize, a mixed bf16/fp32 loop does not. */
-INLINE void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int inter, const int bf) {
+/* round(gate / (1 + exp(e(gate)))) * up for one row of ``gate_up`` (gate first), where ``e`` is
+ * ``gelu ? -2y : -gate`` with y = sqrt(2/pi)·(g + 0.044715·g³): silu is g / (1 + exp(-g)), and tanh-GELU
+ * 0.5·g·(1 + tanh(y)) is g / (1 + exp(-2y)), a form whose loop vectorizes (tanhf's does not). exp
+ * overflows past 88: clamping the exponent at 87 still gives ~ -1e-36, i.e. 0 (a ternary, not fminf,
+ * whose NaN rules keep the loop scalar). In chunks through fp32 buffers: the loops over them
+ * vectorize, a mixed bf16/fp32 loop does not. */
+INLINE void gated_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int inter, const int bf,
+                          const int gelu) {
     enum { CHUNK = 64 };
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
     float g[CHUNK], u[CHUNK];
     for (int first = 0; first < inter; first += CHUNK) {
         const int n = inter - first < CHUNK ? inter - first : CHUNK;
         load_row(gate_up, in + first, n, bf, g);
         load_row(gate_up, in + inter + first, n, bf, u);
         for (int i = 0; i < n; i++) {
-            /* exp(-g) overflows past 88: clamping there still gives silu ~ -1e-36, i.e. 0 (a
-             * ternary, not fminf, whose NaN rules keep the loop scalar) */
-            const float minus_g = -g[i] > 87.0f ? 87.0f : -g[i];
-            g[i] = round_to(g[i] / (1.0f + exp_approx(minus_g)), bf) * u[i];
+            const float x = g[i], e = gelu ? -2.0f * beta * (x + kappa * (x * x * x)) : -x;
+            g[i] = round_to(x / (1.0f + exp_approx(e > 87.0f ? 87.0f : e)), bf) * u[i];
         }
         store_row(out, dst + first, n, bf, g);
     }
@@ -112,7 +117,7 @@ INLINE void silu_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst
 int ricllm_silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int t = 0; t < rows; t++)
-        DISPATCH(is_bf16, silu_mul_row(gate_up, out, (int64_t)t * 2 * inter, (int64_t)t * inter, inter, bf));
+        DISPATCH(is_bf16, gated_mul_row(gate_up, out, (int64_t)t * 2 * inter, (int64_t)t * inter, inter, bf, 0));
     return 0;
 }
 
@@ -163,28 +168,11 @@ int ricllm_qk_norm(void *qkv, const void *q_weight, const void *k_weight, int ro
 }
 
 /* out = round(round(gelu_tanh(gate)) * up) over ``gate_up [T, 2·I]`` (gate first): GeGLU, rounded as
- * eager torch's F.gelu(gate, approximate="tanh") * up. 0.5·g·(1 + tanh(y)) = g / (1 + exp(-2y)),
- * y = √(2/π)·(g + 0.044715·g³): the form of silu_mul's, whose loop vectorizes (tanhf's does not). */
-INLINE void gelu_tanh_mul_row(const void *gate_up, void *out, int64_t in, int64_t dst, int inter, const int bf) {
-    enum { CHUNK = 64 };
-    const float beta = 0.7978845608028654f, kappa = 0.044715f;
-    float g[CHUNK], u[CHUNK];
-    for (int first = 0; first < inter; first += CHUNK) {
-        const int n = inter - first < CHUNK ? inter - first : CHUNK;
-        load_row(gate_up, in + first, n, bf, g);
-        load_row(gate_up, in + inter + first, n, bf, u);
-        for (int i = 0; i < n; i++) {
-            const float x = g[i], minus_2y = -2.0f * beta * (x + kappa * (x * x * x));
-            g[i] = round_to(x / (1.0f + exp_approx(minus_2y > 87.0f ? 87.0f : minus_2y)), bf) * u[i];
-        }
-        store_row(out, dst + first, n, bf, g);
-    }
-}
-
+ * eager torch's F.gelu(gate, approximate="tanh") * up. */
 int ricllm_gelu_tanh_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int t = 0; t < rows; t++)
-        DISPATCH(is_bf16, gelu_tanh_mul_row(gate_up, out, (int64_t)t * 2 * inter, (int64_t)t * inter, inter, bf));
+        DISPATCH(is_bf16, gated_mul_row(gate_up, out, (int64_t)t * 2 * inter, (int64_t)t * inter, inter, bf, 1));
     return 0;
 }
 

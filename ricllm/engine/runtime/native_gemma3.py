@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ricllm.cache.kv_cache import NativeKVCache
 from ricllm.cache.kv_groups import kv_cache_groups, layer_groups
 from ricllm.engine.runtime.flat_batch import FlatBatch
-from ricllm.engine.runtime.native_model import NativeModel, int32_array, packed_addresses
+from ricllm.engine.runtime.native_model import NativeModel, int32_array
 from ricllm.kernels.aligned import aligned_empty
-from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, LoraStepArgument, layer_addresses
+from ricllm.kernels.decoder_stack_call import LoraStepArgument
 from ricllm.kernels.gemma3_stack_call import AttentionView, Gemma3StackCall
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights
@@ -69,16 +68,6 @@ class NativeGemma3Model(NativeModel):
                                 for n in native_weights.GEMMA3_NORMS])
         # √hidden in bf16, as the torch model multiplies the bf16 embedding by it
         self._embed_scale = widened(bf16_bits(np.array([spec.hidden_size ** 0.5])))[0]
-
-    def bind_cache(self, kv_cache: NativeKVCache) -> None:
-        addresses = []
-        for layer, (k, v) in zip(self.weights.layers, kv_cache.layers, strict=True):
-            qkv, o, gate_up, down = (packed_addresses(layer.projections[p]) for p in native_weights.PROJECTIONS)
-            addresses += layer_addresses(layer.attn_norm.ctypes.data, qkv, o, layer.ffn_norm.ctypes.data, gate_up,
-                                         down, k.ctypes.data, v.ctypes.data)
-        self._stack.bind(addresses, block_size=kv_cache.geometry.block_size,
-                         cache_type=CACHE_TYPE_CODES[kv_cache.geometry.kv_format.name])
-        self._kv_cache = kv_cache
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """bf16 rows ``[T, hidden]``: the embedding times √hidden, rounded."""
