@@ -18,8 +18,9 @@
 #define INLINE static inline __attribute__((always_inline))
 #define DISPATCH(is_bf16, call) do { if (is_bf16) { const int bf = 1; call; } else { const int bf = 0; call; } } while (0)
 
-INLINE void add_rms_norm_row(void *x, const void *delta, const void *weight, void *out, int64_t base,
-                             int dim, float eps, const int bf, float *row) {
+/* row = x (+ delta, rounded, written back to x) at ``base``; returns 1 / rms(row) */
+INLINE float residual_row_inv_rms(void *x, const void *delta, int64_t base, int dim, float eps, const int bf,
+                                  float *row) {
     load_row(x, base, dim, bf, row);
     if (delta) {
         for (int i = 0; i < dim; i++) row[i] = round_to(row[i] + load_at(delta, base + i, bf), bf);
@@ -27,7 +28,12 @@ INLINE void add_rms_norm_row(void *x, const void *delta, const void *weight, voi
     }
     float sum_sq = 0.0f;
     for (int i = 0; i < dim; i++) sum_sq += row[i] * row[i];
-    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+    return 1.0f / sqrtf(sum_sq / (float)dim + eps);
+}
+
+INLINE void add_rms_norm_row(void *x, const void *delta, const void *weight, void *out, int64_t base,
+                             int dim, float eps, const int bf, float *row) {
+    const float inv_rms = residual_row_inv_rms(x, delta, base, dim, eps, bf, row);
     for (int i = 0; i < dim; i++) store_at(out, base + i, bf, round_to(row[i] * inv_rms, bf) * load_at(weight, i, bf));
 }
 
@@ -125,14 +131,7 @@ int ricllm_silu_mul(const void *gate_up, void *out, int rows, int inter, int is_
  * Llama's rounds the normalised row before the scale. ``weight`` holds HF's ``1 + w`` (the GGUF's). */
 INLINE void add_rms_norm_scaled_row(void *x, const void *delta, const void *weight, void *out, int64_t base,
                                     int64_t out_base, int dim, float eps, const int bf, float *row) {
-    load_row(x, base, dim, bf, row);
-    if (delta) {
-        for (int i = 0; i < dim; i++) row[i] = round_to(row[i] + load_at(delta, base + i, bf), bf);
-        store_row(x, base, dim, bf, row);
-    }
-    float sum_sq = 0.0f;
-    for (int i = 0; i < dim; i++) sum_sq += row[i] * row[i];
-    const float inv_rms = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+    const float inv_rms = residual_row_inv_rms(x, delta, base, dim, eps, bf, row);
     for (int i = 0; i < dim; i++) store_at(out, out_base + i, bf, row[i] * inv_rms * load_at(weight, i, bf));
 }
 
