@@ -21,6 +21,7 @@ from ricllm.engine.runtime.flat_batch import FlatBatch
 from ricllm.engine.runtime.native_model import NativeModel, int32_array
 from ricllm.kernels.aligned import aligned_empty
 from ricllm.kernels.decoder_stack_call import LoraStepArgument
+from ricllm.kernels.cpu_lora import from_bf16, to_bf16
 from ricllm.kernels.gemma3_stack_call import AttentionView, Gemma3StackCall
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights
@@ -35,17 +36,6 @@ def layer_views(spec) -> tuple[list[tuple[int, int]], list[int]]:
     keys = [(group_of[i], spec.layer_window(i)) for i in range(spec.num_layers)]
     views = list(dict.fromkeys(keys))
     return views, [views.index(key) for key in keys]
-
-
-def bf16_bits(values: np.ndarray) -> np.ndarray:
-    """fp32 values rounded to bf16 (to nearest even, as torch rounds), as uint16 bit patterns."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def widened(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns as fp32 values."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class NativeGemma3Model(NativeModel):
@@ -67,13 +57,13 @@ class NativeGemma3Model(NativeModel):
         self._stack.bind_norms([layer.norms[n].ctypes.data for layer in weights.layers
                                 for n in native_weights.GEMMA3_NORMS])
         # √hidden in bf16, as the torch model multiplies the bf16 embedding by it
-        self._embed_scale = widened(bf16_bits(np.array([spec.hidden_size ** 0.5])))[0]
+        self._embed_scale = from_bf16(to_bf16(np.array([spec.hidden_size ** 0.5])))[0]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """bf16 rows ``[T, hidden]``: the embedding times √hidden, rounded."""
         rows = super().embed(ids)
         out = aligned_empty(rows.shape, np.uint16)
-        out[...] = bf16_bits(widened(rows) * self._embed_scale)
+        out[...] = to_bf16(from_bf16(rows) * self._embed_scale)
         return out
 
     def forward(self, input_ids: list[int], positions: list[int], flat: FlatBatch,
