@@ -234,6 +234,23 @@ def test_a_scored_window_in_the_middle_trains_on_both_sides_of_it(link):
         middle, load_scenario_trace(middle), adapt.template_policy(middle, "link")).held_out
 
 
+def test_a_validation_window_before_the_split_never_reads_a_scored_row(link):
+    """A recipe chosen on the validation split is chosen without the rows the replay scores: training
+    reads rows before the validation window, the judgement the requests inside it, and nothing from
+    the scored window on is in either, twins included."""
+    scenario, trace, template = link
+    validating, before = adapt.validation_split(scenario, trace, 200)
+    assert adapt.scored_window(validating) == (600.0, 800.0)
+    split = adapt.split_by_time(validating, before, template)
+    assert split.outside == [(0.0, 600.0)] and split.reports_outside == sum(row.time_s < 600 for row in trace.rows)
+    assert max(e.time_s for e in split.training) < 600 <= min(e.time_s for e in split.held_out)
+    assert max(e.time_s for e in split.held_out) < 800 and len(split.held_out) > 100
+    twins = adapt.counterfactual_twins(validating, before, template, 200, seed=1)
+    assert len(twins) == 200 and max(e.time_s for e in twins) < 600
+    with pytest.raises(adapt.AdaptError, match="must be shorter than that"):
+        adapt.validation_split(scenario, trace, 800)
+
+
 def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp_path, capsys):
     require_module("peft")
     out = tmp_path / "adapter"
@@ -300,7 +317,9 @@ def test_trace_rows_mixed_with_counterfactual_twins_say_so(tiny_gguf, tmp_path, 
     (["adapt", "link", "--counterfactual-share", "0.5"], "--counterfactual-share mixes twins of the trace's reports"),
     (["adapt", "link", "--rows", "trace", "--drawn-share", "0.5", "--counterfactual-share", "0.5"],
      "must leave some trace reports: their sum is 1"),
-], ids=["nothing-outside", "nothing-scored", "eval-seed", "drawn-share-without-trace", "drawn-share-whole",
+    (["adapt", "link", "--validation-s", "200"], "--validation-s takes a positive number of seconds, with --rows trace"),
+    (["adapt", "link", "--rows", "trace", "--validation-s", "900"], "--validation-s 900 leaves no rows to train on"),
+], ids=["nothing-outside", "nothing-scored", "eval-seed", "validation-without-trace", "validation-too-long", "drawn-share-without-trace", "drawn-share-whole",
         "twins-without-trace", "no-reports-left"])
 def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
     assert main(argv) == 2

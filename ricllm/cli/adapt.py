@@ -75,6 +75,11 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                              "scored window, each with one KPI moved across a number the policy compares it with "
                              "(to a value that KPI takes there) and labelled by the policy, so a rule that reads two "
                              "KPIs is told from one that reads only the first")
+    parser.add_argument("--validation-s", type=float, default=None, metavar="SECONDS",
+                        help="with --rows trace: choose a recipe without the scored rows. The trace is cut where the "
+                             "scored window starts; training reads only rows before its last SECONDS, and the "
+                             "judgement reads the requests the replay would send in those SECONDS instead of the "
+                             "scored ones")
     parser.add_argument("--prompt", choices=PROMPT_FORMS, default="raw",
                         help="user prompt: raw, the KPIs the policy reads as numbers; replay, the scenario's own "
                              "user prompt (level-style prompts repeat the prompts the replay scores: counted)")
@@ -127,6 +132,9 @@ def _check_args(args: argparse.Namespace) -> None:
                          "drawn every row is drawn")
     if args.rows == "trace" and args.held_out == "drawn":
         raise AdaptError("--rows trace holds out the requests the replay scores: drop --held-out drawn")
+    if args.validation_s is not None and (args.rows != "trace" or args.validation_s <= 0):
+        raise AdaptError("--validation-s takes a positive number of seconds, with --rows trace (the validation window "
+                         f"is the trace's last seconds before the scored window), got {args.validation_s:g}")
     if (args.rows == "trace" or args.held_out == "scored") and args.eval_seed is not None:
         raise AdaptError("--eval-seed draws held-out rows; with --rows trace the held-out rows are the requests "
                          "the replay scores: drop --eval-seed")
@@ -141,6 +149,8 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario, args.overrides)
     template = adapt.template_policy(scenario, args.template)
     trace = load_scenario_trace(scenario)
+    if args.validation_s is not None:
+        scenario, trace = adapt.validation_split(scenario, trace, args.validation_s)
     if args.rows == "trace":
         rows = _trace_rows(args, scenario, trace, template)
     elif args.held_out == "scored":
@@ -150,7 +160,8 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     checkpoint = open_checkpoint(args.model)
     system = args.system or adapt.default_system_prompt(template)
     _print_data(scenario, template, rows, args, system)
-    out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}"
+    validating = "" if args.validation_s is None else f"-validation-{args.validation_s:g}s"
+    out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}{validating}"
     scored_requests = adapt.scored_requests(scenario, trace, template.name)
     manifest = _manifest(scenario, template, args, system, checkpoint.path, rows, len(scored_requests))
     drawn = args.rows == "drawn" and bool(scored_requests)
@@ -348,4 +359,5 @@ def _manifest(scenario, template, args, system, model_path, rows: Rows, scored_r
             "template_sha256": template_digest(scenario, template),
             "base_model": {"path": os.fspath(model_path), "sha256": file_digest(model_path)},
             "system_prompt": system, "prompt": args.prompt, "rows": args.rows, "training": training,
-            "held_out": rows.manifest["held_out"], "scored_requests": scored_requests}
+            "held_out": rows.manifest["held_out"], "scored_requests": scored_requests,
+            "validation_s": args.validation_s}

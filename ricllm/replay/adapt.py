@@ -261,6 +261,20 @@ def scored_window(scenario: Scenario) -> tuple[float, float]:
     return pacing.start_s, math.inf if pacing.duration_s is None else pacing.start_s + pacing.duration_s
 
 
+def validation_split(scenario: Scenario, trace: LoadedTrace, seconds: float) -> tuple[Scenario, LoadedTrace]:
+    """The scenario and trace for choosing a recipe without the scored rows: the trace ends where the
+    scored window starts, and its last ``seconds`` become the window scored in their place. Training
+    on the result reads only rows before that validation window; an ``AdaptError`` when the scored
+    window leaves no room for it."""
+    start, _ = scored_window(scenario)
+    if seconds >= start:
+        raise AdaptError(f"--validation-s {seconds:g} leaves no rows to train on: the window the replay scores starts "
+                         f"at {start:g} s of trace time, so the validation window must be shorter than that")
+    pacing = scenario.pacing.model_copy(update={"start_s": start - seconds, "duration_s": seconds})
+    before = dataclasses.replace(trace, rows=[row for row in trace.rows if row.time_s < start])
+    return scenario.model_copy(update={"pacing": pacing}), before
+
+
 def _report_prompt(scenario: Scenario, template: str) -> Callable[[KpiRow], str]:
     """How the replay renders a report row's user prompt for the template: the prompt, deadline
     class and trigger label of the first trigger that names it (else the first trigger's)."""
@@ -286,7 +300,8 @@ def split_by_time(scenario: Scenario, trace: LoadedTrace, template: TemplatePoli
     """Every report row outside the scored window to train on (at most ``limit``, a seeded sample),
     and the template's scored requests held out; an ``AdaptError`` when either part is empty."""
     start, end = scored_window(scenario)
-    outside = ([(0.0, start)] if start > 0 else []) + ([] if math.isinf(end) else [(end, math.inf)])
+    after = not math.isinf(end) and any(row.time_s >= end for row in trace.rows)
+    outside = ([(0.0, start)] if start > 0 else []) + ([(end, math.inf)] if after else [])
     render = _report_prompt(scenario, template.name)
     training = [_trace_example(render(row), row, template, prompt)
                 for row in trace.rows if not start <= row.time_s < end]
