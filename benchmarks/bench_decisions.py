@@ -1,6 +1,6 @@
-"""Decision quality of the default model on the bundled templates, and what constraining costs.
+"""Decision quality of small models on the bundled templates, and what constraining costs.
 
-For each template of a scenario (default: ``default``) that declares a reference policy
+For each template of each scenario (default: ``default``) that declares a reference policy
 (``expect``), KPI rows of the scenario's own trace are asked four ways: unconstrained or
 constrained to the template's schema, zero-shot (the system prompt alone) or with the template's
 worked examples; and a fifth where the template names a LoRA adapter (``adapter``, trained by its
@@ -14,7 +14,9 @@ Then, on the first template with its examples, greedy and interleaved ``--repeat
 - TTFT and E2E of one request at a time with prefix caching on (the template pinned) and off;
 - engine steps with jump-forward on and off (forced tokens computed as one chunk or one per step);
 - the per-step cost of masking: decode steps of N constrained streams vs N unconstrained ones.
-Greedy decoding on the default model (int4 weights in the native runtime on a CPU).
+Greedy decoding, each model in its default runtime and weights on a CPU; `--models` names the models (SmolLM2-135M
+and Gemma 3 270M by default), `--scenarios` the scenarios (every template with a policy), and each row gives the
+majority class beside the model's figure.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: no folder 
 from benchmarks.engine_steps import full_decode_step_ms
 from benchmarks.results import publish
 from ricllm import LLM, LoRARequest, SamplingParams
-from ricllm.model.loader import resolve_model_path
+from ricllm.model.loader import read_architecture, resolve_model_path
 from ricllm.replay.adapters import TemplateAdapter, scenario_adapters
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.loading import load_scenario, load_scenario_trace
@@ -82,7 +84,8 @@ def judge(outputs, cases: list[Case], check) -> tuple[float, float]:
 TIMED_CASES = 8  # requests sent one at a time per variant for its time to decision
 
 
-def accuracy_rows(llm: LLM, scenario, name: str, cases: list[Case], adapter: TemplateAdapter | None) -> list[str]:
+def accuracy_rows(llm: LLM, model: str, scenario, name: str, cases: list[Case],
+                  adapter: TemplateAdapter | None) -> list[str]:
     template, check = scenario_templates(scenario)[name], answer_check(scenario.prompts.templates[name])
     variants = [(shots, label, prefix, structured, None)
                 for shots, prefix in (("zero-shot", template.message_list[:1]),
@@ -101,8 +104,8 @@ def accuracy_rows(llm: LLM, scenario, name: str, cases: list[Case], adapter: Tem
         error = math.sqrt(correct * (1 - correct) / len(cases))
         decision_ms = statistics.median(o.e2e_s * 1000 for o in
                                         (llm.chat([c], params, lora_request=lora)[0] for c in conversations[:TIMED_CASES]))
-        rows.append(f"| {name} | {shots} | {label} | {len(cases)} | {valid:.1%} | {correct:.1%} ± {error:.1%} | "
-                    f"{decision_ms:.1f} |")
+        rows.append(f"| {model} | {scenario.name} | {name} | {shots} | {label} | {len(cases)} | "
+                    f"{majority_share(cases):.1%} | {valid:.1%} | {correct:.1%} ± {error:.1%} | {decision_ms:.1f} |")
     return rows
 
 
@@ -123,11 +126,11 @@ def timed_one_by_one(llm: LLM, conversations: list, params: SamplingParams) -> t
     return statistics.median(ttft), statistics.median(e2e)
 
 
-def prefix_caching(scenario, name: str, cases: list[Case], repeats: int) -> list[str]:
+def prefix_caching(scenario, name: str, cases: list[Case], repeats: int, model: str) -> list[str]:
     template = scenario_templates(scenario)[name]
     params = SamplingParams(max_tokens=32, structured=template.structured)
     conversations = [template.message_list + [{"role": "user", "content": c.user}] for c in cases[:12]]
-    engines = {on: LLM(enable_prefix_caching=on) for on in (True, False)}
+    engines = {on: LLM(model=str(resolve_model_path(model)), enable_prefix_caching=on) for on in (True, False)}
     engines[True].pin_prefix(template)
     engines[False].engine.compile_structured(template.structured)
     results = {True: [], False: []}
@@ -145,11 +148,11 @@ def _timing_row(name: str, label: str, runs: list, baseline: list) -> str:
             f"{statistics.median(e2e):.1f} [{min(e2e):.1f}-{max(e2e):.1f}] | {ratio:.2f}x |")
 
 
-def forced_tokens(scenario, name: str, cases: list[Case], repeats: int) -> list[str]:
+def forced_tokens(scenario, name: str, cases: list[Case], repeats: int, model: str) -> list[str]:
     template = scenario_templates(scenario)[name]
     params = SamplingParams(max_tokens=32, structured=template.structured)
     conversations = [template.message_list + [{"role": "user", "content": c.user}] for c in cases[:24]]
-    engines = {on: LLM(jump_forward=on) for on in (True, False)}
+    engines = {on: LLM(model=str(resolve_model_path(model)), jump_forward=on) for on in (True, False)}
     steps, seconds, forced, tokens = {True: [], False: []}, {True: [], False: []}, 0, 0
     for _ in range(repeats):
         for on, llm in engines.items():
@@ -163,8 +166,8 @@ def forced_tokens(scenario, name: str, cases: list[Case], repeats: int) -> list[
             f"{forced} of {tokens} |" for on in (True, False)]
 
 
-def masking_cost(repeats: int, streams: tuple[int, ...] = (1, 8, 32), tokens: int = 48) -> list[str]:
-    llm = LLM(max_num_seqs=64)
+def masking_cost(repeats: int, model: str, streams: tuple[int, ...] = (1, 8, 32), tokens: int = 48) -> list[str]:
+    llm = LLM(model=str(resolve_model_path(model)), max_num_seqs=64)
     llm.engine.compile_structured(FREE_TEXT)
     prompts = [f"Describe cell {i} of the network." for i in range(max(streams))]
     per_step: dict[tuple, list[float]] = {}
@@ -203,45 +206,77 @@ def cpu_flags() -> str:
     return "with AMX" if cpuinfo.exists() and "amx_tile" in cpuinfo.read_text() else "without AMX"
 
 
+def model_accuracy(model: str, scenarios: list, cases: dict, use_adapters: bool) -> tuple[list[str], str]:
+    """Every scenario's templates asked of one model; its rows and how it ran. Adapters are trained
+    for this model as base where its runtime serves LoRA."""
+    path = resolve_model_path(model)
+    llm = LLM(model=str(path))
+    serves_lora = use_adapters and read_architecture(path) != "gemma3"  # no LoRA on Gemma 3 in either runtime
+    rows = []
+    for scenario in scenarios:
+        adapters = scenario_adapters(scenario, path) if serves_lora else {}
+        rows += [row for name, named in cases[scenario.name].items()
+                 for row in accuracy_rows(llm, model, scenario, name, named, adapters.get(name))]
+    runtime = llm.engine.runtime
+    how = f"{model}: {runtime.name} runtime, weights {runtime.weight_formats[0]}" + (
+        "" if serves_lora or not use_adapters else ", no adapter variant (LoRA is not served on Gemma 3)")
+    return rows, how
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="default", help="scenario whose templates are measured")
+    parser.add_argument("--scenarios", nargs="+", default=["default"],
+                        help="scenarios whose templates are asked, e.g. default templates link (default: "
+                             "%(default)s); the timed parts use the first one's first template")
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"],
+                        help="models asked, installed names or GGUF files (default: %(default)s); the timed parts "
+                             "use the first")
     parser.add_argument("--rows", type=int, default=80, help="KPI rows asked per template (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the timed parts")
     parser.add_argument("--no-append", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--no-adapters", action="store_true",
                         help="leave out the adapter variant (templates that name an adapter are not trained)")
+    parser.add_argument("--accuracy-only", action="store_true", help="only the accuracy table, not the timed parts")
     args = parser.parse_args()
-    scenario = load_scenario(args.scenario)
-    rows = scored_rows(scenario, load_scenario_trace(scenario).rows)
-    names = list(scenario_policies(scenario))
-    cases = {name: template_cases(scenario, name, rows, args.rows, seed=i) for i, name in enumerate(names)}
-    adapters = {} if args.no_adapters else scenario_adapters(scenario, resolve_model_path(None))
-    llm = LLM()
-    accuracy = [row for name in names for row in accuracy_rows(llm, scenario, name, cases[name], adapters.get(name))]
-    majority = ", ".join(f"{name} {majority_share(cases[name]):.0%}" for name in names)
-    first = names[0]
+    scenarios = [load_scenario(name) for name in args.scenarios]
+    cases = {}
+    for scenario in scenarios:
+        rows = scored_rows(scenario, load_scenario_trace(scenario).rows)
+        cases[scenario.name] = {name: template_cases(scenario, name, rows, args.rows, seed=i)
+                                for i, name in enumerate(scenario_policies(scenario))}
+    accuracy, ran = [], []
+    for model in args.models:
+        rows, how = model_accuracy(model, scenarios, cases, not args.no_adapters)
+        accuracy += rows
+        ran.append(how)
     body = "\n".join([
         ("Accuracy (greedy; valid = parses and matches the schema; correct = the policy's action, ± its "
-        f"standard error). The majority class alone: {majority}.\n"),
-        "| template | prompt | output | rows | valid | correct | decision ms |", "|---|---|---|---:|---:|---:|---:|",
-        *accuracy,
-        (f"\nPrefix caching, one request at a time ({first} with its examples; ms, median [range] of "
-        f"{args.repeats} interleaved runs of 12 requests):\n"),
-        "| template | prefix caching | TTFT ms | E2E ms | TTFT vs on |", "|---|---|---:|---:|---:|",
-        *prefix_caching(scenario, first, cases[first], args.repeats),
-        f"\nForced tokens ({first}, 24 requests in one batch; seconds median [range] of {args.repeats}):\n",
-        "| template | jump-forward | engine steps | seconds | forced of all output tokens |",
-        "|---|---|---:|---:|---:|", *forced_tokens(scenario, first, cases[first], args.repeats),
-        (f"\nMasking cost per decode step (a JSON string of 20-400 characters, vs unconstrained; steps where all streams decode; "
-        f"ms per step, median [range] of {args.repeats}):\n"),
-        "| streams | sampling | unconstrained ms | constrained ms | overhead |", "|---:|---|---:|---:|---:|",
-        *masking_cost(args.repeats),
-    ])
+         "standard error; majority = always answering the rows' most common action; decision ms = median E2E "
+         f"of {TIMED_CASES} requests sent one at a time).\n"),
+        "| model | scenario | template | prompt | output | rows | majority | valid | correct | decision ms |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|", *accuracy,
+    ] + ([] if args.accuracy_only else timed_parts(scenarios[0], cases[scenarios[0].name], args.models[0],
+                                                    args.repeats)))
     publish("Decisions: accuracy and the cost of constraints",
-            f"CPU {cpu_flags()}; scenario {args.scenario}; default model (SmolLM2-135M-Instruct Q4_1, "
-            f"{llm.engine.runtime.name} runtime, weights {llm.engine.runtime.weight_formats[0]}).",
+            f"CPU {cpu_flags()}; scenarios {', '.join(args.scenarios)}; models " + "; ".join(ran) + ".",
             body, append=not args.no_append)
+
+
+def timed_parts(scenario, cases: dict, model: str, repeats: int) -> list[str]:
+    first = next(iter(cases))
+    return [
+        (f"\nPrefix caching, one request at a time ({model}, {first} with its examples; ms, median [range] of "
+         f"{repeats} interleaved runs of 12 requests):\n"),
+        "| template | prefix caching | TTFT ms | E2E ms | TTFT vs on |", "|---|---|---:|---:|---:|",
+        *prefix_caching(scenario, first, cases[first], repeats, model),
+        f"\nForced tokens ({first}, 24 requests in one batch; seconds median [range] of {repeats}):\n",
+        "| template | jump-forward | engine steps | seconds | forced of all output tokens |",
+        "|---|---|---:|---:|---:|", *forced_tokens(scenario, first, cases[first], repeats, model),
+        (f"\nMasking cost per decode step (a JSON string of 20-400 characters, vs unconstrained; steps where all "
+         f"streams decode; ms per step, median [range] of {repeats}):\n"),
+        "| streams | sampling | unconstrained ms | constrained ms | overhead |", "|---:|---|---:|---:|---:|",
+        *masking_cost(repeats, model),
+    ]
 
 
 if __name__ == "__main__":

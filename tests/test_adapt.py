@@ -234,6 +234,15 @@ def test_a_scored_window_in_the_middle_trains_on_both_sides_of_it(link):
         middle, load_scenario_trace(middle), adapt.template_policy(middle, "link")).held_out
 
 
+def test_misses_are_counted_by_the_policys_answer_and_the_one_given():
+    examples = [adapt.Example({}, f"row {i}", {"action": want}, "") for i, want in
+                enumerate(["hold", "hold", "hold", "raise_mcs", "boost_power"])]
+    predicted = [{"action": a} for a in ["raise_mcs", "hold", "raise_mcs", "hold", "boost_power"]]
+    assert adapt.miss_counts(predicted, examples) == [(("hold", "raise_mcs"), 2), (("raise_mcs", "hold"), 1)]
+    assert adapt.miss_counts([{"a": 1, "b": 2}], [adapt.Example({}, "", {"a": 1, "b": 3}, "")]) == [
+        (('{"a":1,"b":3}', '{"a":1,"b":2}'), 1)]
+
+
 def test_a_validation_window_before_the_split_never_reads_a_scored_row(link):
     """A recipe chosen on the validation split is chosen without the rows the replay scores: training
     reads rows before the validation window, the judgement the requests inside it, and nothing from

@@ -137,13 +137,25 @@ def test_the_weight_cache_gives_back_the_converted_model(tmp_path, monkeypatch):
     assert texts[0] == texts[1]
 
 
-def test_a_chat_request_without_a_chat_template_is_refused_naming_it(tiny_gemma3):
-    llm = LLM(str(tiny_gemma3), dtype="float32", kv_cache_budget="8MiB")
-    with pytest.raises(ValueError, match="no chat template"):
-        llm.chat([{"role": "user", "content": "hello"}])
+def test_a_chat_request_without_a_chat_template_takes_the_plain_form_and_hits_its_pinned_prefix(tiny_gemma3):
+    """A base model's file has no chat template: a conversation is its contents one per line, the
+    last message after a blank line; a pinned conversation is the same lines, so a request after it
+    reuses its blocks."""
+    llm = LLM(str(tiny_gemma3), dtype="float32", kv_cache_budget="8MiB", block_size=4)
+    context = [{"role": "system", "content": "Answer as the policy says, in one word."},
+               {"role": "user", "content": "PRB usage: high."}, {"role": "assistant", "content": "offload"}]
+    question = {"role": "user", "content": "PRB usage: low."}
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    expected = llm.tokenizer.encode("Answer as the policy says, in one word.\nPRB usage: high.\noffload\n\nPRB usage: low.")
+    assert llm.chat(context + [question], params)[0].prompt_token_ids == expected
+    assert llm.chat([question], params)[0].prompt_token_ids == llm.tokenizer.encode("PRB usage: low.")
+    pinned = LLM(str(tiny_gemma3), dtype="float32", kv_cache_budget="8MiB", block_size=4)
+    pinned.pin_prefix(context)
+    out = pinned.chat(context + [question], params)[0]
+    assert out.prompt_token_ids == expected and out.num_cached_tokens >= 8
 
 
-def test_the_command_line_generates_refuses_chat_and_shows_the_windows(tiny_gemma3):
+def test_the_command_line_generates_chats_in_the_plain_form_and_shows_the_windows(tiny_gemma3):
     def generate(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ricllm.cli", "generate", "--model", str(tiny_gemma3),
                                "--dtype", "float32", "--max-tokens", "4", "--ignore-eos", *flags, "the cell"],
@@ -153,9 +165,9 @@ def test_the_command_line_generates_refuses_chat_and_shows_the_windows(tiny_gemm
     done = generate("--json")
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(json.loads(done.stdout)["token_ids"]) == 4
-    refused = generate("--chat")
-    assert refused.returncode != 0 and "has no chat template" in refused.stderr, refused.stderr[-2000:]
-    assert "Traceback" not in refused.stderr
+    chat = generate("--chat", "--system", "Answer briefly.", "--json")
+    assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr[-2000:]
+    assert json.loads(chat.stdout)["prompt_tokens"] > json.loads(done.stdout)["prompt_tokens"]
     info = subprocess.run([sys.executable, "-m", "ricllm.cli", "info", str(tiny_gemma3)], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert "8 tokens in 6 of 7 layers (their RoPE theta 10000.0)" in info.stdout, info.stderr[-2000:]

@@ -316,6 +316,7 @@ def _judge(args, model, tokenizer, template, system, rows: Rows, prompted) -> No
     print(f"{'majority class':<52}{majority:>9.1%}   (always {label})", flush=True)
     tuned = at.predict(model, tokenizer, system, template, held_out, progress=progress)
     print(f"{'with the adapter':<52}{at.accuracy(tuned, held_out):>9.1%}", flush=True)
+    _print_misses(tuned, held_out)
     if args.judge == "all":
         _judge_base(model, tokenizer, template, system, held_out, prompted, progress)
     if rows.seen:
@@ -323,6 +324,18 @@ def _judge(args, model, tokenizer, template, system, rows: Rows, prompted) -> No
         unseen = [(a, e) for a, e in zip(tuned, held_out) if e.user not in trained]
         share = sum(a == e.expected for a, e in unseen) / len(unseen) if unseen else float("nan")
         print(f"with the adapter, on the {len(unseen)} held-out rows whose prompt training never saw: {share:.1%}")
+
+
+def _print_misses(predicted: list, held_out: list, shown: int = 5) -> None:
+    """The adapter's misses by (policy's answer, adapter's answer), most common first: where a rule
+    was learnt otherwise than the policy states it."""
+    from ricllm.replay.adapt import miss_counts
+
+    misses = miss_counts(predicted, held_out)
+    if misses:
+        said = ", ".join(f"{count} {expected} answered {answered}" for (expected, answered), count in misses[:shown])
+        more = f" and {len(misses) - shown} more kinds" if len(misses) > shown else ""
+        print(f"{'':<4}its misses: {said}{more}")
 
 
 def _judge_base(model, tokenizer, template, system, held_out: list, prompted, progress: bool) -> None:

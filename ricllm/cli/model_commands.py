@@ -28,9 +28,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
                             structured=structured_from_args(args))
     llm = LLM(**given_settings(args))
-    if args.chat and not llm.tokenizer.has_chat_template:  # a base model's file (Gemma 3 270M's) has none
-        raise ConfigError("this model has no chat template, with which --chat renders the conversation; leave "
-                          "--chat out and write the prompt as the text to continue")
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         outputs = llm.chat(messages + [{"role": "user", "content": args.prompt}], params)
@@ -186,7 +183,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                          description="Generate a completion (or a chat reply with --chat) and print the "
                                      "text, then token counts and timings on stderr.")
     gen.add_argument("prompt", help="the prompt text (the user message with --chat)")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template (a base model without one, "
+                     "e.g. Gemma 3 270M: the plain form, the system message and the prompt on lines of their own)")
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")

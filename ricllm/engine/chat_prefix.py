@@ -30,16 +30,27 @@ class ChatPrefix:
 def render_chat_prefix(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> ChatPrefix:
     """The messages as a chat request starts with them: no generation prompt after them."""
     if not tokenizer.has_chat_template:
-        return ChatPrefix(messages, None, tokenizer.encode("\n".join(m["content"] for m in messages)))
+        return ChatPrefix(messages, None, tokenizer.encode(plain_text(messages)))
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     return ChatPrefix(messages, text, tokenizer.encode(text, add_special_tokens=False))
 
 
+def plain_text(messages: list[dict[str, str]]) -> str:
+    """A base model's few-shot form of messages (its file has no chat template): their contents,
+    one per line, so worked examples read as question and answer lines after the instructions."""
+    return "\n".join(m["content"] for m in messages)
+
+
 def render_chat_request(tokenizer: Tokenizer, prefix: ChatPrefix | None, messages: list[dict[str, str]]) -> list[int]:
     """``prefix.messages + messages`` with a generation prompt; the prefix's tokens come first, token
-    for token, where the rendering starts with the prefix's text. Raises ``ValueError`` for a
-    model without a chat template (or a template that refuses the conversation)."""
+    for token, where the rendering starts with the prefix's text. A model without a chat template
+    gets the plain form: the conversation before the last message as it was pinned, a blank line,
+    and the last message's content, where the answer follows. Raises ``ValueError`` for a template
+    that refuses the conversation."""
     conversation = (prefix.messages if prefix is not None else []) + messages
+    if not tokenizer.has_chat_template:
+        context, last = plain_text(conversation[:-1]), conversation[-1]["content"]
+        return tokenizer.encode(f"{context}\n\n{last}" if context else last)
     text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     if prefix is not None and prefix.text is not None and text.startswith(prefix.text):
         return prefix.token_ids + tokenizer.encode(text[len(prefix.text):], add_special_tokens=False)

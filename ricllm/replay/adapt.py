@@ -362,6 +362,20 @@ def _across(value: float, bound: float, span: tuple[float, float], rng: random.R
     return moved if moved >= bound else bound
 
 
+def miss_counts(predicted: Sequence[Mapping[str, Any]], examples: Sequence[Example]) -> list[tuple[tuple[str, str], int]]:
+    """How often each (policy's answer, predicted answer) pair that differ occurs, most common first;
+    an answer of one field as its value, else as compact JSON."""
+    pairs = Counter((_compact(example.expected), _compact(answer))
+                    for answer, example in zip(predicted, examples) if answer != example.expected)
+    return pairs.most_common()
+
+
+def _compact(answer: Mapping[str, Any]) -> str:
+    if len(answer) == 1:
+        return str(next(iter(answer.values())))
+    return json.dumps(answer, separators=(",", ":"), sort_keys=True)
+
+
 def majority_share(labels: Sequence[Mapping[str, Any]]) -> tuple[str, float]:
     """The most common answer and its share (the always-answer-it baseline)."""
     label, n = Counter(json.dumps(dict(answer), sort_keys=True) for answer in labels).most_common(1)[0]

@@ -164,16 +164,7 @@ def _render_all(tokenizer, plan: list, prefixes: dict[str, ChatPrefix]) -> dict[
 def _render_prompt(tokenizer, prefix: ChatPrefix | None, user: str) -> list[int]:
     """The template's conversation and the user turn, chat-rendered: the conversation's part is its
     pinned prefix's own tokens, so the request hits the pinned blocks token for token."""
-    if tokenizer.has_chat_template:
-        from ricllm.engine.chat_prefix import render_chat_request
-
-        return render_chat_request(tokenizer, prefix, [{"role": "user", "content": user}])
-    return tokenizer.encode(f"{prefix_text(prefix)}\n\n{user}" if prefix else user)
-
-
-def prefix_text(prefix: ChatPrefix) -> str:
-    """A prefix without a chat template: its messages' contents, one per line (as it was pinned)."""
-    return "\n".join(m["content"] for m in prefix.messages)
+    return render_chat_request(tokenizer, prefix, [{"role": "user", "content": user}])
 
 
 def _pin_template(engine, template: Template) -> tuple[dict[str, int], ChatPrefix]:
