@@ -305,6 +305,21 @@ def test_counterfactual_twins_move_one_kpi_across_a_threshold_and_take_the_polic
     assert adapt.counterfactual_twins(scenario, trace, template, 300, seed=1) == twins
 
 
+def test_twins_that_reach_the_range_go_past_the_mirror_image(link):
+    """``mirror`` twins stay within the report's own distance of the number; ``range`` twins reach
+    anywhere on the other side, so high-SINR reports of a low-load hour also come back loaded."""
+    scenario, trace, template = link
+
+    def loaded_raise_candidates(reach: str) -> list[float]:
+        twins = adapt.counterfactual_twins(scenario, trace, template, 600, seed=2, reach=reach)
+        assert all(t.expected == template.policy.expected(t.kpis) for t in twins)
+        return [t.kpis["RRU.PrbTotDl"] for t in twins if t.expected == {"action": "hold"}
+                and (t.kpis["L1M.DL-SS-SINR"] or 0) > 16 and t.kpis["RRU.PrbTotDl"] >= 50]
+
+    mirror, far = loaded_raise_candidates("mirror"), loaded_raise_candidates("range")
+    assert mirror and far and max(far) > 90 and sorted(far)[len(far) // 2] > sorted(mirror)[len(mirror) // 2]
+
+
 def test_trace_rows_mixed_with_counterfactual_twins_say_so(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "adapter"
     printed = adapt_link_on(tiny_gguf, out, capsys, "--rows", "trace", "--prompt", "replay",

@@ -75,6 +75,10 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                              "scored window, each with one KPI moved across a number the policy compares it with "
                              "(to a value that KPI takes there) and labelled by the policy, so a rule that reads two "
                              "KPIs is told from one that reads only the first")
+    parser.add_argument("--counterfactual-reach", choices=("mirror", "range", "both"), default="mirror",
+                        help="how far a twin's KPI moves across the number: mirror, at most as far as it was from it; "
+                             "range, anywhere on the other side within the KPI's range; both, each twin one or the "
+                             "other")
     parser.add_argument("--validation-s", type=float, default=None, metavar="SECONDS",
                         help="with --rows trace: choose a recipe without the scored rows. The trace is cut where the "
                              "scored window starts; training reads only rows before its last SECONDS, and the "
@@ -221,7 +225,8 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     drawn = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, drawn_count, args.seed,
                                 prompt=args.prompt, missing_share=args.missing_share,
                                 exclude={example.user for example in split.held_out}) if drawn_count else []
-    twins = adapt.counterfactual_twins(scenario, trace, template, twin_count, args.seed, args.prompt)
+    twins = adapt.counterfactual_twins(scenario, trace, template, twin_count, args.seed, args.prompt,
+                                       args.counterfactual_reach)
     training = split.training + drawn + twins
     held = _scored_held_out(split, training, args.eval_examples)
     trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "
@@ -233,7 +238,7 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
                   + f", {args.prompt} user prompts")
     manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(training),
                              "reports_outside": split.reports_outside, "drawn_rows": len(drawn),
-                             "counterfactual_rows": len(twins), "spans_s": held.spans, "seed": args.seed},
+                             "counterfactual_rows": len(twins), "counterfactual_reach": args.counterfactual_reach, "spans_s": held.spans, "seed": args.seed},
                 "held_out": held.manifest}
     return Rows(training, held.rows, trained_on, held.said, held.seen, manifest)
 

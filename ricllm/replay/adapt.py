@@ -323,12 +323,18 @@ def split_by_time(scenario: Scenario, trace: LoadedTrace, template: TemplatePoli
     return TraceSplit(training, held_out, (start, end), outside, reports)
 
 
+TWIN_REACHES = ("mirror", "range", "both")
+
+
 def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, count: int, seed: int,
-                         prompt: PromptForm = "replay") -> list[Example]:
+                         prompt: PromptForm = "replay", reach: str = "mirror") -> list[Example]:
     """``count`` twins of the trace's reports outside the scored window, each labelled by the policy.
     A twin is a report with one KPI that the policy compares with a number (``PRB < 50``) moved
-    across that number, by up to the distance it had from it (``_across``), such that the policy
-    answers it otherwise than the report. Where two KPIs go together in the trace's hours (high SINR
+    across that number, such that the policy answers it otherwise than the report. How far
+    (``reach``): ``mirror``, by up to the distance it had from it (``_across``), so twins sit as
+    near the number as the reports do; ``range``, anywhere on the other side within the KPI's range,
+    so they also reach values the reports' hours never combine with the others; ``both``, each
+    twin one or the other at random. Where two KPIs go together in the trace's hours (high SINR
     with low load), such pairs tell a rule that reads both from a rule that reads one, which the
     reports alone may not, and they put rows on both sides of every number as near to it as the
     reports are. Reports with that KPI missing are not twinned."""
@@ -346,7 +352,9 @@ def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: Templ
         row, (kpi, bound) = rng.choice(outside.rows), rng.choice(cuts)
         if row.kpis.get(kpi) is None:
             continue
-        twin = dataclasses.replace(row, kpis={**row.kpis, kpi: _across(row.kpis[kpi], bound, ranges[kpi], rng)})
+        far = reach == "range" or (reach == "both" and rng.random() < 0.5)
+        moved = (_beyond if far else _across)(row.kpis[kpi], bound, ranges[kpi], rng)
+        twin = dataclasses.replace(row, kpis={**row.kpis, kpi: moved})
         if template.policy.expected(twin.kpis) != template.policy.expected(row.kpis):
             twins.append(_trace_example(render(twin), twin, template, prompt))
     return twins
@@ -359,6 +367,16 @@ def _across(value: float, bound: float, span: tuple[float, float], rng: random.R
     moved = round(rng.uniform(min(bound, mirror), max(bound, mirror)), 1)
     if value >= bound:
         return moved if moved < bound else round(bound - 0.1, 1)
+    return moved if moved >= bound else bound
+
+
+def _beyond(value: float, bound: float, span: tuple[float, float], rng: random.Random) -> float:
+    """A value on the other side of ``bound`` from ``value``, uniform over the KPI's range ``span``
+    on that side; one decimal."""
+    if value >= bound:
+        moved = round(rng.uniform(min(span[0], bound), bound), 1)
+        return moved if moved < bound else round(bound - 0.1, 1)
+    moved = round(rng.uniform(bound, max(span[1], bound)), 1)
     return moved if moved >= bound else bound
 
 
