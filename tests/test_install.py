@@ -50,8 +50,8 @@ def test_an_installed_ricllm_prepares_and_generates_outside_the_repository(tiny_
     bundled = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                              timeout=120)
     assert bundled.returncode == 0, bundled.stderr[-2000:]
-    assert bundled.stdout.startswith("['default', 'link', 'overload', 'stress', 'templates']"), bundled.stdout
-    assert bundled.stdout.count(str((site / "ricllm" / "scenarios").resolve())) == 5, bundled.stdout  # not the repo
+    assert bundled.stdout.startswith("['capacity', 'default', 'link', 'overload', 'stress', 'templates']"), bundled.stdout
+    assert bundled.stdout.count(str((site / "ricllm" / "scenarios").resolve())) == 6, bundled.stdout  # not the repo
     prepared = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16")
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     if shutil.which("cc") or shutil.which("gcc"):  # built from the sources the wheel carries
