@@ -164,6 +164,8 @@ def _render_all(tokenizer, plan: list, prefixes: dict[str, ChatPrefix]) -> dict[
 def _render_prompt(tokenizer, prefix: ChatPrefix | None, user: str) -> list[int]:
     """The template's conversation and the user turn, chat-rendered: the conversation's part is its
     pinned prefix's own tokens, so the request hits the pinned blocks token for token."""
+    from ricllm.engine.chat_prefix import render_chat_request
+
     return render_chat_request(tokenizer, prefix, [{"role": "user", "content": user}])
 
 

@@ -184,7 +184,7 @@ def test_cli_user_error_exits_2_without_traceback(tmp_path):
     assert "classes.near_rt.deadline_ms" in result.stderr and "Traceback" not in result.stderr
     missing = subprocess.run([sys.executable, "-m", "ricllm.cli", "replay", "no-such-scenario"], capture_output=True,
                              text=True, cwd=ROOT, timeout=120)
-    assert missing.returncode == 2 and "bundled: default, link, overload, stress, templates" in missing.stderr
+    assert missing.returncode == 2 and "bundled: capacity, default, link, overload, stress, templates" in missing.stderr
 
 
 # ------------------------------------------------------------------------------- thresholds
@@ -334,7 +334,7 @@ def test_bundled_scenarios_load_and_plan(name):
 
 def test_bundled_list():
     """The package finds the top-level scenarios/ (installed as ricllm.scenarios, the only copy)."""
-    assert bundled_scenarios() == ["default", "link", "overload", "stress", "templates"]
+    assert bundled_scenarios() == ["capacity", "default", "link", "overload", "stress", "templates"]
 
 
 def test_threshold_signal_is_its_left_side():
