@@ -15,7 +15,7 @@ from ricllm.model.lora import load_lora_adapter
 from ricllm.paths import file_digest
 from ricllm.replay import adapt
 from ricllm.replay.loading import load_scenario, load_scenario_trace
-from tests.helpers import ROOT, require_module
+from tests.helpers import require_module
 
 PRB, DELAY, SINR = "RRU.PrbTotDl", "DRB.RlcSduDelayDl", "L1M.DL-SS-SINR"
 
@@ -281,20 +281,6 @@ def test_adapt_on_trace_rows_says_what_it_trained_on_and_held_out(tiny_gguf, tmp
                                     "seen_in_training": 0}
 
 
-def test_an_adapter_trained_under_its_policy_is_served_behind_the_templates_own_system_prompt(tiny_gguf, tmp_path,
-                                                                                              capsys):
-    require_module("peft")
-    out = tmp_path / "adapter"
-    code = main(["adapt", "link", "--rows", "trace", "--prompt", "replay", "--model", str(tiny_gguf), "--out",
-                 str(out), "--examples", "8", "--eval-examples", "4", "--steps", "1", "--batch-size", "4",
-                 "--policy-prompt", "--judge", "adapter", "--no-progress"])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    policy = (ROOT / "scenarios" / "prompts" / "link.md").read_text().strip()
-    assert json.loads((out / "ricllm_adapt.json").read_text())["system_prompt"] == policy
-    assert "system prompt: 'You are the link-adaptation assistant" in printed
-
-
 def test_counterfactual_twins_move_one_kpi_across_a_threshold_and_take_the_policys_answer(link):
     scenario, trace, template = link
     twins = adapt.counterfactual_twins(scenario, trace, template, 300, seed=1)
@@ -357,9 +343,7 @@ def test_trace_rows_mixed_with_counterfactual_twins_say_so(tiny_gguf, tmp_path, 
      "must leave some trace reports: their sum is 1"),
     (["adapt", "link", "--validation-s", "200"], "--validation-s takes a positive number of seconds, with --rows trace"),
     (["adapt", "link", "--rows", "trace", "--validation-s", "900"], "--validation-s 900 leaves no rows to train on"),
-    (["adapt", "link", "--policy-prompt", "--system", "Answer."], "--policy-prompt trains under the template's own"),
-], ids=["nothing-outside", "nothing-scored", "eval-seed", "validation-without-trace", "validation-too-long",
-        "policy-and-system", "drawn-share-without-trace", "drawn-share-whole",
+], ids=["nothing-outside", "nothing-scored", "eval-seed", "validation-without-trace", "validation-too-long", "drawn-share-without-trace", "drawn-share-whole",
         "twins-without-trace", "no-reports-left"])
 def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
     assert main(argv) == 2

@@ -89,9 +89,6 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                              "user prompt (level-style prompts repeat the prompts the replay scores: counted)")
     parser.add_argument("--system", default=None, help="the system prompt trained under (default: one line naming "
                         "the template)")
-    parser.add_argument("--policy-prompt", action="store_true",
-                        help="train (and serve) under the template's own system prompt, its policy written out, "
-                             "instead of one line naming the template: longer, but pinned and so paid once")
     parser.add_argument("--judge", choices=JUDGED, default="all",
                         help="what the held-out rows are asked of: all, the adapter, the base model and the base model "
                              "prompted with the template; adapter, the adapter alone (a recipe's training run, whose "
@@ -137,9 +134,6 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.counterfactual_share and args.rows != "trace":
         raise AdaptError("--counterfactual-share mixes twins of the trace's reports into --rows trace; with --rows "
                          "drawn every row is drawn")
-    if args.policy_prompt and args.system:
-        raise AdaptError("--policy-prompt trains under the template's own system prompt; --system names another: "
-                         "give one of them")
     if args.rows == "trace" and args.held_out == "drawn":
         raise AdaptError("--rows trace holds out the requests the replay scores: drop --held-out drawn")
     if args.validation_s is not None and (args.rows != "trace" or args.validation_s <= 0):
@@ -168,8 +162,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
     else:
         rows = _drawn_rows(args, scenario, trace, template)
     checkpoint = open_checkpoint(args.model)
-    system = args.system or (_prompted_conversation(scenario, template.name)[0]["content"] if args.policy_prompt
-                             else adapt.default_system_prompt(template))
+    system = args.system or adapt.default_system_prompt(template)
     _print_data(scenario, template, rows, args, system)
     validating = "" if args.validation_s is None else f"-validation-{args.validation_s:g}s"
     out = Path(args.out) if args.out else cache_dir() / "adapters" / f"{scenario.name}-{template.name}{validating}"
