@@ -21,6 +21,11 @@
  * cores without a team of their own. Each value comes from the same code however the pieces fall
  * to threads: the sums are the same bits with any thread count.
  *
+ * What a decode step's update costs is reading A and B: a few KB a projection that the step's
+ * other weights evicted since the last step. Each half asks for its thread's lines of A or Bᵀ at
+ * once before reading them (``fetch``), and the first half also asks for the second's Bᵀ, which
+ * then arrives while the product's tiles run.
+ *
  * At rank 8-64 this is a few percent of the projection's own multiply-adds. Rows of one segment
  * share each read of A and B: a block of up to ROWS_AT_ONCE rows loads each vector of A and B once
  * for all its rows.
@@ -239,6 +244,83 @@ static float *low_rank_rows(const LoraBatch *b, int p, int first) {
     return b->low_rank + ((int64_t)p * b->rows + first) * b->rank_stride;
 }
 
+/* The second half's columns of each output for thread ``thread`` of ``threads``: [from[p], to[p]),
+ * from[p] -1 where it has none. Pieces of (output, COLUMN_CHUNK columns), each for every segment's
+ * rows, costed by the rows of Bᵀ they read. */
+static void columns_of(const LoraBatch *b, int thread, int threads, int *from, int *to) {
+    int64_t total = 0, per_chunk[LORA_MOST_OUTPUTS];
+    for (int p = 0; p < b->outputs; p++) {
+        per_chunk[p] = 0;
+        for (int s = 0; s < b->segments; s++)
+            per_chunk[p] += (int64_t)b->output[p].updates[s].rank * blocks_of(b->ends[s] - b->starts[s]);
+        total += per_chunk[p] * ((b->output[p].out + COLUMN_CHUNK - 1) / COLUMN_CHUNK);
+    }
+    Share share = share_of(total, thread, threads);
+    for (int p = 0; p < b->outputs; p++) {
+        const int out = b->output[p].out;
+        from[p] = to[p] = -1;
+        for (int o = 0; o < out; o += COLUMN_CHUNK)
+            if (take(&share, per_chunk[p])) {
+                from[p] = from[p] < 0 ? o : from[p];
+                to[p] = o + COLUMN_CHUNK < out ? o + COLUMN_CHUNK : out;
+            }
+        if (per_chunk[p] == 0) from[p] = to[p] = -1;
+    }
+}
+
+/* Asks the memory for ``bytes`` from ``at``, a line at a time, into the cache level ``locality``
+ * names (__builtin_prefetch's). The adapter's weights are a few KB a projection, read once a step
+ * and evicted by the step's other weights in between: each half would otherwise wait on its lines
+ * a few at a time, as its loads reach them. */
+static void fetch(const void *at, size_t bytes, const int locality) {
+    const char *line = (const char *)((uintptr_t)at / CACHE_LINE * CACHE_LINE), *end = (const char *)at + bytes;
+    for (; line < end; line += CACHE_LINE) {
+        if (locality == 3) __builtin_prefetch(line, 0, 3);
+        else __builtin_prefetch(line, 0, 2);
+    }
+}
+
+/* The rows of A the thread's pieces of the first half read (``share`` as ricllm_lora_low_rank's),
+ * into L1: per update, the rows from the first to the last its pieces start on. */
+static void fetch_a_rows(const LoraBatch *b, Share share) {
+    const size_t elt = b->weights_bf16 ? 2 : 4;
+    for (int p = 0; p < b->outputs; p++)
+        for (int s = 0; s < b->segments; s++) {
+            const LoraUpdate *u = &b->output[p].updates[s];
+            int lowest = u->rank, highest = 0;  /* A's rows [lowest, highest) hold the thread's pieces */
+            for (int first = b->starts[s]; first < b->ends[s]; first += ROWS_AT_ONCE) {
+                const int rows = b->ends[s] - first < ROWS_AT_ONCE ? b->ends[s] - first : ROWS_AT_ONCE;
+                const int a_rows = A_ROWS(rows);
+                (void)rows;  /* AVX-512's A_ROWS is one count for any rows */
+                for (int j = 0; j < u->rank;) {
+                    const int count = j + a_rows > u->rank ? 1 : a_rows;
+                    if (take(&share, count)) {
+                        lowest = j < lowest ? j : lowest;
+                        highest = j + count > highest ? j + count : highest;
+                    }
+                    j += count;
+                }
+            }
+            if (lowest < highest)
+                fetch((const char *)u->a + (size_t)lowest * b->in * elt, (size_t)(highest - lowest) * b->in * elt, 3);
+        }
+}
+
+/* The columns of Bᵀ a thread's share of the second half reads (columns_of's ``from`` and ``to``),
+ * into L1 (``locality`` 3) or L2 (2). */
+static void fetch_b_columns(const LoraBatch *b, const int *from, const int *to, const int locality) {
+    const size_t elt = b->weights_bf16 ? 2 : 4;
+    for (int p = 0; p < b->outputs; p++) {
+        if (from[p] < 0) continue;
+        for (int s = 0; s < b->segments; s++) {
+            const LoraUpdate *u = &b->output[p].updates[s];
+            for (int j = 0; j < u->rank; j++)
+                fetch((const char *)u->b_t + ((size_t)j * b->output[p].out + from[p]) * elt,
+                      (size_t)(to[p] - from[p]) * elt, locality);
+        }
+    }
+}
+
 /* The first half: t = scale · x · Aᵀ in pieces of (output, segment, block of rows, A_ROWS rows of A or
  * one), costed by the rows of A they read. */
 void ricllm_lora_low_rank(const void *work, int thread, int threads) {
@@ -247,6 +329,7 @@ void ricllm_lora_low_rank(const void *work, int thread, int threads) {
     for (int p = 0; p < b->outputs; p++)
         for (int s = 0; s < b->segments; s++)
             total += (int64_t)b->output[p].updates[s].rank * blocks_of(b->ends[s] - b->starts[s]);
+    fetch_a_rows(b, share_of(total, thread, threads));
     Share share = share_of(total, thread, threads);
     float *xs = (float *)(b->scratch + b->scratch_per_thread * (size_t)thread);
     int loaded = -1;  /* the first row of the block of x in xs */
@@ -272,29 +355,22 @@ void ricllm_lora_low_rank(const void *work, int thread, int threads) {
                 }
             }
         }
+    /* the second half's Bᵀ, to arrive while the product's own tiles run between the halves */
+    int from[LORA_MOST_OUTPUTS], to[LORA_MOST_OUTPUTS];
+    columns_of(b, thread, threads, from, to);
+    fetch_b_columns(b, from, to, 2);
 }
 
-/* The second half: y += t · Bᵀ in pieces of (output, COLUMN_CHUNK columns), each for every
- * segment's rows, costed by the rows of Bᵀ they read. */
+/* The second half: y += t · Bᵀ on the thread's columns (columns_of). */
 void ricllm_lora_add(const void *work, int thread, int threads) {
     const LoraBatch *b = work;
-    int64_t total = 0, per_chunk[LORA_MOST_OUTPUTS];
-    for (int p = 0; p < b->outputs; p++) {
-        per_chunk[p] = 0;
-        for (int s = 0; s < b->segments; s++)
-            per_chunk[p] += (int64_t)b->output[p].updates[s].rank * blocks_of(b->ends[s] - b->starts[s]);
-        total += per_chunk[p] * ((b->output[p].out + COLUMN_CHUNK - 1) / COLUMN_CHUNK);
-    }
-    Share share = share_of(total, thread, threads);
+    int from_of[LORA_MOST_OUTPUTS], to_of[LORA_MOST_OUTPUTS];
+    columns_of(b, thread, threads, from_of, to_of);
+    fetch_b_columns(b, from_of, to_of, 3);  /* what the tiles evicted, asked for at once */
     for (int p = 0; p < b->outputs; p++) {
         const LoraOutput *output = &b->output[p];
-        int from = -1, to = -1;  /* the thread's columns of this output */
-        for (int o = 0; o < output->out; o += COLUMN_CHUNK)
-            if (take(&share, per_chunk[p])) {
-                from = from < 0 ? o : from;
-                to = o + COLUMN_CHUNK < output->out ? o + COLUMN_CHUNK : output->out;
-            }
-        if (from < 0 || per_chunk[p] == 0) continue;
+        const int from = from_of[p], to = to_of[p];
+        if (from < 0) continue;
         void *y = (char *)b->y + output->column * (b->is_bf16 ? 2 : 4);
         for (int s = 0; s < b->segments; s++) {
             const LoraUpdate *u = &output->updates[s];

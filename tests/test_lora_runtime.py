@@ -278,6 +278,24 @@ def test_the_slots_hold_max_loras_adapters_in_the_activations_type(tiny_native_g
     assert fresh.engine.runtime.lora.nbytes == 0
 
 
+@pytest.mark.parametrize("slot, projections", [(0, 7), (2, 6)])  # B leaves k alone
+def test_a_slot_lays_its_updates_out_in_the_order_a_step_reads_them(native_pair, slot, projections):
+    engines, _ = native_pair
+    slots = engines["native"].engine.runtime.lora
+    assert type(slots).__name__ == "LoraSlots"
+
+    def weights(layer: int, names: tuple[str, ...]) -> list:
+        return [found[2] for name in names for found in slots.updates(layer, name, [(0, 1, slot)])]
+
+    reads = [array for layer in range(slots.spec.num_layers)
+             for names in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+             for array in [*(w.a for w in weights(layer, names)), *(w.b_t for w in weights(layer, names))]]
+    assert len(reads) == 2 * projections * slots.spec.num_layers
+    starts = [array.ctypes.data for array in reads]
+    assert starts == sorted(starts)
+    assert starts[-1] + reads[-1].nbytes - starts[0] <= slots.slot_nbytes(slot) + 64 * len(reads)  # one buffer
+
+
 def test_an_unloaded_slot_leaves_its_rows_as_without_adapter(tiny_native_gguf, tmp_path):
     llm = engine(tiny_native_gguf, "native")
     adapters_for(llm, tmp_path)

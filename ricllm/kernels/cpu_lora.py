@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ricllm.kernels.aligned import aligned_empty
+from ricllm.kernels.aligned import CACHE_LINE, aligned_empty, huge_page_bytes
 from ricllm.kernels.cpu_library import library
 
 ACTIVATION_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1}  # numpy dtype -> the kernel's is_bf16
@@ -79,6 +79,24 @@ def kernel_weights(a: np.ndarray, b: np.ndarray, scale: float, *, bf16: bool = F
         return out
 
     return LoraKernelWeights(a=laid_out(a), b_t=laid_out(np.asarray(b).T), scale=float(scale))
+
+
+def side_by_side(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Copies of ``arrays`` one after another in one buffer, each on a cache line, on huge pages
+    where the system offers them (``huge_page_bytes``). An adapter's updates laid out in the order
+    a step reads them make its reads one ascending walk through memory, a few KB at a time, that
+    few TLB entries cover."""
+    offsets, total = [], 0
+    for array in arrays:
+        offsets.append(total)
+        total += -(-array.nbytes // CACHE_LINE) * CACHE_LINE
+    buffer = huge_page_bytes(max(total, 1))
+    copies = []
+    for array, offset in zip(arrays, offsets):
+        copy = buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+        copy[...] = array
+        copies.append(copy)
+    return copies
 
 
 @dataclass(frozen=True)

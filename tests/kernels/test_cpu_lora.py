@@ -17,7 +17,7 @@ import torch
 from ricllm.engine.runtime.lora_delta import lora_delta
 from ricllm.kernels import cpu_library
 from ricllm.kernels.cpu_lora import (LoraSegment, apply_lora, from_bf16, kernel_weights, lora_reference,
-                                     to_bf16)
+                                     side_by_side, to_bf16)
 from tests.helpers import python_with_env
 
 pytestmark = pytest.mark.skipif(not cpu_library.cpu_kernels_available()[0],
@@ -232,3 +232,15 @@ from ricllm.kernels.cpu_library import cpu_family
 print("family", cpu_family(), flush=True)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1], "-k", "parity"]))
 """
+
+
+def test_side_by_side_copies_arrays_one_after_another_each_on_a_cache_line():
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal((3, 7)).astype(np.float32), to_bf16(rng.standard_normal((2, 9))),
+              rng.standard_normal(1).astype(np.float32)]
+    copies = side_by_side(arrays)
+    for array, copy in zip(arrays, copies):
+        assert copy.dtype == array.dtype and np.array_equal(copy, array) and copy.flags.c_contiguous
+        assert copy.ctypes.data % 64 == 0
+    starts = [copy.ctypes.data for copy in copies]
+    assert starts == sorted(starts) and starts[-1] - starts[0] == 128 + 64  # 84 and 36 bytes, each padded to lines

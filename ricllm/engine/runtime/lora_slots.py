@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ricllm.kernels.cpu_lora import LoraKernelWeights, kernel_weights
+from ricllm.kernels.cpu_lora import LoraKernelWeights, kernel_weights, side_by_side
 from ricllm.kernels.decoder_stack_call import LoraStepArgument, LoraTable
 from ricllm.model.lora import PROJECTIONS, LoraAdapter, projection_shape
 from ricllm.model.spec import ModelSpec
@@ -26,6 +26,29 @@ def fused_columns(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     q, kv, inter, hidden = spec.q_size, spec.kv_size, spec.intermediate_size, spec.hidden_size
     return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "o": (0, hidden), "gate": (0, inter),
             "up": (inter, inter), "down": (0, hidden)}
+
+
+# a layer's projections by the product that updates them (those of one product read one input), in
+# the order the decoder stack runs the products
+PRODUCTS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+
+
+def in_read_order(spec: ModelSpec, weights: dict[tuple[int, str], LoraKernelWeights]
+                  ) -> dict[tuple[int, str], LoraKernelWeights]:
+    """``weights`` copied into one buffer in the order a decode step reads them: per layer and
+    product, the A of each of its projections, then their Bᵀ (the product's first half reads the
+    As, its second the Bᵀs). The step's reads of the adapter are then one walk up through memory."""
+    groups = [[(layer, name) for name in names if (layer, name) in weights]
+              for layer in range(spec.num_layers) for names in PRODUCTS]
+    copies = side_by_side([array for group in groups
+                           for array in [*(weights[key].a for key in group), *(weights[key].b_t for key in group)]])
+    laid_out, at = {}, 0
+    for group in groups:
+        for i, key in enumerate(group):
+            laid_out[key] = LoraKernelWeights(a=copies[at + i], b_t=copies[at + len(group) + i],
+                                              scale=weights[key].scale)
+        at += 2 * len(group)
+    return laid_out
 
 
 def check_slot(slot: int, capacity: int) -> None:
@@ -61,8 +84,9 @@ class LoraSlots:
         range or an adapter of another shape (the slot is then left as it was)."""
         check_slot(slot, self.capacity)
         check_adapter(adapter, self.spec)
-        weights = {(layer, name): kernel_weights(update.a, update.b, update.scale, bf16=self.bf16)
-                   for layer, name, update in adapter.projections()}
+        weights = in_read_order(self.spec, {
+            (layer, name): kernel_weights(update.a, update.b, update.scale, bf16=self.bf16)
+            for layer, name, update in adapter.projections()})
         for layer in range(self.spec.num_layers):
             for name in PROJECTIONS:
                 self.table.set(slot, layer, name, weights.get((layer, name)))
