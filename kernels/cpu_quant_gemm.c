@@ -583,13 +583,9 @@ static inline __attribute__((always_inline)) GroupScales group_scales_avx2(const
                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)))};
 }
 
-/* Per dword lane: Σ of its 4 byte products w·x (both in -127..127). */
-static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i w, __m256i x) {
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-/* 8-bit: one (tile, block of up to AVX2_INT8_ROWS rows), the same sums and scaling as int8_tile. */
+/* 8-bit: one (tile, block of up to AVX2_INT8_ROWS rows), the same sums and scaling as int8_tile.
+ * Each block of weights is loaded, and its |w| taken, once for the rows (their sums in registers),
+ * and fetched ahead in software as int8_tile's: the one-row LM head streams 28 MB across pages. */
 static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const uint8_t *w, const uint16_t *scales,
                                                                const int8_t *xq, const float *dx, int k, int n,
                                                                int tile, int out_tile, void *out, int is_bf16) {
@@ -598,23 +594,33 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const uint8_t *wt = w + (int64_t)tile * groups * chunk_bytes;
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int g = 0; g < groups; g++) {
         const uint8_t *wg = wt + (int64_t)g * chunk_bytes;
+        for (int line = 0; line < 8; line++)  /* past the last group: the next tile's (never a fault) */
+            _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * chunk_bytes + 64 * line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
         const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE)));
         const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE + 8)));
-        for (int r = 0; r < rows; r++) {
-            const int32_t *xg = (const int32_t *)(xq + (int64_t)r * k + g * GROUP);
-            __m256i dot_low = _mm256_setzero_si256(), dot_high = _mm256_setzero_si256();
+        __m256i dot_low[AVX2_INT8_ROWS], dot_high[AVX2_INT8_ROWS];
+        for (int r = 0; r < rows; r++) dot_low[r] = dot_high[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-            for (int b = 0; b < 8; b++) {
-                const __m256i x = _mm256_set1_epi32(xg[b]);
-                dot_low = _mm256_add_epi32(dot_low, dot4_avx2(_mm256_loadu_si256((const __m256i *)(wg + b * 64)), x));
-                dot_high = _mm256_add_epi32(dot_high,
-                                            dot4_avx2(_mm256_loadu_si256((const __m256i *)(wg + b * 64 + 32)), x));
+        for (int b = 0; b < 8; b++) {  /* per dword lane: Σ of its 4 byte products, |w| · sign(x, w) */
+            const __m256i w_low = _mm256_loadu_si256((const __m256i *)(wg + b * 64));
+            const __m256i w_high = _mm256_loadu_si256((const __m256i *)(wg + b * 64 + 32));
+            const __m256i abs_low = _mm256_abs_epi8(w_low), abs_high = _mm256_abs_epi8(w_high);
+            for (int r = 0; r < rows; r++) {
+                const __m256i x = _mm256_set1_epi32(((const int32_t *)(xq + (int64_t)r * k + g * GROUP))[b]);
+                dot_low[r] = _mm256_add_epi32(dot_low[r], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(abs_low, _mm256_sign_epi8(x, w_low)), ones));
+                dot_high[r] = _mm256_add_epi32(dot_high[r], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(abs_high, _mm256_sign_epi8(x, w_high)), ones));
             }
+        }
+        for (int r = 0; r < rows; r++) {
             const __m256 row_scale = _mm256_set1_ps(dx[(int64_t)r * groups + g]);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low), _mm256_mul_ps(d_low, row_scale), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), _mm256_mul_ps(d_high, row_scale), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low[r]), _mm256_mul_ps(d_low, row_scale), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high[r]), _mm256_mul_ps(d_high, row_scale), acc[r][1]);
         }
     }
     for (int r = 0; r < rows; r++) {
