@@ -640,10 +640,10 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const
  * A block is widened as the VNNI path's ``int4_quad_rows`` does it, in AVX2's 128-bit lanes: four
  * pairs (64 bytes) gather each row's 4 bytes into its dword with 8 byte and word shuffles, and the
  * low and the high nibbles of those dwords are two blocks, for activations reordered to match
- * (``reorder_for_quads_avx2``). Per group that is half the instructions of widening each block
- * from two 8-byte loads, which made a one-row product compute-bound. The two vectors of a tile's
- * outputs hold rows 0-3 and 8-11, and 4-7 and 12-15 (``QUAD_ROWS``): the order the lane-local
- * shuffles leave them in; the scales are read in that order and the totals stored back in place. */
+ * (``reorder_for_quads_avx2``): per group, half the instructions of widening each block from two
+ * 8-byte loads of its rows' bytes. The two vectors of a tile's outputs hold rows 0-3 and 8-11, and
+ * 4-7 and 12-15 (``QUAD_ROWS``): the order the lane-local shuffles leave them in; the scales are
+ * read in that order and the totals stored back in place. */
 static const int QUAD_ROWS[2][8] = {{0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}};
 
 /* Pairs p0..p3 (``pairs``: pair p's 16 row bytes at 16p) as dwords (p0[r], p2[r], p1[r], p3[r]):
