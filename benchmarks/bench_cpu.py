@@ -44,6 +44,13 @@ whether AMX_INT8 is on), so against it a --no-amx ratio is conservative.
 llama.cpp runs under this interpreter (llama-cpp-python from `bash scripts/setup.sh --bench`;
 --llamacpp-python picks another), twice: flash attention off and on; ricllm is compared with
 the better of the two per measurement.
+--avx2-like-for-like measures an AVX2-only CPU on a machine with AVX-512: the ricllm children as
+with --avx2-only (HF's torch held to AVX2 too), and beside the native llama.cpp build a second one
+held to AVX2 (its CMake options: native detection off, AVX2/FMA/F16C/BMI2 on, every AVX-512 and AMX
+option off; the version constraints.txt locks), built once from source into
+$RICLLM_CACHE_DIR/llamacpp-avx2-VERSION (--llamacpp-avx2-python names one built elsewhere). The
+ratios and targets are against the AVX2 build; the native build runs as a reference. The notes
+give both builds' system info lines and CMake flags.
 Prompts are fixed-seed random token ids in [100, vocab - 100), identical for every engine.
 The summary, ratios and the decode targets (PASS/FAIL) are appended to benchmarks/RESULTS.md.
 
@@ -51,6 +58,7 @@ The summary, ratios and the decode targets (PASS/FAIL) are appended to benchmark
     python benchmarks/bench_cpu.py --quick --repeats 1  # smoke test: tiny sizes, prints only
     python benchmarks/bench_cpu.py [--configs int4:native int4:torch int8:native bf16:torch] [--repeats N]
         [--no-amx] [--ricllm-env KEY=VALUE ...] [--skip-hf] [--skip-llamacpp] [--no-publish]
+    python benchmarks/bench_cpu.py --avx2-like-for-like   # the avx2 family against an AVX2-only llama.cpp
     python benchmarks/bench_cpu.py --tree main=../main-tree --tree branch=. --skip-hf --skip-llamacpp
         # two revisions of ricllm side by side, interleaved, under this script's one harness
 
@@ -91,6 +99,12 @@ TARGETS = {"decode_1_vs_llama": 2.0, "decode_1_roofline": 0.80, "decode_32_vs_ll
            "prompt_vs_llama": 3.0, "peak_rss_mb": 480.0, "ready_cached_s": 0.44}
 CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 SETUP_HINT = "bash scripts/setup.sh --bench"
+# llama.cpp held to AVX2 (x86-64-v3), what it compiles for an AVX2-only CPU: ggml's CMake options, native
+# detection off and every AVX-512 and AMX path off (a machine with AVX-512 would otherwise build them in)
+AVX2_LLAMACPP_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+                       "-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF "
+                       "-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+TORCH_AVX2 = {k: v for k, v in AVX2_ONLY.items() if not k.startswith("RICLLM_")}  # torch's own kernels at AVX2
 
 
 def progress(message: str) -> None:
@@ -496,6 +510,34 @@ def llamacpp_extra_buffers_run(python: str, base: dict) -> bool:
     return result is not None
 
 
+def locked_version(distribution: str) -> str:
+    """The version constraints.txt locks for ``distribution`` (what `setup.sh --bench` installs)."""
+    pin = f"{distribution.replace('-', '_')}=="
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.replace("-", "_").lower().startswith(pin):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit(f"bench_cpu: constraints.txt locks no version of {distribution}")
+
+
+def avx2_llamacpp_python(folder: Path) -> tuple[str, str | None]:
+    """The interpreter of a venv in ``folder`` with llama-cpp-python (the locked version) compiled
+    from source with AVX2_LLAMACPP_CMAKE, built there on first use (several minutes on 2 cores);
+    (its python, why it cannot run llama.cpp or None)."""
+    python = folder / "bin" / "python"
+    if python.is_file() and llamacpp_problem(str(python)) is None:
+        return str(python), None
+    version = locked_version("llama-cpp-python")
+    progress(f"building llama-cpp-python {version} held to AVX2 into {folder} (once; several minutes)")
+    env = dict(os.environ, CMAKE_ARGS=AVX2_LLAMACPP_CMAKE, CMAKE_BUILD_PARALLEL_LEVEL=str(THREADS))
+    steps = [[sys.executable, "-m", "venv", str(folder)], [str(python), "-m", "pip", "install", "--quiet", "numpy"],
+             [str(python), "-m", "pip", "install", "--quiet", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={version}"]]
+    for step in steps:
+        if subprocess.run(step, env=env, check=False).returncode != 0:
+            return str(python), f"building the AVX2 llama.cpp failed at `{' '.join(step)}` (its output is above)"
+    return str(python), llamacpp_problem(str(python))
+
+
 def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
     """(vocabulary size, what weights="auto" resolves to on this file), from its metadata."""
     from ricllm.model.formats import resolve_formats
@@ -505,20 +547,35 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
     return checkpoint.spec.vocab_size, resolve_formats("auto", checkpoint.tensor_types(), packable=True)
 
 
-def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True) -> list[Config]:
-    """ricllm's configurations (with the --no-amx / --ricllm-env environment), then the peers."""
-    ricllm_env = {**args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}), **(AVX2_ONLY if args.avx2_only else {})}
+def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True,
+                   avx2_peer: tuple[str, bool] | None = None) -> list[Config]:
+    """ricllm's configurations (with the --no-amx / --avx2-only / --ricllm-env environment), then the
+    peers. ``avx2_peer``: the AVX2 llama.cpp's (interpreter, extra buffers on), which the ratios are
+    against; the native build is then a reference only."""
+    avx2 = args.avx2_only or args.avx2_like_for_like
+    ricllm_env = {**args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}), **(AVX2_ONLY if avx2 else {})}
     trees = args.tree or [None]
     configs = [Config(f"ricllm {weights} {runtime}" + (f" [{tree[0]}]" if tree else ""), "ricllm", sys.executable,
                       {"weights": weights, "runtime": runtime},
                       {**ricllm_env, **({"PYTHONPATH": tree[1]} if tree else {})})
                for weights, runtime in (c.split(":") for c in args.configs) for tree in trees]
+    build = "native build, " if avx2_peer else ""
     if llamacpp_ok:
-        configs += [Config(f"llama.cpp, flash attention {'on' if on else 'off'}", "llamacpp", args.llamacpp_python,
-                           {"flash_attn": on, "extra_buffers": extra_buffers}) for on in (False, True)]
+        configs += [Config(f"llama.cpp, {build}flash attention {'on' if on else 'off'}", "llamacpp",
+                           args.llamacpp_python, {"flash_attn": on, "extra_buffers": extra_buffers,
+                                                  "compared": avx2_peer is None}) for on in (False, True)]
+    if avx2_peer:
+        configs += [Config(f"llama.cpp, AVX2 build, flash attention {'on' if on else 'off'}", "llamacpp", avx2_peer[0],
+                           {"flash_attn": on, "extra_buffers": avx2_peer[1], "compared": True}) for on in (False, True)]
     if not args.skip_hf:
-        configs.append(Config("HF transformers bf16", "hf", sys.executable))
+        configs.append(Config("HF transformers bf16", "hf", sys.executable, env=TORCH_AVX2 if avx2 else {}))
     return configs
+
+
+def compared_peers(series: list["Series"]) -> list["Series"]:
+    """The llama.cpp configurations ricllm's ratios and targets are against (with a second, AVX2
+    build: that one's)."""
+    return [s for s in series if s.config.engine == "llamacpp" and s.config.spec.get("compared", True)]
 
 
 def run_all(configs: list[Config], base: dict, repeats: int) -> dict[str, list[dict | None]]:
@@ -780,7 +837,7 @@ def target_lines(series: list[Series], bandwidth: float, sizes: dict) -> str:
         return "Targets: not checked (the default configuration, int4 native on a Q4_1 file, was not run)."
     twin = next((s for s in series if s.config.engine == "ricllm" and s.config.spec["runtime"] == "torch"
                  and s.config.spec["weights"] == ours.config.spec["weights"]), None)
-    peers = [s for s in series if s.config.engine == "llamacpp"]
+    peers = compared_peers(series)
     lines = [f"Targets ({ours.label}, {KV_BUDGET} KV; ratios of medians):"]
     return "\n".join(lines + [check_line(c) for c in issue_checks(ours, twin, peers, bandwidth, sizes)])
 
@@ -813,23 +870,27 @@ def series_notes(s: Series) -> list[str]:
     return lines
 
 
-def llamacpp_notes(peers: list[Series], problem: str | None) -> list[str]:
-    """The peer's build: version, the CPU features it was built with, its CMake flags."""
-    if problem:
-        return [f"llama.cpp was not measured: {problem}."]
-    if not peers:
-        return []
-    peer = peers[0]
-    flags = peer.fact("build_flags") or "not recorded in the installed package: pip's defaults, GGML_NATIVE on"
-    return [(f"llama.cpp: llama-cpp-python {peer.fact('version')} under {peer.config.python}, decode context "
-            f"{peer.fact('context')} (llama.cpp rounds each sequence's KV up to a multiple of 256 cells), one KV "
-            f"stream per sequence, f16 KV; flash attention off and on, ricllm compared with the better per "
-            f"measurement."),
-            f"llama.cpp system info: {peer.fact('system_info')}", f"llama.cpp CMake flags: {flags}",
-            "llama.cpp extra buffer types (AMX tiles, repacked weights): " + (
-                "on (its default)" if peer.fact("extra_buffers") else
-                "OFF: a probe decode crashed with them on, so it ran its AVX-512/AVX2 path (use_extra_bufts=false); "
-                "ricllm without AMX (--no-amx) is the like-for-like comparison")]
+def llamacpp_notes(peers: list[Series], problems: list[str]) -> list[str]:
+    """Each peer build (one per interpreter): version, the CPU features it was built with, its CMake flags."""
+    notes = [f"llama.cpp was not measured: {problem}." for problem in problems]
+    builds = {}
+    for peer in peers:
+        builds.setdefault(peer.config.python, peer)
+    for peer in builds.values():
+        name = "llama.cpp" + (", AVX2 build" if "AVX2 build" in peer.label else
+                              ", native build" if "native build" in peer.label else "")
+        flags = peer.fact("build_flags") or "not recorded in the installed package: pip's defaults, GGML_NATIVE on"
+        role = "ricllm compared with the better per measurement" if peer.config.spec.get("compared", True) else \
+            "a reference only: the ratios are against the AVX2 build"
+        notes += [(f"{name}: llama-cpp-python {peer.fact('version')} under {peer.config.python}, decode context "
+                   f"{peer.fact('context')} (llama.cpp rounds each sequence's KV up to a multiple of 256 cells), one "
+                   f"KV stream per sequence, f16 KV; flash attention off and on, {role}."),
+                  f"{name} system info: {peer.fact('system_info')}", f"{name} CMake flags: {flags}",
+                  f"{name} extra buffer types (AMX tiles, repacked weights): " + (
+                      "on (its default)" if peer.fact("extra_buffers") else
+                      "OFF: a probe decode crashed with them on, so it ran its AVX-512/AVX2 path "
+                      "(use_extra_bufts=false); ricllm without AMX (--no-amx) is the like-for-like comparison")]
+    return notes
 
 
 def roofline_note(bandwidth: float, sizes: dict) -> str:
@@ -843,13 +904,14 @@ def roofline_note(bandwidth: float, sizes: dict) -> str:
             f"the tied head is token_embd), HF its parameters once each (bf16).")
 
 
-def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, problem: str | None, failed: list[str],
+def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, problems: list[str], failed: list[str],
            append: bool) -> None:
     from benchmarks.results import publish
 
     ours = [s for s in series if s.config.engine == "ricllm"]
-    peers = [s for s in series if s.config.engine == "llamacpp"]
-    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(peers, problem) + [
+    peers = compared_peers(series)
+    every_peer = [s for s in series if s.config.engine == "llamacpp"]
+    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(every_peer, problems) + [
         f"{label}: no repeat produced results (its children's errors are in the log)." for label in failed]
     body = "\n\n".join([side_by_side(series, sizes, bandwidth), ratio_table(ours, peers, sizes),
                         target_lines(series, bandwidth, sizes), roofline_note(bandwidth, sizes), "\n".join(notes)])
@@ -909,6 +971,15 @@ def parse_args_from(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--avx2-only", action="store_true", help="run the ricllm children as on an AVX2-only CPU (AMD "
                         "Zen 2/3): ricllm's avx2 family, its bf16 probe answering no, torch's ATen, MKL and oneDNN "
                         "held to AVX2 (cpu_caps.AVX2_ONLY)")
+    parser.add_argument("--avx2-like-for-like", action="store_true",
+                        help="an AVX2-only CPU measured like for like on this one: --avx2-only (HF's torch held to "
+                             "AVX2 too), and a second llama.cpp held to AVX2 (native detection, AVX-512 and AMX off; "
+                             "built once from source into $RICLLM_CACHE_DIR/llamacpp-avx2-VERSION, several minutes) "
+                             "that the ratios and targets are against; the native llama.cpp runs as a reference, "
+                             "and both builds' system info and CMake flags are recorded")
+    parser.add_argument("--llamacpp-avx2-python", default=None, metavar="PYTHON",
+                        help="with --avx2-like-for-like: an interpreter whose llama-cpp-python is already held to "
+                             "AVX2 (default: build one as above)")
     parser.add_argument("--ricllm-env", type=env_pair, action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for the ricllm children only (repeatable), e.g. a kernel cap")
     parser.add_argument("--tree", type=source_tree, action="append", default=[], metavar="NAME=PATH",
@@ -942,19 +1013,33 @@ def main() -> None:
     problem = None if args.skip_llamacpp else llamacpp_problem(args.llamacpp_python)
     if problem:
         progress(f"SKIP llama.cpp: {problem}")
+    avx2_python, avx2_problem = None, None
+    if args.avx2_like_for_like and not args.skip_llamacpp:
+        from ricllm.paths import cache_dir
+
+        avx2_python, avx2_problem = (args.llamacpp_avx2_python, llamacpp_problem(args.llamacpp_avx2_python)) \
+            if args.llamacpp_avx2_python else \
+            avx2_llamacpp_python(cache_dir() / f"llamacpp-avx2-{locked_version('llama-cpp-python')}")
+        if avx2_problem:
+            avx2_problem = f"the AVX2 build: {avx2_problem}"
+            progress(f"SKIP llama.cpp's AVX2 build: {avx2_problem}")
     bandwidth = read_bandwidth()
     progress(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     vocab, auto_formats = model_facts(model)
     base = workload_spec(model, vocab, sizes)
     llamacpp_ok = not args.skip_llamacpp and problem is None
     extra_buffers = llamacpp_ok and llamacpp_extra_buffers_run(args.llamacpp_python, base)
-    configs = configurations(args, llamacpp_ok, extra_buffers)
+    avx2_peer = None
+    if avx2_python and avx2_problem is None:
+        avx2_peer = (avx2_python, llamacpp_extra_buffers_run(avx2_python, base))
+    configs = configurations(args, llamacpp_ok, extra_buffers, avx2_peer)
     runs = run_all(configs, base, args.repeats)
     labelled = label_series(configs, runs, auto_formats)
     series, failed = [s for s in labelled if any(s.runs)], [s.label for s in labelled if not any(s.runs)]
     if not series:
         sys.exit("no configuration produced results (see the children's errors above)")
-    report(series, sizes, model, bandwidth, problem, failed, append=not (args.quick or args.no_publish))
+    problems = [p for p in (problem, avx2_problem) if p]
+    report(series, sizes, model, bandwidth, problems, failed, append=not (args.quick or args.no_publish))
 
 
 if __name__ == "__main__":

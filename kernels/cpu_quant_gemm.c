@@ -583,24 +583,9 @@ static inline __attribute__((always_inline)) GroupScales group_scales_avx2(const
                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + TILE + 8)))};
 }
 
-/* Each row's 16 outputs of the tile (two 8-lane totals) to its place in ``out``. */
-static inline __attribute__((always_inline)) void store_totals_avx2(const __m256 (*totals)[2], int rows, void *out,
-                                                                  int n, int out_tile, int is_bf16) {
-    for (int r = 0; r < rows; r++) {
-        float lane[TILE];
-        _mm256_storeu_ps(lane, totals[r][0]);
-        _mm256_storeu_ps(lane + 8, totals[r][1]);
-        store_row(out, (int64_t)r * n + (int64_t)out_tile * TILE, TILE, is_bf16, lane);
-    }
-}
-
-/* Per dword lane: Σ of its 4 byte products w·x (both in -127..127). */
-static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i w, __m256i x) {
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-/* 8-bit: one (tile, block of up to AVX2_INT8_ROWS rows), the same sums and scaling as int8_tile. */
+/* 8-bit: one (tile, block of up to AVX2_INT8_ROWS rows), the same sums and scaling as int8_tile.
+ * Each block of weights is loaded, and its |w| taken, once for the rows (their sums in registers),
+ * and fetched ahead in software as int8_tile's: the one-row LM head streams 28 MB across pages. */
 static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const uint8_t *w, const uint16_t *scales,
                                                                const int8_t *xq, const float *dx, int k, int n,
                                                                int tile, int out_tile, void *out, int is_bf16) {
@@ -609,23 +594,33 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const uint8_t *wt = w + (int64_t)tile * groups * chunk_bytes;
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int g = 0; g < groups; g++) {
         const uint8_t *wg = wt + (int64_t)g * chunk_bytes;
+        for (int line = 0; line < 8; line++)  /* past the last group: the next tile's (never a fault) */
+            _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * chunk_bytes + 64 * line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
         const __m256 d_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE)));
         const __m256 d_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + (int64_t)g * 2 * TILE + 8)));
-        for (int r = 0; r < rows; r++) {
-            const int32_t *xg = (const int32_t *)(xq + (int64_t)r * k + g * GROUP);
-            __m256i dot_low = _mm256_setzero_si256(), dot_high = _mm256_setzero_si256();
+        __m256i dot_low[AVX2_INT8_ROWS], dot_high[AVX2_INT8_ROWS];
+        for (int r = 0; r < rows; r++) dot_low[r] = dot_high[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-            for (int b = 0; b < 8; b++) {
-                const __m256i x = _mm256_set1_epi32(xg[b]);
-                dot_low = _mm256_add_epi32(dot_low, dot4_avx2(_mm256_loadu_si256((const __m256i *)(wg + b * 64)), x));
-                dot_high = _mm256_add_epi32(dot_high,
-                                            dot4_avx2(_mm256_loadu_si256((const __m256i *)(wg + b * 64 + 32)), x));
+        for (int b = 0; b < 8; b++) {  /* per dword lane: Σ of its 4 byte products, |w| · sign(x, w) */
+            const __m256i w_low = _mm256_loadu_si256((const __m256i *)(wg + b * 64));
+            const __m256i w_high = _mm256_loadu_si256((const __m256i *)(wg + b * 64 + 32));
+            const __m256i abs_low = _mm256_abs_epi8(w_low), abs_high = _mm256_abs_epi8(w_high);
+            for (int r = 0; r < rows; r++) {
+                const __m256i x = _mm256_set1_epi32(((const int32_t *)(xq + (int64_t)r * k + g * GROUP))[b]);
+                dot_low[r] = _mm256_add_epi32(dot_low[r], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(abs_low, _mm256_sign_epi8(x, w_low)), ones));
+                dot_high[r] = _mm256_add_epi32(dot_high[r], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(abs_high, _mm256_sign_epi8(x, w_high)), ones));
             }
+        }
+        for (int r = 0; r < rows; r++) {
             const __m256 row_scale = _mm256_set1_ps(dx[(int64_t)r * groups + g]);
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low), _mm256_mul_ps(d_low, row_scale), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), _mm256_mul_ps(d_high, row_scale), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low[r]), _mm256_mul_ps(d_low, row_scale), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high[r]), _mm256_mul_ps(d_high, row_scale), acc[r][1]);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -641,13 +636,44 @@ static inline __attribute__((always_inline)) void int8_tile_avx2(int rows, const
  * the panel passes. The weights (0..15) are ``maddubs``' unsigned operand, xq its signed one: a
  * pair of products is at most 2·15·127, so the 8 blocks' pair sums add up in int16 without
  * saturating (8·3810 < 32768) before one ``madd`` widens them: integer-exact, and scaled in the
- * VNNI path's order, so the results are the AVX-512 family's, bit for bit. */
-/* Block b of one half (8 output rows) from pairs 2b and 2b+1 (``pairs``: that half's 8 bytes). */
-static inline __attribute__((always_inline)) __m256i int4_block_avx2(const uint8_t *pairs) {
-    const __m256i even = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)pairs));
-    const __m256i odd = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pairs + TILE)));
-    const __m256i both = _mm256_or_si256(even, _mm256_slli_epi32(odd, 16));
-    return _mm256_and_si256(_mm256_or_si256(both, _mm256_slli_epi32(both, 4)), _mm256_set1_epi8(0x0F));
+ * VNNI path's order, so the results are the AVX-512 family's, bit for bit.
+ * A block is widened as the VNNI path's ``int4_quad_rows`` does it, in AVX2's 128-bit lanes: four
+ * pairs (64 bytes) gather each row's 4 bytes into its dword with 8 byte and word shuffles, and the
+ * low and the high nibbles of those dwords are two blocks, for activations reordered to match
+ * (``reorder_for_quads_avx2``): per group, half the instructions of widening each block from two
+ * 8-byte loads of its rows' bytes. The two vectors of a tile's outputs hold rows 0-3 and 8-11, and
+ * 4-7 and 12-15 (``QUAD_ROWS``): the order the lane-local shuffles leave them in; the scales are
+ * read in that order and the totals stored back in place. */
+static const int QUAD_ROWS[2][8] = {{0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}};
+
+/* Pairs p0..p3 (``pairs``: pair p's 16 row bytes at 16p) as dwords (p0[r], p2[r], p1[r], p3[r]):
+ * rows QUAD_ROWS[0] in ``*first``, QUAD_ROWS[1] in ``*second``. */
+static inline __attribute__((always_inline)) void int4_quads_avx2(const uint8_t *pairs, __m256i *first,
+                                                                __m256i *second) {
+    const __m256i p01 = _mm256_loadu_si256((const __m256i *)pairs);         /* p0 | p1 */
+    const __m256i p23 = _mm256_loadu_si256((const __m256i *)(pairs + 32));  /* p2 | p3 */
+    const __m256i low = _mm256_unpacklo_epi8(p01, p23);   /* (p0, p2)[0..7] | (p1, p3)[0..7] */
+    const __m256i high = _mm256_unpackhi_epi8(p01, p23);  /* (p0, p2)[8..15] | (p1, p3)[8..15] */
+    const __m256i even = _mm256_permute2x128_si256(low, high, 0x20);  /* (p0, p2)[0..7] | [8..15] */
+    const __m256i odd = _mm256_permute2x128_si256(low, high, 0x31);   /* (p1, p3)[0..7] | [8..15] */
+    *first = _mm256_unpacklo_epi16(even, odd);   /* rows 0-3 | 8-11 */
+    *second = _mm256_unpackhi_epi16(even, odd);  /* rows 4-7 | 12-15 */
+}
+
+/* Each 8 activations as k = 0, 4, 2, 6, 1, 5, 3, 7: the order of ``int4_quads_avx2``' low nibbles,
+ * then its high ones (``count``: a multiple of 16). */
+static void reorder_for_quads_avx2(int8_t *xq, int64_t count) {
+    const __m128i order = _mm_setr_epi8(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);
+    for (int64_t at = 0; at < count; at += 16)
+        _mm_storeu_si128((__m128i *)(xq + at), _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(xq + at)), order));
+}
+
+/* 16 fp16 values (one per row of a tile) as fp32 in QUAD_ROWS' order. */
+static inline __attribute__((always_inline)) void quad_rows_f16(const uint16_t *values, __m256 *first,
+                                                              __m256 *second) {
+    const __m256i halves = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)values), 0xD8);
+    *first = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    *second = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
 }
 
 static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
@@ -656,7 +682,8 @@ static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const 
     const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
     const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
     const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
-    __m256i blocks[GROUP / 4][2];  /* [block][half]: stays in L1 */
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i blocks[GROUP / 4][2];  /* [block][QUAD_ROWS half]: stays in L1 */
     __m256 totals[AVX2_PANEL][2];
     for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
@@ -664,12 +691,18 @@ static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const 
         for (int line = 0; line < 4; line++)  /* as int4_tile_int8: the prefetchers stop at each page */
             _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * group_bytes + 64 * line), _MM_HINT_T0);
         _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
-#pragma GCC unroll 8
-        for (int b = 0; b < GROUP / 4; b++) {
-            blocks[b][0] = int4_block_avx2(wg + b * 2 * TILE);
-            blocks[b][1] = int4_block_avx2(wg + b * 2 * TILE + 8);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m256i quads[2];
+            int4_quads_avx2(wg + 64 * j, &quads[0], &quads[1]);
+            for (int h = 0; h < 2; h++) {
+                blocks[2 * j][h] = _mm256_and_si256(quads[h], nibble);
+                blocks[2 * j + 1][h] = _mm256_and_si256(_mm256_srli_epi16(quads[h], 4), nibble);
+            }
         }
-        const GroupScales gs = group_scales_avx2(st + (int64_t)g * 2 * TILE);
+        GroupScales gs;
+        quad_rows_f16(st + (int64_t)g * 2 * TILE, &gs.d_low, &gs.d_high);
+        quad_rows_f16(st + (int64_t)g * 2 * TILE + TILE, &gs.c_low, &gs.c_high);
         for (int r = 0; r < rows; r++) {
             const int32_t *xg = (const int32_t *)(xq + (int64_t)r * k + g * GROUP);
             __m256i pairs_low = _mm256_setzero_si256(), pairs_high = _mm256_setzero_si256();
@@ -690,7 +723,65 @@ static void int4_tile_avx2_int8(const uint8_t *w, const uint16_t *scales, const 
             totals[r][1] = _mm256_fmadd_ps(gs.c_high, row_sum, totals[r][1]);
         }
     }
-    store_totals_avx2((const __m256 (*)[2])totals, rows, out, n, out_tile, is_bf16);
+    for (int r = 0; r < rows; r++) {
+        float lane[TILE], halves[2][8];
+        _mm256_storeu_ps(halves[0], totals[r][0]);
+        _mm256_storeu_ps(halves[1], totals[r][1]);
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 8; i++) lane[QUAD_ROWS[h][i]] = halves[h][i];
+        store_row(out, (int64_t)r * n + (int64_t)out_tile * TILE, TILE, is_bf16, lane);
+    }
+}
+
+/* One activation row (a one-stream decode step): no row shares a widened block, so each 32 bytes
+ * of weights (pairs 2j and 2j+1, one per 128-bit lane) are used where they are loaded, with no
+ * transpose: their low and high nibbles interleaved give each row's (k, k + 1) byte pair in a
+ * word, rows 0-7 (``unpacklo``) and 8-15 (``unpackhi``), against (x[4j], x[4j+1]) in lane 0 and
+ * (x[4j+2], x[4j+3]) in lane 1. The lanes' int16 sums (at most 8·3810 each) are widened and added
+ * per group: the same integers as the quads' path, scaled in its order, so the same results. About
+ * two thirds of its instructions per byte, on activations in their own order. */
+static void int4_tile_avx2_one_row(const uint8_t *w, const uint16_t *scales, const int8_t *xq, const float *dx,
+                                   const float *sx, int rows, int k, int n, int tile, int out_tile, void *out,
+                                   int is_bf16) {
+    (void)rows; (void)n;  /* one row, and its outputs start the row */
+    const int groups = k / GROUP, group_bytes = GROUP / 2 * TILE;
+    const uint8_t *wt = w + (int64_t)tile * groups * group_bytes;
+    const uint16_t *st = scales + (int64_t)tile * groups * 2 * TILE;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i pair_of_lane = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                  2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256 total_low = _mm256_setzero_ps(), total_high = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = wt + (int64_t)g * group_bytes;
+        for (int line = 0; line < 4; line++)  /* as int4_tile_int8: the prefetchers stop at each page */
+            _mm_prefetch((const char *)(wg + PREFETCH_AHEAD * group_bytes + 64 * line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(st + (int64_t)(g + PREFETCH_AHEAD) * 2 * TILE), _MM_HINT_T0);
+        const int32_t *xg = (const int32_t *)(xq + (int64_t)g * GROUP);
+        __m256i rows_low = _mm256_setzero_si256(), rows_high = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < GROUP / 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * j));
+            const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(xg[j]), pair_of_lane);
+            rows_low = _mm256_add_epi16(rows_low, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(low, high), x));
+            rows_high = _mm256_add_epi16(rows_high, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(low, high), x));
+        }
+        const __m256 dot_low = _mm256_cvtepi32_ps(_mm256_add_epi32(
+            _mm256_cvtepi16_epi32(_mm256_castsi256_si128(rows_low)), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(rows_low, 1))));
+        const __m256 dot_high = _mm256_cvtepi32_ps(_mm256_add_epi32(
+            _mm256_cvtepi16_epi32(_mm256_castsi256_si128(rows_high)),
+            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(rows_high, 1))));
+        const GroupScales gs = group_scales_avx2(st + (int64_t)g * 2 * TILE);
+        const __m256 row_scale = _mm256_set1_ps(dx[g]), row_sum = _mm256_set1_ps(sx[g]);
+        total_low = _mm256_fmadd_ps(dot_low, _mm256_mul_ps(gs.d_low, row_scale), total_low);
+        total_high = _mm256_fmadd_ps(dot_high, _mm256_mul_ps(gs.d_high, row_scale), total_high);
+        total_low = _mm256_fmadd_ps(gs.c_low, row_sum, total_low);
+        total_high = _mm256_fmadd_ps(gs.c_high, row_sum, total_high);
+    }
+    float lane[TILE];
+    _mm256_storeu_ps(lane, total_low);
+    _mm256_storeu_ps(lane + 8, total_high);
+    store_row(out, (int64_t)out_tile * TILE, TILE, is_bf16, lane);
 }
 #endif
 
@@ -787,6 +878,12 @@ static int int4_gemm(const void *x, const uint8_t *w, const uint16_t *scales, vo
     int8_t *xq = scratch;
     float *dx = (float *)(xq + (int64_t)m * k), *sx = dx + (int64_t)m * groups;
     quantize_activations(x, m, k, is_bf16, xq, dx, sx);
+    if (m == 1) {
+        int4_panels(int4_tile_avx2_one_row, 1, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16, num_threads,
+                    team);
+        return 0;
+    }
+    reorder_for_quads_avx2(xq, (int64_t)m * k);
     int4_panels(int4_tile_avx2_int8, AVX2_PANEL, xq, dx, sx, w, scales, out, m, k, tiles, count, is_bf16,
                 num_threads, team);
     return 0;

@@ -199,3 +199,38 @@ def test_setup_names_an_unknown_option_before_installing_anything():
     result = subprocess.run(["bash", str(setup), "--benchmark"], check=False, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "unknown option --benchmark" in result.stderr
+
+
+def test_avx2_like_for_like_holds_ricllm_and_torch_to_avx2_and_compares_with_the_avx2_llama_cpp():
+    args = bench.parse_args_from(["--configs", "int4:native", "int4:torch", "--avx2-like-for-like"])
+    configs = bench.configurations(args, llamacpp_ok=True, extra_buffers=False, avx2_peer=("/venv/bin/python", True))
+    ricllm = [c for c in configs if c.engine == "ricllm"]
+    assert all(c.env["RICLLM_CPU_KERNELS"] == "avx2" and c.env["ATEN_CPU_CAPABILITY"] == "avx2" for c in ricllm)
+    hf = next(c for c in configs if c.engine == "hf")
+    assert hf.env["ATEN_CPU_CAPABILITY"] == "avx2" and "RICLLM_CPU_KERNELS" not in hf.env
+    peers = [c for c in configs if c.engine == "llamacpp"]
+    assert [(c.python, c.spec["compared"], c.spec["extra_buffers"]) for c in peers] == [
+        (args.llamacpp_python, False, False), (args.llamacpp_python, False, False),
+        ("/venv/bin/python", True, True), ("/venv/bin/python", True, True)]
+    # the ratios are against the AVX2 build only, though the native one measured faster
+    labels = [c.label for c in peers]
+    runs = {label: [run(500.0 if "native" in label else 100.0)] for label in labels}
+    series = [bench.Series(c, runs[c.label]) for c in peers]
+    assert {s.config.python for s in bench.compared_peers(series)} == {"/venv/bin/python"}
+    assert bench.better_peer(bench.compared_peers(series), "decode_1").label == labels[2]
+    # without a second build, the one llama.cpp is the comparison
+    plain = bench.configurations(bench.parse_args_from(["--configs", "int4:native"]), llamacpp_ok=True)
+    assert [c.spec["compared"] for c in plain if c.engine == "llamacpp"] == [True, True]
+    assert "ATEN_CPU_CAPABILITY" not in next(c for c in plain if c.engine == "hf").env
+
+
+def test_the_avx2_llama_cpp_is_built_at_the_locked_version_with_avx512_and_amx_off():
+    assert bench.locked_version("llama-cpp-python") == next(
+        line.split("==")[1] for line in (bench.ROOT / "constraints.txt").read_text().splitlines()
+        if line.startswith("llama_cpp_python=="))
+    flags = dict(flag.removeprefix("-D").split("=") for flag in bench.AVX2_LLAMACPP_CMAKE.split())
+    assert flags["GGML_NATIVE"] == "OFF" and flags["GGML_AVX2"] == "ON" and flags["GGML_FMA"] == "ON"
+    assert all(v == "OFF" for k, v in flags.items() if k.startswith(("GGML_AVX512", "GGML_AMX")))
+    help_text = subprocess.run([sys.executable, str(bench.THIS), "--help"], check=True, capture_output=True,
+                               text=True, timeout=60).stdout
+    assert "--avx2-like-for-like" in help_text
