@@ -111,19 +111,25 @@ class OnnxModelRunner:
         """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices;
         with ``allowed`` a ``StepLogits`` whose constrained rows are gathered from the whole head."""
         flat = flatten(batch, self.block_size)
-        if flat.kv_windows is not None:
-            raise ConfigError("the ONNX runtime does not serve windowed KV caches yet")
-        outputs = self.model.session.run(["logits", *self.model.present_names], {**step_inputs(flat, self.block_size),
-                                                                                 **self.pools})
-        slots = np.asarray(flat.slot_mapping, dtype=np.int64)
-        for name, present in zip(self.model.present_names, outputs[1:]):
-            self.pools[name.replace("present", "past")][slots] = present
-        logits = outputs[0]
+        logits = self.compute(flat)
         if allowed is None:
             return logits, flat.logits_rows
         plan = plan_head(allowed, 1, False)  # every row whole: the graph has one head
         return step_logits(plan, allowed, logits, None, lambda matrix, row, columns: matrix[row, columns]), \
             flat.logits_rows
+
+
+    def compute(self, flat: FlatBatch) -> np.ndarray:
+        """One graph run: the logits ``[len(flat.logits_rows), vocab]`` of the step's rows
+        ``flat.logits_rows``; the step's K/V written into the pool at ``flat.slot_mapping``."""
+        if flat.kv_windows is not None:
+            raise ConfigError("the ONNX runtime does not serve windowed KV caches yet")
+        outputs = self.model.session.run(["logits", *self.model.present_names],
+                                         {**step_inputs(flat, self.block_size), **self.pools})
+        slots = np.asarray(flat.slot_mapping, dtype=np.int64)
+        for name, present in zip(self.model.present_names, outputs[1:]):
+            self.pools[name.replace("present", "past")][slots] = present
+        return outputs[0]
 
 
 def step_inputs(flat: FlatBatch, block_size: int) -> dict[str, np.ndarray]:
