@@ -22,7 +22,7 @@ cannot write an input in place, so the new K/V are outputs that the runner write
 slot mapping. Attention is standard ONNX (Gather, MatMul, Softmax) rather than ``GroupQueryAttention``,
 whose CPU kernel takes one contiguous past per sequence that it extends itself: gathering into it costs
 the same gather as here, and this form serves mixed prefill, chunked-prefill and decode rows in one run.
-RMSNorm is ``SimplifiedLayerNormalization`` and, with the residual add, ``SkipSimplifiedLayerNormalization``;
+RMSNorm is ONNX's ``RMSNormalization`` and, with the residual add, ``SkipSimplifiedLayerNormalization``;
 RoPE (rotate-half, the rows unpermuted from llama.cpp's interleaving) and SwiGLU are elementwise ops.
 """
 
@@ -47,7 +47,7 @@ from ricllm.version import __version__
 log = get_logger("ricllm.onnx")
 FORMAT_VERSION = 1
 MAX_ENTRIES = 4
-OPSET = 21
+OPSET = 23  # RMSNormalization
 MS_DOMAIN = "com.microsoft"
 BLOCK = 32  # weights per GGUF block of Q4_0, Q4_1 and Q8_0, and MatMulNBits' block_size here
 MASKED = -1e30  # the bias of a key a query must not see: finite, so that a padded query row stays a number
@@ -94,6 +94,16 @@ class GraphBuilder:
 
     def shape(self, *dims: int) -> str:
         return self.constant("shape", np.asarray(dims, dtype=np.int64))
+
+    def model(self, name: str, inputs: list, outputs: list):
+        """The ``ModelProto``: opset ``OPSET`` and com.microsoft 1, at the IR version ONNX Runtime 1.30 reads."""
+        from onnx import helper
+
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                                  producer_name="ricllm", producer_version=__version__)
+        model.ir_version = 10
+        return model
 
 
 # ------------------------------------------------------------------------------ the file's tensors
@@ -177,6 +187,25 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
+def matmul_nbits(g: GraphBuilder, x: str, kind: str, blocks: np.ndarray, stem: str,
+                 accuracy_level: int = ACCURACY_LEVEL, scales_name: str | None = None,
+                 weight_name: str | None = None) -> str:
+    """``x [T, K] @ W.T`` for W the GGUF blocks ``[N, K/32, bytes]`` of ``kind``: one MatMulNBits node
+    (``scales_name``/``weight_name``: initializers already in the graph, shared)."""
+    weight, scales, zero, bits, offsets = matmul_nbits_weights(kind, blocks)
+    inputs = [weight_name or g.constant(f"{stem}_weight", weight), scales_name or g.constant(f"{stem}_scales", scales)]
+    if zero is not None:
+        inputs.append(g.constant(f"{stem}_zero_points", zero))
+    y = g.one("MatMulNBits", [x, *inputs], domain=MS_DOMAIN, K=blocks.shape[1] * BLOCK, N=blocks.shape[0],
+              bits=bits, block_size=BLOCK, accuracy_level=accuracy_level)
+    if offsets is None:
+        return y
+    # Q4_1's offsets: Σ_b m[n, b] · Σ_{k in block b} x[k], one small fp32 product [T, k_blocks] @ [k_blocks, N]
+    block_sums = g.one("ReduceSum", [g.one("Reshape", [x, g.shape(0, blocks.shape[1], BLOCK)]),
+                                     g.constant("axes", np.asarray([-1], dtype=np.int64))], keepdims=0)
+    return g.one("Add", [y, g.one("MatMul", [block_sums, g.constant(f"{stem}_offsets", offsets.T)])])
+
+
 # ------------------------------------------------------------------------------ the graph
 
 
@@ -196,26 +225,10 @@ class LlamaGraph:
         if len(kinds) == 1 and kinds <= set(PACKED_TYPES) and columns % BLOCK == 0:
             blocks = np.concatenate([p.blocks if o is None else p.blocks[o] for p, o in zip(parts, orders)])
             self.formats[stem] = "int8" if parts[0].kind == "Q8_0" else "int4"
-            return self._matmul_nbits(x, parts[0].kind, blocks, stem)
+            return matmul_nbits(g, x, parts[0].kind, blocks, stem)
         values = np.concatenate([p.values() if o is None else p.values()[o] for p, o in zip(parts, orders)])
         self.formats[stem] = "fp32"
         return g.one("MatMul", [x, g.constant(f"{stem}_weight", values.T)])
-
-    def _matmul_nbits(self, x: str, kind: str, blocks: np.ndarray, stem: str, scales_name: str | None = None,
-                      weight_name: str | None = None) -> str:
-        g = self.g
-        weight, scales, zero, bits, offsets = matmul_nbits_weights(kind, blocks)
-        inputs = [weight_name or g.constant(f"{stem}_weight", weight), scales_name or g.constant(f"{stem}_scales", scales)]
-        if zero is not None:
-            inputs.append(g.constant(f"{stem}_zero_points", zero))
-        y = g.one("MatMulNBits", [x, *inputs], domain=MS_DOMAIN, K=blocks.shape[1] * BLOCK, N=blocks.shape[0],
-                  bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
-        if offsets is None:
-            return y
-        # Q4_1's offsets: Σ_b m[n, b] · Σ_{k in block b} x[k], one small fp32 product [T, k_blocks] @ [k_blocks, N]
-        block_sums = g.one("ReduceSum", [g.one("Reshape", [x, g.shape(0, blocks.shape[1], BLOCK)]),
-                                         g.constant("axes", np.asarray([-1], dtype=np.int64))], keepdims=0)
-        return g.one("Add", [y, g.one("MatMul", [block_sums, g.constant(f"{stem}_offsets", offsets.T)])])
 
     def embedding_and_head(self, ids: str) -> tuple[str, Callable[[str], str]]:
         """The embedding rows of ``ids`` ``[T, hidden]``, and a function giving the head's logits of rows."""
@@ -232,7 +245,8 @@ class LlamaGraph:
             if tied:
                 self.formats["head"] = "int8"
                 head_scales = g.one("Reshape", [gather_scales, g.shape(-1)])
-                return x, lambda h: self._matmul_nbits(h, "Q8_0", embed.blocks, "head", head_scales, codes_name)
+                return x, lambda h: matmul_nbits(g, h, "Q8_0", embed.blocks, "head", scales_name=head_scales,
+                                                 weight_name=codes_name)
         else:
             table = embed.values()
             x = g.one("Gather", [g.constant("embedding", table), ids], axis=0)
@@ -303,7 +317,7 @@ class LlamaGraph:
         g, eps = self.g, self.spec.rms_norm_eps
         gamma = g.constant("norm_weight", self.tensors[weight].values().reshape(-1))
         if delta is None:
-            return g.one("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=eps), x
+            return g.one("RMSNormalization", [x, gamma], axis=-1, epsilon=eps), x
         normed, _, _, total = g.op("SkipSimplifiedLayerNormalization", [delta, x, gamma], 4, domain=MS_DOMAIN,
                                    epsilon=eps)
         return normed, total
@@ -350,12 +364,7 @@ class LlamaGraph:
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(f"past_{kind}_{layer}", f32, ["S", kv_heads, dim]))
                 outputs.append(helper.make_tensor_value_info(f"present_{kind}_{layer}", f32, ["T", kv_heads, dim]))
-        graph = helper.make_graph(g.nodes, spec.name or "llama", inputs, outputs, g.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                        helper.make_opsetid(MS_DOMAIN, 1)],
-                                  producer_name="ricllm", producer_version=__version__)
-        model.ir_version = 10
-        return model
+        return g.model(spec.name or "llama", inputs, outputs)
 
 
 def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
