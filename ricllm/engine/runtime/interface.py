@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
     from ricllm.engine.runtime.lora_slots import LoraSlots
     from ricllm.engine.runtime.model_runner import ModelRunner
     from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
-    from ricllm.engine.runtime.onnx_runtime import OnnxKVCache, OnnxModel, OnnxModelRunner
+    from ricllm.engine.runtime.onnx_model import OnnxKVCache, OnnxModel, OnnxModelRunner
     from ricllm.sampling_params import SamplingParams
 
 # strings, so that nothing above is needed when the module runs

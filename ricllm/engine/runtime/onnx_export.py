@@ -81,16 +81,17 @@ class GraphBuilder:
         return name
 
     def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
-           **attributes) -> list[str]:
+           node: str | None = None, **attributes) -> list[str]:
+        """Add a node (named ``node``, numbered; else after its type) and return its outputs' names."""
         from onnx import helper
 
         names = outputs if isinstance(outputs, list) else [self.name(op_type.lower()) for _ in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, names, name=self.name(op_type), domain=domain,
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=self.name(node or op_type), domain=domain,
                                            **attributes))
         return names
 
-    def one(self, op_type: str, inputs: list[str], domain: str = "", **attributes) -> str:
-        return self.op(op_type, inputs, 1, domain, **attributes)[0]
+    def one(self, op_type: str, inputs: list[str], domain: str = "", node: str | None = None, **attributes) -> str:
+        return self.op(op_type, inputs, 1, domain, node, **attributes)[0]
 
     def shape(self, *dims: int) -> str:
         return self.constant("shape", np.asarray(dims, dtype=np.int64))
@@ -291,9 +292,13 @@ class LlamaGraph:
         g.op("Identity", [self.rotate(g.one("Reshape", [k, g.shape(-1, kv_heads, dim)]), cos, sin)],
              [f"present_key_{layer}"])
         g.op("Reshape", [v, g.shape(-1, kv_heads, dim)], [f"present_value_{layer}"])
-        keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", "past_slots"], axis=0),
-                                         g.one("Gather", [f"present_{kind}_{layer}", "query_rows"], axis=0)], axis=1)
-                        for kind in ("key", "value"))  # [B, P+Q, n_kv, d_h]
+        # [B, P+Q, n_kv, d_h]; the nodes named ``past_gather`` and ``kv_concat`` are what serving the paged
+        # pool costs over a contiguous past (benchmarks/bench_onnx_step.py measures them)
+        keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", "past_slots"], axis=0,
+                                               node="past_gather"),
+                                         g.one("Gather", [f"present_{kind}_{layer}", "query_rows"], axis=0)],
+                              axis=1, node="kv_concat")
+                        for kind in ("key", "value"))
         queries = g.one("Gather", [g.one("Mul", [q, steps["scale"]]), "query_rows"], axis=0)  # [B, Q, heads, d_h]
         # [B, n_kv, group·Q, d_h]: query head j·group + i attends with KV head j
         queries = g.one("Reshape", [g.one("Transpose", [queries], perm=[0, 2, 1, 3]), steps["grouped"]])
