@@ -2,11 +2,11 @@
 
 The weights stay as compact as the file stores them: Q4_0, Q4_1 and Q8_0 blocks become ``com.microsoft``
 ``MatMulNBits`` weights block for block (32 codes, one scale each). Q4_1's ``d·q + m`` is MatMulNBits'
-``q·d`` (zero point 0) plus the offsets ``m`` times each block's activation sum, a small fp32 product:
-exact (``matmul_nbits_weights`` says why not MatMulNBits' float zero point). Q4_0 is ``d·(q − 8)``, MatMulNBits' default 4-bit zero point; Q8_0's signed codes are stored plus 128,
-its default 8-bit zero point. A Q8_0 embedding is looked up with ``GatherBlockQuantized`` and, tied, is
-the head as an 8-bit MatMulNBits over the same codes. Any other type (F32, F16, the K-quants) is
-dequantized to fp32 and multiplied by ``MatMul``.
+``d·(q − 8)`` plus the offsets ``m + 8d`` times each block's activation sum, a small fp32 product: exact
+(``matmul_nbits_weights`` says why not MatMulNBits' float zero point). Q4_0 is ``d·(q − 8)``, MatMulNBits'
+default 4-bit zero point; Q8_0's signed codes are stored plus 128, its default 8-bit one. A Q8_0 embedding is
+looked up with ``GatherBlockQuantized`` and, tied, is the head as an 8-bit MatMulNBits over the same codes.
+Any other type (F32, F16, the K-quants) is dequantized to fp32 and multiplied by ``MatMul``.
 
 One graph run is one engine step over its ``T`` flattened tokens of ``B`` sequences:
 
@@ -101,8 +101,8 @@ class GraphBuilder:
         from onnx import helper
 
         graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-                                  producer_name="ricllm", producer_version=__version__)
+        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="ricllm", producer_version=__version__)
         model.ir_version = 10
         return model
 
@@ -149,33 +149,23 @@ def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
 # ------------------------------------------------------------------------------ MatMulNBits weights
 
 
-def matmul_nbits_weights(kind: str, blocks: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, np.ndarray | None]:
-    """(B ``uint8 [N, k_blocks, blob]``, scales ``fp32 [N·k_blocks]``, zero points ``uint8`` packed two to
-    a byte per row or None for the default, bits, Q4_1's offsets ``m`` ``fp32 [N, k_blocks]`` or None)
-    for MatMulNBits from GGUF blocks ``[N, k_blocks, bytes]``.
+def matmul_nbits_weights(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """(B ``uint8 [N, k_blocks, blob]``, scales ``fp32 [N·k_blocks]``, bits, Q4_1's block offsets
+    ``fp32 [N, k_blocks]`` or None) for MatMulNBits at its default zero point (8 at 4 bits, 128 at 8)
+    from GGUF blocks ``[N, k_blocks, bytes]``.
 
-    A Q4_1 block ``d·q + m`` is its codes at zero point 0 and scale ``d``, plus ``m`` times the sum of
-    the block's activations (``LlamaGraph.linear`` adds that term): exact. MatMulNBits' float zero
+    A Q4_1 block ``d·q + m`` is ``d·(q − 8)`` plus the offset ``m + 8d`` times the sum of the block's
+    activations (``matmul_nbits`` adds that term): exact up to fp32 rounding. MatMulNBits' float zero
     point ``−m/d`` would be exact too, but ONNX Runtime's CPU kernels (1.31) then dequantize the whole
-    weight on every call, about a hundred times slower than with ``uint8`` zero points."""
+    weight on every call, about a hundred times slower than with integer zero points."""
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return np.ascontiguousarray(codes), d.reshape(-1), None, 8, None
+        return np.ascontiguousarray(codes), d.reshape(-1), 8, None
     if kind == "Q4_0":
-        return _pack_nibbles(_gguf_nibbles(blocks[..., 2:])), d.reshape(-1), None, 4, None
+        return _pack_nibbles(_gguf_nibbles(blocks[..., 2:])), d.reshape(-1), 4, None
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    zero = _pack_zero_points(np.zeros(d.shape, dtype=np.uint8))
-    return _pack_nibbles(_gguf_nibbles(blocks[..., 4:])), d.reshape(-1), zero, 4, m
-
-
-def _pack_zero_points(zero: np.ndarray) -> np.ndarray:
-    """4-bit zero points ``[N, k_blocks]`` as MatMulNBits packs them: two to a byte (low nibble first),
-    each row padded to whole bytes, flattened."""
-    if zero.shape[-1] % 2:
-        zero = np.concatenate([zero, np.zeros((*zero.shape[:-1], 1), np.uint8)], axis=-1)
-    return _pack_nibbles(zero).reshape(-1)
+    return _pack_nibbles(_gguf_nibbles(blocks[..., 4:])), d.reshape(-1), 4, m + 8 * d
 
 
 def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -193,15 +183,13 @@ def matmul_nbits(g: GraphBuilder, x: str, kind: str, blocks: np.ndarray, stem: s
                  weight_name: str | None = None) -> str:
     """``x [T, K] @ W.T`` for W the GGUF blocks ``[N, K/32, bytes]`` of ``kind``: one MatMulNBits node
     (``scales_name``/``weight_name``: initializers already in the graph, shared)."""
-    weight, scales, zero, bits, offsets = matmul_nbits_weights(kind, blocks)
+    weight, scales, bits, offsets = matmul_nbits_weights(kind, blocks)
     inputs = [weight_name or g.constant(f"{stem}_weight", weight), scales_name or g.constant(f"{stem}_scales", scales)]
-    if zero is not None:
-        inputs.append(g.constant(f"{stem}_zero_points", zero))
     y = g.one("MatMulNBits", [x, *inputs], domain=MS_DOMAIN, K=blocks.shape[1] * BLOCK, N=blocks.shape[0],
               bits=bits, block_size=BLOCK, accuracy_level=accuracy_level)
     if offsets is None:
         return y
-    # Q4_1's offsets: Σ_b m[n, b] · Σ_{k in block b} x[k], one small fp32 product [T, k_blocks] @ [k_blocks, N]
+    # Q4_1's offsets: Σ_b offset[n, b] · Σ_{k in block b} x[k], one small fp32 product [T, k_blocks] @ [k_blocks, N]
     block_sums = g.one("ReduceSum", [g.one("Reshape", [x, g.shape(0, blocks.shape[1], BLOCK)]),
                                      g.constant("axes", np.asarray([-1], dtype=np.int64))], keepdims=0)
     return g.one("Add", [y, g.one("MatMul", [block_sums, g.constant(f"{stem}_offsets", offsets.T)])])
@@ -236,7 +224,7 @@ class LlamaGraph:
         g, embed = self.g, self.tensors["token_embd.weight"]
         tied = "output.weight" not in self.tensors
         if embed.kind == "Q8_0" and embed.columns % BLOCK == 0:
-            codes, scales, _, _, _ = matmul_nbits_weights("Q8_0", embed.blocks)
+            codes, scales, _, _ = matmul_nbits_weights("Q8_0", embed.blocks)
             codes_name = g.constant("embedding_codes", codes)  # [vocab, hidden/32, 32]: shared with the head
             gather_scales = g.constant("embedding_scales", scales.reshape(embed.rows, -1, 1))
             rows = g.one("GatherBlockQuantized", [codes_name, ids, gather_scales], domain=MS_DOMAIN,
@@ -312,7 +300,8 @@ class LlamaGraph:
 
     def mlp(self, layer: int, h: str) -> str:
         g, inter = self.g, self.spec.intermediate_size
-        gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"], f"layer{layer}_gate_up")
+        gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"],
+                              f"layer{layer}_gate_up")
         gate, up = g.op("Split", [gate_up, g.constant("split", np.asarray([inter, inter], dtype=np.int64))], 2, axis=-1)
         act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
         return self.linear(act, [f"blk.{layer}.ffn_down.weight"], f"layer{layer}_down")

@@ -41,6 +41,8 @@ def onnx_unsupported_reason(config: EngineConfig) -> str | None:
         return f"device {config.device!r}: the ONNX runtime runs on ONNX Runtime's CPU provider here"
     if config.dtype not in ("auto", "float32", "fp32"):
         return f"dtype {config.dtype!r}: the ONNX runtime computes in float32"
+    if config.weights != "auto":
+        return f"weights {config.weights!r}: the ONNX graph keeps the file's own formats (weights auto)"
     if config.kv_cache_dtype != "auto":
         return f"kv_cache_dtype {config.kv_cache_dtype!r}: the ONNX runtime keeps an fp32 KV pool"
     if config.attention_backend not in ("auto", "cpu"):
