@@ -166,6 +166,15 @@ def test_the_onnx_runtime_refuses_what_it_does_not_serve_by_name(tiny_gguf):
         onnx_llm(tiny_gguf, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"runtime 'onnx' cannot serve this configuration: kv_cache_dtype 'int8'"):
         onnx_llm(tiny_gguf, kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match=r"runtime 'onnx' cannot serve this configuration: weights 'int8'"):
+        onnx_llm(tiny_gguf, weights="int8")
+
+
+def test_onnx_runtime_threads_follow_the_engine_and_do_not_spin(tiny_gguf):
+    llm = onnx_llm(tiny_gguf, threads=1)
+    options = llm.engine.runtime.model.session.get_session_options()
+    assert llm.engine.runtime.threads == options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 SERVE_WITHOUT_TORCH = """
