@@ -216,7 +216,7 @@ class LlamaGraph:
             self.formats[stem] = "int8" if parts[0].kind == "Q8_0" else "int4"
             return matmul_nbits(g, x, parts[0].kind, blocks, stem)
         values = np.concatenate([p.values() if o is None else p.values()[o] for p, o in zip(parts, orders)])
-        self.formats[stem] = "fp32"
+        self.formats[stem] = "dense"
         return g.one("MatMul", [x, g.constant(f"{stem}_weight", values.T)])
 
     def embedding_and_head(self, ids: str) -> tuple[str, Callable[[str], str]]:
@@ -239,9 +239,9 @@ class LlamaGraph:
         else:
             table = embed.values()
             x = g.one("Gather", [g.constant("embedding", table), ids], axis=0)
-            self.formats["embedding"] = "fp32"
+            self.formats["embedding"] = "dense"
             if tied:
-                self.formats["head"] = "fp32"
+                self.formats["head"] = "dense"
                 return x, lambda h: g.one("MatMul", [h, g.constant("head_weight", table.T)])
         return x, lambda h: self.linear(h, ["output.weight"], "head")
 
@@ -362,7 +362,8 @@ class LlamaGraph:
 
 
 def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
-    """(the layers', the head's) as the other runtimes name them: ``int4``, ``int8``, ``mixed`` or ``fp32``."""
+    """(the layers', the head's) as the other runtimes name them: ``int4``, ``int8`` or ``dense`` (fp32 here);
+    ``mixed`` for layers of several."""
     layers = {kind for stem, kind in formats.items() if stem.startswith("layer")}
     return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
 
