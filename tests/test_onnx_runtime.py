@@ -219,21 +219,28 @@ def test_export_onnx_writes_a_graph_onnx_runtime_loads(tiny_smollm_like, tmp_pat
     assert main(["export-onnx", str(tmp_path / "missing.gguf"), str(out)]) == 2
 
 
-@pytest.mark.slow
-def test_smollm2_greedy_choices_agree_with_hf_fp32(smollm2, smollm2_oracle, tmp_path, monkeypatch):
-    """Teacher-forced on the oracle's 4 × 128 positions: ONNX Runtime's argmax agrees with HF fp32's at ≥ 95%."""
+def teacher_forced_agreement(llm: LLM, choices) -> tuple[int, int]:
+    """(positions where the graph's argmax is the oracle's, positions): each oracle sequence as one
+    prefill whose rows all give logits, on the engine's pool (blocks 0, 1, ... in order)."""
     from ricllm.engine.runtime.flat_batch import FlatBatch
 
-    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
-    llm = LLM(str(smollm2), runtime="onnx", kv_cache_budget="64MiB")
     runner = llm.engine.runtime.runner
     agree = total = 0
-    for full, positions, choices in smollm2_oracle["choices"]:
+    for full, positions, oracle in choices:
         blocks = list(range((len(full) + runner.block_size - 1) // runner.block_size))
         flat = FlatBatch(input_ids=full, positions=list(range(len(full))), slot_mapping=list(range(len(full))),
                          query_start_loc=[0, len(full)], context_lens=[len(full)], block_tables=[blocks],
                          logits_rows=positions, max_query_len=len(full), prefill_rows=len(full),
                          prefill_products=len(full) ** 2)
-        agree += int((torch.from_numpy(runner.compute(flat)).argmax(-1) == choices).sum())
+        agree += int((torch.from_numpy(runner.compute(flat)).argmax(-1) == oracle).sum())
         total += len(positions)
+    return agree, total
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_choices_agree_with_hf_fp32(smollm2, smollm2_oracle, tmp_path, monkeypatch):
+    """Teacher-forced on the oracle's 4 × 128 positions: ONNX Runtime's argmax agrees with HF fp32's at ≥ 95%."""
+    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
+    agree, total = teacher_forced_agreement(LLM(str(smollm2), runtime="onnx", kv_cache_budget="64MiB"),
+                                            smollm2_oracle["choices"])
     assert agree / total >= 0.95, f"greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
