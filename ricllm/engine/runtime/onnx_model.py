@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ricllm.cache.kv_cache import cache_shape, store_slots
+from ricllm.cache.kv_cache import CacheGeometry, cache_shape, store_slots
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.runtime.narrow_head import StepLogits, plan_head, step_logits
 from ricllm.engine.runtime.onnx_export import MASKED
@@ -28,7 +28,7 @@ class OnnxKVCache:
     """The pool as fp32 numpy arrays, ``layers[i] = (k, v)`` each ``[num_blocks, block_size, n_kv, d_h]``
     (the other runtimes' shapes and slot arithmetic), zeroed and resident from the start."""
 
-    def __init__(self, spec: ModelSpec, geometry):
+    def __init__(self, spec: ModelSpec, geometry: CacheGeometry):
         shape = cache_shape(spec, geometry)
         num_slots, slot_of_layer = store_slots(spec, geometry)
         self.geometry = geometry
@@ -84,9 +84,8 @@ class OnnxModelRunner:
         if allowed is None:
             return logits, flat.logits_rows
         plan = plan_head(allowed, 1, False)  # every row whole: the graph has one head
-        return step_logits(plan, allowed, logits, None, lambda matrix, row, columns: matrix[row, columns]), \
-            flat.logits_rows
-
+        by_row = step_logits(plan, allowed, logits, None, lambda matrix, row, columns: matrix[row, columns])
+        return by_row, flat.logits_rows
 
     def compute(self, flat: FlatBatch) -> np.ndarray:
         """One graph run: the logits ``[len(flat.logits_rows), vocab]`` of the step's rows
