@@ -1,4 +1,4 @@
-"""The CPU benchmark: ricllm (int4, int8, bf16 weights; native and torch runtimes) vs llama.cpp vs HF transformers.
+"""The CPU benchmark: ricllm (int4, int8, bf16 weights; native, torch and ONNX runtimes) vs llama.cpp vs HF transformers.
 
 One run, peers side by side, on the same GGUF (default: the installed SmolLM2-135M-Instruct
 Q4_1) and the same prompts, 2 threads everywhere (ricllm threads=2, llama.cpp
@@ -36,6 +36,8 @@ Measured, for every engine:
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
 native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
+auto:onnx is LLM(model, dtype="float32", runtime="onnx"): the GGUF as an ONNX graph in ONNX
+Runtime (MatMulNBits on the file's 4- and 8-bit blocks, an fp32 KV pool: half the tokens per byte).
 --no-amx, --avx2-only and --ricllm-env set the ricllm children's environment (--no-amx: the C kernels
 without AMX, and torch's MKL and oneDNN capped below AMX: what an AMD EPYC Zen 4 runs; --avx2-only:
 what an AVX2-only CPU runs; see cpu_caps.py); each
@@ -129,8 +131,10 @@ class RicllmEngine:
         from ricllm import LLM, SamplingParams  # no torch import here: the native runtime runs without it
 
         self.params = SamplingParams
-        self.llm = LLM(spec["model"], dtype="bfloat16", weights=spec["weights"], kv_cache_budget=KV_BUDGET,
-                       threads=THREADS, runtime=spec["runtime"])
+        onnx = spec["runtime"] == "onnx"  # ONNX Runtime computes in fp32, on the file's own weight formats
+        self.llm = LLM(spec["model"], dtype="float32" if onnx else "bfloat16",
+                       weights="auto" if onnx else spec["weights"], kv_cache_budget=KV_BUDGET, threads=THREADS,
+                       runtime=spec["runtime"])
         assert self.llm.engine.runtime.name == spec["runtime"], self.llm.engine.runtime.why
         self.preemptions: dict[int, int] = {}
 
@@ -958,9 +962,12 @@ def parse_args() -> argparse.Namespace:
 def parse_args_from(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: the installed SmolLM2 Q4_1)")
-    parser.add_argument("--configs", nargs="+", default=["int4:native", "int4:torch", "int8:native", "bf16:torch"],
-                        choices=[f"{w}:{r}" for w in ("auto", "int4", "int8", "bf16") for r in ("native", "torch")],
-                        help="ricllm configurations, WEIGHTS:RUNTIME (bf16 runs on torch only; default: %(default)s)")
+    parser.add_argument("--configs", nargs="+", default=["int4:native", "int4:torch", "int8:native", "bf16:torch",
+                                                         "auto:onnx"],
+                        choices=[f"{w}:{r}" for w in ("auto", "int4", "int8", "bf16") for r in ("native", "torch")]
+                        + ["auto:onnx"],
+                        help="ricllm configurations, WEIGHTS:RUNTIME (bf16 runs on torch only; onnx: the file's "
+                             "formats in ONNX Runtime, fp32 activations; default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs of every configuration, interleaved (default: %(default)s; 1 for a smoke run)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (32-token prompts, 8 new "

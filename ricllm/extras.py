@@ -4,8 +4,10 @@
 ``ricllm keys`` and :mod:`ricllm.client` talk to a running server without torch. ``ricllm[engine]``
 adds what loads and serves a model (torch, numpy, gguf, tokenizers, llguidance, the HTTP stack, ...);
 ``ricllm[report]`` adds the report's plots (matplotlib); ``ricllm[adapt]`` what trains an adapter
-(transformers, peft). A command run without the extra it needs
-ends with an error that names the extra, not a traceback (:func:`missing_extra`).
+(transformers, peft); ``ricllm[onnx]`` ONNX Runtime as the model's runtime (``ricllm[onnx-gpu]``: its CUDA
+build, the same module, so the two exclude each other; a missing ``onnxruntime`` is named as ``[onnx]``'s).
+A command run without the extra it needs ends with an error that names the extra, not a traceback
+(:func:`missing_extra`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ EXTRA_OF_MODULE = {
     "llguidance": "engine", "jsonschema": "engine", "starlette": "engine", "uvicorn": "engine",
     "watchfiles": "engine", "matplotlib": "report", "rich": "report",
     "transformers": "adapt", "accelerate": "adapt", "peft": "adapt",
+    "onnxruntime": "onnx", "onnx": "onnx",
 }
 
 

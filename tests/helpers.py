@@ -88,11 +88,13 @@ def _random_tensors(writer, rng, quant: str | None):
 
 
 def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_heads: int = 2,
-                          quant: str | None = None, rope_theta: float = 10000.0, pad_vocab_to: int = 1) -> Path:
+                          quant: str | None = None, rope_theta: float = 10000.0, pad_vocab_to: int = 1,
+                          embedding_quant: str | None = None) -> Path:
     """A random Llama GGUF that both ricllm and HF transformers load (the oracle needs no download).
 
     ``quant`` ("Q8_0" or "Q4_1") stores the 2-D layer weights quantized, to test dequantization.
     ``pad_vocab_to`` pads the vocabulary with unused tokens to a multiple (16: a head that tiles).
+    ``embedding_quant`` ("Q8_0") stores the embedding quantized, as SmolLM2's file does.
     """
     import gguf
 
@@ -116,7 +118,10 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0, tied: bool = False, kv_h
     writer.add_vocab_size(vocab)
     add = _random_tensors(writer, rng, quant)
 
-    add("token_embd.weight", (vocab, h), 0.5)
+    if embedding_quant is None:
+        add("token_embd.weight", (vocab, h), 0.5)
+    else:
+        _random_tensors(writer, rng, embedding_quant)("token_embd.weight", (vocab, h), 0.5, quantize=True)
     for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", (h,), 0.1, offset=1.0)
         add(f"blk.{i}.attn_q.weight", (heads * head_dim, h), quantize=True)

@@ -36,7 +36,8 @@ above. Why each layer sits where it does:
 - ``cache``: the paged KV pool and its block tables; it sizes rows from the model's shape.
 - ``attention``: attention over the paged cache, reading its row format.
 - ``engine``: admission, the scheduler, the runtimes (model runner, the torch and native
-  networks, their weight conversion) and the step loop: what puts the layers below to work.
+  networks, their weight conversion, the ONNX graph and its ONNX Runtime session) and the step
+  loop: what puts the layers below to work.
 - ``ricllm``: the public names (``LLM``, ``SamplingParams``, ...), which load the engine.
 - ``protocol``: the wire protocol; it carries the engine's stats records as they are.
 - ``client``: ``RicClient`` over the wire protocol, with no engine in the process.

@@ -17,7 +17,7 @@ from ricllm.extras import MissingExtraError, missing_extra, missing_extra_messag
 # by one: on a client-only install (no ricllm[engine]) a module that needs numpy or torch cannot be
 # imported, and its commands are then listed all the same and say what to install when run.
 COMMAND_GROUPS = (
-    ("ricllm.cli.model_commands", "add_model_subparsers", ("generate", "info", "prepare")),
+    ("ricllm.cli.model_commands", "add_model_subparsers", ("generate", "info", "prepare", "export-onnx")),
     ("ricllm.plan", "add_subparser", ("plan",)),
     ("ricllm.replay.cli", "add_replay_subparser", ("replay",)),
     ("ricllm.cli.adapt", "add_adapt_subparser", ("adapt",)),

@@ -1,4 +1,4 @@
-"""``ricllm generate``, ``info`` and ``prepare``: the offline API and the model file, from the shell.
+"""``ricllm generate``, ``info``, ``prepare`` and ``export-onnx``: the offline API and the model file, from the shell.
 
 Their engine flags are generated from :class:`ricllm.config.EngineSettings` (:mod:`ricllm.cli.flags`).
 """
@@ -19,6 +19,26 @@ def add_model_subparsers(sub: argparse._SubParsersAction) -> None:
     _add_generate(sub)
     _add_info(sub)
     _add_prepare(sub)
+    _add_export_onnx(sub)
+
+
+def cmd_export_onnx(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ricllm.engine.runtime.onnx_export import OnnxExportUnsupported, write
+    from ricllm.model.loader import resolve_model_path
+    from ricllm.units import format_bytes
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"{str(out)!r} is a folder: name the .onnx file to write")
+    try:
+        meta = write(resolve_model_path(args.model), out)
+    except OnnxExportUnsupported as exc:
+        raise ConfigError(f"cannot export {args.model} to ONNX: {exc}") from exc
+    layers, head = meta["weight_formats"]
+    print(f"wrote {out} ({format_bytes(out.stat().st_size)}; layers {layers}, head {head}) and {out}.json")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -205,6 +225,19 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
                           description="Read a model file's metadata (no weights are loaded).")
     info.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     info.set_defaults(func=cmd_info)
+
+
+def _add_export_onnx(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export-onnx", help="write a Llama-family GGUF as an ONNX graph for ONNX Runtime (the onnx runtime's model)",
+        description="Write the model as the ONNX graph that --runtime onnx runs (com.microsoft MatMulNBits from "
+                    "the file's 4- and 8-bit blocks, attention over the paged KV pool's gathered rows), and "
+                    "beside it OUT.json: the model's shape and tokenizer. --runtime onnx writes the same graph "
+                    "into the weight cache by itself; this command is for inspecting or shipping it. Needs "
+                    "ricllm[onnx].")
+    export.add_argument("model", help="GGUF file, or an installed model's short name (smollm2-135m)")
+    export.add_argument("out", help="the .onnx file to write")
+    export.set_defaults(func=cmd_export_onnx)
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:

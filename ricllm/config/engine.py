@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # torch is imported only by the torch runtime (the native one
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}  # accepted names -> torch's name
-RUNTIMES = ("auto", "native", "torch")
+RUNTIMES = ("auto", "native", "torch", "onnx")
 
 
 class AdmissionSettings(StrictModel):
@@ -151,9 +151,10 @@ class EngineSettings(StrictModel):
         None, "CPUs the engine computes on (Linux), as a list or a cpulist such as '0-3,6', counted from 0 "
               "within the CPUs the process may run on (its affinity mask, e.g. a pod's cpuset); the server's "
               "socket, HTTP and ZeroMQ threads then run on the other CPUs. null: unpinned", metavar="LIST")
-    runtime: Literal["auto", "native", "torch"] = setting(
+    runtime: Literal["auto", "native", "torch", "onnx"] = setting(
         "auto", "native: numpy and ricllm's C kernels, no torch in the process; torch: the torch model, every "
-                "device and format; auto: native where it serves the model")
+                "device and format; onnx: the model as an ONNX graph in ONNX Runtime (the [onnx] extra), no "
+                "torch in the process; auto: native where it serves the model, else torch")
 
     @field_validator("admission", mode="before")
     @classmethod

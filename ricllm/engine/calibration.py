@@ -120,6 +120,8 @@ def roofline_of(engine) -> Roofline:
     """Bytes a small-batch step must read: packed weights where a layer has them, else dense; the
     head's among them, since a step reads only what its sampled rows need of it."""
     per_token = engine.kv_cache.geometry.kv_format.bytes_per_token(engine.spec)  # every layer's K and V
+    if engine.runtime.name == "onnx":  # the graph's weights, as compact as the file stores them; the head among them
+        return Roofline(float(engine.runtime.model.weight_bytes()), float(per_token), measure_bandwidth("cpu"), 0.0)
     if engine.runtime.name == "native":
         weights = engine.runtime.model.weights
         return Roofline(float(weights.weight_bytes()), float(per_token), measure_bandwidth("cpu"),

@@ -1,5 +1,6 @@
-"""Which runtime executes the model: ``torch`` (the torch model, any device, every format) or
-``native`` (numpy and ricllm's C kernels: no torch in the process), and why.
+"""Which runtime executes the model: ``torch`` (the torch model, any device, every format),
+``native`` (numpy and ricllm's C kernels: no torch in the process) or ``onnx`` (the model as an ONNX
+graph in ONNX Runtime, no torch either; only when asked for), and why.
 
 A process that imports torch holds about 230 MB before any model: its libraries and ~770
 modules. On a RIC node whose memory other xApps share that is most of the serving footprint of
@@ -68,7 +69,12 @@ def _dense_weights_reason(config: EngineConfig, model_path: Path) -> str | None:
 
 
 def build_runtime(config: EngineConfig, model_path: Path) -> Runtime:
-    """The runtime ``config.runtime`` asks for; ``auto``: native where it can serve, else torch."""
+    """The runtime ``config.runtime`` asks for; ``auto``: native where it can serve, else torch
+    (``onnx`` only when asked for)."""
+    if config.runtime == "onnx":
+        from ricllm.engine.runtime.onnx_runtime import build_onnx_runtime
+
+        return build_onnx_runtime(config, model_path)
     reason = None if config.runtime == "torch" else native_unsupported_reason(config, model_path)
     if config.runtime == "native" and reason is not None:
         raise ConfigError(f"runtime 'native' cannot serve this configuration: {reason}")

@@ -1,8 +1,9 @@
 """The one object the engine holds for model execution: a ``Runtime``, built by either runtime.
 
-Its model, cache, runner, device and dtype are each one of two concrete types (torch's or the
-native runtime's). They are named here only for type checking: the native runtime must not
-import torch, and neither runtime module may be imported by this one (each imports it).
+Its model, cache, runner, device and dtype are each one of the runtimes' concrete types (torch's,
+the native runtime's or the ONNX runtime's). They are named here only for type checking: the native
+and ONNX runtimes must not import torch, and no runtime module may be imported by this one (each
+imports it).
 """
 
 from __future__ import annotations
@@ -26,19 +27,20 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
     from ricllm.engine.runtime.lora_slots import LoraSlots
     from ricllm.engine.runtime.model_runner import ModelRunner
     from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
+    from ricllm.engine.runtime.onnx_model import OnnxKVCache, OnnxModel, OnnxModelRunner
     from ricllm.sampling_params import SamplingParams
 
 # strings, so that nothing above is needed when the module runs
-Model = Union["LlamaModel", "NativeModel"]
-KVStore = Union["KVCache", "NativeKVCache"]  # ``geometry``, ``layers``, ``total_bytes()``
+Model = Union["LlamaModel", "NativeModel", "OnnxModel"]
+KVStore = Union["KVCache", "NativeKVCache", "OnnxKVCache"]  # ``geometry``, ``layers``, ``total_bytes()``
 # ``run(batch) -> (fp32 logits [N, vocab], rows)``; ``run(batch, allowed) -> (StepLogits, rows)`` with
 # each sampled row's allowed ids (None: unconstrained), the constrained rows on the k-wide head (``narrow_head``)
-Runner = Union["ModelRunner", "NativeModelRunner"]
+Runner = Union["ModelRunner", "NativeModelRunner", "OnnxModelRunner"]
 # ``capacity``, ``load(slot, adapter)``, ``unload(slot)``, ``nbytes``: the C kernels' layout (the
 # native runtime; the torch one on the CPU with the C kernels) or torch tensors on the device
 AdapterSlots = Union["LoraSlots", "TorchLoraSlots"]
-Device = Union["torch.device", str]  # the native runtime's is "cpu"
-DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16"
+Device = Union["torch.device", str]  # the native and ONNX runtimes' is "cpu"
+DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16", the ONNX runtime's "float32"
 Generator = Union["torch.Generator", "np.random.Generator"]
 Sampler = Callable[[Any, "list[SamplingParams]", "list[Generator | None]"], "list[int]"]
 # (allowed ids ascending, their fp32 logits, params, generator) -> one of the ids
@@ -47,7 +49,7 @@ AllowedSampler = Callable[["np.ndarray", Any, "SamplingParams", "Generator | Non
 
 @dataclass(frozen=True)
 class Runtime:
-    name: str  # "torch" or "native"
+    name: str  # "torch", "native" or "onnx"
     why: str  # why this runtime serves the configuration
     spec: ModelSpec
     tokenizer: Tokenizer

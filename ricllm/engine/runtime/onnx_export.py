@@ -1,0 +1,441 @@
+"""A Llama-family GGUF as one ONNX graph for ONNX Runtime: the ONNX runtime's model (``onnx_runtime``).
+
+The weights stay as compact as the file stores them: Q4_0, Q4_1 and Q8_0 blocks become ``com.microsoft``
+``MatMulNBits`` weights block for block (32 codes, one scale each). Q4_1's ``d·q + m`` is MatMulNBits'
+``d·(q − 8)`` plus the offsets ``m + 8d`` times each block's activation sum, a small fp32 product: exact
+(``matmul_nbits_weights`` says why not MatMulNBits' float zero point). Q4_0 is ``d·(q − 8)``, MatMulNBits'
+default 4-bit zero point; Q8_0's signed codes are stored plus 128, its default 8-bit one. A Q8_0 embedding is
+looked up with ``GatherBlockQuantized`` and, tied, is the head as an 8-bit MatMulNBits over the same codes.
+Any other type (F32, F16, the K-quants) is dequantized to fp32 and multiplied by ``MatMul``.
+
+One graph run is one engine step over its ``T`` flattened tokens of ``B`` sequences:
+
+    inputs   input_ids, positions [T]; query_rows [B, Q]; past_slots [B, P]; attention_bias [B, 1, 1, Q, P+Q];
+             token_rows [T]; logits_rows [N]; past_key_i, past_value_i [S, n_kv, d_h] for each layer i
+    outputs  logits [N, vocab]; present_key_i, present_value_i [T, n_kv, d_h]
+
+``past_key_i`` is layer i's whole paged K pool, read in place; each sequence's cached tokens are
+gathered from it by slot (``past_slots``: its block table resolved, padded to the step's longest) and
+its new tokens' K/V (computed here) are appended, so a sequence of ``Q`` padded queries attends over
+``P + Q`` keys, the bias masking padding and the future (causal within the new tokens). ONNX Runtime
+cannot write an input in place, so the new K/V are outputs that the runner writes into the pool by
+slot mapping. Attention is standard ONNX (Gather, MatMul, Softmax) rather than ``GroupQueryAttention``,
+whose CPU kernel takes one contiguous past per sequence that it extends itself: gathering into it costs
+the same gather as here, and this form serves mixed prefill, chunked-prefill and decode rows in one run.
+RMSNorm is ONNX's ``RMSNormalization`` and, with the residual add, ``SkipSimplifiedLayerNormalization``;
+RoPE (rotate-half, the rows unpermuted from llama.cpp's interleaving) and SwiGLU are elementwise ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ricllm.logging import get_logger
+from ricllm.model.spec import ModelSpec
+from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
+from ricllm.version import __version__
+
+log = get_logger("ricllm.onnx")
+FORMAT_VERSION = 1
+MAX_ENTRIES = 4
+OPSET = 23  # RMSNormalization
+MS_DOMAIN = "com.microsoft"
+BLOCK = 32  # weights per GGUF block of Q4_0, Q4_1 and Q8_0, and MatMulNBits' block_size here
+MASKED = -1e30  # the bias of a key a query must not see: finite, so that a padded query row stays a number
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# the accuracy MatMulNBits computes at on the CPU: 4 quantizes the activations to int8 per block (the
+# VNNI path, as ricllm's native kernels), 0 keeps them fp32
+ACCURACY_LEVEL = 4
+
+
+class OnnxExportUnsupported(Exception):
+    """The model cannot be written as this graph (the message says why)."""
+
+
+@dataclass
+class GraphBuilder:
+    """Nodes and initializers of one graph, named as they are added."""
+
+    nodes: list = field(default_factory=list)
+    initializers: list = field(default_factory=list)
+    counter: int = 0
+
+    def name(self, stem: str) -> str:
+        self.counter += 1
+        return f"{stem}_{self.counter}"
+
+    def constant(self, stem: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        name = self.name(stem)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
+           node: str | None = None, **attributes) -> list[str]:
+        """Add a node (named ``node``, numbered; else after its type) and return its outputs' names."""
+        from onnx import helper
+
+        names = outputs if isinstance(outputs, list) else [self.name(op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=self.name(node or op_type), domain=domain,
+                                           **attributes))
+        return names
+
+    def one(self, op_type: str, inputs: list[str], domain: str = "", node: str | None = None, **attributes) -> str:
+        return self.op(op_type, inputs, 1, domain, node, **attributes)[0]
+
+    def shape(self, *dims: int) -> str:
+        return self.constant("shape", np.asarray(dims, dtype=np.int64))
+
+    def model(self, name: str, inputs: list, outputs: list):
+        """The ``ModelProto``: opset ``OPSET`` and com.microsoft 1, at the IR version ONNX Runtime 1.30 reads."""
+        from onnx import helper
+
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
+        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="ricllm", producer_version=__version__)
+        model.ir_version = 10
+        return model
+
+
+# ------------------------------------------------------------------------------ the file's tensors
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One GGUF tensor: its storage type, its rows (out features) and columns (in), its raw blocks
+    ``[rows, columns/32, block bytes]`` for a packed type (else None), and its fp32 values on demand."""
+
+    kind: str
+    rows: int
+    columns: int
+    blocks: np.ndarray | None
+    values: Callable[[], np.ndarray]
+
+
+def read_tensors(reader) -> dict[str, FileTensor]:
+    from gguf.quants import dequantize
+
+    tensors = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        shape = [int(n) for n in t.shape]  # GGUF lists the columns first
+        columns, rows = shape[0], int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        blocks = np.asarray(t.data).reshape(rows, columns // BLOCK, -1) if kind in PACKED_TYPES else None
+        tensors[t.name] = FileTensor(kind, rows, columns, blocks,
+                                     functools.partial(_values, t.data, t.tensor_type, rows, columns, dequantize))
+    return tensors
+
+
+def _values(data, tensor_type, rows, columns, dequantize) -> np.ndarray:
+    return np.asarray(dequantize(data, tensor_type), dtype=np.float32).reshape(rows, columns)
+
+
+def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's q/k permutation (interleaved RoPE pairs -> halves)."""
+    half = rows // num_heads // 2
+    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+# ------------------------------------------------------------------------------ MatMulNBits weights
+
+
+def matmul_nbits_weights(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """(B ``uint8 [N, k_blocks, blob]``, scales ``fp32 [N·k_blocks]``, bits, Q4_1's block offsets
+    ``fp32 [N, k_blocks]`` or None) for MatMulNBits at its default zero point (8 at 4 bits, 128 at 8)
+    from GGUF blocks ``[N, k_blocks, bytes]``.
+
+    A Q4_1 block ``d·q + m`` is ``d·(q − 8)`` plus the offset ``m + 8d`` times the sum of the block's
+    activations (``matmul_nbits`` adds that term): exact up to fp32 rounding. MatMulNBits' float zero
+    point ``−m/d`` would be exact too, but ONNX Runtime's CPU kernels (1.31) then dequantize the whole
+    weight on every call, about a hundred times slower than with integer zero points."""
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return np.ascontiguousarray(codes), d.reshape(-1), 8, None
+    if kind == "Q4_0":
+        return _pack_nibbles(_gguf_nibbles(blocks[..., 2:])), d.reshape(-1), 4, None
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return _pack_nibbles(_gguf_nibbles(blocks[..., 4:])), d.reshape(-1), 4, m + 8 * d
+
+
+def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Codes ``[..., 32]``: GGUF's byte j holds code j (low nibble) and code j+16 (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """MatMulNBits' 4-bit blob: byte i holds code 2i (low nibble) and code 2i+1 (high)."""
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def matmul_nbits(g: GraphBuilder, x: str, kind: str, blocks: np.ndarray, stem: str,
+                 accuracy_level: int = ACCURACY_LEVEL, scales_name: str | None = None,
+                 weight_name: str | None = None) -> str:
+    """``x [T, K] @ W.T`` for W the GGUF blocks ``[N, K/32, bytes]`` of ``kind``: one MatMulNBits node
+    (``scales_name``/``weight_name``: initializers already in the graph, shared)."""
+    weight, scales, bits, offsets = matmul_nbits_weights(kind, blocks)
+    inputs = [weight_name or g.constant(f"{stem}_weight", weight), scales_name or g.constant(f"{stem}_scales", scales)]
+    y = g.one("MatMulNBits", [x, *inputs], domain=MS_DOMAIN, K=blocks.shape[1] * BLOCK, N=blocks.shape[0],
+              bits=bits, block_size=BLOCK, accuracy_level=accuracy_level)
+    if offsets is None:
+        return y
+    # Q4_1's offsets: Σ_b offset[n, b] · Σ_{k in block b} x[k], one small fp32 product [T, k_blocks] @ [k_blocks, N]
+    block_sums = g.one("ReduceSum", [g.one("Reshape", [x, g.shape(0, blocks.shape[1], BLOCK)]),
+                                     g.constant("axes", np.asarray([-1], dtype=np.int64))], keepdims=0)
+    return g.one("Add", [y, g.one("MatMul", [block_sums, g.constant(f"{stem}_offsets", offsets.T)])])
+
+
+# ------------------------------------------------------------------------------ the graph
+
+
+class LlamaGraph:
+    """Writes the decoder's nodes into a ``GraphBuilder`` from the file's tensors."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, FileTensor]):
+        self.spec, self.tensors, self.g = spec, tensors, GraphBuilder()
+        self.formats: dict[str, str] = {}
+
+    def linear(self, x: str, names: list[str], stem: str, row_orders: list[np.ndarray | None] | None = None) -> str:
+        """``x @ W.T`` with W the file's tensors ``names`` stacked by rows (q, k, v as one product)."""
+        parts = [self.tensors[n] for n in names]
+        orders = row_orders or [None] * len(parts)
+        kinds = {p.kind for p in parts}
+        g, columns = self.g, parts[0].columns
+        if len(kinds) == 1 and kinds <= set(PACKED_TYPES) and columns % BLOCK == 0:
+            blocks = np.concatenate([p.blocks if o is None else p.blocks[o] for p, o in zip(parts, orders)])
+            self.formats[stem] = "int8" if parts[0].kind == "Q8_0" else "int4"
+            return matmul_nbits(g, x, parts[0].kind, blocks, stem)
+        values = np.concatenate([p.values() if o is None else p.values()[o] for p, o in zip(parts, orders)])
+        self.formats[stem] = "dense"
+        return g.one("MatMul", [x, g.constant(f"{stem}_weight", values.T)])
+
+    def embedding_and_head(self, ids: str) -> tuple[str, Callable[[str], str]]:
+        """The embedding rows of ``ids`` ``[T, hidden]``, and a function giving the head's logits of rows."""
+        g, embed = self.g, self.tensors["token_embd.weight"]
+        tied = "output.weight" not in self.tensors
+        if embed.kind == "Q8_0" and embed.columns % BLOCK == 0:
+            codes, scales, _, _ = matmul_nbits_weights("Q8_0", embed.blocks)
+            codes_name = g.constant("embedding_codes", codes)  # [vocab, hidden/32, 32]: shared with the head
+            gather_scales = g.constant("embedding_scales", scales.reshape(embed.rows, -1, 1))
+            rows = g.one("GatherBlockQuantized", [codes_name, ids, gather_scales], domain=MS_DOMAIN,
+                         gather_axis=0, quantize_axis=2, block_size=BLOCK, bits=8)
+            x = g.one("Reshape", [rows, g.shape(-1, embed.columns)])
+            self.formats["embedding"] = "int8"
+            if tied:
+                self.formats["head"] = "int8"
+                head_scales = g.one("Reshape", [gather_scales, g.shape(-1)])
+                return x, lambda h: matmul_nbits(g, h, "Q8_0", embed.blocks, "head", scales_name=head_scales,
+                                                 weight_name=codes_name)
+        else:
+            table = embed.values()
+            x = g.one("Gather", [g.constant("embedding", table), ids], axis=0)
+            self.formats["embedding"] = "dense"
+            if tied:
+                self.formats["head"] = "dense"
+                return x, lambda h: g.one("MatMul", [h, g.constant("head_weight", table.T)])
+        return x, lambda h: self.linear(h, ["output.weight"], "head")
+
+    def rope_tables(self, positions: str) -> tuple[str, str]:
+        """cos and sin ``[T, 1, d_h/2]`` at ``positions``."""
+        spec, g = self.spec, self.g
+        dim = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        if spec.rope_scaling is not None:
+            if spec.rope_scaling.kind != "linear":
+                raise OnnxExportUnsupported(f"RoPE scaling {spec.rope_scaling.kind!r} is not in the ONNX graph yet")
+            inv_freq = inv_freq / spec.rope_scaling.factor
+        angles = np.outer(np.arange(spec.max_position_embeddings, dtype=np.float32), inv_freq.astype(np.float32))
+        unsqueeze = g.constant("axis", np.asarray([1], dtype=np.int64))
+        return tuple(g.one("Unsqueeze", [g.one("Gather", [g.constant(stem, table), positions], axis=0), unsqueeze])
+                     for stem, table in (("rope_cos", np.cos(angles)), ("rope_sin", np.sin(angles))))
+
+    def rotate(self, x: str, cos: str, sin: str) -> str:
+        """RoPE on ``x [T, heads, d_h]``: halves (a, b) -> (a·cos − b·sin, b·cos + a·sin)."""
+        g = self.g
+        a, b = g.op("Split", [x], 2, axis=-1, num_outputs=2)
+        first = g.one("Sub", [g.one("Mul", [a, cos]), g.one("Mul", [b, sin])])
+        second = g.one("Add", [g.one("Mul", [b, cos]), g.one("Mul", [a, sin])])
+        return g.one("Concat", [first, second], axis=-1)
+
+    def attention(self, layer: int, h: str, cos: str, sin: str, steps: dict[str, str]) -> str:
+        spec, g = self.spec, self.g
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        prefix = f"blk.{layer}"
+        orders = [rope_row_order(spec.q_size, heads), rope_row_order(spec.kv_size, kv_heads), None]
+        qkv = self.linear(h, [f"{prefix}.attn_q.weight", f"{prefix}.attn_k.weight", f"{prefix}.attn_v.weight"],
+                          f"layer{layer}_qkv", orders)
+        q, k, v = g.op("Split", [qkv, g.constant("split", np.asarray([spec.q_size, spec.kv_size, spec.kv_size],
+                                                                      dtype=np.int64))], 3, axis=-1)
+        q = self.rotate(g.one("Reshape", [q, g.shape(-1, heads, dim)]), cos, sin)
+        g.op("Identity", [self.rotate(g.one("Reshape", [k, g.shape(-1, kv_heads, dim)]), cos, sin)],
+             [f"present_key_{layer}"])
+        g.op("Reshape", [v, g.shape(-1, kv_heads, dim)], [f"present_value_{layer}"])
+        # [B, P+Q, n_kv, d_h]; the nodes named ``past_gather`` and ``kv_concat`` are what serving the paged
+        # pool costs over a contiguous past (benchmarks/bench_onnx_step.py measures them)
+        keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", "past_slots"], axis=0,
+                                               node="past_gather"),
+                                         g.one("Gather", [f"present_{kind}_{layer}", "query_rows"], axis=0)],
+                              axis=1, node="kv_concat")
+                        for kind in ("key", "value"))
+        queries = g.one("Gather", [g.one("Mul", [q, steps["scale"]]), "query_rows"], axis=0)  # [B, Q, heads, d_h]
+        # [B, n_kv, group·Q, d_h]: query head j·group + i attends with KV head j
+        queries = g.one("Reshape", [g.one("Transpose", [queries], perm=[0, 2, 1, 3]), steps["grouped"]])
+        scores = g.one("MatMul", [queries, g.one("Transpose", [keys], perm=[0, 2, 3, 1])])
+        scores = g.one("Add", [g.one("Reshape", [scores, steps["scores5"]]), "attention_bias"])
+        probs = g.one("Reshape", [g.one("Softmax", [scores], axis=-1), steps["scores4"]])
+        out = g.one("MatMul", [probs, g.one("Transpose", [values], perm=[0, 2, 1, 3])])  # [B, n_kv, group·Q, d_h]
+        out = g.one("Transpose", [g.one("Reshape", [out, steps["heads"]])], perm=[0, 2, 1, 3])  # [B, Q, heads, d_h]
+        out = g.one("Gather", [g.one("Reshape", [out, g.shape(-1, heads * dim)]), "token_rows"], axis=0)
+        return self.linear(out, [f"{prefix}.attn_output.weight"], f"layer{layer}_o")
+
+    def mlp(self, layer: int, h: str) -> str:
+        g, inter = self.g, self.spec.intermediate_size
+        gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"],
+                              f"layer{layer}_gate_up")
+        gate, up = g.op("Split", [gate_up, g.constant("split", np.asarray([inter, inter], dtype=np.int64))], 2, axis=-1)
+        act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
+        return self.linear(act, [f"blk.{layer}.ffn_down.weight"], f"layer{layer}_down")
+
+    def norm(self, x: str, delta: str | None, weight: str) -> tuple[str, str]:
+        """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
+        g, eps = self.g, self.spec.rms_norm_eps
+        gamma = g.constant("norm_weight", self.tensors[weight].values().reshape(-1))
+        if delta is None:
+            return g.one("RMSNormalization", [x, gamma], axis=-1, epsilon=eps), x
+        normed, _, _, total = g.op("SkipSimplifiedLayerNormalization", [delta, x, gamma], 4, domain=MS_DOMAIN,
+                                   epsilon=eps)
+        return normed, total
+
+    def build(self):
+        from onnx import TensorProto, helper
+
+        spec, g = self.spec, self.g
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        group = heads // kv_heads
+        batch, queries = g.one("Shape", ["query_rows"], start=0, end=1), g.one("Shape", ["query_rows"], start=1, end=2)
+        keys = g.one("Shape", ["attention_bias"], start=4, end=5)
+        minus_one = g.constant("minus_one", np.asarray([-1], dtype=np.int64))
+
+        def dims(*parts) -> str:
+            return g.one("Concat", [p if isinstance(p, str) else g.constant("dim", np.asarray([p], dtype=np.int64))
+                                    for p in parts], axis=0)
+
+        steps = {"scale": g.constant("scale", np.asarray(spec.attention_scale, dtype=np.float32)),
+                 "grouped": dims(batch, kv_heads, minus_one, dim),
+                 "scores5": dims(batch, kv_heads, group, queries, keys),
+                 "scores4": dims(batch, kv_heads, minus_one, keys),
+                 "heads": dims(batch, heads, queries, dim)}
+        x, head = self.embedding_and_head("input_ids")
+        cos, sin = self.rope_tables("positions")
+        delta = None
+        for layer in range(spec.num_layers):
+            h, x = self.norm(x, delta, f"blk.{layer}.attn_norm.weight")
+            h, x = self.norm(x, self.attention(layer, h, cos, sin, steps), f"blk.{layer}.ffn_norm.weight")
+            delta = self.mlp(layer, h)
+        h, _ = self.norm(x, delta, "output_norm.weight")
+        g.op("Identity", [head(g.one("Gather", [h, "logits_rows"], axis=0))], ["logits"])
+
+        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+        inputs = [helper.make_tensor_value_info("input_ids", i64, ["T"]),
+                  helper.make_tensor_value_info("positions", i64, ["T"]),
+                  helper.make_tensor_value_info("query_rows", i64, ["B", "Q"]),
+                  helper.make_tensor_value_info("past_slots", i64, ["B", "P"]),
+                  helper.make_tensor_value_info("attention_bias", f32, ["B", 1, 1, "Q", "PQ"]),
+                  helper.make_tensor_value_info("token_rows", i64, ["T"]),
+                  helper.make_tensor_value_info("logits_rows", i64, ["N"])]
+        outputs = [helper.make_tensor_value_info("logits", f32, ["N", spec.vocab_size])]
+        for layer in range(spec.num_layers):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}_{layer}", f32, ["S", kv_heads, dim]))
+                outputs.append(helper.make_tensor_value_info(f"present_{kind}_{layer}", f32, ["T", kv_heads, dim]))
+        return g.model(spec.name or "llama", inputs, outputs)
+
+
+def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
+    """(the layers', the head's) as the other runtimes name them: ``int4``, ``int8`` or ``dense`` (fp32 here);
+    ``mixed`` for layers of several."""
+    layers = {kind for stem, kind in formats.items() if stem.startswith("layer")}
+    return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
+
+
+def export(model_path: Path):
+    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file."""
+    from gguf import GGUFReader
+
+    from ricllm.model.loader import open_checkpoint
+
+    checkpoint = open_checkpoint(model_path)
+    spec = checkpoint.spec
+    if checkpoint.format != "gguf":
+        raise OnnxExportUnsupported("the ONNX export reads GGUF files; an HF folder is not exported yet")
+    if spec.architecture != "llama":
+        raise OnnxExportUnsupported(f"architecture {spec.architecture!r}: the ONNX export writes Llama-family "
+                                    "graphs only")
+    tensors = read_tensors(GGUFReader(model_path))
+    if "rope_freqs.weight" in tensors:
+        raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
+    graph = LlamaGraph(spec, tensors)
+    model = graph.build()
+    return model, spec, checkpoint.tokenizer, weight_formats(graph.formats)
+
+
+# ------------------------------------------------------------------------------ the cache
+
+
+def entry_path(model_path: Path) -> Path:
+    """Where this file's graph lives in the cache: keyed by its sha256 and this module's code."""
+    key = {"sha256": file_digest(model_path), "format": FORMAT_VERSION, "ricllm": __version__,
+           "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "onnx" / f"{digest}.onnx"
+
+
+def write(model_path: Path, out: Path) -> dict:
+    """Write the graph of ``model_path`` to ``out`` (atomically) and, beside it, ``out.json``: the spec,
+    the tokenizer's state and the weight formats, which the runtime reads without the GGUF."""
+    import dataclasses
+
+    model, spec, tokenizer, formats = export(model_path)
+    meta = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(), "weight_formats": list(formats)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".partial", delete=False) as handle:
+        handle.write(model.SerializeToString())
+    meta_path = out.with_suffix(out.suffix + ".json")
+    meta_path.write_text(json.dumps(meta))
+    os.replace(handle.name, out)
+    return meta
+
+
+def read_meta(out: Path) -> dict:
+    return json.loads(out.with_suffix(out.suffix + ".json").read_text())
+
+
+def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None = None) -> tuple[Path, dict, str]:
+    """(the graph's path, its metadata, where it came from). ``use_cache`` False: written to
+    ``private_dir`` (a temporary folder the caller removes)."""
+    if not use_cache:
+        out = (private_dir or Path(tempfile.mkdtemp(prefix="ricllm-onnx-"))) / "model.onnx"
+        return out, write(model_path, out), f"file {model_path}"
+    out = entry_path(model_path)
+    if out.is_file():
+        try:
+            touch_used(out)
+            return out, read_meta(out), f"cache {out}"
+        except (OSError, ValueError) as exc:
+            log.warning("onnx_graph_unreadable", path=str(out), error=str(exc))
+    log.info("onnx_graph_exporting", model=str(model_path), out=str(out))
+    meta = write(model_path, out)
+    for stale in evict_least_recent(out.parent, "*.onnx", MAX_ENTRIES):
+        stale.with_suffix(stale.suffix + ".json").unlink(missing_ok=True)
+        log.info("onnx_graph_evicted", path=str(stale))
+    return out, meta, f"file {model_path}"
