@@ -332,6 +332,51 @@ def test_trace_rows_mixed_with_counterfactual_twins_say_so(tiny_gguf, tmp_path, 
     assert training["rows"] == 16 and training["counterfactual_rows"] == 4 and training["drawn_rows"] == 0
 
 
+def test_paired_twins_are_twins_of_the_training_reports_themselves(link):
+    """Each pair is a training report and that same report with one KPI moved across a number the
+    policy reads, answered otherwise; a report is twinned at most once."""
+    scenario, trace, template = link
+    reports = adapt.split_by_time(scenario, trace, template, "replay", limit=200, seed=3).training
+    pairs = adapt.paired_twins(scenario, trace, template, reports, 150, seed=3)
+    assert len(pairs) == 150 and len({index for index, _ in pairs}) == 150
+    for index, twin in pairs:
+        report = reports[index]
+        changed = [k for k in template.kpis if report.kpis[k] != twin.kpis[k]]
+        assert twin.time_s == report.time_s and len(changed) == 1 and report.kpis[changed[0]] is not None
+        assert any((report.kpis[changed[0]] < bound) != (twin.kpis[changed[0]] < bound)
+                   for bound in template.thresholds(changed[0]))
+        assert twin.expected == template.policy.expected(twin.kpis) != report.expected
+    missing = [i for i, r in enumerate(reports) if any(v is None for v in r.kpis.values())
+               and template.policy.expected(r.kpis) == {"action": "escalate"}]
+    everything = adapt.paired_twins(scenario, trace, template, reports, len(reports), seed=3)
+    assert not {index for index, _ in everything} & set(missing)  # a missing KPI decides it: no twin
+
+
+def test_unit_batches_keep_a_report_with_its_twin():
+    from ricllm.replay.adapter_training import TrainingSettings, unit_batches
+
+    units = [[0, 7], [1], [2, 8], [3], [4, 9], [5], [6, 10]]
+    batches = unit_batches(list(range(11)), units, TrainingSettings(batch_size=4, seed=5))
+    seen = [next(batches) for _ in range(12)]
+    assert all(1 <= len(batch) <= 4 for batch in seen)
+    for batch in seen:
+        for unit in units:
+            assert set(unit) <= set(batch) or not set(unit) & set(batch)
+    stream = [i for batch in seen for i in batch]
+    assert sorted(stream[:11]) == sorted(stream[11:22]) == list(range(11))  # each pass: every row once
+
+
+def test_paired_twins_train_in_one_batch_with_their_report_and_say_so(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "adapter"
+    printed = adapt_link_on(tiny_gguf, out, capsys, "--rows", "trace", "--prompt", "replay",
+                            "--counterfactual-share", "0.5", "--counterfactual-pairs", "--examples", "16",
+                            "--eval-examples", "4", "--steps", "1", "--judge", "adapter")
+    assert "trained on 8 of the trace's 9600 KPI reports" in printed
+    assert "counterfactual twins of those reports" in printed and "each in one batch with its report" in printed
+    training = json.loads((out / "ricllm_adapt.json").read_text())["training"]
+    assert training["counterfactual_pairs"] is True and 8 < training["rows"] <= 16
+
+
 @pytest.mark.parametrize("argv, named", [
     (["adapt", "default", "--rows", "trace"], "--set pacing.start_s=SECONDS"),
     (["adapt", "link", "--rows", "trace", "--set", "pacing.start_s=5000"], "nothing to hold out"),
@@ -343,8 +388,10 @@ def test_trace_rows_mixed_with_counterfactual_twins_say_so(tiny_gguf, tmp_path, 
      "must leave some trace reports: their sum is 1"),
     (["adapt", "link", "--validation-s", "200"], "--validation-s takes a positive number of seconds, with --rows trace"),
     (["adapt", "link", "--rows", "trace", "--validation-s", "900"], "--validation-s 900 leaves no rows to train on"),
-], ids=["nothing-outside", "nothing-scored", "eval-seed", "validation-without-trace", "validation-too-long", "drawn-share-without-trace", "drawn-share-whole",
-        "twins-without-trace", "no-reports-left"])
+    (["adapt", "link", "--rows", "trace", "--counterfactual-pairs"], "--counterfactual-pairs pairs each twin"),
+], ids=["nothing-outside", "nothing-scored", "eval-seed", "drawn-share-without-trace", "drawn-share-whole",
+        "twins-without-trace", "no-reports-left", "validation-without-trace", "validation-too-long",
+        "pairs-without-twins"])
 def test_trace_rows_refuse_a_split_that_cannot_hold(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

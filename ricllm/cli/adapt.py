@@ -79,6 +79,9 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                         help="how far a twin's KPI moves across the number: mirror, at most as far as it was from it; "
                              "range, anywhere on the other side within the KPI's range; both, each twin one or the "
                              "other")
+    parser.add_argument("--counterfactual-pairs", action="store_true",
+                        help="twin the training reports themselves (at most one twin each) and train each report in "
+                             "one batch with its twin, so a step sees both sides of the number with all else alike")
     parser.add_argument("--validation-s", type=float, default=None, metavar="SECONDS",
                         help="with --rows trace: choose a recipe without the scored rows. The trace is cut where the "
                              "scored window starts; training reads only rows before its last SECONDS, and the "
@@ -112,6 +115,7 @@ class Rows:
     held_out_from: str
     seen: int  # held-out rows whose user prompt a training row has verbatim
     manifest: dict[str, Any]
+    units: list[list[int]] | None = None  # training rows kept in one batch (a report and its twin); None: any
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -134,6 +138,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.counterfactual_share and args.rows != "trace":
         raise AdaptError("--counterfactual-share mixes twins of the trace's reports into --rows trace; with --rows "
                          "drawn every row is drawn")
+    if args.counterfactual_pairs and not args.counterfactual_share:
+        raise AdaptError("--counterfactual-pairs pairs each twin with its report: give --counterfactual-share, the "
+                         "share of the training rows that are twins")
     if args.rows == "trace" and args.held_out == "drawn":
         raise AdaptError("--rows trace holds out the requests the replay scores: drop --held-out drawn")
     if args.validation_s is not None and (args.rows != "trace" or args.validation_s <= 0):
@@ -225,8 +232,17 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     drawn = adapt.make_examples(scenario, adapt.unscored_part(scenario, trace), template, drawn_count, args.seed,
                                 prompt=args.prompt, missing_share=args.missing_share,
                                 exclude={example.user for example in split.held_out}) if drawn_count else []
-    twins = adapt.counterfactual_twins(scenario, trace, template, twin_count, args.seed, args.prompt,
-                                       args.counterfactual_reach)
+    units = None
+    if args.counterfactual_pairs:
+        pairs = adapt.paired_twins(scenario, trace, template, split.training, twin_count, args.seed, args.prompt,
+                                   args.counterfactual_reach)
+        twins = [twin for _, twin in pairs]
+        first_twin = len(split.training) + len(drawn)
+        paired = {report: first_twin + k for k, (report, _) in enumerate(pairs)}
+        units = [[i, paired[i]] if i in paired else [i] for i in range(first_twin)]
+    else:
+        twins = adapt.counterfactual_twins(scenario, trace, template, twin_count, args.seed, args.prompt,
+                                           args.counterfactual_reach)
     training = split.training + drawn + twins
     held = _scored_held_out(split, training, args.eval_examples)
     trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "
@@ -234,13 +250,15 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
                   f"replay's request for this template"
                   + (f", and {len(drawn)} rows drawn from those reports' KPI ranges (seed {args.seed})" if drawn else "")
                   + (f", and {len(twins)} counterfactual twins of those reports (one KPI moved across a number the "
-                     "policy compares it with, relabelled by the policy)" if twins else "")
+                     "policy compares it with, relabelled by the policy"
+                     + (", each in one batch with its report)" if units else ")") if twins else "")
                   + f", {args.prompt} user prompts")
     manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(training),
                              "reports_outside": split.reports_outside, "drawn_rows": len(drawn),
-                             "counterfactual_rows": len(twins), "counterfactual_reach": args.counterfactual_reach, "spans_s": held.spans, "seed": args.seed},
+                             "counterfactual_rows": len(twins), "counterfactual_reach": args.counterfactual_reach,
+                             "counterfactual_pairs": args.counterfactual_pairs, "spans_s": held.spans, "seed": args.seed},
                 "held_out": held.manifest}
-    return Rows(training, held.rows, trained_on, held.said, held.seen, manifest)
+    return Rows(training, held.rows, trained_on, held.said, held.seen, manifest, units)
 
 
 @dataclass
@@ -295,7 +313,7 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
     manifest = {**manifest, "training": {**manifest["training"], "dtype": "bfloat16" if bf16 else "float32"}}
     tokenizer = checkpoint.tokenizer
     model = at.with_lora(at.load_base_model(checkpoint.path), settings)
-    result = at.train(model, tokenizer, system, rows.training, settings, not args.no_progress)
+    result = at.train(model, tokenizer, system, rows.training, settings, not args.no_progress, rows.units)
     at.save_adapter(model, out, {**manifest, "final_loss": result.losses[-1]})
     adapter = load_lora_adapter(out, checkpoint.spec)
     print(f"\nloss: {result.losses[0]:.4f} at step 1, {result.losses[-1]:.4f} at step {len(result.losses)}")

@@ -349,15 +349,50 @@ def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: Templ
     for _ in range(50 * count):
         if len(twins) == count:
             break
-        row, (kpi, bound) = rng.choice(outside.rows), rng.choice(cuts)
-        if row.kpis.get(kpi) is None:
-            continue
-        far = reach == "range" or (reach == "both" and rng.random() < 0.5)
-        moved = (_beyond if far else _across)(row.kpis[kpi], bound, ranges[kpi], rng)
-        twin = dataclasses.replace(row, kpis={**row.kpis, kpi: moved})
-        if template.policy.expected(twin.kpis) != template.policy.expected(row.kpis):
+        row = rng.choice(outside.rows)
+        twin = _twin(row, rng.choice(cuts), ranges, template, reach, rng)
+        if twin is not None:
             twins.append(_trace_example(render(twin), twin, template, prompt))
     return twins
+
+
+def paired_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, reports: Sequence[Example],
+                 count: int, seed: int, prompt: PromptForm = "replay", reach: str = "mirror") -> list[tuple[int, Example]]:
+    """Twins of the training reports themselves, at most one each and ``count`` in all, made as
+    ``counterfactual_twins`` makes them: ``(index of the report in reports, its twin)``. Training
+    puts each pair in one batch, so that one step sees a number's two sides with everything else
+    alike. A report no cut relabels (a missing KPI decides it) has no twin."""
+    outside = unscored_part(scenario, trace)
+    cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
+    if not cuts or not outside.rows:
+        return []
+    ranges = kpi_ranges(outside, template)
+    render = _report_prompt(scenario, template.name)
+    rows = {(row.time_s, tuple(row.kpis.get(name) for name in template.kpis)): row for row in outside.rows}
+    rng = random.Random(seed)
+    pairs: list[tuple[int, Example]] = []
+    for index in rng.sample(range(len(reports)), len(reports)):
+        if len(pairs) == count:
+            break
+        report = reports[index]
+        row = rows[(report.time_s, tuple(report.kpis.values()))]
+        twin = next(filter(None, (_twin(row, rng.choice(cuts), ranges, template, reach, rng) for _ in range(20))), None)
+        if twin is not None:
+            pairs.append((index, _trace_example(render(twin), twin, template, prompt)))
+    return pairs
+
+
+def _twin(row: KpiRow, cut: tuple[str, float], ranges: Mapping[str, tuple[float, float]], template: TemplatePolicy,
+          reach: str, rng: random.Random) -> KpiRow | None:
+    """``row`` with the cut's KPI moved across its number (``reach`` as in ``counterfactual_twins``),
+    or None where that KPI is missing or the policy answers the moved row as it answers ``row``."""
+    kpi, bound = cut
+    if row.kpis.get(kpi) is None:
+        return None
+    far = reach == "range" or (reach == "both" and rng.random() < 0.5)
+    moved = (_beyond if far else _across)(row.kpis[kpi], bound, ranges[kpi], rng)
+    twin = dataclasses.replace(row, kpis={**row.kpis, kpi: moved})
+    return twin if template.policy.expected(twin.kpis) != template.policy.expected(row.kpis) else None
 
 
 def _across(value: float, bound: float, span: tuple[float, float], rng: random.Random) -> float:

@@ -106,9 +106,25 @@ def _batches(items: Sequence[TokenizedExample], settings: TrainingSettings) -> I
         order = order[settings.batch_size:]
 
 
+def unit_batches(items: Sequence[TokenizedExample], units: Sequence[Sequence[int]],
+                  settings: TrainingSettings) -> Iterator[list[TokenizedExample]]:
+    """Batches of whole units (a report and its twin, or a report alone) in a seeded order,
+    reshuffled on each pass: a unit that would not fit the batch starts the next one, so a batch
+    may be one short of ``batch_size``."""
+    rng = random.Random(settings.seed)
+    batch: list[int] = []
+    while True:
+        for unit in rng.sample(list(units), len(units)):
+            if batch and len(batch) + len(unit) > settings.batch_size:
+                yield [items[i] for i in batch]
+                batch = []
+            batch += unit
+
+
 def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example], settings: TrainingSettings,
-          progress: bool = True) -> TrainingResult:
-    """AdamW over the LoRA weights for ``settings.steps`` batches; the loss of each step."""
+          progress: bool = True, units: Sequence[Sequence[int]] | None = None) -> TrainingResult:
+    """AdamW over the LoRA weights for ``settings.steps`` batches; the loss of each step. ``units``
+    (indices into ``examples``, each example in one) are kept together in a batch."""
     from tqdm import tqdm
 
     items = [tokenize_example(tokenizer, system, example) for example in examples]
@@ -118,7 +134,7 @@ def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example],
     model.train()
     result = TrainingResult()
     bar = tqdm(range(settings.steps), desc="training", unit="step", disable=not progress)
-    batches = _batches(items, settings)
+    batches = _batches(items, settings) if units is None else unit_batches(items, units, settings)
     for _ in bar:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
             loss = batch_loss(model, next(batches), shared, pad_id)
