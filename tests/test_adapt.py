@@ -352,6 +352,19 @@ def test_paired_twins_are_twins_of_the_training_reports_themselves(link):
     assert not {index for index, _ in everything} & set(missing)  # a missing KPI decides it: no twin
 
 
+def test_paired_twins_may_lose_a_kpi_the_policy_asks_missing_of(link):
+    scenario, trace, template = link
+    assert template.missing_tested() == ["L1M.DL-SS-RSRP", "L1M.DL-SS-SINR"]
+    reports = adapt.split_by_time(scenario, trace, template, "replay", limit=100, seed=4).training
+    pairs = adapt.paired_twins(scenario, trace, template, reports, 100, seed=4, missing_share=1.0)
+    assert len(pairs) > 90
+    for index, twin in pairs:
+        changed = [k for k in template.kpis if reports[index].kpis[k] != twin.kpis[k]]
+        assert len(changed) == 1 and twin.kpis[changed[0]] is None and changed[0] in template.missing_tested()
+        assert twin.expected == {"action": "escalate"} != reports[index].expected
+    assert "n/a" in pairs[0][1].user
+
+
 def test_unit_batches_keep_a_report_with_its_twin():
     from ricllm.replay.adapter_training import TrainingSettings, unit_batches
 

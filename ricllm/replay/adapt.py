@@ -83,6 +83,12 @@ class TemplatePolicy:
         pattern = re.compile(rf"{re.escape(kpi)}\s*(?:<=|>=|<|>|==)\s*(-?\d+(?:\.\d+)?)")
         return [float(m) for rule in self.policy.rules if rule.when for m in pattern.findall(rule.when.text)]
 
+    def missing_tested(self) -> list[str]:
+        """The KPIs the policy asks ``missing(KPI)`` of, in rule order."""
+        found = (name for rule in self.policy.rules if rule.when
+                 for name in re.findall(r"missing\(\s*([^\s)]+)\s*\)", rule.when.text))
+        return list(dict.fromkeys(found))
+
     @property
     def answers(self) -> list[dict[str, Any]]:
         """Every answer the policy can give, in rule order, each once."""
@@ -357,11 +363,14 @@ def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: Templ
 
 
 def paired_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, reports: Sequence[Example],
-                 count: int, seed: int, prompt: PromptForm = "replay", reach: str = "mirror") -> list[tuple[int, Example]]:
+                 count: int, seed: int, prompt: PromptForm = "replay", reach: str = "mirror",
+                 missing_share: float = 0.0) -> list[tuple[int, Example]]:
     """Twins of the training reports themselves, at most one each and ``count`` in all, made as
     ``counterfactual_twins`` makes them: ``(index of the report in reports, its twin)``. Training
     puts each pair in one batch, so that one step sees a number's two sides with everything else
-    alike. A report no cut relabels (a missing KPI decides it) has no twin."""
+    alike. With ``missing_share``, that share of the reports is twinned instead by losing one KPI
+    the policy asks ``missing(KPI)`` of, where that changes the answer: the same report with and
+    without the number. A report no cut relabels (a missing KPI decides it) has no twin."""
     outside = unscored_part(scenario, trace)
     cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
     if not cuts or not outside.rows:
@@ -376,10 +385,22 @@ def paired_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolic
             break
         report = reports[index]
         row = rows[(report.time_s, tuple(report.kpis.values()))]
-        twin = next(filter(None, (_twin(row, rng.choice(cuts), ranges, template, reach, rng) for _ in range(20))), None)
+        twin = _without_one(row, template, rng) if rng.random() < missing_share else None
+        twin = twin or next(filter(None, (_twin(row, rng.choice(cuts), ranges, template, reach, rng)
+                                          for _ in range(20))), None)
         if twin is not None:
             pairs.append((index, _trace_example(render(twin), twin, template, prompt)))
     return pairs
+
+
+def _without_one(row: KpiRow, template: TemplatePolicy, rng: random.Random) -> KpiRow | None:
+    """``row`` without one of the KPIs the policy asks ``missing(KPI)`` of (one it has), or None where
+    there is none to drop or the policy answers the row alike without it."""
+    present = [kpi for kpi in template.missing_tested() if row.kpis.get(kpi) is not None]
+    if not present:
+        return None
+    twin = dataclasses.replace(row, kpis={**row.kpis, rng.choice(present): None})
+    return twin if template.policy.expected(twin.kpis) != template.policy.expected(row.kpis) else None
 
 
 def _twin(row: KpiRow, cut: tuple[str, float], ranges: Mapping[str, tuple[float, float]], template: TemplatePolicy,
