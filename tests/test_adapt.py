@@ -365,6 +365,28 @@ def test_paired_twins_may_lose_a_kpi_the_policy_asks_missing_of(link):
     assert "n/a" in pairs[0][1].user
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_the_learning_rate_schedule_runs_over_the_steps_asked(schedule):
+    require_module("torch")
+    import torch
+
+    from ricllm.replay.adapter_training import TrainingSettings, learning_rate_schedule
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    rate = learning_rate_schedule(optimizer, TrainingSettings(steps=10, learning_rate=1e-3, schedule=schedule))
+    rates = []
+    for _ in range(10):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        rate.step()
+    assert rates[0] == pytest.approx(1e-3)
+    if schedule == "constant":
+        assert rates == pytest.approx([1e-3] * 10)
+    else:  # falling every step, the last one's a fortieth of the first
+        assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] < 1e-3 / 40
+
+
 def test_unit_batches_keep_a_report_with_its_twin():
     from ricllm.replay.adapter_training import TrainingSettings, unit_batches
 

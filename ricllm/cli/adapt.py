@@ -60,6 +60,9 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="the learning rate over the steps: constant, or cosine from --learning-rate down to zero "
+                             "at the last step")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--alpha", type=int, default=16, help="LoRA alpha (the update is scaled by alpha / rank)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training rows and of training")
@@ -309,7 +312,7 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
     torch.set_num_threads(args.threads)
     bf16, why = at.bf16_training(args.train_dtype)
     settings = at.TrainingSettings(args.rank, args.alpha, args.steps, args.batch_size, args.learning_rate, args.seed,
-                                   bf16)
+                                   bf16, args.lr_schedule)
     print(f"training multiplies in {'bfloat16' if bf16 else 'float32'} ({why}), {args.threads} threads")
     manifest = {**manifest, "training": {**manifest["training"], "dtype": "bfloat16" if bf16 else "float32"}}
     tokenizer = checkpoint.tokenizer
@@ -390,6 +393,7 @@ def _manifest(scenario, template, args, system, model_path, rows: Rows, scored_r
     from ricllm.replay.adapt import template_digest
 
     training = {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
+                "lr_schedule": args.lr_schedule,
                 "rank": args.rank, "alpha": args.alpha, "seed": args.seed, **rows.manifest["training"]}
     return {"scenario": scenario.name, "template": template.name, "overrides": list(args.overrides),
             "policy": [{"when": r.when.text if r.when else None, "then": r.then} for r in template.policy.rules],

@@ -42,6 +42,7 @@ class TrainingSettings:
     learning_rate: float = 1e-3
     seed: int = 0
     bf16: bool = False  # products in bf16 (torch's CPU autocast), weights, adapter and optimizer in fp32
+    schedule: str = "constant"  # the learning rate over the steps: constant, or cosine down to zero at the last
 
 
 def bf16_training(asked: str) -> tuple[bool, str]:
@@ -131,6 +132,7 @@ def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example],
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     shared = _common_len([item.input_ids for item in items], min(item.prompt_len for item in items) - 1)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.learning_rate)
+    rate = learning_rate_schedule(optimizer, settings)
     model.train()
     result = TrainingResult()
     bar = tqdm(range(settings.steps), desc="training", unit="step", disable=not progress)
@@ -141,10 +143,20 @@ def train(model, tokenizer: Tokenizer, system: str, examples: Sequence[Example],
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        rate.step()
         result.losses.append(loss.item())
         bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
     model.eval()
     return result
+
+
+def learning_rate_schedule(optimizer, settings: TrainingSettings):
+    """``constant``: ``learning_rate`` at every step. ``cosine``: from ``learning_rate`` at the first
+    step down to zero after the last, so the adapter a run ends with is not the last of a noisy walk
+    at full step size: what it learnt moves little over its final steps."""
+    if settings.schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=settings.steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
 def batch_loss(model, batch: Sequence[TokenizedExample], shared: int, pad_id: int) -> torch.Tensor:
