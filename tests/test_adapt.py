@@ -352,7 +352,7 @@ def test_paired_twins_are_twins_of_the_training_reports_themselves(link):
     assert not {index for index, _ in everything} & set(missing)  # a missing KPI decides it: no twin
 
 
-def test_paired_twins_may_lose_a_kpi_the_policy_asks_missing_of(link):
+def test_twins_may_lose_a_kpi_the_policy_asks_missing_of(link):
     scenario, trace, template = link
     assert template.missing_tested() == ["L1M.DL-SS-RSRP", "L1M.DL-SS-SINR"]
     reports = adapt.split_by_time(scenario, trace, template, "replay", limit=100, seed=4).training
@@ -363,6 +363,10 @@ def test_paired_twins_may_lose_a_kpi_the_policy_asks_missing_of(link):
         assert len(changed) == 1 and twin.kpis[changed[0]] is None and changed[0] in template.missing_tested()
         assert twin.expected == {"action": "escalate"} != reports[index].expected
     assert "n/a" in pairs[0][1].user
+    twins = adapt.counterfactual_twins(scenario, trace, template, 400, seed=4, missing_share=0.25)
+    escalating = [t for t in twins if t.expected == {"action": "escalate"}]
+    assert 50 <= len(escalating) <= 150  # about a quarter; the rest cross a number
+    assert all(sum(t.kpis[k] is None for k in template.missing_tested()) == 1 for t in escalating)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])

@@ -68,8 +68,8 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the training rows and of training")
     parser.add_argument("--eval-seed", type=int, default=None, help="seed of the held-out drawn rows "
                         "(default: seed + 1)")
-    parser.add_argument("--missing-share", type=float, default=0.08, help="share of drawn rows with one KPI missing; with --counterfactual-pairs, the share of reports "
-                             "twinned by losing one KPI the policy asks missing(KPI) of")
+    parser.add_argument("--missing-share", type=float, default=0.08, help="share of drawn rows with one KPI missing; with --counterfactual-share, the share of twins "
+                             "made by losing one KPI the policy asks missing(KPI) of")
     parser.add_argument("--drawn-share", type=float, default=0.0,
                         help="with --rows trace: this share of the training rows is drawn from the KPI ranges of the "
                              "rows outside the scored window instead (the answers taking turns), so the thresholds get "
@@ -246,7 +246,7 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
         units = [[i, paired[i]] if i in paired else [i] for i in range(first_twin)]
     else:
         twins = adapt.counterfactual_twins(scenario, trace, template, twin_count, args.seed, args.prompt,
-                                           args.counterfactual_reach)
+                                           args.counterfactual_reach, args.missing_share)
     training = split.training + drawn + twins
     held = _scored_held_out(split, training, args.eval_examples)
     trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "

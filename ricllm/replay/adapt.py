@@ -333,7 +333,8 @@ TWIN_REACHES = ("mirror", "range", "both")
 
 
 def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy, count: int, seed: int,
-                         prompt: PromptForm = "replay", reach: str = "mirror") -> list[Example]:
+                         prompt: PromptForm = "replay", reach: str = "mirror",
+                         missing_share: float = 0.0) -> list[Example]:
     """``count`` twins of the trace's reports outside the scored window, each labelled by the policy.
     A twin is a report with one KPI that the policy compares with a number (``PRB < 50``) moved
     across that number, such that the policy answers it otherwise than the report. How far
@@ -343,7 +344,9 @@ def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: Templ
     twin one or the other at random. Where two KPIs go together in the trace's hours (high SINR
     with low load), such pairs tell a rule that reads both from a rule that reads one, which the
     reports alone may not, and they put rows on both sides of every number as near to it as the
-    reports are. Reports with that KPI missing are not twinned."""
+    reports are. Reports with that KPI missing are not twinned. With ``missing_share``, that share
+    of the twins instead lose one KPI the policy asks ``missing(KPI)`` of (``_without_one``): a
+    trace's few gaps would otherwise teach that rule from a handful of rows."""
     outside = unscored_part(scenario, trace)
     cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
     if not cuts or not outside.rows:
@@ -356,7 +359,10 @@ def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: Templ
         if len(twins) == count:
             break
         row = rng.choice(outside.rows)
-        twin = _twin(row, rng.choice(cuts), ranges, template, reach, rng)
+        if missing_share and rng.random() < missing_share:
+            twin = _without_one(row, template, rng)
+        else:
+            twin = _twin(row, rng.choice(cuts), ranges, template, reach, rng)
         if twin is not None:
             twins.append(_trace_example(render(twin), twin, template, prompt))
     return twins
