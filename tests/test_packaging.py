@@ -218,7 +218,7 @@ def _built_no_kernels(install: dict) -> bool:
     return not (Path(install["RICLLM_CACHE_DIR"]) / "kernels").exists()
 
 
-def test_an_onnx_install_exports_and_generates_without_torch(tiny_gguf, onnx_install, tmp_path):
+def test_an_onnx_install_exports_generates_and_prepares_without_torch(tiny_gguf, onnx_install, tmp_path):
     out = tmp_path / "tiny.onnx"
     exported = _without(_onnx_only(), "-m", "ricllm.cli", "export-onnx", str(tiny_gguf), str(out), env=onnx_install)
     assert exported.returncode == 0, exported.stderr[-3000:]
@@ -227,6 +227,11 @@ def test_an_onnx_install_exports_and_generates_without_torch(tiny_gguf, onnx_ins
                          "--kv-cache-budget", "4MiB", "--max-tokens", "4", "hello", env=onnx_install, timeout=300)
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert "4 generated" in generated.stdout + generated.stderr
+    prepared = _without(_onnx_only(), "-m", "ricllm.cli", "prepare", "--model", str(tiny_gguf), "--runtime", "onnx",
+                        env=onnx_install, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    assert "already in the weight cache" in prepared.stdout, prepared.stdout
+    assert "CPU kernels not used by the onnx runtime on cpu" in prepared.stdout, prepared.stdout
     assert _built_no_kernels(onnx_install)
 
 

@@ -465,15 +465,9 @@ def _log_start(runtime: Runtime, config: EngineConfig, max_model_len: int, start
              device=str(runtime.device), threads=runtime.threads,
              engine_cpus=format_cpu_list(config.engine_cpus) if config.engine_cpus else None,
              weights=f"layers {runtime.weight_formats[0]}, head {runtime.weight_formats[1]}",
-             cpu_kernels=_cpu_kernel_family() if _runs_ricllm_kernels(runtime) else None,
+             cpu_kernels=_cpu_kernel_family() if runtime.runs_ricllm_kernels else None,
              weights_from=runtime.weights_source, attention_backend=runtime.attention_backend,
              startup_s=round(startup_s, 2))
-
-
-def _runs_ricllm_kernels(runtime: Runtime) -> bool:
-    """Whether the model runs on ricllm's C kernels (the native and torch runtimes on the CPU): ONNX
-    Runtime brings its own, so an ONNX start neither names nor builds them."""
-    return str(runtime.device) == "cpu" and runtime.name != "onnx"
 
 
 def _cpu_kernel_family() -> str:
