@@ -3,9 +3,11 @@
 ``pip install ricllm`` is the client alone (pyzmq, msgpack, pydantic, structlog): ``ricllm client``,
 ``ricllm keys`` and :mod:`ricllm.client` talk to a running server without torch. ``ricllm[engine]``
 adds what loads and serves a model (torch, numpy, gguf, tokenizers, llguidance, the HTTP stack, ...);
-``ricllm[report]`` adds the report's plots (matplotlib); ``ricllm[adapt]`` what trains an adapter
-(transformers, peft); ``ricllm[onnx]`` ONNX Runtime as the model's runtime (``ricllm[onnx-gpu]``: its CUDA
-build, the same module, so the two exclude each other; a missing ``onnxruntime`` is named as ``[onnx]``'s).
+``ricllm[onnx]`` is the same engine with ONNX Runtime in torch's place, serving ``runtime="onnx"`` only
+(``ricllm[onnx-gpu]``: its CUDA build, the same module, so the two exclude each other; a missing
+``onnxruntime`` is named as ``[onnx]``'s); both share ``ricllm[engine-base]``, which pyproject.toml names
+and a message never does (numpy and the rest are named as ``[engine]``'s). ``ricllm[report]`` adds the
+report's plots (matplotlib); ``ricllm[adapt]`` what trains an adapter (transformers, peft).
 A command run without the extra it needs ends with an error that names the extra, not a traceback
 (:func:`missing_extra`).
 """

@@ -5,6 +5,7 @@ torch in the serving process."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import ConfigError
@@ -219,28 +221,55 @@ def test_export_onnx_writes_a_graph_onnx_runtime_loads(tiny_smollm_like, tmp_pat
     assert main(["export-onnx", str(tmp_path / "missing.gguf"), str(out)]) == 2
 
 
-def teacher_forced_agreement(llm: LLM, choices) -> tuple[int, int]:
-    """(positions where the graph's argmax is the oracle's, positions): each oracle sequence as one
-    prefill whose rows all give logits, on the engine's pool (blocks 0, 1, ... in order)."""
+def onnx_teacher_forced_logits(llm: LLM, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    """The graph's fp32 logits at ``positions`` (each predicts the next token), from one prefill of
+    ``token_ids`` whose rows at ``positions`` all give logits, on the engine's pool (blocks 0, 1, ... in
+    order: ``llm`` must hold no cached prefix there)."""
     from ricllm.engine.runtime.flat_batch import FlatBatch
 
     runner = llm.engine.runtime.runner
+    blocks = list(range((len(token_ids) + runner.block_size - 1) // runner.block_size))
+    flat = FlatBatch(input_ids=token_ids, positions=list(range(len(token_ids))),
+                     slot_mapping=list(range(len(token_ids))), query_start_loc=[0, len(token_ids)],
+                     context_lens=[len(token_ids)], block_tables=[blocks], logits_rows=positions,
+                     max_query_len=len(token_ids), prefill_rows=len(token_ids),
+                     prefill_products=len(token_ids) ** 2)
+    return torch.from_numpy(runner.compute(flat))
+
+
+def teacher_forced_agreement(llm: LLM, choices) -> tuple[int, int]:
+    """(positions where the graph's argmax is the oracle's, positions): each oracle sequence as one prefill."""
     agree = total = 0
     for full, positions, oracle in choices:
-        blocks = list(range((len(full) + runner.block_size - 1) // runner.block_size))
-        flat = FlatBatch(input_ids=full, positions=list(range(len(full))), slot_mapping=list(range(len(full))),
-                         query_start_loc=[0, len(full)], context_lens=[len(full)], block_tables=[blocks],
-                         logits_rows=positions, max_query_len=len(full), prefill_rows=len(full),
-                         prefill_products=len(full) ** 2)
-        agree += int((torch.from_numpy(runner.compute(flat)).argmax(-1) == oracle).sum())
+        agree += int((onnx_teacher_forced_logits(llm, full, positions).argmax(-1) == oracle).sum())
         total += len(positions)
     return agree, total
 
 
+@pytest.fixture(scope="module")
+def smollm2_onnx(smollm2) -> LLM:
+    """SmolLM2 through ONNX Runtime, its graph exported for this module alone (into a temporary folder)."""
+    return LLM(str(smollm2), runtime="onnx", kv_cache_budget="64MiB", weight_cache=False)
+
+
 @pytest.mark.slow
-def test_smollm2_greedy_choices_agree_with_hf_fp32(smollm2, smollm2_oracle, tmp_path, monkeypatch):
+def test_smollm2_greedy_choices_agree_with_hf_fp32(smollm2_onnx, smollm2_oracle):
     """Teacher-forced on the oracle's 4 × 128 positions: ONNX Runtime's argmax agrees with HF fp32's at ≥ 95%."""
-    monkeypatch.setenv("RICLLM_CACHE_DIR", str(tmp_path))
-    agree, total = teacher_forced_agreement(LLM(str(smollm2), runtime="onnx", kv_cache_budget="64MiB"),
-                                            smollm2_oracle["choices"])
-    assert agree / total >= 0.95, f"greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
+    agree, total = teacher_forced_agreement(smollm2_onnx, smollm2_oracle["choices"])
+    said = f"onnx: greedy agreement with HF fp32 {agree}/{total} = {agree / total:.1%}"
+    print(said)
+    assert agree / total >= 0.95, said
+
+
+@pytest.mark.slow
+def test_smollm2_perplexity_stays_within_two_percent_of_hf_fp32(smollm2_onnx, smollm2_oracle):
+    """TEXT's perplexity from the graph's logits (one prefill), against HF fp32's on the same text."""
+    from tests.smollm2_oracle import TEXT
+
+    ids = smollm2_onnx.tokenizer.encode(TEXT)
+    logits = onnx_teacher_forced_logits(smollm2_onnx, ids, list(range(len(ids) - 1)))
+    ppl = math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
+    change = ppl / smollm2_oracle["perplexity"] - 1
+    said = f"onnx: perplexity {ppl:.3f} vs HF fp32 {smollm2_oracle['perplexity']:.3f} ({change:+.2%})"
+    print(said)
+    assert abs(change) <= 0.02, said

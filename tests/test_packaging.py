@@ -1,15 +1,21 @@
 """What each install brings: `pip install ricllm` is the client (no torch), `ricllm[engine]` loads and serves
-models, `ricllm[report]` draws the replay report's plots, `ricllm[dev]` runs the tests. The client-only
-install is played in this venv by making the extras' packages fail to import (tests/absent_run.py)."""
+models, `ricllm[onnx]` serves them through ONNX Runtime without torch, `ricllm[report]` draws the replay report's
+plots, `ricllm[dev]` runs the tests. The client-only and ONNX installs are played in this venv by making the
+packages they lack fail to import (tests/absent_run.py)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +26,8 @@ from ricllm.extras import EXTRA_OF_MODULE
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 ABSENT_RUN = Path(__file__).with_name("absent_run.py")
-IMPORT_NAMES = {"pyyaml": "yaml", "prometheus-client": "prometheus_client", "pyzmq": "zmq"}  # where they differ
+IMPORT_NAMES = {"pyyaml": "yaml", "prometheus-client": "prometheus_client", "pyzmq": "zmq",  # where they differ
+                "onnxruntime-gpu": "onnxruntime"}
 BROUGHT_ALONG = {"anyio": "starlette's own dependency"}
 GPU_ONLY = {"triton": "ricllm/kernels/triton_decode.py, imported on a CUDA device only (the dev extra has it)"}
 
@@ -35,8 +42,14 @@ def _import_name(requirement: str) -> str:
 
 
 def _imports(extra: str | None) -> set[str]:
+    """The import names an install of ``extra`` (None: the base install) brings, through the extras it names."""
     requirements = PYPROJECT["dependencies"] if extra is None else PYPROJECT["optional-dependencies"][extra]
-    return {_import_name(r) for r in requirements}
+    names = set()
+    for requirement in requirements:
+        included = re.fullmatch(r"ricllm\[([a-z0-9,-]+)\]", requirement)
+        names |= (set().union(*map(_imports, included.group(1).split(","))) if included
+                  else {_import_name(requirement)})
+    return names
 
 
 def _third_party_imports() -> dict[str, set[str]]:
@@ -59,10 +72,16 @@ def _client_only() -> set[str]:
     return _imports("engine") | _imports("report") | _imports("adapt") | _imports("dev") | set(GPU_ONLY)
 
 
-def _without(absent: set[str], *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def _onnx_only() -> set[str]:
+    """What `pip install 'ricllm[onnx]'` lacks: torch, and every other package that [onnx] does not bring."""
+    return _client_only() - _imports("onnx")
+
+
+def _without(absent: set[str], *args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Python with the packages ``absent`` failing to import as if never installed."""
     return subprocess.run([sys.executable, str(ABSENT_RUN), ",".join(sorted(absent)), *args], cwd=ROOT,
-                          check=False, capture_output=True, text=True, timeout=timeout)
+                          check=False, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def test_the_base_install_is_the_client_and_the_engine_and_plots_are_extras():
@@ -72,6 +91,16 @@ def test_the_base_install_is_the_client_and_the_engine_and_plots_are_extras():
     assert {"torch", "numpy", "gguf", "tokenizers", "llguidance", "starlette", "uvicorn"} <= _imports("engine")
     assert "matplotlib" in _imports("report") and "matplotlib" not in _imports("engine")
     assert "pytest" in _imports("dev")
+
+
+def test_the_onnx_extras_are_the_engine_with_onnx_runtime_instead_of_torch():
+    for extra in ("onnx", "onnx-gpu"):
+        assert "torch" not in _imports(extra)
+        assert _imports("engine") - {"torch"} <= _imports(extra), extra
+        assert {"onnxruntime", "onnx"} <= _imports(extra)
+    gpu = {_distribution(r) for r in PYPROJECT["optional-dependencies"]["onnx-gpu"]}
+    cpu = {_distribution(r) for r in PYPROJECT["optional-dependencies"]["onnx"]}
+    assert "onnxruntime-gpu" in gpu and "onnxruntime" not in gpu and "onnxruntime" in cpu  # one module, two builds
 
 
 def test_every_package_ricllm_imports_comes_with_the_base_install_or_the_extra_its_message_names():
@@ -172,3 +201,91 @@ def test_kernels_built_ahead_load_on_a_machine_without_a_compiler(tmp_path):
     loaded = check()
     assert loaded == {"ok": True, "reason": f"built ahead at {library}", "packed": True}, loaded
     assert not (tmp_path / "cache" / "kernels").exists()  # nothing compiled on the "node"
+
+
+@pytest.fixture
+def onnx_install(tmp_path) -> dict:
+    """An [onnx]-only install's environment: a cache of its own (the graph exported there on first use)
+    and no C compiler, as in an image that has none."""
+    for module in ("onnxruntime", "onnx"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"python package {module!r} is not installed")
+    return {"RICLLM_CACHE_DIR": str(tmp_path / "cache"), "RICLLM_LOG_LEVEL": "warning", "CC": str(tmp_path / "no-cc")}
+
+
+def _built_no_kernels(install: dict) -> bool:
+    """ONNX Runtime brings its own kernels: nothing tried to build ricllm's C library (it builds into the cache)."""
+    return not (Path(install["RICLLM_CACHE_DIR"]) / "kernels").exists()
+
+
+def test_an_onnx_install_exports_generates_and_prepares_without_torch(tiny_gguf, onnx_install, tmp_path):
+    out = tmp_path / "tiny.onnx"
+    exported = _without(_onnx_only(), "-m", "ricllm.cli", "export-onnx", str(tiny_gguf), str(out), env=onnx_install)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert out.is_file() and out.with_suffix(".onnx.json").is_file()
+    generated = _without(_onnx_only(), "-m", "ricllm.cli", "generate", "--model", str(tiny_gguf), "--runtime", "onnx",
+                         "--kv-cache-budget", "4MiB", "--max-tokens", "4", "hello", env=onnx_install, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert "4 generated" in generated.stdout + generated.stderr
+    prepared = _without(_onnx_only(), "-m", "ricllm.cli", "prepare", "--model", str(tiny_gguf), "--runtime", "onnx",
+                        env=onnx_install, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    assert "already in the weight cache" in prepared.stdout, prepared.stdout
+    assert "CPU kernels not used by the onnx runtime on cpu" in prepared.stdout, prepared.stdout
+    assert _built_no_kernels(onnx_install)
+
+
+def test_an_onnx_install_names_the_onnx_runtime_where_the_native_one_needs_torch(tiny_gguf):
+    """``auto`` picks the native runtime, which converts the GGUF with torch (once, where the weight cache
+    keeps it): without torch, the message says so and names both ways on, with no traceback. The
+    session's cache, whose C kernels the native runtime's check reuses."""
+    done = _without(_onnx_only(), "-m", "ricllm.cli", "generate", "--model", str(tiny_gguf), "--weights", "int8",
+                    "--no-weight-cache", "--max-tokens", "4", "hello", env={"RICLLM_LOG_LEVEL": "warning"},
+                    timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "this install has no torch" in done.stderr and "pip install 'ricllm[engine]'" in done.stderr
+    assert "--runtime onnx" in done.stderr, done.stderr
+
+
+def test_an_onnx_install_serves_the_openai_api_without_torch(tiny_gguf, onnx_install, tmp_path):
+    from ricllm.engine.latency_model import LatencyModel
+
+    fit = tmp_path / "latency_fit.json"
+    LatencyModel([1e-3, 1e-5, 1e-4, 1e-7, 0.0]).save(fit)  # loaded instead of calibrating
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, str(ABSENT_RUN), ",".join(sorted(_onnx_only())), "-m", "ricllm.cli", "serve",
+         "--model", str(tiny_gguf), "--runtime", "onnx", "--zmq", f"ipc://{tmp_path}/serve.sock",
+         "--http-port", str(port), "--latency-fit", str(fit), "--kv-cache-budget", "4MiB"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**{k: v for k, v in os.environ.items() if k != "CONFIG_FILE"}, **onnx_install})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while _status(base + "/ric/v1/health/ready") != 200:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.2)
+        request = urllib.request.Request(base + "/v1/completions", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": tiny_gguf.stem, "prompt": "hello", "max_tokens": 4}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] == 4, answer
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-3000:]
+    assert _built_no_kernels(onnx_install)
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None

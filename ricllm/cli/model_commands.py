@@ -189,8 +189,11 @@ def _prepared(engine, entry, calibrated: bool) -> list[str]:
             else f"converted from {engine.model_path} in {engine.runtime.load_s:.1f} s")
     lines = [f"weights   {what}: {done}", f"          {entry} ({format_bytes(entry.stat().st_size)})"]
     device = str(engine.runtime.device).split(":")[0]
-    ok, reason = cpu_kernels_available() if device == "cpu" else (False, f"not used on {device}")
-    lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
+    if engine.runtime.runs_ricllm_kernels:
+        ok, reason = cpu_kernels_available()
+        lines.append(f"kernels   CPU kernels {reason}" if ok else f"kernels   CPU kernels unavailable: {reason}")
+    else:
+        lines.append(f"kernels   CPU kernels not used by the {engine.runtime.name} runtime on {device}")
     if calibrated:
         lines.append(f"latency   step-latency fit for this machine: {fit_cache_path(fit_key(engine))}")
     return lines

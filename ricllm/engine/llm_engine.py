@@ -465,7 +465,7 @@ def _log_start(runtime: Runtime, config: EngineConfig, max_model_len: int, start
              device=str(runtime.device), threads=runtime.threads,
              engine_cpus=format_cpu_list(config.engine_cpus) if config.engine_cpus else None,
              weights=f"layers {runtime.weight_formats[0]}, head {runtime.weight_formats[1]}",
-             cpu_kernels=_cpu_kernel_family() if str(runtime.device) == "cpu" else None,
+             cpu_kernels=_cpu_kernel_family() if runtime.runs_ricllm_kernels else None,
              weights_from=runtime.weights_source, attention_backend=runtime.attention_backend,
              startup_s=round(startup_s, 2))
 

@@ -55,10 +55,11 @@ def check_lora_layout() -> None:
 class LoraTable:
     """Every slot's update of every layer's projections, as the stack reads them: ``slots`` ×
     ``layers`` × 7 entries, rank 0 where a slot holds nothing. It holds addresses only: whoever
-    sets an entry keeps its arrays alive while it stays set."""
+    sets an entry keeps its arrays alive while it stays set. Plain ctypes memory: the C stack that
+    reads it (``DecoderStackCall``) checks the layout, so a runtime without the stack (ONNX) holds
+    an empty table without loading the C library."""
 
     def __init__(self, slots: int, layers: int, *, bf16: bool):
-        check_lora_layout()
         self.slots, self.layers, self.bf16 = slots, layers, bf16
         self._entries = (LoraUpdate * max(1, slots * layers * len(LORA_PROJECTIONS)))()
 

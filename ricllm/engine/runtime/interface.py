@@ -69,3 +69,9 @@ class Runtime:
     load_s: float  # loading (and converting) the weights
     capabilities: RuntimeCapabilities  # what admission, the scheduler and the latency model may rely on
     lora: AdapterSlots  # the resident LoRA adapters, ``config.max_loras`` slots; a sequence names its slot
+
+    @property
+    def runs_ricllm_kernels(self) -> bool:
+        """Whether the model runs on ricllm's C kernels (the native and torch runtimes on the CPU):
+        ONNX Runtime brings its own, so an ONNX start neither builds nor names them."""
+        return str(self.device) == "cpu" and self.name != "onnx"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ricllm.config import EngineConfig
 from ricllm.errors import ModelLoadError
+from ricllm.extras import MissingExtraError, install_hint
 from ricllm.logging import get_logger
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights
@@ -67,6 +69,11 @@ def _convert(model_path: Path, weights: str, out: Path) -> str | None:
         reason = convert(model_path, weights, out)
         release_free_heap()  # the torch model it packed from is garbage now
         return reason
+    if not _torch_installed():
+        raise MissingExtraError(
+            f"the native runtime converts {model_path.name} with torch once, and this install has no torch (its "
+            f"converted weights are not in the cache): {install_hint('engine')}; or serve through ONNX Runtime, "
+            "which needs no torch: --runtime onnx (the ricllm[onnx] extra)")
     model_path, out = model_path.resolve(), out.resolve()
     command = [sys.executable, "-m", "ricllm.engine.runtime.native_convert", str(model_path), weights, str(out)]
     log.info("native_weights_converting", model=str(model_path), weights=weights, out=str(out))
@@ -116,6 +123,14 @@ def _convert_privately(model_path: Path, weights: str) -> NativeWeights:
         if reason is not None:
             raise NativeUnsupported(reason)
         return native_weights.read(out)
+
+
+def _torch_installed() -> bool:
+    """Whether the child that converts can import torch (asked without importing it here)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:  # a finder that refuses the name: as good as absent
+        return False
 
 
 def _writable(folder: Path) -> bool:
