@@ -218,6 +218,8 @@ def test_export_onnx_writes_a_graph_onnx_runtime_loads(tiny_smollm_like, tmp_pat
     assert [o.name for o in session.get_outputs()][0] == "logits"
     meta = json.loads((tmp_path / "tiny.onnx.json").read_text())
     assert meta["weight_formats"] == ["int4", "int8"]
+    # as readable as the file beside it: a container's runtime user reads what the build stage wrote
+    assert out.stat().st_mode & 0o777 == (tmp_path / "tiny.onnx.json").stat().st_mode & 0o777
     assert main(["export-onnx", str(tmp_path / "missing.gguf"), str(out)]) == 2
 
 

@@ -410,10 +410,18 @@ def write(model_path: Path, out: Path) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".partial", delete=False) as handle:
         handle.write(model.SerializeToString())
+    os.chmod(handle.name, 0o666 & ~_umask())  # a temporary file is private (0600); the graph is not
     meta_path = out.with_suffix(out.suffix + ".json")
     meta_path.write_text(json.dumps(meta))
     os.replace(handle.name, out)
     return meta
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_meta(out: Path) -> dict:
