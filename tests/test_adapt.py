@@ -391,6 +391,14 @@ def test_the_learning_rate_schedule_runs_over_the_steps_asked(schedule):
         assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] < 1e-3 / 40
 
 
+def test_a_judgement_without_some_answer_says_which_rule_it_cannot_judge(tiny_gguf, tmp_path, capsys):
+    """``link``'s 600-800 s hold no ``raise_mcs`` row: a recipe chosen there is blind to that rule."""
+    printed = adapt_link_on(tiny_gguf, tmp_path / "adapter", capsys, "--rows", "trace", "--prompt", "replay",
+                            "--validation-s", "200", "--examples", "16", "--steps", "1", "--judge", "adapter")
+    unjudged = next(line for line in printed.splitlines() if line.startswith("no held-out row's answer is"))
+    assert '{"action":"raise_mcs"}' in unjudged and '{"action":"hold"}' not in unjudged
+
+
 def test_unit_batches_keep_a_report_with_its_twin():
     from ricllm.replay.adapter_training import TrainingSettings, unit_batches
 

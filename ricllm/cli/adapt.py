@@ -7,6 +7,7 @@ The examples are ``ricllm.replay.adapt``'s, the training ``ricllm.replay.adapter
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,6 +387,12 @@ def _print_data(scenario, template, rows: Rows, args, system) -> None:
           + ", ".join(f"{answer} {n}" for answer, n in class_counts(rows.training).items()))
     print(f"{rows.held_out_from}; rows per answer: "
           + ", ".join(f"{answer} {n}" for answer, n in class_counts(rows.held_out).items()))
+    judged = {example.label for example in rows.held_out}
+    unjudged = [template.answer_text(answer) for answer in template.answers
+                if json.dumps(answer, sort_keys=True) not in judged]
+    if unjudged:
+        print(f"no held-out row's answer is {' or '.join(unjudged)}: how often such rows are answered otherwise, "
+              "this judgement cannot tell (a validation window without them leaves that rule unjudged)")
     print(f"system prompt: {system!r}")
 
 
