@@ -1,24 +1,28 @@
 """Gemma 3 270M's packed weights (``weights="auto"``, bf16 on the CPU) against the file's own weights.
 
-Printed, as a markdown table for benchmarks/RESULTS.md:
-  1. each projection kind: the tensor types the file stores it in, and the packed format it takes;
-  2. the bytes a one-stream decode step reads (the four projections of every layer, and the head);
-  3. the error of the packed weights against the file's dequantized ones (fp32), by source type:
-     the largest and the mean absolute difference, and the mean |w| for scale;
-  4. teacher-forced greedy agreement with HF transformers fp32 and perplexity, each runtime (torch,
-     native), on the test suite's text three times over (past the 512-token window), read in
-     prefill steps of 64 rows as tests/test_gemma3.py reads it.
+Printed, as markdown tables for benchmarks/RESULTS.md:
+  1. per GGUF tensor kind and type: how many, the format ``auto`` packs them in, and the error of
+     the packed weights against the file's dequantized ones (fp32), largest and mean absolute, beside
+     the error of packing them int8 (what ``auto`` did for every layer of a mixed file before it
+     decided per projection) and the mean |w| for scale;
+  2. the bytes a one-stream decode step reads (every layer's projections and the head), as packed
+     and with every layer int8;
+  3. with ``--quality``: teacher-forced greedy agreement with HF transformers fp32 and perplexity,
+     each runtime (torch, native), on the test suite's text three times over (past the 512-token
+     window), read in prefill steps of 64 rows as tests/test_gemma3.py reads it (minutes on 2 cores).
 
-    python benchmarks/bench_gemma_weights.py        # about five minutes on 2 cores
+    python benchmarks/bench_gemma_weights.py [--quality]
 
-It needs the installed Gemma 3 270M (``bash scripts/setup.sh``) and HF transformers (the oracle).
+It needs the installed Gemma 3 270M (``bash scripts/setup.sh``); ``--quality`` HF transformers too.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import gc
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -29,52 +33,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ricllm import LLM  # noqa: E402
 from ricllm.kernels import cpu_quant  # noqa: E402
+from ricllm.model.formats import PROJECTION_TENSORS, projection_formats, resolve_formats  # noqa: E402
 from ricllm.model.loader import read_tensor_types, resolve_model_path  # noqa: E402
-from tests.test_gemma3 import gemma3_oracle  # noqa: E402
-from tests.test_weight_formats import TEXT, native_teacher_forced_logits, teacher_forced_logits  # noqa: E402
 
-PROJECTIONS = {"attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.o_proj": ("attn_output",),
-               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
 STEP_ROWS = 64
+PACKERS = {"int4": (cpu_quant.pack_int4, 4), "int8": (cpu_quant.pack_int8, 8)}
 
 
 def progress(text: str) -> None:
     print(f"[bench_gemma_weights] {text}", file=sys.stderr, flush=True)
 
 
-def module(layer, name: str):
-    owner, attr = name.split(".")
-    return getattr(getattr(layer, owner), attr)
+def packed_error(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int]:
+    """|packed − file| per weight, and the bytes a decode step reads of it (weights and scales)."""
+    pack, bits = PACKERS[fmt]
+    packed, scales, offsets = pack(weight)
+    return (cpu_quant.unpack(packed, scales, offsets, bits) - weight).abs(), packed.nbytes + scales.nbytes
 
 
-def packed_bytes(m) -> int:
-    """What a product of one row reads: the packed weight and its scales (``Packed.decode_bytes``)."""
-    return m.packed_weight.nbytes + m.packed_scales.nbytes
+def weight_errors(path: Path) -> tuple[list[dict], dict[str, int], tuple[str, str]]:
+    """Per (tensor kind, file type): count, format, errors as packed and as int8; bytes as packed and all-int8."""
+    import gguf
+    from gguf import GGUFReader
 
-
-def weight_error(dense_model, packed_model, types: dict[str, str]) -> tuple[list[dict], int, int]:
-    """Per (projection kind, source types, bits): count, max/mean |packed - file|, mean |w|; the
-    layers' and the head's decode bytes."""
+    types = read_tensor_types(path)
+    formats = resolve_formats("auto", types, packable=True)
+    fmt_of = {}
+    for name in types:
+        if match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name):
+            layer, part = int(match[1]), match[2]
+            for fmt, parts in zip(projection_formats(formats[0], types, layer), PROJECTION_TENSORS.values()):
+                if part in parts:
+                    fmt_of[name] = fmt
     rows: dict[tuple, dict] = {}
-    layer_bytes = 0
-    for i, (dense_layer, packed_layer) in enumerate(zip(dense_model.layers, packed_model.layers, strict=True)):
-        for name, parts in PROJECTIONS.items():
-            m, file_weight = module(packed_layer, name), module(dense_layer, name).weight.float()
-            bits = 4 if m.fmt == "int4" else 8
-            restored = cpu_quant.unpack(m.packed_weight, m.packed_scales, m.packed_offsets, bits)
-            diff = (restored - file_weight).abs()
-            source = "+".join(dict.fromkeys(types[f"blk.{i}.{p}.weight"] for p in parts))
-            row = rows.setdefault((name, source, bits), {"count": 0, "max": 0.0, "sum": 0.0, "abs": 0.0, "n": 0})
-            row["count"] += 1
-            row["max"] = max(row["max"], diff.max().item())
-            row["sum"] += diff.sum().item()
-            row["abs"] += file_weight.abs().sum().item()
-            row["n"] += diff.numel()
-            layer_bytes += packed_bytes(m)
-    table = [{"projection": name, "source": source, "format": f"int{bits}", "count": r["count"], "max": r["max"],
-              "mean": r["sum"] / r["n"], "mean_w": r["abs"] / r["n"]}
-             for (name, source, bits), r in sorted(rows.items())]
-    return table, layer_bytes, packed_bytes(packed_model.packed_head)
+    sizes = collections.Counter()
+    for tensor in GGUFReader(path, "r").tensors:
+        if tensor.name == "token_embd.weight":  # the tied head: int8 either way, d·q per 32 as the file's Q8_0
+            sizes["head"] = int(tensor.n_elements) * 9 // 8  # a byte per weight, fp16 d and c per 32
+        if tensor.name not in fmt_of:
+            continue
+        weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+        fmt, kind = fmt_of[tensor.name], tensor.name.split(".")[2]
+        row = rows.setdefault((kind, tensor.tensor_type.name, fmt), collections.defaultdict(float))
+        packed = packed_error(weight, fmt)
+        as_int8 = packed if fmt == "int8" else packed_error(weight, "int8")
+        for label, (diff, size) in (("packed", packed), ("int8", as_int8)):
+            row[f"{label}_max"] = max(row[f"{label}_max"], diff.max().item())
+            row[f"{label}_sum"] += diff.sum().item()
+            sizes[label] += size
+        row["count"] += 1
+        row["abs"] += weight.abs().sum().item()
+        row["n"] += weight.numel()
+    table = [{"kind": kind, "type": kind_type, "format": fmt, "count": int(r["count"]), "mean_w": r["abs"] / r["n"],
+              **{f"{label}_{stat}": r[f"{label}_max"] if stat == "max" else r[f"{label}_sum"] / r["n"]
+                 for label in ("packed", "int8") for stat in ("max", "mean")}}
+             for (kind, kind_type, fmt), r in sorted(rows.items())]
+    return table, dict(sizes), formats
 
 
 def quality(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
@@ -82,45 +96,57 @@ def quality(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
     return agreement, math.exp(F.cross_entropy(logits, targets).item())
 
 
-def main() -> None:
-    path = resolve_model_path("gemma3-270m")
-    types = read_tensor_types(path)
-    counts = collections.Counter(types.values())
-    progress("loading fp32 (the file's weights) and the packed torch runtime")
-    dense = LLM("gemma3-270m", dtype="float32", kv_cache_budget="64MiB", enable_prefix_caching=False,
-                weight_cache=False)
-    packed = LLM("gemma3-270m", runtime="torch", kv_cache_budget="64MiB", enable_prefix_caching=False,
-                 weight_cache=False, max_num_batched_tokens=STEP_ROWS)
-    table, layer_bytes, head_bytes = weight_error(dense.engine.runtime.model, packed.engine.runtime.model, types)
-    formats = packed.engine.runtime.weight_formats
-    del dense
-    gc.collect()
+def quality_rows(path: Path) -> tuple[int, float, dict[str, tuple[float, float]], int]:
+    """(tokens, HF fp32 perplexity, each runtime's (agreement, perplexity), the native decode bytes)."""
+    from tests.test_gemma3 import gemma3_oracle
+    from tests.test_weight_formats import TEXT, native_teacher_forced_logits, teacher_forced_logits
 
+    results = {}
+    for runtime in ("torch", "native"):
+        progress(f"{runtime} runtime")
+        llm = LLM("gemma3-270m", runtime=runtime, kv_cache_budget="64MiB", enable_prefix_caching=False,
+                  weight_cache=False, max_num_batched_tokens=STEP_ROWS)
+        ids = llm.tokenizer.encode("\n\n".join([TEXT] * 3))
+        positions = list(range(len(ids) - 1))
+        if runtime == "torch":
+            logits = teacher_forced_logits(llm, ids, positions)
+        else:
+            logits = native_teacher_forced_logits(llm, ids, positions)
+            native_bytes = llm.engine.runtime.model.weights.weight_bytes()
+        results[runtime] = logits
+        del llm
+        gc.collect()
     progress("HF fp32 oracle")
-    ids = packed.tokenizer.encode("\n\n".join([TEXT] * 3))
-    targets, positions = torch.tensor(ids[1:]), list(range(len(ids) - 1))
+    targets = torch.tensor(ids[1:])
     with torch.no_grad():
         reference = gemma3_oracle(path)(torch.tensor([ids])).logits[0, :-1].float()
     reference_ppl = math.exp(F.cross_entropy(reference, targets).item())
-    results = {"torch": quality(teacher_forced_logits(packed, ids, positions), reference, targets)}
-    del packed
-    gc.collect()
-    progress("native runtime")
-    native = LLM("gemma3-270m", runtime="native", kv_cache_budget="64MiB", enable_prefix_caching=False,
-                 weight_cache=False, max_num_batched_tokens=STEP_ROWS)
-    native_bytes = native.engine.runtime.model.weights.weight_bytes()
-    results["native"] = quality(native_teacher_forced_logits(native, ids, positions), reference, targets)
+    return len(ids), reference_ppl, {name: quality(x, reference, targets) for name, x in results.items()}, native_bytes
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quality", action="store_true", help="also agreement and perplexity against HF fp32")
+    args = parser.parse_args()
+    path = resolve_model_path("gemma3-270m")
+    counts = collections.Counter(read_tensor_types(path).values())
+    progress("packing every layer tensor as auto does, and as int8")
+    table, sizes, formats = weight_errors(path)
     print(f"file: {path.name}; tensor types {dict(sorted(counts.items()))}")
     print(f"weights auto: layers {formats[0]}, head {formats[1]}")
-    print(f"decode bytes: layers {layer_bytes / 1e6:.2f} MB + head {head_bytes / 1e6:.2f} MB = "
-          f"{(layer_bytes + head_bytes) / 1e6:.2f} MB (native, with the norms: {native_bytes / 1e6:.2f} MB)\n")
-    print("| projection | file type | packed | tensors | max abs error | mean abs error | mean abs weight |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print(f"layer bytes a decode step reads: {sizes['packed'] / 1e6:.2f} MB as packed, "
+          f"{sizes['int8'] / 1e6:.2f} MB with every layer int8; the int8 head {sizes['head'] / 1e6:.2f} MB\n")
+    print("| tensor | file type | count | packed | max abs error | mean abs error | as int8: max | as int8: mean "
+          "| mean abs weight |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for r in table:
-        print(f"| {r['projection']} | {r['source']} | {r['format']} | {r['count']} | {r['max']:.2e} | "
-              f"{r['mean']:.2e} | {r['mean_w']:.2e} |")
-    print(f"\n{len(ids)} tokens, HF fp32 perplexity {reference_ppl:.4f}\n")
+        print(f"| {r['kind']} | {r['type']} | {r['count']} | {r['format']} | {r['packed_max']:.2e} | "
+              f"{r['packed_mean']:.2e} | {r['int8_max']:.2e} | {r['int8_mean']:.2e} | {r['mean_w']:.2e} |")
+    if not args.quality:
+        return
+    tokens, reference_ppl, results, native_bytes = quality_rows(path)
+    print(f"\nnative runtime: {native_bytes / 1e6:.2f} MB read per one-stream decode step (layers, norms, head)")
+    print(f"{tokens} tokens, HF fp32 perplexity {reference_ppl:.4f}\n")
     print("| runtime | greedy agreement with HF fp32 | perplexity | vs HF fp32 |")
     print("|---|---:|---:|---:|")
     for name, (agreement, ppl) in results.items():
