@@ -3,15 +3,17 @@
 Printed, as markdown tables for benchmarks/RESULTS.md:
   1. per GGUF tensor kind and type: how many, the format ``auto`` packs them in, and the error of
      the packed weights against the file's dequantized ones (fp32), largest and mean absolute, beside
-     the error of packing them int8 (what ``auto`` did for every layer of a mixed file before it
-     decided per projection) and the mean |w| for scale;
+     the error of packing them int8 (the form one format for every layer gives a mixed file) and the
+     mean |w| for scale;
   2. the bytes a one-stream decode step reads (every layer's projections and the head), as packed
      and with every layer int8;
   3. with ``--quality``: teacher-forced greedy agreement with HF transformers fp32 and perplexity,
      each runtime (torch, native), on the test suite's text three times over (past the 512-token
      window), read in prefill steps of 64 rows as tests/test_gemma3.py reads it (minutes on 2 cores).
 
-    python benchmarks/bench_gemma_weights.py [--quality]
+    python benchmarks/bench_gemma_weights.py [--quality] [--types Q4_K ...]
+
+``--types`` limits the error table to the tensors stored in those types (the bytes then count them alone).
 
 It needs the installed Gemma 3 270M (``bash scripts/setup.sh``); ``--quality`` HF transformers too.
 """
@@ -51,8 +53,9 @@ def packed_error(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int]:
     return (cpu_quant.unpack(packed, scales, offsets, bits) - weight).abs(), packed.nbytes + scales.nbytes
 
 
-def weight_errors(path: Path) -> tuple[list[dict], dict[str, int], tuple[str, str]]:
-    """Per (tensor kind, file type): count, format, errors as packed and as int8; bytes as packed and all-int8."""
+def weight_errors(path: Path, only_types: set[str] | None) -> tuple[list[dict], dict[str, int], tuple[str, str]]:
+    """Per (tensor kind, file type): count, format, errors as packed and as int8; bytes as packed and all-int8
+    (of the tensors of ``only_types``, or every layer tensor)."""
     import gguf
     from gguf import GGUFReader
 
@@ -70,7 +73,7 @@ def weight_errors(path: Path) -> tuple[list[dict], dict[str, int], tuple[str, st
     for tensor in GGUFReader(path, "r").tensors:
         if tensor.name == "token_embd.weight":  # the tied head: int8 either way, d·q per 32 as the file's Q8_0
             sizes["head"] = int(tensor.n_elements) * 9 // 8  # a byte per weight, fp16 d and c per 32
-        if tensor.name not in fmt_of:
+        if tensor.name not in fmt_of or (only_types and tensor.tensor_type.name not in only_types):
             continue
         weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
         fmt, kind = fmt_of[tensor.name], tensor.name.split(".")[2]
@@ -127,11 +130,12 @@ def quality_rows(path: Path) -> tuple[int, float, dict[str, tuple[float, float]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quality", action="store_true", help="also agreement and perplexity against HF fp32")
+    parser.add_argument("--types", nargs="+", default=None, help="only the layer tensors stored in these types")
     args = parser.parse_args()
     path = resolve_model_path("gemma3-270m")
     counts = collections.Counter(read_tensor_types(path).values())
     progress("packing every layer tensor as auto does, and as int8")
-    table, sizes, formats = weight_errors(path)
+    table, sizes, formats = weight_errors(path, set(args.types) if args.types else None)
     print(f"file: {path.name}; tensor types {dict(sorted(counts.items()))}")
     print(f"weights auto: layers {formats[0]}, head {formats[1]}")
     print(f"layer bytes a decode step reads: {sizes['packed'] / 1e6:.2f} MB as packed, "
