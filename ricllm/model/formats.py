@@ -46,7 +46,7 @@ def resolve_formats(requested: str, tensor_types: dict[str, str], packable: bool
         return "dense", head
     found = {_file_format(tensor_types, layer, parts) for layer in range(_layer_count(tensor_types))
              for parts in PROJECTION_TENSORS.values()} - {None}
-    return (found.pop() if len(found) == 1 else MIXED), head
+    return (MIXED if len(found) > 1 else found.pop() if found else "int8"), head
 
 
 def projection_formats(layer_format: str, tensor_types: dict[str, str], layer: int) -> tuple[str, ...]:
