@@ -7,9 +7,10 @@ Printed, as markdown tables for benchmarks/RESULTS.md:
      mean |w| for scale;
   2. the bytes a one-stream decode step reads (every layer's projections and the head), as packed
      and with every layer int8;
-  3. with ``--quality``: teacher-forced greedy agreement with HF transformers fp32 and perplexity,
-     each runtime (torch, native), on the test suite's text three times over (past the 512-token
-     window), read in prefill steps of 64 rows as tests/test_gemma3.py reads it (minutes on 2 cores).
+  3. with ``--quality``: teacher-forced greedy agreement with HF transformers fp32 and perplexity of
+     the torch runtime's packed path (the native runtime computes the same logits where both attend
+     in the same kernel: tests/test_native_gemma.py), on the test suite's text three times over (past
+     the 512-token window), read in prefill steps of 64 rows as tests/test_gemma3.py reads it.
 
     python benchmarks/bench_gemma_weights.py [--quality] [--types Q4_K ...]
 
@@ -99,32 +100,24 @@ def quality(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
     return agreement, math.exp(F.cross_entropy(logits, targets).item())
 
 
-def quality_rows(path: Path) -> tuple[int, float, dict[str, tuple[float, float]], int]:
-    """(tokens, HF fp32 perplexity, each runtime's (agreement, perplexity), the native decode bytes)."""
+def quality_rows(path: Path) -> tuple[int, float, dict[str, tuple[float, float]]]:
+    """(tokens, HF fp32 perplexity, the torch runtime's (agreement, perplexity))."""
     from tests.test_gemma3 import gemma3_oracle
-    from tests.test_weight_formats import TEXT, native_teacher_forced_logits, teacher_forced_logits
+    from tests.test_weight_formats import TEXT, teacher_forced_logits
 
-    results = {}
-    for runtime in ("torch", "native"):
-        progress(f"{runtime} runtime")
-        llm = LLM("gemma3-270m", runtime=runtime, kv_cache_budget="64MiB", enable_prefix_caching=False,
-                  weight_cache=False, max_num_batched_tokens=STEP_ROWS)
-        ids = llm.tokenizer.encode("\n\n".join([TEXT] * 3))
-        positions = list(range(len(ids) - 1))
-        if runtime == "torch":
-            logits = teacher_forced_logits(llm, ids, positions)
-        else:
-            logits = native_teacher_forced_logits(llm, ids, positions)
-            native_bytes = llm.engine.runtime.model.weights.weight_bytes()
-        results[runtime] = logits
-        del llm
-        gc.collect()
+    progress("torch runtime")
+    llm = LLM("gemma3-270m", runtime="torch", kv_cache_budget="64MiB", enable_prefix_caching=False,
+              weight_cache=False, max_num_batched_tokens=STEP_ROWS)
+    ids = llm.tokenizer.encode("\n\n".join([TEXT] * 3))
+    logits = teacher_forced_logits(llm, ids, list(range(len(ids) - 1)))
+    del llm
+    gc.collect()
     progress("HF fp32 oracle")
     targets = torch.tensor(ids[1:])
     with torch.no_grad():
         reference = gemma3_oracle(path)(torch.tensor([ids])).logits[0, :-1].float()
     reference_ppl = math.exp(F.cross_entropy(reference, targets).item())
-    return len(ids), reference_ppl, {name: quality(x, reference, targets) for name, x in results.items()}, native_bytes
+    return len(ids), reference_ppl, {"torch": quality(logits, reference, targets)}
 
 
 def main() -> None:
@@ -148,9 +141,8 @@ def main() -> None:
               f"{r['packed_mean']:.2e} | {r['int8_max']:.2e} | {r['int8_mean']:.2e} | {r['mean_w']:.2e} |")
     if not args.quality:
         return
-    tokens, reference_ppl, results, native_bytes = quality_rows(path)
-    print(f"\nnative runtime: {native_bytes / 1e6:.2f} MB read per one-stream decode step (layers, norms, head)")
-    print(f"{tokens} tokens, HF fp32 perplexity {reference_ppl:.4f}\n")
+    tokens, reference_ppl, results = quality_rows(path)
+    print(f"\n{tokens} tokens, HF fp32 perplexity {reference_ppl:.4f}\n")
     print("| runtime | greedy agreement with HF fp32 | perplexity | vs HF fp32 |")
     print("|---|---:|---:|---:|")
     for name, (agreement, ppl) in results.items():
