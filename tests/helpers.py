@@ -69,17 +69,49 @@ def gemma3_270m_path() -> Path:
 TINY = dict(vocab=None, hidden=64, heads=4, kv_heads=2, layers=2, ffn=128, context=512)
 
 
-def _random_tensors(writer, rng, quant: str | None):
-    """``add(name, shape, scale, quantize, offset)``: a random tensor written to ``writer``, stored in
-    ``quant`` (a GGML type name) where ``quantize`` asks for it, else as F32."""
-    import gguf
+def quantize_q4_k(array: np.ndarray) -> np.ndarray:
+    """``array`` ``[rows, cols]`` (cols a multiple of 256) as GGML Q4_K blocks (gguf-py dequantizes
+    them but does not write them): per 256 values an fp16 scale and minimum, per 32 a 6-bit multiple
+    of each, ``w = d·sc·q − dmin·m``. Scales and minima are rounded to 6 bits from each sub-block's
+    range, and every other sub-block's step is widened by 15/14, so its values span 0..14 only: in
+    llama.cpp's fitted files many sub-blocks span fewer than 16 levels (a sixth of Gemma 3 270M's)."""
+    rows, cols = array.shape
+    sub = array.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-blocks, 32]
+    low = np.minimum(sub.min(-1), 0)
+    scale, minimum = (sub.max(-1) - low) / 15, -low
+    scale[:, 1::2] *= 15 / 14
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (minimum.max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d[:, None].astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(minimum / np.maximum(dmin[:, None].astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    step = d[:, None].astype(np.float32) * sc
+    offset = dmin[:, None].astype(np.float32) * m
+    q = np.clip(np.round((sub + offset[..., None]) / np.maximum(step, 1e-30)[..., None]), 0, 15).astype(np.uint8)
+    # the 12 scale bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minima);
+    # 4-7 in bytes 8-11's nibbles, their top 2 bits in bytes 0-7's high bits
+    scales = np.zeros((sub.shape[0], 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # pair p: sub-block 2p low nibbles, 2p+1 high
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales, qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * 144)
 
-    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+
+def _random_tensors(writer, rng, quant):
+    """``add(name, shape, scale, quantize, offset)``: a random tensor written to ``writer``, stored in
+    ``quant`` (a GGML type name) where ``quantize`` asks for it, else as F32. ``quant`` may instead
+    be a function of the tensor's name giving its type (None: F32), for every tensor."""
+    import gguf
 
     def add(name: str, shape: tuple[int, ...], scale: float = 0.08, quantize: bool = False,
             offset: float = 0.0) -> None:
         array = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
-        if quantize and qtype is not None:
+        kind = quant(name) if callable(quant) else quant if quantize else None
+        if kind == "Q4_K":
+            writer.add_tensor(name, quantize_q4_k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif kind is not None:
+            qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, array)
@@ -170,14 +202,14 @@ def sample_server_stats(inbound: int = 0):
 TINY_GEMMA3 = dict(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=7, ffn=128, context=512, window=8)
 
 
-def write_tiny_gemma3_gguf(path: Path, *, seed: int = 0, quant: str | None = None, window: int = 8,
+def write_tiny_gemma3_gguf(path: Path, *, seed: int = 0, quant=None, window: int = 8,
                            pad_vocab_to: int = 1, head_dim: int = TINY_GEMMA3["head_dim"],
                            kv_heads: int = TINY_GEMMA3["kv_heads"]) -> Path:
     """A random Gemma 3 GGUF (``gemma3``: seven layers, so six windowed ones of ``window`` tokens around
     one global layer, heads 32 wide against a hidden size of 64) that both ricllm and HF transformers load.
 
     Its norms are stored as llama.cpp's converter stores Gemma's: ``1 + w``. ``quant`` ("Q8_0" or "Q5_0")
-    stores the 2-D layer weights quantized; ``pad_vocab_to`` pads the vocabulary with unused tokens to
+    stores the 2-D layer weights quantized, or (a function of the tensor's name) gives each tensor's type; ``pad_vocab_to`` pads the vocabulary with unused tokens to
     a multiple (16: a head that tiles). ``head_dim`` and ``kv_heads`` widen or narrow the attention (256
     and 1: Gemma 3 270M's)."""
     import gguf

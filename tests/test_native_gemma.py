@@ -1,7 +1,8 @@
 """Gemma 3 in the native runtime: its C attention kernels at head dim 256 against a numpy reference, a tiny
 random Gemma 3 of 256-wide heads against the torch runtime (prompts past its window, prefill chunks past
 64 rows), an adapter refused by name, and the installed Gemma 3 270M giving the torch runtime's packed
-path's greedy tokens, past its 512-token window too."""
+path's greedy tokens, past its 512-token window too; a file of mixed tensor types (Q4_K_M's) packed per
+projection, 4-bit and 8-bit, alike in both runtimes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import CapacityError
-from tests.helpers import gemma3_270m_path, require, write_tiny_gemma3_gguf
+from tests.helpers import TINY_GEMMA3, gemma3_270m_path, require, write_tiny_gemma3_gguf
 from tests.test_oracle_parity import random_prompts
 
 # ---------------------------------------------------------------- the attention kernels at head dim 256
@@ -211,6 +212,59 @@ def test_an_adapter_on_gemma3_is_refused_by_name_in_the_native_runtime(tiny_gemm
     path = write_lora_adapter(tmp_path / "adapter", llm.engine.spec)
     with pytest.raises(CapacityError, match="cannot load adapter 'policy'.*not 'gemma3'"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("policy", str(path)))
+
+
+# ---------------------------------------------------------------- mixed tensor types: bits per projection
+
+def q4_k_m_types(name: str) -> str | None:
+    """The tiny model's tensor types, as llama.cpp's Q4_K_M types Gemma 3 270M's: attn_output Q4_K;
+    ffn_down 4-bit (Q4_1 here: its 128-wide rows take no K-quant) in odd layers, 8-bit in even ones;
+    attn_v Q8_0 in even layers; the other projections Q5_0; the tied embedding Q8_0; norms F32."""
+    parts = name.split(".")
+    if parts[0] != "blk":
+        return "Q8_0" if name == "token_embd.weight" else None
+    odd = int(parts[1]) % 2
+    return {"attn_output": "Q4_K", "ffn_down": ("Q8_0", "Q4_1")[odd], "attn_v": ("Q8_0", "Q5_0")[odd],
+            "attn_q": "Q5_0", "attn_k": "Q5_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_0"}.get(parts[2])
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_mixed(tmp_path_factory) -> Path:
+    return write_tiny_gemma3_gguf(tmp_path_factory.mktemp("tiny_gemma3_mixed") / "tiny.gguf", seed=11,
+                                  quant=q4_k_m_types, pad_vocab_to=16, head_dim=256, kv_heads=1, window=TINY_WINDOW)
+
+
+def projection_bits(llm: LLM) -> list[list[int]]:
+    """Each layer's bits per projection (qkv, o, gate_up, down) as the runtime holds its weights."""
+    from ricllm.model.formats import PROJECTIONS
+
+    model = llm.engine.runtime.model
+    if llm.engine.runtime.name == "native":
+        return [[layer.projections[p].bits for p in PROJECTIONS] for layer in model.weights.layers]
+    return [[4 if m.fmt == "int4" else 8 for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+                                                  layer.mlp.down_proj)] for layer in model.layers]
+
+
+def test_a_mixed_file_packs_each_projection_in_its_own_bits_alike_in_both_runtimes(tiny_gemma3_mixed):
+    """``weights="auto"`` on Q4_K_M's mix of types: the 4-bit tensors (Q4_K, Q4_1) pack int4, the Q5_0 and
+    Q8_0 ones int8, each projection of a layer in its own bits; the two runtimes compute the same bits."""
+    import torch
+
+    expected = [[8, 4, 8, 4 if i % 2 else 8] for i in range(TINY_GEMMA3["layers"])]
+    prompts = random_prompts(317, (5, 23, 64), seed=4)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = {}
+    for runtime in ("native", "torch"):
+        llm = LLM(str(tiny_gemma3_mixed), dtype="bfloat16", runtime=runtime, weight_cache=False,
+                  kv_cache_budget="16MiB", max_num_batched_tokens=64)
+        assert llm.engine.runtime.name == runtime
+        assert llm.engine.runtime.weight_formats == ("int4+int8", "int8")
+        assert projection_bits(llm) == expected
+        runs[runtime] = recorded_logits(llm, prompts, params)
+    (native_tokens, native_logits), (torch_tokens, torch_logits) = runs["native"], runs["torch"]
+    assert native_tokens == torch_tokens
+    for ours, theirs in zip(native_logits, torch_logits, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 # ---------------------------------------------------------------- the installed Gemma 3 270M

@@ -237,6 +237,11 @@ def test_rows_above_max_packed_rows_use_the_dense_bf16_weight(fmt, layout):
 Q4_1_FILE = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32", "blk.0.attn_norm.weight": "F32",
              "blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q4_1"}
 Q8_0_FILE = {"token_embd.weight": "F16", "blk.0.attn_norm.weight": "F32", "blk.0.attn_q.weight": "Q8_0"}
+# llama.cpp's Q4_K_M as Gemma 3 270M has it: Q4_K where the row length allows K-quants, Q5_0 or Q8_0 elsewhere
+Q4_K_M_FILE = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32", **{
+    f"blk.{i}.{name}.weight": kind for i in range(2) for name, kind in (
+        ("attn_norm", "F32"), ("attn_q", "Q5_0"), ("attn_k", "Q5_0"), ("attn_v", ("Q8_0", "Q5_0")[i]),
+        ("attn_output", "Q4_K"), ("ffn_gate", "Q5_0"), ("ffn_up", "Q5_0"), ("ffn_down", ("Q6_K", "Q4_K")[i]))}}
 
 
 @pytest.mark.parametrize("requested, types, dtype, expected", [
@@ -245,9 +250,39 @@ Q8_0_FILE = {"token_embd.weight": "F16", "blk.0.attn_norm.weight": "F32", "blk.0
     ("bf16", Q4_1_FILE, torch.bfloat16, ("dense", "dense")),
     ("int8", Q4_1_FILE, torch.bfloat16, ("int8", "int8")),
     ("auto", Q4_1_FILE, torch.float32, ("dense", "dense")),  # packed kernels need bf16 activations
+    ("auto", Q4_K_M_FILE, torch.bfloat16, ("int4+int8", "int8")),
+    ("int8", Q4_K_M_FILE, torch.bfloat16, ("int8", "int8")),
 ])
 def test_resolve_formats(requested, types, dtype, expected):
     assert resolve_formats(requested, types, dtype, CPU) == expected
+
+
+def test_auto_packs_each_projection_of_a_mixed_file_by_its_tensors_types():
+    """4-bit where every tensor fused into the projection is 4-bit; the 5-, 6- and 8-bit ones 8-bit."""
+    from ricllm.model.formats import projection_formats
+
+    layers, _ = resolve_formats("auto", Q4_K_M_FILE, torch.bfloat16, CPU)
+    assert [projection_formats(layers, Q4_K_M_FILE, i) for i in range(2)] == [
+        ("int8", "int4", "int8", "int8"), ("int8", "int4", "int8", "int4")]
+    assert projection_formats("int8", Q4_K_M_FILE, 1) == ("int8",) * 4
+
+
+def test_a_q4_k_weight_packs_int4_as_the_file_stores_it():
+    """A Q4_K sub-block is ``d·sc·q − dmin·m``; where its values span fewer than 16 levels, min/max
+    would requantize it (errors up to half a step), the grid it lies on keeps it: the packed int4
+    weight is the file's up to the fp16 rounding of the step and offset, closer than int8 packs it."""
+    import gguf
+
+    from ricllm.kernels import cpu_quant
+    from tests.helpers import quantize_q4_k
+
+    source = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32) * 0.05
+    weight = torch.from_numpy(gguf.quants.dequantize(quantize_q4_k(source), gguf.GGMLQuantizationType.Q4_K).copy())
+    int4 = (cpu_quant.unpack(*cpu_quant.pack_int4(weight), 4) - weight).abs()
+    int8 = (cpu_quant.unpack(*cpu_quant.pack_int8(weight), 8) - weight).abs()
+    fp16_rounding = 3 * weight.abs().max().item() * 2 ** -11  # of (step·15 + |offset|) <= 3·max|w|
+    assert int4.max().item() <= fp16_rounding, int4.max().item()
+    assert int4.mean().item() < int8.mean().item() / 4
 
 
 def test_packed_weights_with_float32_are_refused_naming_the_problem():

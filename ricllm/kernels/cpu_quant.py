@@ -3,9 +3,11 @@ kernel family: ``cpu_library``): pack, then multiply. The layouts and results ar
 
 The layouts are the kernel's own (see the C file): N in tiles of 16 rows, K in groups of 32,
 fp16 scales per (row, group); 4-bit weights as 16 pairs of k per (tile, group), 8-bit ones as
-8 blocks of 4 k. ``pack_int4`` takes Q4_1's form ``w = d·q + c`` (min/max per
-group, so a Q4_1 source is recovered exactly: its d and c are fp16 already); ``pack_int8``
-takes Q8_0's form ``w = d·q`` per group of 32. 8-bit products quantize the activations to int8
+8 blocks of 4 k. ``pack_int4`` takes Q4_1's form ``w = d·q + c``, c the group's minimum and d
+the step of the grid the group's values lie on (``grid_levels``): a Q4_1 source is recovered
+exactly (its d and c are fp16 already), a Q4_K one up to the fp16 rounding of its sub-block's
+step and offset (each a 6-bit multiple of an fp16 scale); ``pack_int8`` takes Q8_0's form
+``w = d·q`` per group of 32. 8-bit products quantize the activations to int8
 per group of 32 inside the kernel, as llama.cpp does for the same products (AVX-512 VNNI, or
 AVX2's maddubs, bit for bit the same); so do 4-bit ones on VNNI (every row count without AMX,
 1-13 rows with it) and on AVX2 (every row count), while AMX tiles (14+ rows) keep them in bf16
@@ -70,13 +72,34 @@ def _by_rows(pack_rows):
     return pack
 
 
+GRID_TOLERANCE = 1e-3  # of a step: a dequantized 4-bit value is off its grid by fp32 rounding alone
+
+
+def grid_levels(groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per group of ``groups`` ``[..., GROUP]``: the most levels (at most 16) of an evenly spaced grid
+    from ``low`` to ``high`` that every value lies on, or 16 where none fits (values not from a
+    4-bit grid). A Q4_1 group spans all 16 levels; a Q4_K sub-block may span fewer (its 6-bit scale
+    and minimum are fitted, not its minimum and maximum): min/max's 16 levels would then
+    requantize it, the grid's keep it."""
+    span = (high - low)[..., None]
+    levels = torch.full_like(low, 16)
+    found = torch.zeros_like(low, dtype=torch.bool)
+    for count in range(16, 1, -1):
+        t = (groups - low[..., None]) * ((count - 1) / span.clamp_min(1e-30))
+        fits = ((t - t.round()).abs().amax(-1) <= GRID_TOLERANCE) & ~found
+        levels[fits] = count
+        found |= fits
+    return levels
+
+
 @_by_rows
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float ``[N, K]`` -> (uint8 nibbles, fp16 scales, empty offsets)."""
     rows, cols = weight.shape
     groups = weight.float().view(rows, cols // GROUP, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)
-    d = ((high - low) / 15).clamp_min(1e-8).half().float()  # quantize against the stored fp16 values
+    steps = grid_levels(groups, low, high) - 1
+    d = ((high - low) / steps).clamp_min(1e-8).half().float()  # quantize against the stored fp16 values
     c = low.half().float()
     q = torch.round((groups - c[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
     # [tiles, 16 rows, groups, 16 pairs, 2] -> [tiles, groups, pair i, row]: byte = q[2i] | q[2i+1] << 4

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ricllm.model.formats import PROJECTIONS
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
 
 MAGIC = b"RICLLMNW"
 FORMAT_VERSION = 2  # 2: the tokenizer's vocabulary and merges outside its JSON
 ALIGN = 64
-PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the decoder stack's order within a layer
 # Gemma 3's norms beside the two of every layer, in its decoder stack's order (kernels/cpu_decoder.c)
 GEMMA3_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
 TOKENIZER_MERGES = "tokenizer.merges"  # int32 [merges, 2]: (left, right) token ids, in rank order

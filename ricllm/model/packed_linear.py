@@ -14,7 +14,8 @@ Two layouts:
   file is reproduced exactly, and both are 1.3-2x faster than torch's at decode batch sizes.
 - ``torch`` (elsewhere): torch's weight-only kernels. 4-bit: groups of 32,
   ``w ≈ (q − 8)·scale + zero``; Q4_1's ``d·q + m`` maps to ``scale = d``, ``zero = m + 8d``
-  exactly up to the bf16 rounding of the scales. 8-bit: one symmetric scale per output row
+  exactly up to the bf16 rounding of the scales (a Q4_K sub-block likewise: the step of its grid,
+  ``cpu_quant.grid_levels``). 8-bit: one symmetric scale per output row
   (``torch.ops.aten._weight_int8pack_mm``).
 """
 
@@ -43,7 +44,7 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
     rows, cols = weight.shape
     groups = weight.float().view(rows, cols // group, group)
     low, high = groups.amin(-1), groups.amax(-1)
-    scale = ((high - low) / 15).clamp_min(1e-12)
+    scale = ((high - low) / (cpu_quant.grid_levels(groups, low, high) - 1)).clamp_min(1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(rows, cols), 1)
     scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()

@@ -98,14 +98,16 @@ def check_complete(model: nn.Module, loaded: set[str], layer_parts: Iterable[str
         raise ModelLoadError(f"model file lacks weight(s): {', '.join(missing[:5])}")
 
 
-def pack_layer(model: LlamaModel, index: int, fmt: str, max_packed_rows: int | None) -> None:
-    """Swap one layer's four projections for weight-only quantized ones in ``fmt`` (``"dense"``
-    leaves them); their dense weights go unless kept for large batches."""
+def pack_layer(model: LlamaModel, index: int, formats: tuple[str, ...], max_packed_rows: int | None) -> None:
+    """Swap one layer's four projections for weight-only quantized ones, each in its format
+    (``formats``, in ``formats.PROJECTIONS`` order: qkv, o, gate_up, down; ``"dense"`` leaves
+    one); their dense weights go unless kept for large batches."""
     layer = model.layers[index]
-    layer.attn.qkv_proj = _packed(layer.attn.qkv_proj, fmt, max_packed_rows)
-    layer.attn.o_proj = _packed(layer.attn.o_proj, fmt, max_packed_rows)
-    layer.mlp.gate_up_proj = _packed(layer.mlp.gate_up_proj, fmt, max_packed_rows)
-    layer.mlp.down_proj = _packed(layer.mlp.down_proj, fmt, max_packed_rows)
+    qkv, o, gate_up, down = formats
+    layer.attn.qkv_proj = _packed(layer.attn.qkv_proj, qkv, max_packed_rows)
+    layer.attn.o_proj = _packed(layer.attn.o_proj, o, max_packed_rows)
+    layer.mlp.gate_up_proj = _packed(layer.mlp.gate_up_proj, gate_up, max_packed_rows)
+    layer.mlp.down_proj = _packed(layer.mlp.down_proj, down, max_packed_rows)
 
 
 def pack_head(model: LlamaModel, fmt: str, max_packed_rows: int | None) -> None:

@@ -51,7 +51,8 @@ def conversion_code_digest() -> str:
     model_dir, kernels_dir = Path(native_weights.__file__).parent, Path(ricllm.kernels.__file__).parent
     runtime_dir = Path(__file__).parent  # the torch model the conversion runs, and its loading
     digest = hashlib.sha256()
-    for path in [model_dir / name for name in ("loader.py", "packed_linear.py", "native_weights.py")] + [
+    model_files = ("loader.py", "formats.py", "packed_linear.py", "native_weights.py")
+    for path in [model_dir / name for name in model_files] + [
             runtime_dir / "llama.py", runtime_dir / "llama_weights.py", runtime_dir / "gemma3.py",
             runtime_dir / "gemma3_weights.py", kernels_dir / "cpu_quant.py", Path(__file__)]:
         digest.update(path.read_bytes())

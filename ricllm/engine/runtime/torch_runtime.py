@@ -22,6 +22,7 @@ from ricllm.engine.runtime.lora_delta import TorchLoraSlots
 from ricllm.engine.runtime.lora_slots import LoraSlots
 from ricllm.engine.runtime.model_runner import ModelRunner
 from ricllm.engine.runtime.sampler import sample, sample_allowed
+from ricllm.model.formats import projection_formats
 from ricllm.model.heap import release_free_heap
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.packed_linear import resolve_formats
@@ -79,8 +80,8 @@ class LoadedModel:
     def _convert(self, checkpoint, backend) -> LlamaModel:
         from tqdm import tqdm
 
-        self.weight_formats = resolve_formats(self.config.weights, checkpoint.tensor_types(), self.dtype,
-                                              self.device)
+        tensor_types = checkpoint.tensor_types()
+        self.weight_formats = resolve_formats(self.config.weights, tensor_types, self.dtype, self.device)
         layer_format, head_format = self.weight_formats
         max_rows = self.config.max_packed_rows
         # each weight gets memory as it is read and each layer is packed once complete: the whole
@@ -90,7 +91,7 @@ class LoadedModel:
         tensors = tqdm(checkpoint.tensors(), desc="loading weights", unit="tensor", disable=None, leave=False)
 
         def pack(index: int) -> None:
-            llama_weights.pack_layer(model, index, layer_format, max_rows)
+            llama_weights.pack_layer(model, index, projection_formats(layer_format, tensor_types, index), max_rows)
             release_free_heap()  # else the heap keeps its freed dense weights, between packed ones
 
         load = gemma3_weights.load_weights if spec.architecture == "gemma3" else llama_weights.load_weights

@@ -42,18 +42,20 @@ class CachedModel:
     tokenizer: Tokenizer
     state: dict[str, torch.Tensor]
     weight_formats: tuple[str, str]
+    packed_formats: dict[str, str]  # each packed projection's format, by its state prefix (``layers.0.attn.o_proj``)
 
 
 def _conversion_code_digest() -> str:
     """The source of the code that turns a file into tensors: an edit to it (a fix in packing
     or dequantization) must not be hidden by entries written before, even at the same version."""
     from ricllm.kernels import cpu_quant  # the VNNI layout's packing code
-    from ricllm.model import loader, packed_linear
+    from ricllm.model import formats, loader, packed_linear
 
     runtime_dir = Path(__file__).parent  # the torch model whose state an entry holds, and its loading
     digest = hashlib.sha256()
     for path in (loader.__file__, runtime_dir / "llama.py", runtime_dir / "llama_weights.py", runtime_dir / "gemma3.py",
-                 runtime_dir / "gemma3_weights.py", packed_linear.__file__, __file__, cpu_quant.__file__):
+                 runtime_dir / "gemma3_weights.py", packed_linear.__file__, formats.__file__, __file__,
+                 cpu_quant.__file__):
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -76,7 +78,7 @@ def load(path: Path) -> CachedModel | None:
         touch_used(path)  # recently used: kept by the eviction in ``save``
         entry = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         return CachedModel(ModelSpec.from_dict(entry["spec"]), Tokenizer.from_state(entry["tokenizer"]),
-                           entry["state"], tuple(entry["weight_formats"]))
+                           entry["state"], tuple(entry["weight_formats"]), entry["packed_formats"])
     except Exception as exc:  # a torn or stale file is a cache miss, never a failed start
         log.warning("weight_cache_unreadable", path=str(path), error=str(exc))
         return None
@@ -85,7 +87,8 @@ def load(path: Path) -> CachedModel | None:
 def save(path: Path, spec: ModelSpec, tokenizer: Tokenizer, model: nn.Module, weight_formats: tuple[str, str]) -> None:
     """Write atomically (temporary file, then rename): a concurrent start never reads half an entry."""
     entry = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(),
-             "weight_formats": list(weight_formats), "state": _state_with_rope(model)}
+             "weight_formats": list(weight_formats), "packed_formats": _packed_formats(model),
+             "state": _state_with_rope(model)}
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as handle:
@@ -115,15 +118,21 @@ def _state_with_rope(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _packed_formats(model: nn.Module) -> dict[str, str]:
+    """Each packed projection's format: a layer's projections may differ (``formats.projection_formats``)."""
+    return {f"layers.{index}.{name}": m.fmt for index, layer in enumerate(model.layers) for name in PROJECTIONS
+            if isinstance(m := layer.get_submodule(name), PackedLinear)}
+
+
 def adopt(model: nn.Module, cached: CachedModel, max_packed_rows: int | None) -> nn.Module:
     """Give a model built on the meta device the entry's tensors (packed modules included)."""
     state = dict(cached.state)
-    layer_fmt, head_fmt = cached.weight_formats
+    head_fmt = cached.weight_formats[1]
     for index, layer in enumerate(model.layers):
         for name in PROJECTIONS:
             prefix = f"layers.{index}.{name}"
             if f"{prefix}.packed_weight" in state:
-                _swap(layer, name, _packed_from(state, prefix, layer_fmt, max_packed_rows))
+                _swap(layer, name, _packed_from(state, prefix, cached.packed_formats[prefix], max_packed_rows))
     if "packed_head.packed_weight" in state:
         model.packed_head = _packed_from(state, "packed_head", head_fmt, head_max_packed_rows(max_packed_rows))
         model.lm_head = None
