@@ -72,8 +72,10 @@ def load_base_model(path: Path, spec: ModelSpec | None = None):
 
     if path.is_dir():
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    read_as_served = {} if spec is None or spec.architecture != "gemma3" else {
-        "query_pre_attn_scalar": spec.query_pre_attn_scalar, "final_logit_softcapping": spec.final_logit_softcapping}
+    scalar = None if spec is None else spec.query_pre_attn_scalar
+    read_as_served = {} if spec is None or spec.architecture != "gemma3" else {  # HF's config takes a whole scalar
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+        "final_logit_softcapping": spec.final_logit_softcapping}
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                 **read_as_served)
 
