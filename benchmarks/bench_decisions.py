@@ -35,7 +35,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: no folder 
 from benchmarks.engine_steps import full_decode_step_ms
 from benchmarks.results import publish
 from ricllm import LLM, LoRARequest, SamplingParams
-from ricllm.model.loader import read_architecture, resolve_model_path
+from ricllm.model.loader import resolve_model_path
 from ricllm.replay.adapters import TemplateAdapter, scenario_adapters
 from ricllm.replay.expressions import Threshold
 from ricllm.replay.loading import load_scenario, load_scenario_trace
@@ -208,18 +208,16 @@ def cpu_flags() -> str:
 
 def model_accuracy(model: str, scenarios: list, cases: dict, use_adapters: bool) -> tuple[list[str], str]:
     """Every scenario's templates asked of one model; its rows and how it ran. Adapters are trained
-    for this model as base where its runtime serves LoRA."""
+    for this model as base (each model with its own)."""
     path = resolve_model_path(model)
     llm = LLM(model=str(path))
-    serves_lora = use_adapters and read_architecture(path) != "gemma3"  # no LoRA on Gemma 3 in either runtime
     rows = []
     for scenario in scenarios:
-        adapters = scenario_adapters(scenario, path) if serves_lora else {}
+        adapters = scenario_adapters(scenario, path) if use_adapters else {}
         rows += [row for name, named in cases[scenario.name].items()
                  for row in accuracy_rows(llm, model, scenario, name, named, adapters.get(name))]
     runtime = llm.engine.runtime
-    how = f"{model}: {runtime.name} runtime, weights {runtime.weight_formats[0]}" + (
-        "" if serves_lora or not use_adapters else ", no adapter variant (LoRA is not served on Gemma 3)")
+    how = f"{model}: {runtime.name} runtime, weights {runtime.weight_formats[0]}"
     return rows, how
 
 

@@ -226,7 +226,12 @@ done:
  *   out = n(x + delta)
  *
  * A layer's view is its cache group's block tables and slots with its sliding window (ricllm/cache/
- * kv_groups.py): layers of one view attend alike. No LoRA: Gemma's adapters are not served natively.
+ * kv_groups.py): layers of one view attend alike.
+ *
+ * With LoRA adapters (``step->lora`` not NULL) each projection's output gets its rows' updates as
+ * in the Llama stack, inside the product's team: q and k before QK-norm (PEFT adapts q_proj and
+ * k_proj, whose outputs Gemma then norms), o and down before their post-sublayer norms, gate and
+ * up before GeGLU.
  */
 int ricllm_add_rms_norm_scaled(void *x, const void *delta, const void *weight, void *out, int rows, int dim,
                                float eps, int is_bf16, int num_threads);
@@ -248,6 +253,7 @@ typedef struct {
     const int32_t *const *view_tables;    /* per view: block tables [batch, table_width] */
     const int32_t *const *view_sinks;     /* per view: [batch] or NULL */
     const int32_t *const *view_windows;   /* per view: [batch] or NULL */
+    const LoraStep *lora;                 /* the step's adapters, NULL when no row has one */
     int32_t views;
     int32_t rope_tables;
 } Gemma3Step;
@@ -261,8 +267,9 @@ int ricllm_gemma3_stack_layout(int which) {
     }
 }
 
-/* Returns 0, -1 for a step whose layers name a view or RoPE table it does not have, or the first
- * failing kernel's code (-2: out of memory). dims and layer_ptrs as ricllm_decoder_stack's. */
+/* Returns 0, -1 for a step whose layers name a view or RoPE table it does not have or whose LoRA
+ * step does not fit the stack, or the first failing kernel's code (-2: out of memory). dims and
+ * layer_ptrs as ricllm_decoder_stack's. */
 int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptrs, const int32_t *bits,
                                 const void *final_norm, const void *cos, const void *sin,
                                 const int32_t *query_start, const int32_t *context_lens, const Gemma3Step *step,
@@ -277,12 +284,27 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
             || step->layer_rope[l] >= step->rope_tables) return -1;
     const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
     const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
-    char *buffer = alloc_lines(activations + gemm_scratch + 64);
+    const LoraStep *lora = step->lora;
+    const int lora_rank = lora_max_rank(lora, dims[LAYERS], rows);
+    if (lora_rank < 0) return -1;
+    const size_t lora_at = (activations + gemm_scratch + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+    const int lora_threads = threads > 0 ? threads : 1;
+    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(rows, widest_input, lora_rank, LORA_MOST_OUTPUTS,
+                                                                 lora_threads) : 0;
+    char *buffer = alloc_lines(lora_at + lora_scratch + 64);
     if (!buffer) return -2;
     char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
     char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;
     char *scratch = act + row * inter;
     const size_t table_bytes = (size_t)rows * head_dim * elt;
+    const int kv_width = kv_heads * head_dim;
+    LoraUpdate lora_updates[LORA_MOST_OUTPUTS * (lora && lora->segments > 0 ? lora->segments : 1)];
+    LoraProduct lora_work = {.updates = lora_updates, .scratch = buffer + lora_at, .threads = lora_threads};
+    const LoraTarget qkv_lora[] = {{LORA_Q, 0, q_width}, {LORA_K, q_width, kv_width},
+                                   {LORA_V, q_width + kv_width, kv_width}};
+    const LoraTarget o_lora[] = {{LORA_O, 0, hidden}}, down_lora[] = {{LORA_DOWN, 0, hidden}};
+    const LoraTarget gate_up_lora[] = {{LORA_GATE, 0, inter}, {LORA_UP, inter, inter}};
+    const TeamWork *with_lora;  /* the product's LoRA updates, for its team */
     int code = 0;
     for (int l = 0; l < dims[LAYERS]; l++) {
         const void *const *p = layer_ptrs + (int64_t)l * LAYER_POINTERS;
@@ -292,8 +314,9 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
         const size_t table = (size_t)step->layer_rope[l] * table_bytes;
         TRY(ricllm_add_rms_norm_scaled(x, l == 0 ? NULL : delta, p[ATTN_NORM], h, rows, hidden, eps, is_bf16,
                                        threads));
-        TRY(ricllm_quant_gemm(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
-                              scratch, threads));
+        TRY(lora_product(lora, l, h, hidden, qkv, qkv_width, is_bf16, 3, qkv_lora, &lora_work, &with_lora));
+        TRY(ricllm_quant_gemm_with(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
+                                   scratch, threads, with_lora));
         TRY(ricllm_qk_norm(qkv, n[Q_NORM], n[K_NORM], rows, heads, kv_heads, head_dim, eps, is_bf16, threads));
         TRY(ricllm_rope_store(qkv, q, (const char *)cos + table, (const char *)sin + table, step->view_slots[view],
                               (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads, kv_heads, head_dim, is_bf16,
@@ -301,15 +324,19 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
         TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, step->view_tables[view], query_start, context_lens,
                              dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH], scale,
                              is_bf16, dims[CACHE_TYPE], step->view_sinks[view], step->view_windows[view], threads));
-        TRY(ricllm_quant_gemm(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
-                              scratch, threads));
+        TRY(lora_product(lora, l, attn, q_width, delta, hidden, is_bf16, 1, o_lora, &lora_work, &with_lora));
+        TRY(ricllm_quant_gemm_with(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
+                                   scratch, threads, with_lora));
         TRY(ricllm_add_rms_norm_scaled(delta, NULL, n[POST_ATTN_NORM], delta, rows, hidden, eps, is_bf16, threads));
         TRY(ricllm_add_rms_norm_scaled(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));
-        TRY(ricllm_quant_gemm(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
-                              is_bf16, scratch, threads));
+        TRY(lora_product(lora, l, h, hidden, gate_up, 2 * inter, is_bf16, 2, gate_up_lora, &lora_work,
+                         &with_lora));
+        TRY(ricllm_quant_gemm_with(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
+                                   is_bf16, scratch, threads, with_lora));
         TRY(ricllm_gelu_tanh_mul(gate_up, act, rows, inter, is_bf16, threads));
-        TRY(ricllm_quant_gemm(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden, is_bf16,
-                              scratch, threads));
+        TRY(lora_product(lora, l, act, inter, delta, hidden, is_bf16, 1, down_lora, &lora_work, &with_lora));
+        TRY(ricllm_quant_gemm_with(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden,
+                                   is_bf16, scratch, threads, with_lora));
         TRY(ricllm_add_rms_norm_scaled(delta, NULL, n[POST_FFN_NORM], delta, rows, hidden, eps, is_bf16, threads));
     }
     TRY(ricllm_add_rms_norm_scaled(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,

@@ -523,3 +523,40 @@ def test_drawn_rows_judged_on_the_scored_requests_take_ranges_from_outside_the_w
     assert manifest["held_out"]["source"] == "the requests the replay scores" and manifest["held_out"]["rows"] == 8
     assert main(["adapt", "link", "--rows", "trace", "--held-out", "drawn"]) == 2
     assert "drop --held-out drawn" in capsys.readouterr().err
+
+
+def test_adapt_on_gemma3_trains_an_adapter_the_engine_serves(tmp_path, capsys):
+    """A base model without a chat template (a tiny random Gemma 3, 32-wide heads): training renders
+    the engine's plain form, HF reads the file with ricllm's attention scale, and the adapter it writes
+    is read back and served, moving the engine's logits."""
+    require_module("peft")
+    import torch
+
+    from ricllm import LLM, LoRARequest, SamplingParams
+    from ricllm.replay.adapter_training import load_base_model
+    from tests.helpers import write_tiny_gemma3_gguf
+
+    gguf = write_tiny_gemma3_gguf(tmp_path / "tiny_gemma3.gguf", seed=3)
+    checkpoint = open_checkpoint(gguf)
+    assert not checkpoint.tokenizer.has_chat_template
+    assert load_base_model(gguf, checkpoint.spec).config.query_pre_attn_scalar == checkpoint.spec.head_dim == 32
+    out = tmp_path / "adapter"
+    code = main(["adapt", "default", "--template", "energy", "--model", str(gguf), "--out", str(out),
+                 "--examples", "16", "--eval-examples", "8", "--steps", "3", "--batch-size", "4",
+                 "--learning-rate", "0.05", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "with the adapter" in printed and "base model (no adapter)" in printed
+    adapter = load_lora_adapter(out, checkpoint.spec)
+    assert len(list(adapter.projections())) == 7 * checkpoint.spec.num_layers
+
+    llm = LLM(str(gguf), dtype="float32", kv_cache_budget="8MiB", weight_cache=False)
+    from tests.recorder import LogitsRecorder
+
+    recorder = LogitsRecorder(llm.engine)
+    params = SamplingParams(max_tokens=1)
+    base, tuned = (llm.generate([[5, 6, 7, 8]], params, lora_request=request)[0]
+                   for request in (None, LoRARequest("energy", str(out))))
+    moved = (recorder.stacked(tuned.request_id)[1] - recorder.stacked(base.request_id)[1]).abs().max().item()
+    assert moved > 1e-3, f"the trained adapter moves the engine's logits by only {moved:g}"
+    assert torch.isfinite(recorder.stacked(tuned.request_id)[1]).all()

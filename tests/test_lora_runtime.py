@@ -59,8 +59,10 @@ def run_steps(llm: LLM, requests: list[tuple[list[int], int | None]], decode_ste
     """Each request's (tokens, logits [1 + decode_steps, vocab]) when the runner runs them together:
     one prefill step of every prompt, then greedy decode steps of every sequence."""
     cache, runner = llm.engine.cache, llm.engine.runtime.runner
-    seqs = [Sequence(request_id=str(i), token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                     params=SamplingParams(max_tokens=decode_steps + 1), arrival_time=0.0,
+    params = SamplingParams(max_tokens=decode_steps + 1)
+    kv_window, *group_windows = llm.engine.checks.kv_windows_of(params)  # a hybrid cache's groups (Gemma 3)
+    seqs = [Sequence(request_id=str(i), token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
+                     arrival_time=0.0, kv_window=kv_window, group_windows=tuple(group_windows),
                      adapter=None if slot is None else AdapterSlot(f"slot{slot}", slot, f"hash{slot}"))
             for i, (prompt, slot) in enumerate(requests)]
     logits = [[] for _ in seqs]

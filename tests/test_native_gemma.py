@@ -1,6 +1,6 @@
 """Gemma 3 in the native runtime: its C attention kernels at head dim 256 against a numpy reference, a tiny
 random Gemma 3 of 256-wide heads against the torch runtime (prompts past its window, prefill chunks past
-64 rows), an adapter refused by name, and the installed Gemma 3 270M giving the torch runtime's packed
+64 rows), an adapter served, and the installed Gemma 3 270M giving the torch runtime's packed
 path's greedy tokens, past its 512-token window too; a file of mixed tensor types (Q4_K_M's) packed per
 projection, 4-bit and 8-bit, alike in both runtimes."""
 
@@ -203,15 +203,24 @@ def test_the_tiny_gemma3_in_chunks_gives_its_unchunked_tokens(tiny_gemma3_wide):
     assert [o.token_ids for o in llm.generate(prompts, params)] == whole
 
 
-def test_an_adapter_on_gemma3_is_refused_by_name_in_the_native_runtime(tiny_gemma3_wide, tmp_path):
+def test_an_adapter_on_gemma3_is_served_in_the_native_runtime_and_refused_by_name_without_slots(
+        tiny_gemma3_wide, tmp_path):
+    """An adapter changes the native runtime's greedy tokens on 256-wide heads (``tests/test_gemma3_lora.py``
+    holds its logits to PEFT's); with max_loras=0 loading one is refused naming it."""
     from ricllm.lora_request import LoRARequest
     from tests.lora_adapters import write_lora_adapter
 
     llm = tiny(tiny_gemma3_wide, "native", max_loras=1)
     assert llm.engine.runtime.name == "native"
-    path = write_lora_adapter(tmp_path / "adapter", llm.engine.spec)
-    with pytest.raises(CapacityError, match="cannot load adapter 'policy'.*not 'gemma3'"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("policy", str(path)))
+    path = write_lora_adapter(tmp_path / "adapter", llm.engine.spec, std=0.5)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(317, (5, 12), seed=4)
+    base = [o.token_ids for o in llm.generate(prompts, params)]
+    tuned = [o.token_ids for o in llm.generate(prompts, params, lora_request=LoRARequest("policy", str(path)))]
+    assert tuned != base
+    none = tiny(tiny_gemma3_wide, "native", max_loras=0)
+    with pytest.raises(CapacityError, match="cannot load adapter 'policy'.*no adapter slots"):
+        none.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("policy", str(path)))
 
 
 # ---------------------------------------------------------------- mixed tensor types: bits per projection

@@ -317,7 +317,7 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
     print(f"training multiplies in {'bfloat16' if bf16 else 'float32'} ({why}), {args.threads} threads")
     manifest = {**manifest, "training": {**manifest["training"], "dtype": "bfloat16" if bf16 else "float32"}}
     tokenizer = checkpoint.tokenizer
-    model = at.with_lora(at.load_base_model(checkpoint.path), settings)
+    model = at.with_lora(at.load_base_model(checkpoint.path, checkpoint.spec), settings)
     result = at.train(model, tokenizer, system, rows.training, settings, not args.no_progress, rows.units)
     at.save_adapter(model, out, {**manifest, "final_loss": result.losses[-1]})
     adapter = load_lora_adapter(out, checkpoint.spec)

@@ -94,9 +94,8 @@ class LoraRegistry:
 
     def _free_slot(self, name: str) -> int:
         if self.capacity == 0:
-            why = "max_loras is 0" if self.spec.architecture == "llama" else \
-                f"adapters are served on Llama-family models only, not {self.spec.architecture!r}"
-            raise CapacityError(f"cannot load adapter {name!r}: this engine has no adapter slots ({why})")
+            raise CapacityError(f"cannot load adapter {name!r}: this engine has no adapter slots "
+                                "(max_loras is 0, or its runtime serves no adapters)")
         used = {r.slot.slot for r in self.by_name.values()} | self._retiring
         free = [s for s in range(self.capacity) if s not in used]
         if not free:

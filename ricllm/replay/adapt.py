@@ -487,7 +487,11 @@ def request_ids(tokenizer: Tokenizer, system: str | Sequence[Mapping[str, str]],
 
 
 def answer_ids(tokenizer: Tokenizer, system: str | Sequence[Mapping[str, str]], user: str, answer: str) -> list[int]:
-    """The assistant turn's tokens after the generation prompt, through the end-of-turn token."""
+    """The assistant turn's tokens after the generation prompt, through the end-of-turn token. A
+    model without a chat template (a base model's plain form, ``chat_prefix.render_chat_request``)
+    answers right after the request's text: the answer's own tokens, then the end of text."""
+    if not tokenizer.has_chat_template:
+        return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     conversation = prefix_messages(system) + [{"role": "user", "content": user}]
     asked = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     whole = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": answer}],

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
 from ricllm.replay.adapt import (IGNORE_INDEX, Example, TemplatePolicy, TokenizedExample, answer_ids,
                                  request_ids, tokenize_example)
@@ -63,13 +64,29 @@ class TrainingResult:
     losses: list[float] = field(default_factory=list)
 
 
-def load_base_model(path: Path):
-    """HF transformers' model of ``path`` (a .gguf file or an HF folder), fp32, for training."""
+def load_base_model(path: Path, spec: ModelSpec | None = None):
+    """HF transformers' model of ``path`` (a .gguf file or an HF folder), fp32, for training. For a
+    Gemma 3 GGUF, ``spec`` (ricllm's reading of the file) gives what HF's GGUF reader leaves at its
+    defaults: the attention scale (``query_pre_attn_scalar``, 256 there, the head dim of Gemma 3 270M
+    but not of every Gemma 3) and the final logit softcap, so the model trained is the one ricllm serves."""
     from transformers import AutoModelForCausalLM
 
     if path.is_dir():
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    scalar = None if spec is None else spec.query_pre_attn_scalar
+    read_as_served = {} if spec is None or spec.architecture != "gemma3" else {  # HF's config takes a whole scalar
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+        "final_logit_softcapping": spec.final_logit_softcapping}
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                **read_as_served)
+
+
+def head_logits(network, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's logits of ``hidden``, fp32, capped as the model's own forward caps them
+    (``c · tanh(logits / c)`` where its config sets ``final_logit_softcapping``, as Gemma's may)."""
+    logits = network.lm_head(hidden).float()
+    cap = getattr(network.config, "final_logit_softcapping", None)
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def with_lora(model, settings: TrainingSettings):
@@ -237,7 +254,7 @@ def _branch_scores(network, past, rows: Sequence[_Branches]) -> list[list[float]
     branches = len(rows[0].tails)
     out = network.model(input_ids=torch.tensor([row.stem for row in rows]), use_cache=True,
                         **_with_cache(network, _repeated(past, len(rows))))
-    first = torch.log_softmax(network.lm_head(out.last_hidden_state[:, -1]).float(), dim=-1)
+    first = torch.log_softmax(head_logits(network, out.last_hidden_state[:, -1]), dim=-1)
     tails = [tail for row in rows for tail in row.tails]
     width = max(len(tail) for tail in tails)
     later = None
@@ -246,7 +263,7 @@ def _branch_scores(network, past, rows: Sequence[_Branches]) -> list[list[float]
         cache.batch_repeat_interleave(branches)
         ids = torch.tensor([tail[:-1] + [tail[0]] * (width - len(tail)) for tail in tails])  # padding never read
         hidden = network.model(input_ids=ids, use_cache=True, **_with_cache(network, cache)).last_hidden_state
-        later = torch.log_softmax(network.lm_head(hidden).float(), dim=-1)
+        later = torch.log_softmax(head_logits(network, hidden), dim=-1)
     scores = []
     for j, tail in enumerate(tails):
         score = first[j // branches, tail[0]].item()
@@ -294,7 +311,7 @@ def answer_logits(model, batch: dict[str, torch.Tensor], past=None) -> tuple[tor
     targets = batch["labels"][:, 1:]
     keep = targets != IGNORE_INDEX
     rows = torch.arange(targets.shape[0]).unsqueeze(1).expand_as(targets)[keep]
-    return network.lm_head(hidden[:, :-1][keep]).float(), targets[keep], rows
+    return head_logits(network, hidden[:, :-1][keep]), targets[keep], rows
 
 
 def answer_log_probs(model, batch: dict[str, torch.Tensor]) -> list[float]:

@@ -1,5 +1,5 @@
-"""LoRA adapters through the engine, as a user serves them: requests under different adapters (and
-none) share batches and get the tokens each gets alone; a prefix computed under one adapter is
+"""LoRA adapters through the engine, as a user serves them, on both runtimes and both model families
+(SmolLM2's Llama and Gemma 3's hybrid cache): requests under different adapters (and none) share batches and get the tokens each gets alone; a prefix computed under one adapter is
 never served to another; unknown adapters and full slots are refused by name; an adapter replaced
 under its name serves new requests while the ones in flight finish on the old one."""
 
@@ -12,23 +12,36 @@ from ricllm.engine.lora_registry import UnknownAdapterError
 from ricllm.errors import CapacityError, InvalidRequestError
 from ricllm.model.loader import open_checkpoint
 from ricllm.template import Template
+from tests.helpers import write_tiny_gemma3_gguf
 from tests.lora_adapters import write_lora_adapter
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [3, 3, 8, 1, 4], [11, 2, 6, 6, 9, 10, 1], [7, 12, 4]]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["native", "torch"])
-def served(request, tiny_native_gguf, tiny_gguf, tmp_path_factory):
-    """An engine of each runtime, and two adapters for its model."""
-    path = tiny_native_gguf if request.param == "native" else tiny_gguf
+@pytest.fixture(scope="module")
+def tiny_gemma3_int8(tmp_path_factory):
+    """A tiny random Gemma 3 (windows of 8 tokens: a hybrid cache) that both runtimes serve."""
+    return write_tiny_gemma3_gguf(tmp_path_factory.mktemp("gemma3") / "tiny.gguf", seed=9, quant="Q8_0",
+                                  pad_vocab_to=16)
+
+
+@pytest.fixture(scope="module", params=["native", "torch", "gemma3-native", "gemma3-torch"])
+def served(request, tiny_native_gguf, tiny_gguf, tiny_gemma3_int8, tmp_path_factory):
+    """An engine of each runtime on each model family, and two adapters for its model."""
+    runtime = request.param.removeprefix("gemma3-")
+    gemma = request.param.startswith("gemma3-")
+    path = tiny_gemma3_int8 if gemma else tiny_native_gguf if runtime == "native" else tiny_gguf
     spec = open_checkpoint(path).spec
     folder = tmp_path_factory.mktemp(f"adapters-{request.param}")
     adapters = {name: write_lora_adapter(folder / name, spec, rank=4, seed=seed, std=0.5)
                 for name, seed in (("congestion", 1), ("energy", 2))}
-    settings = {"kv_cache_budget": 256 * 1024, "block_size": 4, "max_loras": 2, "runtime": request.param,
-                **({"weights": "int4"} if request.param == "native" else {"dtype": "float32"})}
-    return LLM(str(path), **settings), adapters
+    weights = {"weights": "int8"} if gemma else {"weights": "int4"}
+    settings = {"kv_cache_budget": 256 * 1024 * (4 if gemma else 1), "block_size": 4, "max_loras": 2,
+                "runtime": runtime, **(weights if runtime == "native" else {"dtype": "float32"})}
+    llm = LLM(str(path), **settings)
+    assert llm.engine.runtime.name == runtime and llm.engine.spec.architecture == ("gemma3" if gemma else "llama")
+    return llm, adapters
 
 
 def tokens(outputs) -> list[list[int]]:

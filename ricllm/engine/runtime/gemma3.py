@@ -23,6 +23,11 @@ With bf16 activations on the ``cpu`` backend the norms, QK-norm and GeGLU run in
 native runtime's Gemma stack runs (``c_ops``): where both runtimes attend in the same kernel (decode
 steps, prefill chunks up to 64 rows) they compute the same bits.
 
+With LoRA adapters each projection ``W`` of a row served under adapter ``s`` is ``W + scale_s·B_s·A_s``,
+added to the projection's output as in the Llama model (``llama.adapted``): ``W_q`` and ``W_k`` are
+adapted before QK-norm, ``W_o`` and ``W_down`` before the post-sublayer norms, as PEFT adapts HF's
+``q_proj``, ``k_proj``, ``o_proj`` and ``down_proj``.
+
 Weights come in through ``gemma3_weights``; the projections pack as the Llama model's do (the
 same module names: ``attn.qkv_proj``, ``attn.o_proj``, ``mlp.gate_up_proj``, ``mlp.down_proj``).
 """
@@ -37,7 +42,8 @@ from torch import nn
 
 from ricllm.attention.metadata import AttentionMetadata
 from ricllm.cache.kv_groups import kv_cache_groups, layer_groups
-from ricllm.engine.runtime.llama import Embedding, Linear, apply_rope, rope_inverse_frequencies
+from ricllm.engine.runtime.llama import Embedding, Linear, adapted, apply_rope, rope_inverse_frequencies
+from ricllm.engine.runtime.lora_delta import LoraBatch, LoraLayerBatch
 from ricllm.errors import ConfigError
 from ricllm.model.packed_linear import PackedLinear
 from ricllm.model.spec import ModelSpec
@@ -128,9 +134,9 @@ class Attention(nn.Module):
         self.scale = spec.attention_scale
         self.backend, self.ops = backend, c_ops(backend)
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope_cos_sin, kv_cache, meta: AttentionMetadata, lora: LoraLayerBatch | None = None):
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = adapted(self.qkv_proj, x, lora, "q", "k", "v")
         if self.ops is not None:  # QK-norm in place, as the native stack does it
             qkv = qkv.contiguous()
             self.ops.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
@@ -142,7 +148,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope_cos_sin), apply_rope(k, *rope_cos_sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return adapted(self.o_proj, out.reshape(tokens, -1), lora, "o")
 
 
 class MLP(nn.Module):
@@ -154,11 +160,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraLayerBatch | None = None) -> torch.Tensor:
+        gate_up = adapted(self.gate_up_proj, x, lora, "gate", "up")
         if self.ops is not None:
-            return self.down_proj(self.ops.gelu_tanh_mul(self.gate_up_proj(x).contiguous()))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            return adapted(self.down_proj, self.ops.gelu_tanh_mul(gate_up.contiguous()), lora, "down")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return adapted(self.down_proj, F.gelu(gate, approximate="tanh") * up, lora, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -173,9 +180,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec, ops)
         self.post_ffn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
-    def forward(self, x, rope_cos_sin, kv_cache, meta):
-        h = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope_cos_sin, kv_cache, meta))
-        return h + self.post_ffn_norm(self.mlp(self.ffn_norm(h)))
+    def forward(self, x, rope_cos_sin, kv_cache, meta, lora: LoraLayerBatch | None = None):
+        h = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope_cos_sin, kv_cache, meta, lora))
+        return h + self.post_ffn_norm(self.mlp(self.ffn_norm(h), lora))
 
 
 class Gemma3Model(nn.Module):
@@ -197,6 +204,9 @@ class Gemma3Model(nn.Module):
         self.group_windows = [group.window for group in groups]
         self.group_of_layer = layer_groups(groups, spec.num_layers) if len(groups) > 1 else [0] * spec.num_layers
         self.packed_head = None  # the head in a packed weight format (``llama_weights.pack_head``)
+        # adapters laid out for the C LoRA kernel where the backend offers the C ops (on the CPU), as
+        # the fused Llama model's: bf16 steps then add the native stack's updates bit for bit
+        self.adapters_in_c = getattr(backend, "fused_ops", None) is not None
         self.requires_grad_(False)
 
     @classmethod
@@ -214,17 +224,16 @@ class Gemma3Model(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                lora=None) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm. ``lora`` is always None: the runtime
-        holds no adapter slots for Gemma 3 (``torch_runtime.adapter_slots``)."""
-        if lora is not None:
-            raise ValueError("LoRA adapters are not served on Gemma 3 yet")
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm. ``lora``: the step's adapters, None when
+        no row has one."""
         x = self.embed(input_ids)
         x = x * x.new_tensor(self.embed_scale)  # √hidden rounded to the activations' dtype, as HF does
         rope_by_base = self.rope(positions, x.dtype)
         metas = [self._group_metadata(meta, g, window) for g, window in enumerate(self.group_windows)]
-        for layer, base, kv_cache, g in zip(self.layers, self.rope.base_of_layer, kv_caches, self.group_of_layer):
-            x = layer(x, rope_by_base[base], kv_cache, metas[g])
+        for index, (layer, base, kv_cache, g) in enumerate(zip(self.layers, self.rope.base_of_layer, kv_caches,
+                                                               self.group_of_layer)):
+            x = layer(x, rope_by_base[base], kv_cache, metas[g], None if lora is None else lora.layer(index))
         return self.norm(x)
 
     def _group_metadata(self, meta: AttentionMetadata, group: int, window: int) -> AttentionMetadata:

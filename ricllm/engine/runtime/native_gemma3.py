@@ -3,7 +3,8 @@ in ``kernels/cpu_decoder.c``) around a numpy embedding lookup and the packed hea
 kernels only: this module never imports torch.
 
     x = round(embed(ids) · round(√hidden))             (as HF and the torch model round it in bf16)
-    each layer: Gemma's norms, QK-norm, its base's RoPE table, GeGLU, its view of the cache
+    each layer: Gemma's norms, QK-norm, its base's RoPE table, GeGLU, its view of the cache, and the
+                step's LoRA updates of its projections (q and k before QK-norm)
     logits = head(n(x))                                 (c · tanh(logits / c) where the model caps them)
 
 A layer's view is how it attends (``AttentionView``): its cache group's slots and block tables
@@ -68,8 +69,6 @@ class NativeGemma3Model(NativeModel):
 
     def forward(self, input_ids: list[int], positions: list[int], flat: FlatBatch,
                 lora: LoraStepArgument | None = None) -> np.ndarray:
-        if lora is not None:
-            raise ValueError("LoRA adapters are not served on Gemma 3 in the native runtime")
         x = self.embed(np.asarray(input_ids, dtype=np.int64))
         where = np.asarray(positions, dtype=np.int64)
         cos, sin = (aligned_empty((2, where.size, self.spec.head_dim), np.uint16) for _ in range(2))
@@ -87,7 +86,7 @@ class NativeGemma3Model(NativeModel):
         out = aligned_empty(x.shape, x.dtype)
         self._stack.run(x.ctypes.data, out.ctypes.data, w.norm.ctypes.data, cos.ctypes.data, sin.ctypes.data,
                         starts.ctypes.data, lens.ctypes.data, views, rows=x.shape[0], batch=lens.shape[0],
-                        table_width=arrays[0][1].shape[1], threads=self.threads)
+                        table_width=arrays[0][1].shape[1], threads=self.threads, lora=lora)
         return out  # ``arrays`` lived until here: the call read them
 
     @staticmethod

@@ -55,9 +55,7 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     geometry = plan_cache(weights.spec, config.kv_cache_budget, config.block_size,
                           kv_format(config.kv_cache_dtype, "bfloat16"))
     kv_cache = NativeKVCache(weights.spec, geometry)
-    # the activations' type: bf16. Adapters are served on the Llama family only: Gemma 3 gets no slots,
-    # so loading one is refused by name (``lora_registry``)
-    lora = LoraSlots(weights.spec, config.max_loras if weights.spec.architecture == "llama" else 0, bf16=True)
+    lora = LoraSlots(weights.spec, config.max_loras, bf16=True)  # in the activations' type: bf16
     return Runtime(
         name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
         tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache, lora),

@@ -127,15 +127,12 @@ def build_torch_runtime(config: EngineConfig, model_path: Path, why: str) -> Run
         capabilities=capabilities_of(loaded.attention_backend))
 
 
-def adapter_slots(model: LlamaModel, capacity: int, device: torch.device,
+def adapter_slots(model: LlamaModel | gemma3.Gemma3Model, capacity: int, device: torch.device,
                   dtype: torch.dtype) -> LoraSlots | TorchLoraSlots:
-    """Where the C kernels run the model (the fused model: its decoder stack, its per-op path) the
-    adapters are laid out for the C LoRA kernel; elsewhere they are tensors on the device. Either
-    way in the activations' type. Adapters are served on the Llama family only: other models get
-    no slots, so loading one is refused by ``max_loras``."""
-    if model.spec.architecture != "llama":
-        capacity = 0
-    if isinstance(model, FusedLlamaModel):
+    """Where the C kernels run the model (the fused Llama model: its decoder stack, its per-op path;
+    Gemma 3 on the ``cpu`` backend) the adapters are laid out for the C LoRA kernel; elsewhere they
+    are tensors on the device. Either way in the activations' type."""
+    if isinstance(model, FusedLlamaModel) or (isinstance(model, gemma3.Gemma3Model) and model.adapters_in_c):
         return LoraSlots(model.spec, capacity, bf16=dtype == torch.bfloat16)
     return TorchLoraSlots(model.spec, capacity, device, dtype)
 
