@@ -347,12 +347,10 @@ def counterfactual_twins(scenario: Scenario, trace: LoadedTrace, template: Templ
     reports are. Reports with that KPI missing are not twinned. With ``missing_share``, that share
     of the twins instead lose one KPI the policy asks ``missing(KPI)`` of (``_without_one``): a
     trace's few gaps would otherwise teach that rule from a handful of rows."""
-    outside = unscored_part(scenario, trace)
-    cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
-    if not cuts or not outside.rows:
+    ground = _twin_ground(scenario, trace, template)
+    if ground is None:
         return []
-    ranges = kpi_ranges(outside, template)
-    render = _report_prompt(scenario, template.name)
+    outside, cuts, ranges, render = ground
     rng = random.Random(seed)
     twins: list[Example] = []
     for _ in range(50 * count):
@@ -377,12 +375,10 @@ def paired_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolic
     alike. With ``missing_share``, that share of the reports is twinned instead by losing one KPI
     the policy asks ``missing(KPI)`` of, where that changes the answer: the same report with and
     without the number. A report no cut relabels (a missing KPI decides it) has no twin."""
-    outside = unscored_part(scenario, trace)
-    cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
-    if not cuts or not outside.rows:
+    ground = _twin_ground(scenario, trace, template)
+    if ground is None:
         return []
-    ranges = kpi_ranges(outside, template)
-    render = _report_prompt(scenario, template.name)
+    outside, cuts, ranges, render = ground
     rows = {(row.time_s, tuple(row.kpis.get(name) for name in template.kpis)): row for row in outside.rows}
     rng = random.Random(seed)
     pairs: list[tuple[int, Example]] = []
@@ -397,6 +393,17 @@ def paired_twins(scenario: Scenario, trace: LoadedTrace, template: TemplatePolic
         if twin is not None:
             pairs.append((index, _trace_example(render(twin), twin, template, prompt)))
     return pairs
+
+
+def _twin_ground(scenario: Scenario, trace: LoadedTrace, template: TemplatePolicy):
+    """What twins are made from: the trace outside the scored window, the (KPI, number) cuts the
+    policy reads, each KPI's range there and the replay's rendering of a report; None where the
+    policy compares no KPI with a number or no report lies outside the window."""
+    outside = unscored_part(scenario, trace)
+    cuts = [(kpi, bound) for kpi in template.kpis for bound in dict.fromkeys(template.thresholds(kpi))]
+    if not cuts or not outside.rows:
+        return None
+    return outside, cuts, kpi_ranges(outside, template), _report_prompt(scenario, template.name)
 
 
 def _without_one(row: KpiRow, template: TemplatePolicy, rng: random.Random) -> KpiRow | None:
