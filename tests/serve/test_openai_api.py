@@ -193,7 +193,9 @@ def test_an_infeasible_deadline_is_429_with_the_rejection(openai_client):
         openai_client.completions.create(model=MODEL, prompt="urgent", max_tokens=64,
                                          extra_body={"deadline_ms": 1, "priority": "near_rt"})
     assert error.value.status_code == 429 and error.value.code == "DEADLINE_INFEASIBLE"
-    assert 0 < error.value.body["numbers"]["deadline_ms"] <= 1  # what was left of it at admission
+    # what was left of it at admission: below zero where intake took longer than the whole 1 ms
+    assert isinstance(error.value.body["numbers"]["deadline_ms"], float | int)
+    assert error.value.body["numbers"]["deadline_ms"] <= 1
     assert error.value.response.headers["x-should-retry"] == "false"  # the SDK must not resend a stale deadline
 
 
