@@ -144,6 +144,51 @@ static int lora_max_rank(const LoraStep *lora, int layers, int rows) {
     return max_rank;
 }
 
+/* One step's working memory for a decoder stack, in one allocation: the activations (h, qkv, q,
+ * attn, delta, gate_up, act), the products' scratch, and the LoRA updates with their scratch; and
+ * the projections LoRA may update, each on its columns of its product's rows. */
+typedef struct {
+    char *buffer, *h, *qkv, *q, *attn, *delta, *gate_up, *act, *scratch;
+    LoraTarget qkv_lora[3], o_lora[1], gate_up_lora[2], down_lora[1];
+    LoraProduct lora;
+} StackMemory;
+
+static size_t round_to_lines(size_t bytes) { return (bytes + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE; }
+
+/* Returns 0 (free m->buffer with free_lines), -1 for a LoRA step that does not fit the stack, or
+ * -2 when the memory cannot be had. */
+static int stack_memory_open(StackMemory *m, const int32_t *dims, const LoraStep *lora) {
+    const int rows = dims[ROWS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
+    const int head_dim = dims[HEAD_DIM], inter = dims[INTER], threads = dims[NUM_THREADS] > 0 ? dims[NUM_THREADS] : 1;
+    const int q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
+    const int widest_input = inter > hidden ? (inter > q_width ? inter : q_width) : (hidden > q_width ? hidden : q_width);
+    const size_t row = (size_t)rows * (dims[IS_BF16] ? 2 : 4);
+    const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
+    const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
+    const int lora_rank = lora_max_rank(lora, dims[LAYERS], rows);
+    if (lora_rank < 0) return -1;
+    const int segments = lora && lora->segments > 0 ? lora->segments : 1;
+    const size_t updates_at = round_to_lines(activations + gemm_scratch);
+    const size_t lora_at = round_to_lines(updates_at + sizeof(LoraUpdate) * LORA_MOST_OUTPUTS * segments);
+    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(rows, widest_input, lora_rank, LORA_MOST_OUTPUTS,
+                                                                 threads) : 0;
+    m->buffer = alloc_lines(lora_at + lora_scratch + 64);
+    if (!m->buffer) return -2;
+    m->h = m->buffer, m->qkv = m->h + row * hidden, m->q = m->qkv + row * qkv_width, m->attn = m->q + row * q_width;
+    m->delta = m->attn + row * q_width, m->gate_up = m->delta + row * hidden, m->act = m->gate_up + row * 2 * inter;
+    m->scratch = m->act + row * inter;
+    m->lora = (LoraProduct){.updates = (LoraUpdate *)(m->buffer + updates_at), .scratch = m->buffer + lora_at,
+                            .threads = threads};
+    m->qkv_lora[0] = (LoraTarget){LORA_Q, 0, q_width};
+    m->qkv_lora[1] = (LoraTarget){LORA_K, q_width, kv_width};
+    m->qkv_lora[2] = (LoraTarget){LORA_V, q_width + kv_width, kv_width};
+    m->o_lora[0] = (LoraTarget){LORA_O, 0, hidden};
+    m->down_lora[0] = (LoraTarget){LORA_DOWN, 0, hidden};
+    m->gate_up_lora[0] = (LoraTarget){LORA_GATE, 0, inter};
+    m->gate_up_lora[1] = (LoraTarget){LORA_UP, inter, inter};
+    return 0;
+}
+
 #define TRY(call) do { code = (call); if (code != 0) goto done; } while (0)
 
 /* Returns 0, -1 for a LoRA step that does not fit the stack (a slot, a row or its layers out of
@@ -159,35 +204,17 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
     const int rows = dims[ROWS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int head_dim = dims[HEAD_DIM], inter = dims[INTER], is_bf16 = dims[IS_BF16], threads = dims[NUM_THREADS];
     const int q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
-    const int widest_input = inter > hidden ? (inter > q_width ? inter : q_width) : (hidden > q_width ? hidden : q_width);
-    const size_t elt = is_bf16 ? 2 : 4, row = (size_t)rows * elt;
-    const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
-    const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
-    const int lora_rank = lora_max_rank(lora, dims[LAYERS], rows);
-    if (lora_rank < 0) return -1;
-    const size_t lora_at = (activations + gemm_scratch + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-    const int lora_threads = threads > 0 ? threads : 1;
-    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(rows, widest_input, lora_rank, LORA_MOST_OUTPUTS,
-                                                                 lora_threads) : 0;
-    char *buffer = alloc_lines(lora_at + lora_scratch + 64);
-    if (!buffer) return -2;
-    char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
-    char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;
-    char *scratch = act + row * inter;
-    const int kv_width = kv_heads * head_dim;
-    LoraUpdate lora_updates[LORA_MOST_OUTPUTS * (lora && lora->segments > 0 ? lora->segments : 1)];
-    LoraProduct lora_work = {.updates = lora_updates, .scratch = buffer + lora_at, .threads = lora_threads};
-    const LoraTarget qkv_lora[] = {{LORA_Q, 0, q_width}, {LORA_K, q_width, kv_width},
-                                   {LORA_V, q_width + kv_width, kv_width}};
-    const LoraTarget o_lora[] = {{LORA_O, 0, hidden}}, down_lora[] = {{LORA_DOWN, 0, hidden}};
-    const LoraTarget gate_up_lora[] = {{LORA_GATE, 0, inter}, {LORA_UP, inter, inter}};
+    StackMemory m;
+    int code = stack_memory_open(&m, dims, lora);
+    if (code != 0) return code;
+    char *h = m.h, *qkv = m.qkv, *q = m.q, *attn = m.attn, *delta = m.delta, *gate_up = m.gate_up, *act = m.act;
+    char *scratch = m.scratch;
     const TeamWork *with_lora;  /* the product's LoRA updates, for its team */
-    int code = 0;
     for (int l = 0; l < dims[LAYERS]; l++) {
         const void *const *p = layer_ptrs + (int64_t)l * LAYER_POINTERS;
         const int32_t *b = bits + (int64_t)l * PROJECTIONS;
         TRY(ricllm_add_rms_norm(x, l == 0 ? NULL : delta, p[ATTN_NORM], h, rows, hidden, eps, is_bf16, threads));
-        TRY(lora_product(lora, l, h, hidden, qkv, qkv_width, is_bf16, 3, qkv_lora, &lora_work, &with_lora));
+        TRY(lora_product(lora, l, h, hidden, qkv, qkv_width, is_bf16, 3, m.qkv_lora, &m.lora, &with_lora));
         TRY(ricllm_quant_gemm_with(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
                                    scratch, threads, with_lora));
         TRY(ricllm_rope_store(qkv, q, cos, sin, slots, (void *)p[K_CACHE], (void *)p[V_CACHE], rows, heads,
@@ -195,23 +222,23 @@ int ricllm_decoder_stack(void *x, void *out, const void *const *layer_ptrs, cons
         TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, block_tables, query_start, context_lens,
                              dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH],
                              scale, is_bf16, dims[CACHE_TYPE], sinks, windows, threads));
-        TRY(lora_product(lora, l, attn, q_width, delta, hidden, is_bf16, 1, o_lora, &lora_work, &with_lora));
+        TRY(lora_product(lora, l, attn, q_width, delta, hidden, is_bf16, 1, m.o_lora, &m.lora, &with_lora));
         TRY(ricllm_quant_gemm_with(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
                                    scratch, threads, with_lora));
         TRY(ricllm_add_rms_norm(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));
-        TRY(lora_product(lora, l, h, hidden, gate_up, 2 * inter, is_bf16, 2, gate_up_lora, &lora_work,
+        TRY(lora_product(lora, l, h, hidden, gate_up, 2 * inter, is_bf16, 2, m.gate_up_lora, &m.lora,
                          &with_lora));
         TRY(ricllm_quant_gemm_with(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
                                    is_bf16, scratch, threads, with_lora));
         TRY(ricllm_silu_mul(gate_up, act, rows, inter, is_bf16, threads));
-        TRY(lora_product(lora, l, act, inter, delta, hidden, is_bf16, 1, down_lora, &lora_work, &with_lora));
+        TRY(lora_product(lora, l, act, inter, delta, hidden, is_bf16, 1, m.down_lora, &m.lora, &with_lora));
         TRY(ricllm_quant_gemm_with(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden,
                                    is_bf16, scratch, threads, with_lora));
     }
     TRY(ricllm_add_rms_norm(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
                             threads));
 done:
-    free_lines(buffer);
+    free_lines(m.buffer);
     return code;
 }
 
@@ -277,35 +304,17 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
     const int rows = dims[ROWS], hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int head_dim = dims[HEAD_DIM], inter = dims[INTER], is_bf16 = dims[IS_BF16], threads = dims[NUM_THREADS];
     const int q_width = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
-    const int widest_input = inter > hidden ? (inter > q_width ? inter : q_width) : (hidden > q_width ? hidden : q_width);
-    const size_t elt = is_bf16 ? 2 : 4, row = (size_t)rows * elt;
     for (int l = 0; l < dims[LAYERS]; l++)
         if (step->layer_view[l] < 0 || step->layer_view[l] >= step->views || step->layer_rope[l] < 0
             || step->layer_rope[l] >= step->rope_tables) return -1;
-    const size_t gemm_scratch = (size_t)rows * widest_input * 2 + (size_t)rows * (widest_input / 32 + 1) * 8;
-    const size_t activations = row * ((size_t)2 * hidden + qkv_width + 2 * q_width + 3 * (size_t)inter);
     const LoraStep *lora = step->lora;
-    const int lora_rank = lora_max_rank(lora, dims[LAYERS], rows);
-    if (lora_rank < 0) return -1;
-    const size_t lora_at = (activations + gemm_scratch + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-    const int lora_threads = threads > 0 ? threads : 1;
-    const size_t lora_scratch = lora ? ricllm_lora_scratch_bytes(rows, widest_input, lora_rank, LORA_MOST_OUTPUTS,
-                                                                 lora_threads) : 0;
-    char *buffer = alloc_lines(lora_at + lora_scratch + 64);
-    if (!buffer) return -2;
-    char *h = buffer, *qkv = h + row * hidden, *q = qkv + row * qkv_width, *attn = q + row * q_width;
-    char *delta = attn + row * q_width, *gate_up = delta + row * hidden, *act = gate_up + row * 2 * inter;
-    char *scratch = act + row * inter;
-    const size_t table_bytes = (size_t)rows * head_dim * elt;
-    const int kv_width = kv_heads * head_dim;
-    LoraUpdate lora_updates[LORA_MOST_OUTPUTS * (lora && lora->segments > 0 ? lora->segments : 1)];
-    LoraProduct lora_work = {.updates = lora_updates, .scratch = buffer + lora_at, .threads = lora_threads};
-    const LoraTarget qkv_lora[] = {{LORA_Q, 0, q_width}, {LORA_K, q_width, kv_width},
-                                   {LORA_V, q_width + kv_width, kv_width}};
-    const LoraTarget o_lora[] = {{LORA_O, 0, hidden}}, down_lora[] = {{LORA_DOWN, 0, hidden}};
-    const LoraTarget gate_up_lora[] = {{LORA_GATE, 0, inter}, {LORA_UP, inter, inter}};
+    const size_t table_bytes = (size_t)rows * head_dim * (is_bf16 ? 2 : 4);
+    StackMemory m;
+    int code = stack_memory_open(&m, dims, lora);
+    if (code != 0) return code;
+    char *h = m.h, *qkv = m.qkv, *q = m.q, *attn = m.attn, *delta = m.delta, *gate_up = m.gate_up, *act = m.act;
+    char *scratch = m.scratch;
     const TeamWork *with_lora;  /* the product's LoRA updates, for its team */
-    int code = 0;
     for (int l = 0; l < dims[LAYERS]; l++) {
         const void *const *p = layer_ptrs + (int64_t)l * LAYER_POINTERS;
         const void *const *n = step->norms + (int64_t)l * GEMMA3_NORMS;
@@ -314,7 +323,7 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
         const size_t table = (size_t)step->layer_rope[l] * table_bytes;
         TRY(ricllm_add_rms_norm_scaled(x, l == 0 ? NULL : delta, p[ATTN_NORM], h, rows, hidden, eps, is_bf16,
                                        threads));
-        TRY(lora_product(lora, l, h, hidden, qkv, qkv_width, is_bf16, 3, qkv_lora, &lora_work, &with_lora));
+        TRY(lora_product(lora, l, h, hidden, qkv, qkv_width, is_bf16, 3, m.qkv_lora, &m.lora, &with_lora));
         TRY(ricllm_quant_gemm_with(h, p[QKV_W], p[QKV_S], p[QKV_O], b[QKV], qkv, rows, hidden, qkv_width, is_bf16,
                                    scratch, threads, with_lora));
         TRY(ricllm_qk_norm(qkv, n[Q_NORM], n[K_NORM], rows, heads, kv_heads, head_dim, eps, is_bf16, threads));
@@ -324,17 +333,17 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
         TRY(ricllm_attention(q, p[K_CACHE], p[V_CACHE], attn, step->view_tables[view], query_start, context_lens,
                              dims[BATCH], heads, kv_heads, head_dim, dims[BLOCK_SIZE], dims[TABLE_WIDTH], scale,
                              is_bf16, dims[CACHE_TYPE], step->view_sinks[view], step->view_windows[view], threads));
-        TRY(lora_product(lora, l, attn, q_width, delta, hidden, is_bf16, 1, o_lora, &lora_work, &with_lora));
+        TRY(lora_product(lora, l, attn, q_width, delta, hidden, is_bf16, 1, m.o_lora, &m.lora, &with_lora));
         TRY(ricllm_quant_gemm_with(attn, p[O_W], p[O_S], p[O_O], b[O], delta, rows, q_width, hidden, is_bf16,
                                    scratch, threads, with_lora));
         TRY(ricllm_add_rms_norm_scaled(delta, NULL, n[POST_ATTN_NORM], delta, rows, hidden, eps, is_bf16, threads));
         TRY(ricllm_add_rms_norm_scaled(x, delta, p[FFN_NORM], h, rows, hidden, eps, is_bf16, threads));
-        TRY(lora_product(lora, l, h, hidden, gate_up, 2 * inter, is_bf16, 2, gate_up_lora, &lora_work,
+        TRY(lora_product(lora, l, h, hidden, gate_up, 2 * inter, is_bf16, 2, m.gate_up_lora, &m.lora,
                          &with_lora));
         TRY(ricllm_quant_gemm_with(h, p[GU_W], p[GU_S], p[GU_O], b[GATE_UP], gate_up, rows, hidden, 2 * inter,
                                    is_bf16, scratch, threads, with_lora));
         TRY(ricllm_gelu_tanh_mul(gate_up, act, rows, inter, is_bf16, threads));
-        TRY(lora_product(lora, l, act, inter, delta, hidden, is_bf16, 1, down_lora, &lora_work, &with_lora));
+        TRY(lora_product(lora, l, act, inter, delta, hidden, is_bf16, 1, m.down_lora, &m.lora, &with_lora));
         TRY(ricllm_quant_gemm_with(act, p[DOWN_W], p[DOWN_S], p[DOWN_O], b[DOWN], delta, rows, inter, hidden,
                                    is_bf16, scratch, threads, with_lora));
         TRY(ricllm_add_rms_norm_scaled(delta, NULL, n[POST_FFN_NORM], delta, rows, hidden, eps, is_bf16, threads));
@@ -342,6 +351,6 @@ int ricllm_gemma3_decoder_stack(void *x, void *out, const void *const *layer_ptr
     TRY(ricllm_add_rms_norm_scaled(x, dims[LAYERS] > 0 ? delta : NULL, final_norm, out, rows, hidden, eps, is_bf16,
                                    threads));
 done:
-    free_lines(buffer);
+    free_lines(m.buffer);
     return code;
 }
