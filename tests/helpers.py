@@ -45,6 +45,21 @@ def output_tail(done: subprocess.CompletedProcess) -> str:
     return f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
 
 
+def cache_with_kernels(folder: Path) -> Path:
+    """``folder`` as an empty ricllm cache (``RICLLM_CACHE_DIR``) but for the CPU kernels this run
+    has built, so that a child process started on it does not compile them again (10 s on two
+    cores). For tests of what the cache holds of a model; tests of the build itself start bare."""
+    from ricllm.kernels.cpu_library import cpu_kernels_available
+    from ricllm.paths import cache_dir
+
+    (folder / "kernels").mkdir(parents=True, exist_ok=True)
+    if cpu_kernels_available()[0]:
+        for built in (cache_dir() / "kernels").glob("*.so"):
+            if not (folder / "kernels" / built.name).exists():
+                os.link(built, folder / "kernels" / built.name)
+    return folder
+
+
 def smollm2_path() -> Path:
     from ricllm.errors import ModelLoadError
     from ricllm.model.loader import default_model_path

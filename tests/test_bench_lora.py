@@ -13,6 +13,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: no folder of 
 import benchmarks.bench_lora as bench
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.lora import PROJECTIONS, load_lora_adapter
+from tests.helpers import cache_with_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def test_the_benchmarks_adapters_are_rank_r_on_every_projection(tiny_native_gguf
 def test_quick_runs_on_the_tiny_model_and_prints_every_configuration(tiny_native_gguf, tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/bench_lora.py", "--quick", "--model", str(tiny_native_gguf)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "RICLLM_CACHE_DIR": str(tmp_path)})
+                          env={**os.environ, "RICLLM_CACHE_DIR": str(cache_with_kernels(tmp_path))})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Kernel family" in done.stdout and "native runtime:" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]

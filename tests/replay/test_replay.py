@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ricllm.cli import main
-from tests.helpers import IN_CI, require_module
+from tests.helpers import IN_CI, cache_with_kernels, require_module
 
 ROOT = Path(__file__).parents[2]
 FIT = [0.003, 2e-5, 2e-4, 1e-7, 0.0]  # 3 ms a step: a 1 ms deadline is never feasible
@@ -228,7 +228,7 @@ def test_ctrl_c_still_writes_the_report(tiny_gguf, fit_file, tmp_path):
     scenario = scenario_file(tmp_path, tiny_gguf, fit_file, speed=1.0, extra_classes=long_class, duration_s=30,
                              cells=100)
     out = tmp_path / "report"
-    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(cache_with_kernels(tmp_path / "cache"))}
     process = subprocess.Popen([sys.executable, "-m", "ricllm.cli", "replay", str(scenario), "--out", str(out),
                                 "--no-progress"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -454,7 +454,7 @@ def serve(tiny_gguf, fit_file, tmp_path_factory):
     config = tmp_path / "config-file.json"
     config.write_text(json.dumps(descriptor))
     zmq_port, http_port = free_port(), free_port()
-    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(cache_with_kernels(tmp_path / "cache"))}
     process = subprocess.Popen(
         [sys.executable, "-m", "ricllm.cli", "serve", "--model", str(tiny_gguf), "--zmq", f"tcp://127.0.0.1:{zmq_port}",
          "--http-port", str(http_port), "--config", str(config)],

@@ -370,8 +370,7 @@ def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
 
 def export(model_path: Path):
     """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file."""
-    from gguf import GGUFReader
-
+    from ricllm.model.gguf_file import GGUFFile
     from ricllm.model.loader import open_checkpoint
 
     checkpoint = open_checkpoint(model_path)
@@ -381,7 +380,7 @@ def export(model_path: Path):
     if spec.architecture != "llama":
         raise OnnxExportUnsupported(f"architecture {spec.architecture!r}: the ONNX export writes Llama-family "
                                     "graphs only")
-    tensors = read_tensors(GGUFReader(model_path))
+    tensors = read_tensors(GGUFFile(model_path))
     if "rope_freqs.weight" in tensors:
         raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
     graph = LlamaGraph(spec, tensors)
