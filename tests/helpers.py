@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,12 @@ def cache_with_kernels(folder: Path) -> Path:
     (folder / "kernels").mkdir(parents=True, exist_ok=True)
     if cpu_kernels_available()[0]:
         for built in (cache_dir() / "kernels").glob("*.so"):
-            if not (folder / "kernels" / built.name).exists():
-                os.link(built, folder / "kernels" / built.name)
+            target = folder / "kernels" / built.name
+            if not target.exists():
+                try:
+                    os.link(built, target)
+                except OSError:  # another file system (a tmpfs /tmp beside a home cache): copy it
+                    shutil.copy2(built, target)
     return folder
 
 

@@ -152,9 +152,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 
 
 def read_architecture(path: Path) -> str | None:
-    """A model's architecture (``general.architecture``, an HF folder's ``model_type``) from the
-    first entries of its header: a GGUF parsed whole (``GGUFReader``) takes seconds for a large
-    vocabulary. None when the file does not say."""
+    """A model's architecture (``general.architecture``, an HF folder's ``model_type``), reading a
+    GGUF's header only up to that entry. None when the file does not say."""
     if path.is_dir():
         try:
             return json.loads((path / "config.json").read_text()).get("model_type")
@@ -186,10 +185,6 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def _open_gguf(path: Path) -> Checkpoint:
     from ricllm.model.tokenizer import Tokenizer
 
@@ -212,20 +207,20 @@ def _drop_array_fields(reader: GGUFFile) -> None:
 
 
 def _gguf_spec(reader, path: Path) -> ModelSpec:
-    arch = _field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r} in {path.name}; ricllm runs {SUPPORTED_ARCHITECTURES}")
 
     def key(name, default=None):
-        value = _field(reader, f"{arch}.{name}", default)
+        value = reader.fields.get(f"{arch}.{name}", default)
         if value is None:
             raise ModelLoadError(f"GGUF metadata key {arch}.{name} is missing in {path.name}")
         return value
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
+    vocab = reader.fields.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     spec = ModelSpec(
         architecture="gemma3" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),
@@ -240,7 +235,7 @@ def _gguf_spec(reader, path: Path) -> ModelSpec:
         rope_theta=float(key("rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_gguf_rope_scaling(reader, arch),
-        name=str(_field(reader, "general.name", path.stem)),
+        name=str(reader.fields.get("general.name", path.stem)),
     )
     return _gemma3_spec(reader, spec, path) if arch == "gemma3" else spec
 
@@ -249,11 +244,11 @@ def _gemma3_spec(reader, spec: ModelSpec, path: Path) -> ModelSpec:
     """Gemma 3's own fields: the sliding window of five layers in six (the file gives its size,
     the architecture the pattern), their RoPE base, the attention scale ``head_dim^-1/2`` (HF's
     ``query_pre_attn_scalar`` default) and the final logit softcap where the file has one."""
-    if _field(reader, "gemma3.attn_logit_softcapping") is not None:
+    if reader.fields.get("gemma3.attn_logit_softcapping") is not None:
         raise ModelLoadError(f"{path.name} caps its attention logits, which ricllm does not compute")
-    window = int(_field(reader, "gemma3.attention.sliding_window", 0) or 0)
+    window = int(reader.fields.get("gemma3.attention.sliding_window", 0) or 0)
     windows = tuple(0 if (i + 1) % GEMMA3_GLOBAL_LAYER_EVERY == 0 else window for i in range(spec.num_layers))
-    softcap = _field(reader, "gemma3.final_logit_softcapping")
+    softcap = reader.fields.get("gemma3.final_logit_softcapping")
     return replace(
         spec, layer_windows=windows if window else (), rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
         query_pre_attn_scalar=float(spec.head_dim),
@@ -261,8 +256,8 @@ def _gemma3_spec(reader, spec: ModelSpec, path: Path) -> ModelSpec:
 
 
 def _gguf_rope_scaling(reader, arch: str) -> RopeScaling | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or not factor:
         return None  # Llama 3.1 style frequency factors arrive as the rope_freqs tensor instead
     if kind != "linear":

@@ -184,7 +184,7 @@ class Tokenizer:
             unk_token_id=meta.get("unknown_token_id"),
             add_bos_token=meta.add_bos(pre),
             add_eos_token=bool(meta.get("add_eos_token", False)),
-            chat_template=_field(reader, "tokenizer.chat_template"),
+            chat_template=reader.fields.get("tokenizer.chat_template"),
             extra_eos_token_ids=[
                 i for i in (meta.get("eot_token_id"), meta.get("eom_token_id")) if i is not None
             ],
@@ -425,11 +425,6 @@ class IncrementalDetokenizer:
 # ---------------------------------------------------------------------- GGUF helpers
 
 
-def _field(reader: "GGUFFile", key: str, default: Any = None) -> Any:
-    """One metadata value, or ``default`` when the key is absent."""
-    return reader.fields.get(key, default)
-
-
 class _GgufTokenizerMeta:
     """The ``tokenizer.ggml.*`` values of one file, read once."""
 
@@ -447,7 +442,7 @@ class _GgufTokenizerMeta:
         self.merges: list[str] | None = self.get("merges")
 
     def get(self, name: str, default: Any = None) -> Any:
-        return _field(self._reader, f"tokenizer.ggml.{name}", default)
+        return self._reader.fields.get(f"tokenizer.ggml.{name}", default)
 
     def add_bos(self, pre_override: str | None) -> bool:
         """The file's add_bos_token, else llama.cpp's default for this vocabulary type."""
