@@ -11,7 +11,9 @@ shared machine lands on different configurations. Tables show the median [min–
 repeats; a ratio (ricllm / llama.cpp) is the median [min–max] of the per-repeat ratios.
 
 Measured, for every engine:
-  1. one stream: a 256-token prompt, 128 new tokens, greedy, EOS ignored: decode tok/s;
+  1. one stream: a 256-token prompt, 128 new tokens, greedy, EOS ignored: decode tok/s, the
+     median of 5 such generations (another prompt each): one takes about half a second, short
+     enough that a shared VM's noise (±15 % between runs in one process) would decide a single one;
   2. aggregate decode tok/s at 8, 16 and 32 streams (each stream its own 256-token prompt,
      128 new tokens). Decode tok/s = streams * (new - 1) / (total - time to the last stream's
      first token): ricllm from one generate() (its TTFTs); HF from two generate() calls (1 and
@@ -94,8 +96,10 @@ THIS = Path(__file__).resolve()
 THREADS = 2
 KV_BUDGET = "256MiB"
 RESULT_MARK, READY_MARK = "BENCH_RESULT ", "BENCH_READY "
-FULL = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 8, 16, 32], "prefill_len": 512, "prefill_repeats": 3}
-QUICK = {"prompt_len": 32, "new_tokens": 8, "streams": [1, 4], "prefill_len": 32, "prefill_repeats": 1}
+FULL = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 8, 16, 32], "prefill_len": 512, "prefill_repeats": 3,
+        "single_stream_trials": 5}
+QUICK = {"prompt_len": 32, "new_tokens": 8, "streams": [1, 4], "prefill_len": 32, "prefill_repeats": 1,
+         "single_stream_trials": 1}
 # the targets for ricllm's default (int4 native); ratios are ratios of medians
 TARGETS = {"decode_1_vs_llama": 2.0, "decode_1_roofline": 0.80, "decode_32_vs_llama": 3.0, "native_vs_torch": 1.0,
            "prompt_vs_llama": 3.0, "peak_rss_mb": 480.0, "ready_cached_s": 0.44}
@@ -370,11 +374,14 @@ def measure(spec: dict) -> dict:
     engine = ENGINES[spec["engine"]](spec)
     engine.generate(spec["warmup"], 4)  # warm-up, not measured
     new, decode = spec["new_tokens"], {}
-    for streams, prompts in spec["decode_prompts"].items():
-        first, total = engine.generate(prompts, new)
-        decode[streams] = int(streams) * (new - 1) / max(total - first, 1e-9)
-        progress(f"{spec['label']}: {streams} stream(s): {decode[streams]:.1f} decode tok/s "
-                 f"(prefill {first:.2f} s, total {total:.2f} s; stream 0 starts {engine.first_tokens[:4]})")
+    for streams, trials in spec["decode_prompts"].items():
+        rates = []
+        for prompts in trials:
+            first, total = engine.generate(prompts, new)
+            rates.append(int(streams) * (new - 1) / max(total - first, 1e-9))
+            progress(f"{spec['label']}: {streams} stream(s): {rates[-1]:.1f} decode tok/s "
+                     f"(prefill {first:.2f} s, total {total:.2f} s; stream 0 starts {engine.first_tokens[:4]})")
+        decode[streams] = statistics.median(rates)
     prompt_tps = statistics.median(len(p) / engine.prefill(p) for p in spec["prefill_prompts"])
     progress(f"{spec['label']}: prompt {spec['prefill_len']} tokens: {prompt_tps:.0f} tok/s")
     peak = peak_rss_mb()  # before facts(), which may allocate (ricllm's roofline copies 256 MB)
@@ -405,7 +412,11 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 
 def workload_spec(model: Path, vocab: int, sizes: dict) -> dict:
     """Everything a measuring child needs besides its engine: sizes and the shared prompts."""
-    decode = {str(s): random_prompts(s, sizes["prompt_len"], vocab, seed=1000 + s) for s in sizes["streams"]}
+    def trials(streams: int) -> list[list[list[int]]]:
+        count = sizes["single_stream_trials"] if streams == 1 else 1
+        return [random_prompts(streams, sizes["prompt_len"], vocab, seed=1000 + streams + 100 * t) for t in range(count)]
+
+    decode = {str(s): trials(s) for s in sizes["streams"]}
     return dict(model=str(model), **sizes, warmup=random_prompts(1, 16, vocab, seed=999), decode_prompts=decode,
                 prefill_prompts=random_prompts(sizes["prefill_repeats"], sizes["prefill_len"], vocab, seed=2000))
 
