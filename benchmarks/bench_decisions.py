@@ -14,7 +14,10 @@ Then, on the first template with its examples, greedy and interleaved ``--repeat
 - TTFT and E2E of one request at a time with prefix caching on (the template pinned) and off;
 - engine steps with jump-forward on and off (forced tokens computed as one chunk or one per step);
 - the per-step cost of masking: decode steps of N constrained streams vs N unconstrained ones.
-Greedy decoding, each model in its default runtime and weights on a CPU; `--models` names the models (SmolLM2-135M
+The constrained variants without an adapter are asked again of llama.cpp (llama-cpp-python, greedy) on the
+same GGUF, from the token ids ricllm renders, under a GBNF grammar of the same constraint
+(``llamacpp_decisions.py``): its validity, correctness and time to decision beside ricllm's, and a table of
+the two times. Greedy decoding, each model in its default runtime and weights on a CPU; `--models` names the models (SmolLM2-135M
 and Gemma 3 270M by default), `--scenarios` the scenarios (every template with a policy), and each row gives the
 majority class beside the model's figure.
 """
@@ -22,9 +25,12 @@ majority class beside the model's figure.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +47,7 @@ from ricllm.replay.expressions import Threshold
 from ricllm.replay.loading import load_scenario, load_scenario_trace
 from ricllm.replay.prompts import jinja_env, prompt_context
 from ricllm.replay.templates import answer_check, scenario_policies, scenario_templates
+from ricllm.structured.spec import StructuredSpec
 
 # a reason of 20 to 400 characters: every token of it a sampling decision under the mask; only steps in
 # which every stream decodes are timed, so constrained and unconstrained batches are the same size
@@ -82,31 +89,121 @@ def judge(outputs, cases: list[Case], check) -> tuple[float, float]:
 
 
 TIMED_CASES = 8  # requests sent one at a time per variant for its time to decision
+MAX_TOKENS = 32
+THREADS = 2
+RESULT_MARK = "DECISIONS_RESULT "  # llamacpp_decisions.py's result line
+LLAMACPP_KINDS = ("json", "choice")  # constraints llamacpp_decisions.py turns into GBNF
 
 
-def accuracy_rows(llm: LLM, model: str, scenario, name: str, cases: list[Case],
-                  adapter: TemplateAdapter | None) -> list[str]:
-    template, check = scenario_templates(scenario)[name], answer_check(scenario.prompts.templates[name])
-    variants = [(shots, label, prefix, structured, None)
+@dataclass
+class Variant:
+    """One way of asking a template: its conversations, constraint and adapter."""
+
+    shots: str
+    label: str
+    conversations: list
+    structured: dict | None
+    lora: LoRARequest | None = None
+
+
+@dataclass
+class Scored:
+    """A variant's answers judged: one row of the accuracy table."""
+
+    model: str
+    engine: str
+    scenario: str
+    template: str
+    variant: Variant
+    rows: int
+    majority: float
+    valid: float
+    correct: float
+    decision_ms: float
+
+    def row(self) -> str:
+        error = math.sqrt(self.correct * (1 - self.correct) / self.rows)
+        return (f"| {self.model} | {self.engine} | {self.scenario} | {self.template} | {self.variant.shots} | "
+                f"{self.variant.label} | {self.rows} | {self.majority:.1%} | {self.valid:.1%} | "
+                f"{self.correct:.1%} ± {error:.1%} | {self.decision_ms:.1f} |")
+
+
+def template_variants(template, cases: list[Case], adapter: TemplateAdapter | None) -> list[Variant]:
+    variants = [Variant(shots, label, [prefix + [{"role": "user", "content": c.user}] for c in cases], structured)
                 for shots, prefix in (("zero-shot", template.message_list[:1]),
                                       (f"{template.num_examples} examples", template.message_list))
                 for label, structured in (("unconstrained", None), ("constrained", template.structured))]
     if adapter is not None:
         system = [{"role": "system", "content": adapter.system_prompt}]
-        variants.append((f"adapter {adapter.name}", "constrained", system, template.structured,
-                         LoRARequest(adapter.name, str(adapter.folder))))
-    rows = []
-    for shots, label, prefix, structured, lora in variants:
-        params = SamplingParams(max_tokens=32, structured=structured)
-        conversations = [prefix + [{"role": "user", "content": c.user}] for c in cases]
-        outs = llm.chat(conversations, params, lora_request=lora)
+        variants.append(Variant(f"adapter {adapter.name}", "constrained",
+                                [system + [{"role": "user", "content": c.user}] for c in cases], template.structured,
+                                LoRARequest(adapter.name, str(adapter.folder))))
+    return variants
+
+
+def ask_template(llm: LLM, model: str, scenario, name: str, cases: list[Case],
+                 adapter: TemplateAdapter | None) -> list[Scored]:
+    template, check = scenario_templates(scenario)[name], answer_check(scenario.prompts.templates[name])
+    scored = []
+    for variant in template_variants(template, cases, adapter):
+        params = SamplingParams(max_tokens=MAX_TOKENS, structured=variant.structured)
+        outs = llm.chat(variant.conversations, params, lora_request=variant.lora)
         valid, correct = judge(outs, cases, check)
-        error = math.sqrt(correct * (1 - correct) / len(cases))
-        decision_ms = statistics.median(o.e2e_s * 1000 for o in
-                                        (llm.chat([c], params, lora_request=lora)[0] for c in conversations[:TIMED_CASES]))
-        rows.append(f"| {model} | {scenario.name} | {name} | {shots} | {label} | {len(cases)} | "
-                    f"{majority_share(cases):.1%} | {valid:.1%} | {correct:.1%} ± {error:.1%} | {decision_ms:.1f} |")
-    return rows
+        decision_ms = statistics.median(
+            llm.chat([c], params, lora_request=variant.lora)[0].e2e_s * 1000
+            for c in variant.conversations[:TIMED_CASES])
+        scored.append(Scored(model, f"ricllm {llm.engine.runtime.name}", scenario.name, name, variant, len(cases),
+                             majority_share(cases), valid, correct, decision_ms))
+    return scored
+
+
+@dataclass
+class Answer:
+    """llama.cpp's answer, judged as ricllm's outputs are."""
+
+    text: str
+    finish_reason: str
+
+
+def llamacpp_scores(python: str, llm: LLM, path: Path, asked: list[Scored],
+                    cases: dict) -> tuple[list[Scored], str]:
+    """The constrained variants without an adapter asked again of llama.cpp on the same GGUF, from the same
+    token ids (``llamacpp_decisions.py`` in a child under ``python``); its rows and its build."""
+    chosen = [s for s in asked if s.variant.lora is None and s.variant.structured is not None
+              and StructuredSpec.parse(s.variant.structured).kind in LLAMACPP_KINDS]
+    spec = {"model": str(path), "threads": THREADS, "flash_attn": False, "timed": TIMED_CASES,
+            "variants": [{"structured": StructuredSpec.parse(s.variant.structured).to_wire(), "max_tokens": MAX_TOKENS,
+                          "prompts": [llm.render_chat(c, add_generation_prompt=True) for c in s.variant.conversations]}
+                         for s in chosen]}
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    child = subprocess.run([python, str(Path(__file__).with_name("llamacpp_decisions.py"))], input=json.dumps(spec),
+                           capture_output=True, text=True, env=env, check=False)
+    line = next((x for x in child.stdout.splitlines() if x.startswith(RESULT_MARK)), None)
+    if line is None:
+        raise SystemExit(f"bench_decisions: the llama.cpp child failed (exit {child.returncode}): "
+                         f"{child.stderr.strip()[-2000:]}")
+    result = json.loads(line[len(RESULT_MARK):])
+    scored = []
+    for s, answers in zip(chosen, result["variants"]):
+        named = cases[s.scenario][s.template]
+        outs = [Answer(t, r) for t, r in zip(answers["texts"], answers["finish_reasons"])]
+        valid, correct = judge(outs, named, answer_check(load_scenario(s.scenario).prompts.templates[s.template]))
+        scored.append(Scored(s.model, f"llama.cpp {result['version']}", s.scenario, s.template, s.variant, s.rows,
+                             s.majority, valid, correct, answers["decision_ms"]))
+    return scored, f"llama.cpp {result['version']} under {python} ({result['system_info']})"
+
+
+def decision_ratios(scored: list[Scored]) -> list[str]:
+    """Time to decision of ricllm against llama.cpp, variant by variant."""
+    peers = {(s.model, s.scenario, s.template, s.variant.shots): s for s in scored if s.engine.startswith("llama")}
+    lines = []
+    for s in scored:
+        peer = peers.get((s.model, s.scenario, s.template, s.variant.shots))
+        if s.engine.startswith("ricllm") and peer is not None and s.variant.label == "constrained":
+            lines.append(f"| {s.model} | {s.scenario} | {s.template} | {s.variant.shots} | {s.decision_ms:.1f} | "
+                         f"{peer.decision_ms:.1f} | {peer.decision_ms / s.decision_ms:.2f}× | "
+                         f"{s.correct:.1%} | {peer.correct:.1%} |")
+    return lines
 
 
 def majority_share(cases: list[Case]) -> float:
@@ -206,19 +303,38 @@ def cpu_flags() -> str:
     return "with AMX" if cpuinfo.exists() and "amx_tile" in cpuinfo.read_text() else "without AMX"
 
 
-def model_accuracy(model: str, scenarios: list, cases: dict, use_adapters: bool) -> tuple[list[str], str]:
+def model_accuracy(model: str, scenarios: list, cases: dict, use_adapters: bool,
+                   llamacpp_python: str | None) -> tuple[list[Scored], list[str]]:
     """Every scenario's templates asked of one model; its rows and how it ran. Adapters are trained
     for this model as base (each model with its own)."""
     path = resolve_model_path(model)
     llm = LLM(model=str(path))
-    rows = []
+    scored = []
     for scenario in scenarios:
         adapters = scenario_adapters(scenario, path) if use_adapters else {}
-        rows += [row for name, named in cases[scenario.name].items()
-                 for row in accuracy_rows(llm, model, scenario, name, named, adapters.get(name))]
+        scored += [s for name, named in cases[scenario.name].items()
+                   for s in ask_template(llm, model, scenario, name, named, adapters.get(name))]
     runtime = llm.engine.runtime
-    how = f"{model}: {runtime.name} runtime, weights {runtime.weight_formats[0]}"
-    return rows, how
+    how = [f"{model}: ricllm {runtime.name} runtime, weights {runtime.weight_formats[0]}"]
+    if llamacpp_python is not None:
+        peer, build = llamacpp_scores(llamacpp_python, llm, path, scored, cases)
+        scored += peer
+        how.append(f"{model}: {build}")
+    return scored, how
+
+
+def llamacpp_python_of(args) -> str | None:
+    """The interpreter that runs llama.cpp, or None (said) where none does."""
+    python = args.llamacpp_python or sys.executable
+    check = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True, check=False)
+    if check.returncode == 0:
+        return python
+    if args.llamacpp_python:
+        raise SystemExit(f"bench_decisions: `import llama_cpp` fails under {python}; install llama-cpp-python there "
+                         "(`bash scripts/setup.sh --bench` does for this venv)")
+    print(f"bench_decisions: no llama.cpp under {python} (`bash scripts/setup.sh --bench` installs it, "
+          "--llamacpp-python names another interpreter): its rows are left out", file=sys.stderr)
+    return None
 
 
 def main() -> None:
@@ -235,6 +351,9 @@ def main() -> None:
     parser.add_argument("--no-adapters", action="store_true",
                         help="leave out the adapter variant (templates that name an adapter are not trained)")
     parser.add_argument("--accuracy-only", action="store_true", help="only the accuracy table, not the timed parts")
+    parser.add_argument("--llamacpp-python", help="an interpreter with llama-cpp-python for the llama.cpp rows "
+                        "(default: this one, where it has llama-cpp-python)")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="leave out the llama.cpp rows")
     args = parser.parse_args()
     scenarios = [load_scenario(name) for name in args.scenarios]
     cases = {}
@@ -242,21 +361,28 @@ def main() -> None:
         rows = scored_rows(scenario, load_scenario_trace(scenario).rows)
         cases[scenario.name] = {name: template_cases(scenario, name, rows, args.rows, seed=i)
                                 for i, name in enumerate(scenario_policies(scenario))}
-    accuracy, ran = [], []
+    llamacpp = None if args.skip_llamacpp else llamacpp_python_of(args)
+    scored, ran = [], []
     for model in args.models:
-        rows, how = model_accuracy(model, scenarios, cases, not args.no_adapters)
-        accuracy += rows
-        ran.append(how)
+        rows, how = model_accuracy(model, scenarios, cases, not args.no_adapters, llamacpp)
+        scored += rows
+        ran += how
+    ratios = decision_ratios(scored)
     body = "\n".join([
         ("Accuracy (greedy; valid = parses and matches the schema; correct = the policy's action, ± its "
          "standard error; majority = always answering the rows' most common action; decision ms = median E2E "
-         f"of {TIMED_CASES} requests sent one at a time).\n"),
-        "| model | scenario | template | prompt | output | rows | majority | valid | correct | decision ms |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|", *accuracy,
-    ] + ([] if args.accuracy_only else timed_parts(scenarios[0], cases[scenarios[0].name], args.models[0],
-                                                    args.repeats)))
+         f"of {TIMED_CASES} requests sent one at a time, after the pass over every row). llama.cpp reads the same "
+         "token ids under a GBNF grammar of the same constraint.\n"),
+        "| model | engine | scenario | template | prompt | output | rows | majority | valid | correct | decision ms |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|", *[s.row() for s in scored],
+    ] + ([] if not ratios else [
+        "\nTime to decision, constrained, one request at a time (ms; llama.cpp ÷ ricllm > 1: ricllm decides sooner):\n",
+        "| model | scenario | template | prompt | ricllm ms | llama.cpp ms | llama.cpp ÷ ricllm | ricllm correct | "
+        "llama.cpp correct |", "|---|---|---|---|---:|---:|---:|---:|---:|", *ratios,
+    ]) + ([] if args.accuracy_only else timed_parts(scenarios[0], cases[scenarios[0].name], args.models[0],
+                                                     args.repeats)))
     publish("Decisions: accuracy and the cost of constraints",
-            f"CPU {cpu_flags()}; scenarios {', '.join(args.scenarios)}; models " + "; ".join(ran) + ".",
+            f"CPU {cpu_flags()}; scenarios {', '.join(args.scenarios)}; " + "; ".join(ran) + ".",
             body, append=not args.no_append)
 
 
