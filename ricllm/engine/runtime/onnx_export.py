@@ -368,8 +368,13 @@ def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
     return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
 
 
-def export(model_path: Path):
-    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file."""
+ATTENTIONS = ("gather", "paged")
+
+
+def export(model_path: Path, attention: str = "gather"):
+    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file.
+    ``attention``: ``gather``, standard ops over the gathered pool (ONNX Runtime's CPU provider), or
+    ``paged``, one ``PagedAttention`` node per layer (its CUDA provider; ``onnx_paged_attention``)."""
     from ricllm.model.gguf_file import GGUFFile
     from ricllm.model.loader import open_checkpoint
 
@@ -383,29 +388,42 @@ def export(model_path: Path):
     tensors = read_tensors(GGUFFile(model_path))
     if "rope_freqs.weight" in tensors:
         raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
-    graph = LlamaGraph(spec, tensors)
+    graph = graph_class(attention)(spec, tensors)
     model = graph.build()
     return model, spec, checkpoint.tokenizer, weight_formats(graph.formats)
+
+
+def graph_class(attention: str) -> type[LlamaGraph]:
+    if attention == "paged":
+        from ricllm.engine.runtime.onnx_paged_attention import PagedLlamaGraph
+
+        return PagedLlamaGraph
+    if attention != "gather":
+        raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
+    return LlamaGraph
 
 
 # ------------------------------------------------------------------------------ the cache
 
 
-def entry_path(model_path: Path) -> Path:
-    """Where this file's graph lives in the cache: keyed by its sha256 and this module's code."""
+def entry_path(model_path: Path, attention: str = "gather") -> Path:
+    """Where this file's graph lives in the cache: keyed by its sha256, the attention and the export's code."""
+    code = Path(__file__).read_bytes() + (Path(__file__).with_name("onnx_paged_attention.py").read_bytes()
+                                          if attention == "paged" else b"")
     key = {"sha256": file_digest(model_path), "format": FORMAT_VERSION, "ricllm": __version__,
-           "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+           "code": hashlib.sha256(code).hexdigest()[:16], **({"attention": attention} if attention != "gather" else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "onnx" / f"{digest}.onnx"
 
 
-def write(model_path: Path, out: Path) -> dict:
+def write(model_path: Path, out: Path, attention: str = "gather") -> dict:
     """Write the graph of ``model_path`` to ``out`` (atomically) and, beside it, ``out.json``: the spec,
     the tokenizer's state and the weight formats, which the runtime reads without the GGUF."""
     import dataclasses
 
-    model, spec, tokenizer, formats = export(model_path)
-    meta = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(), "weight_formats": list(formats)}
+    model, spec, tokenizer, formats = export(model_path, attention)
+    meta = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(), "weight_formats": list(formats),
+            "attention": attention}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".partial", delete=False) as handle:
         handle.write(model.SerializeToString())
@@ -427,13 +445,14 @@ def read_meta(out: Path) -> dict:
     return json.loads(out.with_suffix(out.suffix + ".json").read_text())
 
 
-def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None = None) -> tuple[Path, dict, str]:
+def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None = None,
+                   attention: str = "gather") -> tuple[Path, dict, str]:
     """(the graph's path, its metadata, where it came from). ``use_cache`` False: written to
     ``private_dir`` (a temporary folder the caller removes)."""
     if not use_cache:
         out = (private_dir or Path(tempfile.mkdtemp(prefix="ricllm-onnx-"))) / "model.onnx"
-        return out, write(model_path, out), f"file {model_path}"
-    out = entry_path(model_path)
+        return out, write(model_path, out, attention), f"file {model_path}"
+    out = entry_path(model_path, attention)
     if out.is_file():
         try:
             touch_used(out)
@@ -441,7 +460,7 @@ def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None =
         except (OSError, ValueError) as exc:
             log.warning("onnx_graph_unreadable", path=str(out), error=str(exc))
     log.info("onnx_graph_exporting", model=str(model_path), out=str(out))
-    meta = write(model_path, out)
+    meta = write(model_path, out, attention)
     for stale in evict_least_recent(out.parent, "*.onnx", MAX_ENTRIES):
         stale.with_suffix(stale.suffix + ".json").unlink(missing_ok=True)
         log.info("onnx_graph_evicted", path=str(stale))
