@@ -24,6 +24,8 @@ whose CPU kernel takes one contiguous past per sequence that it extends itself: 
 the same gather as here, and this form serves mixed prefill, chunked-prefill and decode rows in one run.
 RMSNorm is ONNX's ``RMSNormalization`` and, with the residual add, ``SkipSimplifiedLayerNormalization``;
 RoPE (rotate-half, the rows unpermuted from llama.cpp's interleaving) and SwiGLU are elementwise ops.
+``export(attention="paged")`` writes the graph for ONNX Runtime's CUDA provider instead, each layer's
+attention one ``PagedAttention`` over the pool (``onnx_paged_attention``).
 """
 
 from __future__ import annotations
