@@ -11,7 +11,8 @@
 # Both images' CUDA libraries come from pip wheels and sit in site-packages, so each number holds them;
 # the driver (libcuda) comes from the node through the NVIDIA container toolkit and is in neither.
 # Usage: bash scripts/image_sizes.sh [PYTHON]   (PYTHON: a python3.11; default python3.11). Downloads
-# about 5 GB from the package index; takes a few minutes.
+# about 5 GB from the package index; takes a few minutes. pip's own configuration applies: point it at
+# PyPI itself (a local wheel folder or a CPU-only torch index would measure another torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${1:-python3.11}"
@@ -32,6 +33,9 @@ measure() {  # NAME, then pip install argument lists separated by ';'
     site=$("$work/$name/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     printf '%-12s %6s MiB\n' "$name" "$(du -sm "$site" | cut -f1)"
     printf '  %s\n' "$(du -sm "$site"/* | sort -rn | head -8 | awk '{printf "%s %s; ", $2, $1}' | sed "s|$site/||g")"
+    if [[ -d "$site/nvidia" ]]; then
+        printf '  %s\n' "$(du -sm "$site"/nvidia/* | sort -rn | awk '{printf "%s %s; ", $2, $1}' | sed "s|$site/||g")"
+    fi
     "$work/$name/bin/pip" list --disable-pip-version-check --format freeze \
         | grep -Ei '^(onnxruntime|torch|nvidia|numpy)' | tr '\n' ' '; echo
     rm -rf "${work:?}/$name"

@@ -249,3 +249,17 @@ def test_cuda_without_onnx_runtimes_cuda_build_names_the_extra(tiny_gguf):
     assert "runtime 'onnx' cannot serve this configuration: device 'cuda': this ONNX Runtime" in result.stderr
     assert "has no CUDAExecutionProvider" in result.stderr and "install ricllm[onnx-gpu]" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_gpu_benchmark_says_why_it_did_not_run_and_exits_0():
+    """On a machine without an NVIDIA GPU or without ONNX Runtime's CUDA build, benchmarks/gpu_onnx.py
+    names what is missing and exits 0; --help explains what it measures."""
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_onnx.py"
+    helped = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "PagedAttention" in helped.stdout and "--streams" in helped.stdout
+    if _offers_cuda():
+        pytest.skip("this ONNX Runtime is the CUDA build: the benchmark would run")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "benchmarks/gpu_onnx.py did not run: this ONNX Runtime" in done.stdout
+    assert "pip install 'ricllm[onnx-gpu]'" in done.stdout and "Traceback" not in done.stderr
