@@ -44,8 +44,9 @@ def paged(tiny_smollm_like):
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     from ricllm.engine.runtime.onnx_export import export
+    from ricllm.engine.runtime.onnx_paged_attention import ATTENTION_GRAPHS
 
-    model, spec, _, _ = export(tiny_smollm_like, attention="paged")
+    model, spec, _, _ = export(tiny_smollm_like, ATTENTION_GRAPHS["paged"])
     inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False, guess_output_rank=False)
     return model, spec, value_infos(inferred)
 

@@ -24,8 +24,9 @@ whose CPU kernel takes one contiguous past per sequence that it extends itself: 
 the same gather as here, and this form serves mixed prefill, chunked-prefill and decode rows in one run.
 RMSNorm is ONNX's ``RMSNormalization`` and, with the residual add, ``SkipSimplifiedLayerNormalization``;
 RoPE (rotate-half, the rows unpermuted from llama.cpp's interleaving) and SwiGLU are elementwise ops.
-``export(attention="paged")`` writes the graph for ONNX Runtime's CUDA provider instead, each layer's
-attention one ``PagedAttention`` over the pool (``onnx_paged_attention``).
+``export(graph=PagedLlamaGraph)`` writes the graph for ONNX Runtime's CUDA provider instead, each layer's
+attention one ``PagedAttention`` over the pool (``onnx_paged_attention``, which names both graphs by
+their attention: ``ATTENTION_GRAPHS``).
 """
 
 from __future__ import annotations
@@ -370,13 +371,10 @@ def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
     return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
 
 
-ATTENTIONS = ("gather", "paged")
-
-
-def export(model_path: Path, attention: str = "gather"):
-    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file.
-    ``attention``: ``gather``, standard ops over the gathered pool (ONNX Runtime's CPU provider), or
-    ``paged``, one ``PagedAttention`` node per layer (its CUDA provider; ``onnx_paged_attention``)."""
+def export(model_path: Path, graph: type[LlamaGraph] = LlamaGraph):
+    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file,
+    written by ``graph``: ``LlamaGraph`` (attention over the gathered pool, ONNX Runtime's CPU provider) or a
+    subclass (``onnx_paged_attention.PagedLlamaGraph``: one ``PagedAttention`` per layer, its CUDA provider)."""
     from ricllm.model.gguf_file import GGUFFile
     from ricllm.model.loader import open_checkpoint
 
@@ -390,42 +388,33 @@ def export(model_path: Path, attention: str = "gather"):
     tensors = read_tensors(GGUFFile(model_path))
     if "rope_freqs.weight" in tensors:
         raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
-    graph = graph_class(attention)(spec, tensors)
-    model = graph.build()
-    return model, spec, checkpoint.tokenizer, weight_formats(graph.formats)
-
-
-def graph_class(attention: str) -> type[LlamaGraph]:
-    if attention == "paged":
-        from ricllm.engine.runtime.onnx_paged_attention import PagedLlamaGraph
-
-        return PagedLlamaGraph
-    if attention != "gather":
-        raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
-    return LlamaGraph
+    builder = graph(spec, tensors)
+    model = builder.build()
+    return model, spec, checkpoint.tokenizer, weight_formats(builder.formats)
 
 
 # ------------------------------------------------------------------------------ the cache
 
 
-def entry_path(model_path: Path, attention: str = "gather") -> Path:
-    """Where this file's graph lives in the cache: keyed by its sha256, the attention and the export's code."""
-    code = Path(__file__).read_bytes() + (Path(__file__).with_name("onnx_paged_attention.py").read_bytes()
-                                          if attention == "paged" else b"")
+def entry_path(model_path: Path, graph: type[LlamaGraph] = LlamaGraph) -> Path:
+    """Where this file's graph lives in the cache: keyed by its sha256, the graph and the export's code."""
+    import inspect
+
+    code = Path(__file__).read_bytes() + (b"" if graph is LlamaGraph else Path(inspect.getfile(graph)).read_bytes())
     key = {"sha256": file_digest(model_path), "format": FORMAT_VERSION, "ricllm": __version__,
-           "code": hashlib.sha256(code).hexdigest()[:16], **({"attention": attention} if attention != "gather" else {})}
+           "code": hashlib.sha256(code).hexdigest()[:16], **({} if graph is LlamaGraph else {"graph": graph.__name__})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "onnx" / f"{digest}.onnx"
 
 
-def write(model_path: Path, out: Path, attention: str = "gather") -> dict:
+def write(model_path: Path, out: Path, graph: type[LlamaGraph] = LlamaGraph) -> dict:
     """Write the graph of ``model_path`` to ``out`` (atomically) and, beside it, ``out.json``: the spec,
     the tokenizer's state and the weight formats, which the runtime reads without the GGUF."""
     import dataclasses
 
-    model, spec, tokenizer, formats = export(model_path, attention)
+    model, spec, tokenizer, formats = export(model_path, graph)
     meta = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(), "weight_formats": list(formats),
-            "attention": attention}
+            "graph": graph.__name__}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".partial", delete=False) as handle:
         handle.write(model.SerializeToString())
@@ -448,13 +437,13 @@ def read_meta(out: Path) -> dict:
 
 
 def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None = None,
-                   attention: str = "gather") -> tuple[Path, dict, str]:
+                   graph: type[LlamaGraph] = LlamaGraph) -> tuple[Path, dict, str]:
     """(the graph's path, its metadata, where it came from). ``use_cache`` False: written to
     ``private_dir`` (a temporary folder the caller removes)."""
     if not use_cache:
         out = (private_dir or Path(tempfile.mkdtemp(prefix="ricllm-onnx-"))) / "model.onnx"
-        return out, write(model_path, out, attention), f"file {model_path}"
-    out = entry_path(model_path, attention)
+        return out, write(model_path, out, graph), f"file {model_path}"
+    out = entry_path(model_path, graph)
     if out.is_file():
         try:
             touch_used(out)
@@ -462,7 +451,7 @@ def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None =
         except (OSError, ValueError) as exc:
             log.warning("onnx_graph_unreadable", path=str(out), error=str(exc))
     log.info("onnx_graph_exporting", model=str(model_path), out=str(out))
-    meta = write(model_path, out, attention)
+    meta = write(model_path, out, graph)
     for stale in evict_least_recent(out.parent, "*.onnx", MAX_ENTRIES):
         stale.with_suffix(stale.suffix + ".json").unlink(missing_ok=True)
         log.info("onnx_graph_evicted", path=str(stale))

@@ -1,5 +1,6 @@
 """The Llama-family graph for ONNX Runtime's CUDA execution provider: each layer's attention is one
-``com.microsoft`` ``PagedAttention`` node over ricllm's own paged pool (``export(attention="paged")``).
+``com.microsoft`` ``PagedAttention`` node over ricllm's own paged pool (``export(path, PagedLlamaGraph)``;
+``ATTENTION_GRAPHS`` names both graphs by their attention).
 
 One graph run is one engine step over its ``T`` flattened tokens of ``B`` sequences:
 
@@ -105,3 +106,7 @@ class PagedLlamaGraph(LlamaGraph):
                 inputs.append(helper.make_tensor_value_info(f"{kind}_cache_{layer}", f16, pool))
                 outputs.append(helper.make_tensor_value_info(f"{kind}_cache_out_{layer}", f16, pool))
         return g.model(spec.name or "llama", inputs, outputs)
+
+
+# the export's graphs by their attention: ``gather`` for ONNX Runtime's CPU provider, ``paged`` for its CUDA one
+ATTENTION_GRAPHS: dict[str, type[LlamaGraph]] = {"gather": LlamaGraph, "paged": PagedLlamaGraph}

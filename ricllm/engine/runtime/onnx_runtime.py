@@ -37,6 +37,7 @@ from ricllm.engine.runtime.onnx_export import OnnxExportUnsupported, load_or_exp
 from ricllm.engine.runtime.onnx_cuda import (OnnxCudaKVCache, OnnxCudaModel, OnnxCudaModelRunner,
                                               cuda_provider_problem, device_index)
 from ricllm.engine.runtime.onnx_model import OnnxKVCache, OnnxModel, OnnxModelRunner
+from ricllm.engine.runtime.onnx_paged_attention import ATTENTION_GRAPHS
 from ricllm.errors import ConfigError
 from ricllm.model.spec import ModelSpec
 from ricllm.model.tokenizer import Tokenizer
@@ -87,7 +88,8 @@ def build_onnx_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     cuda = on_cuda(config)
     private = None if config.weight_cache else Path(tempfile.mkdtemp(prefix="ricllm-onnx-"))
     try:
-        path, meta, source = load_or_export(model_path, config.weight_cache, private, "paged" if cuda else "gather")
+        path, meta, source = load_or_export(model_path, config.weight_cache, private,
+                                            ATTENTION_GRAPHS["paged" if cuda else "gather"])
         spec = ModelSpec.from_dict(meta["spec"])
         model = OnnxCudaModel(path, spec, threads, device_index(config.device)) if cuda else OnnxModel(path, spec, threads)
     except OnnxExportUnsupported as exc:
