@@ -264,3 +264,102 @@ def test_the_gpu_benchmark_says_why_it_did_not_run_and_exits_0():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "benchmarks/gpu_onnx.py did not run: this ONNX Runtime" in done.stdout
     assert "pip install 'ricllm[onnx-gpu]'" in done.stdout and "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------ the paged graph evaluated on the CPU
+# ONNX Runtime's CPU build has no PagedAttention kernel, so these two com.microsoft ops are evaluated here
+# with onnx's reference evaluator, from their documented contracts (ContribOperators.md), in numpy.
+
+
+def _reference_ops():
+    from onnx.reference.op_run import OpRun
+
+    class PagedAttention(OpRun):
+        """Packed queries; each token's K/V written at its slot; sequence b's query i sees its keys
+        0 .. past_b + i, read through its block table; GQA (query head h reads KV head h // group)."""
+
+        op_domain = MS
+
+        def _run(self, query, key, value, key_cache, value_cache, cumulative, past, table, cos=None, sin=None,
+                 slots=None, *_, num_heads=None, kv_num_heads=None, scale=None):
+            key_cache, value_cache = key_cache.copy(), value_cache.copy()
+            blocks, block, kv, d = key_cache.shape
+            k_rows, v_rows = key_cache.reshape(-1, kv, d), value_cache.reshape(-1, kv, d)
+            k_rows[slots] = key.reshape(-1, kv, d)
+            v_rows[slots] = value.reshape(-1, kv, d)
+            out = np.zeros((len(query), num_heads, d), dtype=np.float32)
+            kv_head = np.arange(num_heads) // (num_heads // kv)
+            for b in range(len(past)):
+                start, end = cumulative[b], cumulative[b + 1]
+                j = np.arange(past[b] + end - start)
+                rows = table[b, j // block] * block + j % block
+                keys = k_rows[rows][:, kv_head].astype(np.float32)  # [keys, heads, d]
+                values = v_rows[rows][:, kv_head].astype(np.float32)
+                q = query[start:end].reshape(-1, num_heads, d).astype(np.float32)
+                scores = np.einsum("qhd,khd->hqk", q, keys) * scale
+                visible = j[None, :] <= past[b] + np.arange(end - start)[:, None]
+                scores = np.where(visible[None], scores, -np.inf)
+                probs = np.exp(scores - scores.max(-1, keepdims=True))
+                probs /= probs.sum(-1, keepdims=True)
+                out[start:end] = np.einsum("hqk,khd->qhd", probs, values)
+            return out.reshape(len(query), -1).astype(query.dtype), key_cache, value_cache
+
+    class SkipSimplifiedLayerNormalization(OpRun):
+        op_domain = MS
+
+        def _run(self, x, skip, gamma, epsilon=None):
+            total = x + skip
+            normed = total / np.sqrt(np.mean(total * total, axis=-1, keepdims=True) + epsilon) * gamma
+            unused = np.zeros(0, dtype=x.dtype)
+            return normed.astype(x.dtype), unused, unused, total
+
+    return [PagedAttention, SkipSimplifiedLayerNormalization]
+
+
+# the paged graph's fp16 q, k, v and pool against the CPU graph's fp32, tiny F32 model: measured 5.6e-4
+REFERENCE_MAX_LOGIT_DIFFERENCE = 0.01
+
+
+def two_steps() -> list[FlatBatch]:
+    """Step 1: sequence 0 prefills 20 tokens (blocks 3, 1), sequence 1 prefills 7 (block 0). Step 2:
+    sequence 0 decodes position 20 (block 1, slot 20), sequence 1 prefills a chunk of 12 (positions
+    7-18, into block 2)."""
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 200, size=40).tolist()
+    first = FlatBatch(input_ids=ids[:27], positions=[*range(20), *range(7)],
+                      slot_mapping=[*range(48, 64), *range(16, 20), *range(7)], query_start_loc=[0, 20, 27],
+                      context_lens=[20, 7], block_tables=[[3, 1], [0, 0]], logits_rows=[19, 26], max_query_len=20,
+                      prefill_rows=27, prefill_products=0)
+    second = FlatBatch(input_ids=ids[27:40], positions=[20, *range(7, 19)],
+                       slot_mapping=[20, *range(7, 16), *range(32, 35)], query_start_loc=[0, 1, 13],
+                       context_lens=[21, 19], block_tables=[[3, 1], [0, 2]], logits_rows=[0, 12], max_query_len=12,
+                       prefill_rows=12, prefill_products=0)
+    return [first, second]
+
+
+def test_the_paged_graph_computes_the_cpu_graphs_logits_under_a_reference_paged_attention(tiny_gguf):
+    """The paged graph, evaluated step by step on its own fp16 pool (each cache output fed back as the
+    next step's cache, as the op's in-place update leaves it), gives the logits ONNX Runtime computes
+    with the CPU graph for the same two steps (a batched prefill, then a decode beside a chunk that
+    crosses into a new block): the wiring of q, k, v, the casts, RoPE, the scale, the step's arrays and
+    the pool's layout. fp16 q/k/v and pool against fp32: within ``REFERENCE_MAX_LOGIT_DIFFERENCE``. Swapping
+    k and v, past lengths off by one, or another sequence's block table each move the logits by 0.17-2.6."""
+    from onnx.reference import ReferenceEvaluator
+
+    from ricllm.engine.runtime.onnx_cuda import paged_step_inputs
+    from ricllm.engine.runtime.onnx_export import export
+    from ricllm.engine.runtime.onnx_paged_attention import ATTENTION_GRAPHS, CACHE_DTYPE
+
+    model, spec, _, _ = export(tiny_gguf, ATTENTION_GRAPHS["paged"])
+    evaluator = ReferenceEvaluator(model, new_ops=_reference_ops())
+    pool = {f"{kind}_cache_{layer}": np.zeros((6, 16, spec.num_kv_heads, spec.head_dim), dtype=CACHE_DTYPE)
+            for layer in range(spec.num_layers) for kind in ("key", "value")}
+    cpu = LLM(str(tiny_gguf), runtime="onnx", weight_cache=False, kv_cache_budget="4MiB").engine.runtime.runner
+    names = ["logits", *(name.replace("_cache_", "_cache_out_") for name in pool)]
+    for flat in two_steps():
+        logits, *caches = evaluator.run(names, {**paged_step_inputs(flat), **pool})
+        pool = dict(zip(pool, caches))
+        expected = cpu.compute(flat)
+        assert logits.shape == expected.shape == (2, spec.vocab_size)
+        assert np.abs(logits - expected).max() <= REFERENCE_MAX_LOGIT_DIFFERENCE, np.abs(logits - expected).max()
+    assert np.count_nonzero(pool["key_cache_0"].reshape(-1, spec.num_kv_heads * spec.head_dim).any(-1)) == 40
