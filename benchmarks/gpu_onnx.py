@@ -8,9 +8,10 @@ cuDNN wheels) and, for the parity half and the torch rows, torch with CUDA in th
 
 1. Parity: the same greedy requests through ``runtime="onnx", device="cuda"`` (the paged graph: the
    file's int4/int8 MatMulNBits in fp32, each layer's attention one PagedAttention in fp16 over the fp16
-   pool, bound in place with IO binding) and ``runtime="torch", device="cuda", dtype="float32"`` (the
-   reference): the largest logit difference at each request's first sampled position (the same context
-   in both), and greedy agreement (the generated tokens before each request's first difference, of all).
+   pool, bound in place with IO binding) and ``runtime="torch", device="cuda", dtype="float32"`` with the
+   torch reference attention (the reference): the largest logit difference at each request's first
+   sampled position (the same context in both), and greedy agreement (the generated tokens before each
+   request's first difference, of all).
 2. Speed: ``--streams`` requests at once (default 1, 8 and 32) of ``--prompt-len`` random tokens, each
    generating ``--new-tokens`` greedily (ignore_eos), after one warm-up run: decode tokens/s (the tokens
    after the first, over the time after the last first token) and end-to-end tokens/s, for the ONNX
@@ -163,11 +164,12 @@ def run(args: argparse.Namespace) -> list[str]:
     torch_llm = None
     if problem is None:
         reference = LLM(args.model, runtime="torch", device=args.device, dtype="float32",
-                        kv_cache_budget=args.kv_cache_budget)
+                        attention_backend="torch", kv_cache_budget=args.kv_cache_budget)
         difference, agree, total = parity(onnx_llm, reference, random_prompts(8, args.prompt_len, vocab, 1),
                                           args.new_tokens)
-        lines += [f"Parity against the torch runtime on CUDA in float32: max |Δlogit| {difference:.4g} at the "
-                  f"first sampled positions; greedy agreement {agree}/{total} = {agree / total:.1%} tokens.", ""]
+        lines += [f"Parity against the torch runtime on CUDA in float32 (reference attention): max |Δlogit| "
+                  f"{difference:.4g} at the first sampled positions; greedy agreement {agree}/{total} = "
+                  f"{agree / total:.1%} tokens.", ""]
         del reference
         torch_llm = LLM(args.model, runtime="torch", device=args.device, kv_cache_budget=args.kv_cache_budget)
     else:

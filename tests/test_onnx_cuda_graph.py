@@ -120,7 +120,8 @@ def paged_attention_problems(model, spec, shapes: dict) -> list[str]:
         tokens = dims.get("query", [None])[0]
         batch = dims.get("past_seqlens", [None])[0]
         expected = {"query": [tokens, heads * d], "key": [tokens, kv * d], "value": [tokens, kv * d],
-                    "key_cache": ["num_blocks", "block_size", kv, d], "value_cache": ["num_blocks", "block_size", kv, d],
+                    "key_cache": ["num_blocks", "block_size", kv, d],
+                    "value_cache": ["num_blocks", "block_size", kv, d],
                     "cumulative_sequence_length": ["B_plus_1"], "past_seqlens": [batch],
                     "block_table": [batch, "M"], "slot_mapping": [tokens]}
         problems += [f"{where}: {name} has dims {dims[name]}, expected {want}" for name, want in expected.items()

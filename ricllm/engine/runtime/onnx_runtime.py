@@ -91,7 +91,8 @@ def build_onnx_runtime(config: EngineConfig, model_path: Path) -> Runtime:
         path, meta, source = load_or_export(model_path, config.weight_cache, private,
                                             ATTENTION_GRAPHS["paged" if cuda else "gather"])
         spec = ModelSpec.from_dict(meta["spec"])
-        model = OnnxCudaModel(path, spec, threads, device_index(config.device)) if cuda else OnnxModel(path, spec, threads)
+        model = (OnnxCudaModel(path, spec, threads, device_index(config.device)) if cuda
+                 else OnnxModel(path, spec, threads))
     except OnnxExportUnsupported as exc:
         raise ConfigError(f"runtime 'onnx' cannot serve this model: {exc}") from exc
     finally:
@@ -113,5 +114,6 @@ def build_onnx_runtime(config: EngineConfig, model_path: Path) -> Runtime:
         lora=LoraSlots(spec, 0, bf16=False),  # no adapter slots: loading one is refused by name
         sample=numpy_sampler.sample, sample_allowed=numpy_sampler.sample_allowed,
         new_generator=numpy_sampler.new_generator, device=f"cuda:{model.device}" if cuda else "cpu", dtype=dtype,
-        threads=threads, attention_backend="paged" if cuda else "onnx", weight_formats=(layers, head), weights_source=source,
+        threads=threads, attention_backend="paged" if cuda else "onnx", weight_formats=(layers, head),
+        weights_source=source,
         weight_cache_entry=None if private is not None else path, load_s=load_s, capabilities=NO_LIMITS)
