@@ -26,6 +26,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ricllm.engine.runtime.onnx_export import OnnxExportUnsupported, write
+    from ricllm.engine.runtime.onnx_paged_attention import ATTENTION_GRAPHS
     from ricllm.model.loader import resolve_model_path
     from ricllm.units import format_bytes
 
@@ -33,7 +34,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise ConfigError(f"{str(out)!r} is a folder: name the .onnx file to write")
     try:
-        meta = write(resolve_model_path(args.model), out)
+        meta = write(resolve_model_path(args.model), out, ATTENTION_GRAPHS[args.attention])
     except OnnxExportUnsupported as exc:
         raise ConfigError(f"cannot export {args.model} to ONNX: {exc}") from exc
     layers, head = meta["weight_formats"]
@@ -240,6 +241,10 @@ def _add_export_onnx(sub: argparse._SubParsersAction) -> None:
                     "ricllm[onnx].")
     export.add_argument("model", help="GGUF file, or an installed model's short name (smollm2-135m)")
     export.add_argument("out", help="the .onnx file to write")
+    export.add_argument("--attention", choices=("gather", "paged"), default="gather",
+                        help="gather: standard ops over the pool's gathered rows, the graph --runtime onnx runs on "
+                             "the CPU; paged: one com.microsoft PagedAttention per layer over an fp16 pool, the "
+                             "graph it runs with --device cuda (default: gather)")
     export.set_defaults(func=cmd_export_onnx)
 
 

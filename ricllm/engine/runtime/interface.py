@@ -27,20 +27,21 @@ if TYPE_CHECKING:  # only for the checker: importing torch here would load it in
     from ricllm.engine.runtime.lora_slots import LoraSlots
     from ricllm.engine.runtime.model_runner import ModelRunner
     from ricllm.engine.runtime.native_model import NativeModel, NativeModelRunner
+    from ricllm.engine.runtime.onnx_cuda import OnnxCudaKVCache, OnnxCudaModel, OnnxCudaModelRunner
     from ricllm.engine.runtime.onnx_model import OnnxKVCache, OnnxModel, OnnxModelRunner
     from ricllm.sampling_params import SamplingParams
 
 # strings, so that nothing above is needed when the module runs
-Model = Union["LlamaModel", "NativeModel", "OnnxModel"]
-KVStore = Union["KVCache", "NativeKVCache", "OnnxKVCache"]  # ``geometry``, ``layers``, ``total_bytes()``
+Model = Union["LlamaModel", "NativeModel", "OnnxModel", "OnnxCudaModel"]
+KVStore = Union["KVCache", "NativeKVCache", "OnnxKVCache", "OnnxCudaKVCache"]  # ``geometry``, ``layers``, ``total_bytes()``
 # ``run(batch) -> (fp32 logits [N, vocab], rows)``; ``run(batch, allowed) -> (StepLogits, rows)`` with
 # each sampled row's allowed ids (None: unconstrained), the constrained rows on the k-wide head (``narrow_head``)
-Runner = Union["ModelRunner", "NativeModelRunner", "OnnxModelRunner"]
+Runner = Union["ModelRunner", "NativeModelRunner", "OnnxModelRunner", "OnnxCudaModelRunner"]
 # ``capacity``, ``load(slot, adapter)``, ``unload(slot)``, ``nbytes``: the C kernels' layout (the
 # native runtime; the torch one on the CPU with the C kernels) or torch tensors on the device
 AdapterSlots = Union["LoraSlots", "TorchLoraSlots"]
-Device = Union["torch.device", str]  # the native and ONNX runtimes' is "cpu"
-DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16", the ONNX runtime's "float32"
+Device = Union["torch.device", str]  # the native runtime's is "cpu", the ONNX runtime's "cpu" or "cuda:N"
+DType = Union["torch.dtype", str]  # the native runtime's is "bfloat16", the ONNX runtime's "float32" ("float16" on a GPU)
 Generator = Union["torch.Generator", "np.random.Generator"]
 Sampler = Callable[[Any, "list[SamplingParams]", "list[Generator | None]"], "list[int]"]
 # (allowed ids ascending, their fp32 logits, params, generator) -> one of the ids

@@ -24,6 +24,9 @@ whose CPU kernel takes one contiguous past per sequence that it extends itself: 
 the same gather as here, and this form serves mixed prefill, chunked-prefill and decode rows in one run.
 RMSNorm is ONNX's ``RMSNormalization`` and, with the residual add, ``SkipSimplifiedLayerNormalization``;
 RoPE (rotate-half, the rows unpermuted from llama.cpp's interleaving) and SwiGLU are elementwise ops.
+``export(graph=PagedLlamaGraph)`` writes the graph for ONNX Runtime's CUDA provider instead, each layer's
+attention one ``PagedAttention`` over the pool (``onnx_paged_attention``, which names both graphs by
+their attention: ``ATTENTION_GRAPHS``).
 """
 
 from __future__ import annotations
@@ -368,8 +371,10 @@ def weight_formats(formats: dict[str, str]) -> tuple[str, str]:
     return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
 
 
-def export(model_path: Path):
-    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file."""
+def export(model_path: Path, graph: type[LlamaGraph] = LlamaGraph):
+    """(the ONNX ``ModelProto``, the spec, the tokenizer, (layers', head's weight format)) of a GGUF file,
+    written by ``graph``: ``LlamaGraph`` (attention over the gathered pool, ONNX Runtime's CPU provider) or a
+    subclass (``onnx_paged_attention.PagedLlamaGraph``: one ``PagedAttention`` per layer, its CUDA provider)."""
     from ricllm.model.gguf_file import GGUFFile
     from ricllm.model.loader import open_checkpoint
 
@@ -383,29 +388,33 @@ def export(model_path: Path):
     tensors = read_tensors(GGUFFile(model_path))
     if "rope_freqs.weight" in tensors:
         raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
-    graph = LlamaGraph(spec, tensors)
-    model = graph.build()
-    return model, spec, checkpoint.tokenizer, weight_formats(graph.formats)
+    builder = graph(spec, tensors)
+    model = builder.build()
+    return model, spec, checkpoint.tokenizer, weight_formats(builder.formats)
 
 
 # ------------------------------------------------------------------------------ the cache
 
 
-def entry_path(model_path: Path) -> Path:
-    """Where this file's graph lives in the cache: keyed by its sha256 and this module's code."""
+def entry_path(model_path: Path, graph: type[LlamaGraph] = LlamaGraph) -> Path:
+    """Where this file's graph lives in the cache: keyed by its sha256, the graph and the export's code."""
+    import inspect
+
+    code = Path(__file__).read_bytes() + (b"" if graph is LlamaGraph else Path(inspect.getfile(graph)).read_bytes())
     key = {"sha256": file_digest(model_path), "format": FORMAT_VERSION, "ricllm": __version__,
-           "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+           "code": hashlib.sha256(code).hexdigest()[:16], **({} if graph is LlamaGraph else {"graph": graph.__name__})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "onnx" / f"{digest}.onnx"
 
 
-def write(model_path: Path, out: Path) -> dict:
+def write(model_path: Path, out: Path, graph: type[LlamaGraph] = LlamaGraph) -> dict:
     """Write the graph of ``model_path`` to ``out`` (atomically) and, beside it, ``out.json``: the spec,
     the tokenizer's state and the weight formats, which the runtime reads without the GGUF."""
     import dataclasses
 
-    model, spec, tokenizer, formats = export(model_path)
-    meta = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(), "weight_formats": list(formats)}
+    model, spec, tokenizer, formats = export(model_path, graph)
+    meta = {"spec": dataclasses.asdict(spec), "tokenizer": tokenizer.to_state(), "weight_formats": list(formats),
+            "graph": graph.__name__}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".partial", delete=False) as handle:
         handle.write(model.SerializeToString())
@@ -427,13 +436,14 @@ def read_meta(out: Path) -> dict:
     return json.loads(out.with_suffix(out.suffix + ".json").read_text())
 
 
-def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None = None) -> tuple[Path, dict, str]:
+def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None = None,
+                   graph: type[LlamaGraph] = LlamaGraph) -> tuple[Path, dict, str]:
     """(the graph's path, its metadata, where it came from). ``use_cache`` False: written to
     ``private_dir`` (a temporary folder the caller removes)."""
     if not use_cache:
         out = (private_dir or Path(tempfile.mkdtemp(prefix="ricllm-onnx-"))) / "model.onnx"
-        return out, write(model_path, out), f"file {model_path}"
-    out = entry_path(model_path)
+        return out, write(model_path, out, graph), f"file {model_path}"
+    out = entry_path(model_path, graph)
     if out.is_file():
         try:
             touch_used(out)
@@ -441,7 +451,7 @@ def load_or_export(model_path: Path, use_cache: bool, private_dir: Path | None =
         except (OSError, ValueError) as exc:
             log.warning("onnx_graph_unreadable", path=str(out), error=str(exc))
     log.info("onnx_graph_exporting", model=str(model_path), out=str(out))
-    meta = write(model_path, out)
+    meta = write(model_path, out, graph)
     for stale in evict_least_recent(out.parent, "*.onnx", MAX_ENTRIES):
         stale.with_suffix(stale.suffix + ".json").unlink(missing_ok=True)
         log.info("onnx_graph_evicted", path=str(stale))
