@@ -377,9 +377,11 @@ def export(model_path: Path):
     spec = checkpoint.spec
     if checkpoint.format != "gguf":
         raise OnnxExportUnsupported("the ONNX export reads GGUF files; an HF folder is not exported yet")
+    if spec.architecture == "gemma3":
+        return export_gemma3(checkpoint, GGUFFile(model_path))
     if spec.architecture != "llama":
         raise OnnxExportUnsupported(f"architecture {spec.architecture!r}: the ONNX export writes Llama-family "
-                                    "graphs only")
+                                    "and Gemma 3 graphs only")
     tensors = read_tensors(GGUFFile(model_path))
     if "rope_freqs.weight" in tensors:
         raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
@@ -388,13 +390,26 @@ def export(model_path: Path):
     return model, spec, checkpoint.tokenizer, weight_formats(graph.formats)
 
 
+def export_gemma3(checkpoint, reader):
+    """``export``'s answer for a Gemma 3 file (``onnx_gemma3``)."""
+    from ricllm.engine.runtime.onnx_gemma3 import Gemma3Graph, gemma3_weight_formats, quantized_blocks
+
+    graph = Gemma3Graph(checkpoint.spec, read_tensors(reader), quantized_blocks(reader))
+    model = graph.build()
+    return model, checkpoint.spec, checkpoint.tokenizer, gemma3_weight_formats(graph.formats)
+
+
 # ------------------------------------------------------------------------------ the cache
+
+# the modules whose code writes a graph: a change to any of them makes a new cache entry
+GRAPH_MODULES = ("onnx_export.py", "onnx_gemma3.py", "onnx_quants.py")
 
 
 def entry_path(model_path: Path) -> Path:
-    """Where this file's graph lives in the cache: keyed by its sha256 and this module's code."""
+    """Where this file's graph lives in the cache: keyed by its sha256 and the code that writes graphs."""
     key = {"sha256": file_digest(model_path), "format": FORMAT_VERSION, "ricllm": __version__,
-           "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+           "code": hashlib.sha256(b"".join((Path(__file__).parent / m).read_bytes()
+                                            for m in GRAPH_MODULES)).hexdigest()[:16]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir() / "onnx" / f"{digest}.onnx"
 
