@@ -4,7 +4,11 @@ and the installed Gemma 3 270M held to HF transformers fp32."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +228,20 @@ def test_prefix_cache_hits_through_both_groups_give_the_torch_runtimes_tokens(ti
     assert again.token_ids == reference.generate([prompt + [7, 8]], GREEDY)[0].token_ids
     choice = llm.generate(["cell load"], SamplingParams(max_tokens=8, structured={"choice": ["high", "low"]}))[0]
     assert choice.text in ("high", "low")
+
+
+def test_a_process_serves_gemma3_through_onnx_runtime_without_importing_torch(tiny_gemma3, tmp_path):
+    """The Gemma graph's modules, like the Llama graph's, keep torch out of the serving process."""
+    from tests.test_onnx_runtime import SERVE_WITHOUT_TORCH
+
+    prompts = random_prompts(300, (5, 30), seed=1)
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path), "RICLLM_LOG_LEVEL": "warning"}
+    done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TORCH, str(tiny_gemma3), json.dumps(prompts)],
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    assert run["runtime"] == "onnx" and not run["torch"], run
+    assert run["tokens"] == [o.token_ids for o in torch_llm(tiny_gemma3).generate(prompts, GREEDY)]
 
 
 # ---------------------------------------------------------------- Q4_K_M's types

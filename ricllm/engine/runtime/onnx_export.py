@@ -1,4 +1,5 @@
 """A Llama-family GGUF as one ONNX graph for ONNX Runtime: the ONNX runtime's model (``onnx_runtime``).
+A Gemma 3 GGUF's graph is ``onnx_gemma3``'s, written through ``export`` alike.
 
 The weights stay as compact as the file stores them: Q4_0, Q4_1 and Q8_0 blocks become ``com.microsoft``
 ``MatMulNBits`` weights block for block (32 codes, one scale each). Q4_1's ``d·q + m`` is MatMulNBits'

@@ -5,9 +5,10 @@ engine above keeps its scheduler, paged pool and block tables, prefix caching an
 decoding. This module builds the runtime: the thread count, the graph, the session and the fp32
 pool (``onnx_model``: one step is one ``session.run``).
 
-The pool is fp32 (ONNX Runtime's CPU kernels compute in fp32); int8 and windowed KV caches, LoRA
-adapters (the runtime has no adapter slots, so loading one is refused by name) and Gemma 3 are not
-served here yet. ONNX Runtime's threads follow the engine's ``threads`` (``engine_cpus`` pins the
+The pool is fp32 (ONNX Runtime's CPU kernels compute in fp32); int8 and windowed KV caches and LoRA
+adapters (the runtime has no adapter slots, so loading one is refused by name) are not served here
+yet. Gemma 3's hybrid pool (a block table per cache group) is served: each layer reads and writes
+its slot through its group's tables (``onnx_model.view_step_inputs``). ONNX Runtime's threads follow the engine's ``threads`` (``engine_cpus`` pins the
 process before the session starts its pool, so its workers inherit the CPUs), and its workers do not
 spin between runs (``session.intra_op.allow_spinning`` 0): on a shared RIC node a spinning pool burns
 the cores other xApps run on.
