@@ -1,4 +1,4 @@
-"""A Gemma 3 GGUF as one ONNX graph for ONNX Runtime (``onnx_export`` writes it for ``architecture`` gemma3).
+"""A Gemma 3 GGUF as one ONNX graph for ONNX Runtime (``onnx_export.export`` writes it for a gemma3 file).
 
 The math is ``gemma3.py``'s, in fp32:
 
@@ -31,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from ricllm.cache.kv_groups import kv_cache_groups, layer_groups
-from ricllm.engine.runtime.onnx_export import FileTensor, LlamaGraph, OnnxExportUnsupported
+from ricllm.engine.runtime.onnx_graph import (FileTensor, GraphBuilder, OnnxExportUnsupported, rms_norm,
+                                              rotate_halves)
 from ricllm.engine.runtime.onnx_quants import NBITS_TYPES, nbits_gather, nbits_matmul, nbits_weight, stacked
 from ricllm.model.formats import MIXED
 from ricllm.model.spec import ModelSpec
@@ -64,16 +65,16 @@ def gemma3_weight_formats(formats: dict[str, str]) -> tuple[str, str]:
     return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
 
 
-class Gemma3Graph(LlamaGraph):
+class Gemma3Graph:
     """Writes Gemma 3's nodes into a ``GraphBuilder`` from the file's tensors and raw blocks
     (``blocks``: each quantized tensor's ``[rows, columns / type block, type bytes]``)."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, FileTensor], blocks: dict[str, np.ndarray]):
-        super().__init__(spec, tensors)
-        self.blocks = blocks
+        self.spec, self.tensors, self.blocks, self.g = spec, tensors, blocks, GraphBuilder()
+        self.formats: dict[str, str] = {}
         self.views, self.view_of_layer = layer_views(spec)
 
-    def linear(self, x: str, names: list[str], stem: str, row_orders=None) -> str:
+    def linear(self, x: str, names: list[str], stem: str) -> str:
         """``x @ W.T`` with W the file's tensors ``names`` stacked by rows: one MatMulNBits where they share a
         layout, one per tensor concatenated where they do not, fp32 ``MatMul`` for float tensors."""
         g, parts = self.g, [self.tensors[n] for n in names]
@@ -145,9 +146,7 @@ class Gemma3Graph(LlamaGraph):
 
     def head_norm(self, x: str, weight: str) -> str:
         """RMSNorm of each head's ``d_h`` values (QK-norm), ``x [T, heads, d_h]``."""
-        g = self.g
-        gamma = g.constant("qk_norm_weight", self.tensors[weight].values().reshape(-1))
-        return g.one("RMSNormalization", [x, gamma], axis=-1, epsilon=self.spec.rms_norm_eps)
+        return self.norm(x, None, weight)[0]
 
     def attention(self, layer: int, h: str, rope: tuple[str, str], steps: dict) -> str:
         spec, g = self.spec, self.g
@@ -158,10 +157,10 @@ class Gemma3Graph(LlamaGraph):
                           f"layer{layer}_qkv")
         q, k, v = g.op("Split", [qkv, g.constant("split", np.asarray([spec.q_size, spec.kv_size, spec.kv_size],
                                                                       dtype=np.int64))], 3, axis=-1)
-        q = self.rotate(self.head_norm(g.one("Reshape", [q, g.shape(-1, heads, dim)]), f"{prefix}.attn_q_norm.weight"),
-                        *rope)
-        k = self.rotate(self.head_norm(g.one("Reshape", [k, g.shape(-1, kv_heads, dim)]),
-                                       f"{prefix}.attn_k_norm.weight"), *rope)
+        q = rotate_halves(g, self.head_norm(g.one("Reshape", [q, g.shape(-1, heads, dim)]),
+                                            f"{prefix}.attn_q_norm.weight"), *rope)
+        k = rotate_halves(g, self.head_norm(g.one("Reshape", [k, g.shape(-1, kv_heads, dim)]),
+                                            f"{prefix}.attn_k_norm.weight"), *rope)
         g.op("Identity", [k], [f"present_key_{layer}"])
         g.op("Reshape", [v, g.shape(-1, kv_heads, dim)], [f"present_value_{layer}"])
         keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", slots_input(group, window)], axis=0,
@@ -188,10 +187,9 @@ class Gemma3Graph(LlamaGraph):
         act = g.one("Mul", [g.one("Gelu", [gate], approximate="tanh"), up])
         return self.linear(act, [f"blk.{layer}.ffn_down.weight"], f"layer{layer}_down")
 
-    def post_norm(self, x: str, weight: str) -> str:
-        g = self.g
-        gamma = g.constant("norm_weight", self.tensors[weight].values().reshape(-1))
-        return g.one("RMSNormalization", [x, gamma], axis=-1, epsilon=self.spec.rms_norm_eps)
+    def norm(self, x: str, delta: str | None, weight: str) -> tuple[str, str]:
+        """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
+        return rms_norm(self.g, x, delta, self.tensors[weight].values(), self.spec.rms_norm_eps)
 
     def build(self):
         from onnx import TensorProto, helper
@@ -218,9 +216,9 @@ class Gemma3Graph(LlamaGraph):
         for layer in range(spec.num_layers):
             h, x = self.norm(x, delta, f"blk.{layer}.attn_norm.weight")
             attended = self.attention(layer, h, rope[1 if spec.layer_window(layer) else 0], steps)
-            h, x = self.norm(x, self.post_norm(attended, f"blk.{layer}.post_attention_norm.weight"),
+            h, x = self.norm(x, self.norm(attended, None, f"blk.{layer}.post_attention_norm.weight")[0],
                              f"blk.{layer}.ffn_norm.weight")
-            delta = self.post_norm(self.mlp(layer, h), f"blk.{layer}.post_ffw_norm.weight")
+            delta = self.norm(self.mlp(layer, h), None, f"blk.{layer}.post_ffw_norm.weight")[0]
         h, _ = self.norm(x, delta, "output_norm.weight")
         g.op("Identity", [head(g.one("Gather", [h, "logits_rows"], axis=0))], ["logits"])
 

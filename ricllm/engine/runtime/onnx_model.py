@@ -18,8 +18,8 @@ import numpy as np
 from ricllm.cache.kv_cache import CacheGeometry, cache_shape, store_slots
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.runtime.narrow_head import StepLogits, plan_head, step_logits
-from ricllm.engine.runtime.onnx_export import MASKED
 from ricllm.engine.runtime.onnx_gemma3 import bias_input, layer_views, slots_input
+from ricllm.engine.runtime.onnx_graph import MASKED
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.errors import ConfigError
 from ricllm.model.spec import ModelSpec

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ricllm.engine.runtime.onnx_export import ACCURACY_LEVEL, MS_DOMAIN, GraphBuilder, matmul_nbits_weights
+from ricllm.engine.runtime.onnx_graph import ACCURACY_LEVEL, MS_DOMAIN, GraphBuilder, matmul_nbits_weights
 
 OFFSET_BLOCK = 32  # the weights an offset covers: one 4-bit block
 NBITS_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
