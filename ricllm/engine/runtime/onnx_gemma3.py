@@ -91,7 +91,8 @@ class Gemma3Graph:
         return g.one("MatMul", [x, g.constant(f"{stem}_weight", values.T)])
 
     def embedding_and_head(self, ids: str):
-        """The embedding rows of ``ids`` times √hidden ``[T, hidden]``, and the head's (soft-capped) logits of rows."""
+        """The embedding rows of ``ids`` times √hidden ``[T, hidden]``, and a function giving the head's
+        (soft-capped) logits of rows."""
         g, embed = self.g, self.tensors["token_embd.weight"]
         tied = "output.weight" not in self.tensors
         if embed.kind in NBITS_TYPES:

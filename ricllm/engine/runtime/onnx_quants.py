@@ -9,7 +9,8 @@ offset times each block's activation sum (``nbits_matmul`` adds that small produ
     Q6_K   d·sc_j·(q − 32)      8-bit, block 16 (its sub-blocks): codes q − 32 + 128, scale d·sc_j
     Q4_0   d·(q − 8)            4-bit, block 32: codes q, scale d
     Q4_1   d·q + m              4-bit, block 32: codes q, scale d, offset m + 8d
-    Q4_K   d·sc_j·q − dmin·m_j  4-bit, block 32 (its sub-blocks): codes q, scale d·sc_j, offset 8·d·sc_j − dmin·m_j
+    Q4_K   d·sc_j·q − dmin·m_j  4-bit, block 32 (its sub-blocks): codes q, scale d·sc_j,
+                                offset 8·d·sc_j − dmin·m_j
 
 ``d`` is fp16 and ``sc_j`` an integer of at most 8 bits, so every scale ``d·sc_j`` is exact in fp32: the
 products differ from the file's dequantized weights by fp32 rounding only (the offsets' one subtraction,

@@ -8,10 +8,11 @@ pool (``onnx_model``: one step is one ``session.run``).
 The pool is fp32 (ONNX Runtime's CPU kernels compute in fp32); int8 and windowed KV caches and LoRA
 adapters (the runtime has no adapter slots, so loading one is refused by name) are not served here
 yet. Gemma 3's hybrid pool (a block table per cache group) is served: each layer reads and writes
-its slot through its group's tables (``onnx_model.view_step_inputs``). ONNX Runtime's threads follow the engine's ``threads`` (``engine_cpus`` pins the
-process before the session starts its pool, so its workers inherit the CPUs), and its workers do not
-spin between runs (``session.intra_op.allow_spinning`` 0): on a shared RIC node a spinning pool burns
-the cores other xApps run on.
+its slot through its group's tables (``onnx_model.view_step_inputs``). ONNX Runtime's threads follow
+the engine's ``threads`` (``engine_cpus`` pins the process before the session starts its pool, so
+its workers inherit the CPUs), and its workers do not spin between runs
+(``session.intra_op.allow_spinning`` 0): on a shared RIC node a spinning pool burns the cores other
+xApps run on.
 """
 
 from __future__ import annotations
