@@ -118,6 +118,26 @@ def quantize_q4_k(array: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 144)
 
 
+def quantize_q6_k(array: np.ndarray) -> np.ndarray:
+    """``array`` ``[rows, cols]`` (cols a multiple of 256) as GGML Q6_K blocks (gguf-py dequantizes them
+    but does not write them): per 256 values an fp16 scale, per 16 an int8 multiple of it, ``w = d·sc·(q − 32)``
+    with 6-bit ``q``; q's low nibbles in ``ql`` (two halves of 128 values, 64 bytes each: value ``b`` low,
+    ``b + 64`` high), its top 2 bits in ``qh`` (value ``32s + c`` of a half at bits ``2s`` of byte ``c``)."""
+    rows, cols = array.shape
+    sub = array.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, sub-blocks, 16]
+    scale = np.abs(sub).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d[:, None].astype(np.float32), 1e-30)), -128, 127).astype(np.int8)
+    step = d[:, None].astype(np.float32) * sc
+    q = np.clip(np.round(sub / np.maximum(step, 1e-30)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(-1, 256)
+    halves = q.reshape(-1, 2, 2, 64)
+    ql = ((halves[:, :, 0] & 0x0F) | ((halves[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+    quarters = q.reshape(-1, 2, 4, 32) >> 4
+    qh = (quarters[:, :, 0] | (quarters[:, :, 1] << 2) | (quarters[:, :, 2] << 4) | (quarters[:, :, 3] << 6))
+    blocks = np.concatenate([ql, qh.reshape(-1, 64), sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
 def _random_tensors(writer, rng, quant):
     """``add(name, shape, scale, quantize, offset)``: a random tensor written to ``writer``, stored in
     ``quant`` (a GGML type name) where ``quantize`` asks for it, else as F32. ``quant`` may instead
@@ -130,6 +150,8 @@ def _random_tensors(writer, rng, quant):
         kind = quant(name) if callable(quant) else quant if quantize else None
         if kind == "Q4_K":
             writer.add_tensor(name, quantize_q4_k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif kind == "Q6_K":
+            writer.add_tensor(name, quantize_q6_k(array), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
         elif kind is not None:
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

@@ -364,3 +364,15 @@ def test_the_paged_graph_computes_the_cpu_graphs_logits_under_a_reference_paged_
         assert logits.shape == expected.shape == (2, spec.vocab_size)
         assert np.abs(logits - expected).max() <= REFERENCE_MAX_LOGIT_DIFFERENCE, np.abs(logits - expected).max()
     assert np.count_nonzero(pool["key_cache_0"].reshape(-1, spec.num_kv_heads * spec.head_dim).any(-1)) == 40
+
+
+def test_a_gemma3_file_is_refused_the_paged_graph_by_name(tmp_path):
+    """Gemma 3's windowed cache groups are not in the paged graph: its export says so rather than writing a
+    CPU graph that the CUDA runner would bind as a paged one."""
+    from ricllm.engine.runtime.onnx_export import OnnxExportUnsupported, export
+    from ricllm.engine.runtime.onnx_paged_attention import ATTENTION_GRAPHS
+    from tests.helpers import write_tiny_gemma3_gguf
+
+    path = write_tiny_gemma3_gguf(tmp_path / "tiny_gemma3.gguf", seed=3, window=8)
+    with pytest.raises(OnnxExportUnsupported, match="Gemma 3 has no PagedLlamaGraph"):
+        export(path, ATTENTION_GRAPHS["paged"])

@@ -233,13 +233,13 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
 
 def _add_export_onnx(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser(
-        "export-onnx", help="write a Llama-family GGUF as an ONNX graph for ONNX Runtime (the onnx runtime's model)",
+        "export-onnx", help="write a Llama-family or Gemma 3 GGUF as an ONNX graph for ONNX Runtime (the onnx runtime's model)",
         description="Write the model as the ONNX graph that --runtime onnx runs (com.microsoft MatMulNBits from "
                     "the file's 4- and 8-bit blocks, attention over the paged KV pool's gathered rows), and "
                     "beside it OUT.json: the model's shape and tokenizer. --runtime onnx writes the same graph "
                     "into the weight cache by itself; this command is for inspecting or shipping it. Needs "
                     "ricllm[onnx].")
-    export.add_argument("model", help="GGUF file, or an installed model's short name (smollm2-135m)")
+    export.add_argument("model", help="GGUF file, or an installed model's short name (smollm2-135m, gemma3-270m)")
     export.add_argument("out", help="the .onnx file to write")
     export.add_argument("--attention", choices=("gather", "paged"), default="gather",
                         help="gather: standard ops over the pool's gathered rows, the graph --runtime onnx runs on "

@@ -1,4 +1,5 @@
 """A Llama-family GGUF as one ONNX graph for ONNX Runtime: the ONNX runtime's model (``onnx_runtime``).
+A Gemma 3 GGUF's graph is ``onnx_gemma3``'s, written through ``export`` alike.
 
 The weights stay as compact as the file stores them: Q4_0, Q4_1 and Q8_0 blocks become ``com.microsoft``
 ``MatMulNBits`` weights block for block (32 codes, one scale each). Q4_1's ``d·q + m`` is MatMulNBits'
@@ -31,17 +32,19 @@ their attention: ``ATTENTION_GRAPHS``).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+# the graphs' building blocks (``onnx_graph``, which the Gemma graph builds on too) are this module's names as well
+from ricllm.engine.runtime.onnx_graph import (  # noqa: F401
+    ACCURACY_LEVEL, BLOCK, MASKED, MS_DOMAIN, PACKED_TYPES, FileTensor, GraphBuilder, OnnxExportUnsupported,
+    matmul_nbits, matmul_nbits_weights, read_tensors, rms_norm, rope_row_order, rotate_halves)
 from ricllm.logging import get_logger
 from ricllm.model.spec import ModelSpec
 from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
@@ -50,153 +53,6 @@ from ricllm.version import __version__
 log = get_logger("ricllm.onnx")
 FORMAT_VERSION = 1
 MAX_ENTRIES = 4
-OPSET = 23  # RMSNormalization
-MS_DOMAIN = "com.microsoft"
-BLOCK = 32  # weights per GGUF block of Q4_0, Q4_1 and Q8_0, and MatMulNBits' block_size here
-MASKED = -1e30  # the bias of a key a query must not see: finite, so that a padded query row stays a number
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-# the accuracy MatMulNBits computes at on the CPU: 4 quantizes the activations to int8 per block (the
-# VNNI path, as ricllm's native kernels), 0 keeps them fp32
-ACCURACY_LEVEL = 4
-
-
-class OnnxExportUnsupported(Exception):
-    """The model cannot be written as this graph (the message says why)."""
-
-
-@dataclass
-class GraphBuilder:
-    """Nodes and initializers of one graph, named as they are added."""
-
-    nodes: list = field(default_factory=list)
-    initializers: list = field(default_factory=list)
-    counter: int = 0
-
-    def name(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}_{self.counter}"
-
-    def constant(self, stem: str, array: np.ndarray) -> str:
-        from onnx import numpy_helper
-
-        name = self.name(stem)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
-           node: str | None = None, **attributes) -> list[str]:
-        """Add a node (named ``node``, numbered; else after its type) and return its outputs' names."""
-        from onnx import helper
-
-        names = outputs if isinstance(outputs, list) else [self.name(op_type.lower()) for _ in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, names, name=self.name(node or op_type), domain=domain,
-                                           **attributes))
-        return names
-
-    def one(self, op_type: str, inputs: list[str], domain: str = "", node: str | None = None, **attributes) -> str:
-        return self.op(op_type, inputs, 1, domain, node, **attributes)[0]
-
-    def shape(self, *dims: int) -> str:
-        return self.constant("shape", np.asarray(dims, dtype=np.int64))
-
-    def model(self, name: str, inputs: list, outputs: list):
-        """The ``ModelProto``: opset ``OPSET`` and com.microsoft 1, at the IR version ONNX Runtime 1.30 reads."""
-        from onnx import helper
-
-        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
-        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="ricllm", producer_version=__version__)
-        model.ir_version = 10
-        return model
-
-
-# ------------------------------------------------------------------------------ the file's tensors
-
-
-@dataclass(frozen=True)
-class FileTensor:
-    """One GGUF tensor: its storage type, its rows (out features) and columns (in), its raw blocks
-    ``[rows, columns/32, block bytes]`` for a packed type (else None), and its fp32 values on demand."""
-
-    kind: str
-    rows: int
-    columns: int
-    blocks: np.ndarray | None
-    values: Callable[[], np.ndarray]
-
-
-def read_tensors(reader) -> dict[str, FileTensor]:
-    from gguf.quants import dequantize
-
-    tensors = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        shape = [int(n) for n in t.shape]  # GGUF lists the columns first
-        columns, rows = shape[0], int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        blocks = np.asarray(t.data).reshape(rows, columns // BLOCK, -1) if kind in PACKED_TYPES else None
-        tensors[t.name] = FileTensor(kind, rows, columns, blocks,
-                                     functools.partial(_values, t.data, t.tensor_type, rows, columns, dequantize))
-    return tensors
-
-
-def _values(data, tensor_type, rows, columns, dequantize) -> np.ndarray:
-    return np.asarray(dequantize(data, tensor_type), dtype=np.float32).reshape(rows, columns)
-
-
-def rope_row_order(rows: int, num_heads: int) -> np.ndarray:
-    """The row order that undoes llama.cpp's q/k permutation (interleaved RoPE pairs -> halves)."""
-    half = rows // num_heads // 2
-    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(rows)
-
-
-# ------------------------------------------------------------------------------ MatMulNBits weights
-
-
-def matmul_nbits_weights(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
-    """(B ``uint8 [N, k_blocks, blob]``, scales ``fp32 [N·k_blocks]``, bits, Q4_1's block offsets
-    ``fp32 [N, k_blocks]`` or None) for MatMulNBits at its default zero point (8 at 4 bits, 128 at 8)
-    from GGUF blocks ``[N, k_blocks, bytes]``.
-
-    A Q4_1 block ``d·q + m`` is ``d·(q − 8)`` plus the offset ``m + 8d`` times the sum of the block's
-    activations (``matmul_nbits`` adds that term): exact up to fp32 rounding. MatMulNBits' float zero
-    point ``−m/d`` would be exact too, but ONNX Runtime's CPU kernels (1.31) then dequantize the whole
-    weight on every call, about a hundred times slower than with integer zero points."""
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q8_0":
-        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return np.ascontiguousarray(codes), d.reshape(-1), 8, None
-    if kind == "Q4_0":
-        return _pack_nibbles(_gguf_nibbles(blocks[..., 2:])), d.reshape(-1), 4, None
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return _pack_nibbles(_gguf_nibbles(blocks[..., 4:])), d.reshape(-1), 4, m + 8 * d
-
-
-def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
-    """Codes ``[..., 32]``: GGUF's byte j holds code j (low nibble) and code j+16 (high)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """MatMulNBits' 4-bit blob: byte i holds code 2i (low nibble) and code 2i+1 (high)."""
-    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-
-
-def matmul_nbits(g: GraphBuilder, x: str, kind: str, blocks: np.ndarray, stem: str,
-                 accuracy_level: int = ACCURACY_LEVEL, scales_name: str | None = None,
-                 weight_name: str | None = None) -> str:
-    """``x [T, K] @ W.T`` for W the GGUF blocks ``[N, K/32, bytes]`` of ``kind``: one MatMulNBits node
-    (``scales_name``/``weight_name``: initializers already in the graph, shared)."""
-    weight, scales, bits, offsets = matmul_nbits_weights(kind, blocks)
-    inputs = [weight_name or g.constant(f"{stem}_weight", weight), scales_name or g.constant(f"{stem}_scales", scales)]
-    y = g.one("MatMulNBits", [x, *inputs], domain=MS_DOMAIN, K=blocks.shape[1] * BLOCK, N=blocks.shape[0],
-              bits=bits, block_size=BLOCK, accuracy_level=accuracy_level)
-    if offsets is None:
-        return y
-    # Q4_1's offsets: Σ_b offset[n, b] · Σ_{k in block b} x[k], one small fp32 product [T, k_blocks] @ [k_blocks, N]
-    block_sums = g.one("ReduceSum", [g.one("Reshape", [x, g.shape(0, blocks.shape[1], BLOCK)]),
-                                     g.constant("axes", np.asarray([-1], dtype=np.int64))], keepdims=0)
-    return g.one("Add", [y, g.one("MatMul", [block_sums, g.constant(f"{stem}_offsets", offsets.T)])])
-
 
 # ------------------------------------------------------------------------------ the graph
 
@@ -264,11 +120,7 @@ class LlamaGraph:
 
     def rotate(self, x: str, cos: str, sin: str) -> str:
         """RoPE on ``x [T, heads, d_h]``: halves (a, b) -> (a·cos − b·sin, b·cos + a·sin)."""
-        g = self.g
-        a, b = g.op("Split", [x], 2, axis=-1, num_outputs=2)
-        first = g.one("Sub", [g.one("Mul", [a, cos]), g.one("Mul", [b, sin])])
-        second = g.one("Add", [g.one("Mul", [b, cos]), g.one("Mul", [a, sin])])
-        return g.one("Concat", [first, second], axis=-1)
+        return rotate_halves(self.g, x, cos, sin)
 
     def attention(self, layer: int, h: str, cos: str, sin: str, steps: dict[str, str]) -> str:
         spec, g = self.spec, self.g
@@ -311,13 +163,7 @@ class LlamaGraph:
 
     def norm(self, x: str, delta: str | None, weight: str) -> tuple[str, str]:
         """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
-        g, eps = self.g, self.spec.rms_norm_eps
-        gamma = g.constant("norm_weight", self.tensors[weight].values().reshape(-1))
-        if delta is None:
-            return g.one("RMSNormalization", [x, gamma], axis=-1, epsilon=eps), x
-        normed, _, _, total = g.op("SkipSimplifiedLayerNormalization", [delta, x, gamma], 4, domain=MS_DOMAIN,
-                                   epsilon=eps)
-        return normed, total
+        return rms_norm(self.g, x, delta, self.tensors[weight].values(), self.spec.rms_norm_eps)
 
     def build(self):
         from onnx import TensorProto, helper
@@ -382,9 +228,14 @@ def export(model_path: Path, graph: type[LlamaGraph] = LlamaGraph):
     spec = checkpoint.spec
     if checkpoint.format != "gguf":
         raise OnnxExportUnsupported("the ONNX export reads GGUF files; an HF folder is not exported yet")
+    if spec.architecture == "gemma3" and graph is not LlamaGraph:
+        raise OnnxExportUnsupported(f"Gemma 3 has no {graph.__name__}: its windowed cache groups are served on the "
+                                    "CPU graph only (no PagedAttention graph for them yet)")
+    if spec.architecture == "gemma3":
+        return export_gemma3(checkpoint, GGUFFile(model_path))
     if spec.architecture != "llama":
         raise OnnxExportUnsupported(f"architecture {spec.architecture!r}: the ONNX export writes Llama-family "
-                                    "graphs only")
+                                    "and Gemma 3 graphs only")
     tensors = read_tensors(GGUFFile(model_path))
     if "rope_freqs.weight" in tensors:
         raise OnnxExportUnsupported("the file's RoPE frequency factors (Llama 3.1) are not in the ONNX graph yet")
@@ -393,14 +244,28 @@ def export(model_path: Path, graph: type[LlamaGraph] = LlamaGraph):
     return model, spec, checkpoint.tokenizer, weight_formats(builder.formats)
 
 
+def export_gemma3(checkpoint, reader):
+    """``export``'s answer for a Gemma 3 file (``onnx_gemma3``)."""
+    from ricllm.engine.runtime.onnx_gemma3 import Gemma3Graph, gemma3_weight_formats, quantized_blocks
+
+    graph = Gemma3Graph(checkpoint.spec, read_tensors(reader), quantized_blocks(reader))
+    model = graph.build()
+    return model, checkpoint.spec, checkpoint.tokenizer, gemma3_weight_formats(graph.formats)
+
+
 # ------------------------------------------------------------------------------ the cache
+
+# the modules whose code writes a graph: a change to any of them makes a new cache entry
+GRAPH_MODULES = ("onnx_export.py", "onnx_graph.py", "onnx_gemma3.py", "onnx_quants.py")
 
 
 def entry_path(model_path: Path, graph: type[LlamaGraph] = LlamaGraph) -> Path:
-    """Where this file's graph lives in the cache: keyed by its sha256, the graph and the export's code."""
+    """Where this file's graph lives in the cache: keyed by its sha256, the graph class and the code that
+    writes graphs."""
     import inspect
 
-    code = Path(__file__).read_bytes() + (b"" if graph is LlamaGraph else Path(inspect.getfile(graph)).read_bytes())
+    modules = [(Path(__file__).parent / m).read_bytes() for m in GRAPH_MODULES]
+    code = b"".join(modules + ([] if graph is LlamaGraph else [Path(inspect.getfile(graph)).read_bytes()]))
     key = {"sha256": file_digest(model_path), "format": FORMAT_VERSION, "ricllm": __version__,
            "code": hashlib.sha256(code).hexdigest()[:16], **({} if graph is LlamaGraph else {"graph": graph.__name__})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

@@ -18,7 +18,8 @@ import numpy as np
 from ricllm.cache.kv_cache import CacheGeometry, cache_shape, store_slots
 from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
 from ricllm.engine.runtime.narrow_head import StepLogits, plan_head, step_logits
-from ricllm.engine.runtime.onnx_export import MASKED
+from ricllm.engine.runtime.onnx_gemma3 import bias_input, layer_views, slots_input
+from ricllm.engine.runtime.onnx_graph import MASKED
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.errors import ConfigError
 from ricllm.model.spec import ModelSpec
@@ -59,6 +60,8 @@ class OnnxModel:
         self.spec, self.path, self.threads = spec, path, threads
         self.present_names = [f"present_{kind}_{layer}" for layer in range(spec.num_layers)
                               for kind in ("key", "value")]
+        # Gemma 3's layers attend through views (cache group, window); a Llama graph through one layout
+        self.views, self.view_of_layer = layer_views(spec) if spec.architecture == "gemma3" else (None, None)
 
     def weight_bytes(self) -> int:
         """The graph file's bytes: its weights, as the file stores them, are nearly all of it."""
@@ -92,11 +95,14 @@ class OnnxModelRunner:
         ``flat.logits_rows``; the step's K/V written into the pool at ``flat.slot_mapping``."""
         if flat.kv_windows is not None:
             raise ConfigError("the ONNX runtime does not serve windowed KV caches yet")
-        outputs = self.model.session.run(["logits", *self.model.present_names],
-                                         {**step_inputs(flat, self.block_size), **self.pools})
-        slots = np.asarray(flat.slot_mapping, dtype=np.int64)
-        for name, present in zip(self.model.present_names, outputs[1:]):
-            self.pools[name.replace("present", "past")][slots] = present
+        model = self.model
+        inputs = (step_inputs(flat, self.block_size) if model.views is None
+                  else view_step_inputs(flat, self.block_size, model.views))
+        outputs = model.session.run(["logits", *model.present_names], {**inputs, **self.pools})
+        by_group = [np.asarray(mapping, dtype=np.int64) for mapping in (flat.slot_mapping, *flat.group_slot_mappings)]
+        for index, (name, present) in enumerate(zip(model.present_names, outputs[1:])):
+            group = 0 if model.views is None else model.views[model.view_of_layer[index // 2]][0]
+            self.pools[name.replace("present", "past")][by_group[group]] = present
         return outputs[0]
 
 
@@ -126,3 +132,42 @@ def step_inputs(flat: FlatBatch, block_size: int) -> dict[str, np.ndarray]:
             "positions": np.asarray(flat.positions, dtype=np.int64),
             "query_rows": query_rows, "past_slots": past_slots, "attention_bias": bias[:, None, None],
             "token_rows": token_rows, "logits_rows": np.asarray(flat.logits_rows, dtype=np.int64)}
+
+
+def view_step_inputs(flat: FlatBatch, block_size: int, views: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    """A Gemma 3 graph's step inputs: ``step_inputs``' query layout, and per view ``(group, window)`` the
+    pool rows of the cached keys its queries may see, read through the group's block tables: all ``p_b``
+    for a full-attention view (window 0), the last ``window − 1`` for a sliding-window one (the first new
+    query at ``p_b`` sees keys ``> p_b − window``); per window the bias that masks padding, the future and
+    keys ``window`` or more positions behind a query."""
+    starts = np.asarray(flat.query_start_loc, dtype=np.int64)
+    new = np.diff(starts)
+    past = np.asarray(flat.context_lens, dtype=np.int64) - new
+    batch, queries = len(new), int(new.max())
+    query_index = np.arange(queries)
+    real_query = query_index[None, :] < new[:, None]  # [B, Q]
+    inputs = {"input_ids": np.asarray(flat.input_ids, dtype=np.int64),
+              "positions": np.asarray(flat.positions, dtype=np.int64),
+              "query_rows": np.where(real_query, starts[:-1, None] + query_index[None, :], 0),
+              "token_rows": (np.repeat(np.arange(batch), new) * queries + np.arange(len(flat.input_ids))
+                             - np.repeat(starts[:-1], new)),
+              "logits_rows": np.asarray(flat.logits_rows, dtype=np.int64)}
+    tables = [np.asarray(t, dtype=np.int64) for t in (flat.block_tables, *flat.group_block_tables)]
+    query_at = past[:, None] + query_index[None, :]  # [B, Q]: each query's position
+    for window in sorted({w for _, w in views}):
+        first = np.maximum(past - (window - 1), 0) if window else np.zeros_like(past)
+        keys = max(1, int((past - first).max()))
+        key_at = first[:, None] + np.arange(keys)[None, :]  # [B, P]: each cached key's position
+        real_key = key_at < past[:, None]
+        sees = real_key[:, None, :] & (key_at[:, None, :] > query_at[:, :, None] - window if window else True)
+        behind = query_index[:, None] - query_index[None, :]  # [Q, Q]: query i's distance to new key j
+        sees_new = (behind >= 0) & ((behind < window) if window else True) & real_query[:, None, :]
+        bias = np.where(np.concatenate([np.broadcast_to(sees, (batch, queries, keys)),
+                                        np.broadcast_to(sees_new, (batch, queries, queries))], axis=-1),
+                        np.float32(0.0), np.float32(MASKED))
+        inputs[bias_input(window)] = bias[:, None, None]
+        for group, _ in (v for v in views if v[1] == window):
+            table = tables[group]
+            blocks = np.take_along_axis(table, np.minimum(key_at // block_size, table.shape[1] - 1), axis=1)
+            inputs[slots_input(group, window)] = np.where(real_key, blocks * block_size + key_at % block_size, 0)
+    return inputs

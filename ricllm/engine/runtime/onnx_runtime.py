@@ -10,12 +10,14 @@ On ``device="cuda"`` (``cuda:N``) the graph is the paged one (``onnx_paged_atten
 place (``onnx_cuda``); that needs ONNX Runtime's CUDA build (``ricllm[onnx-gpu]``), and without it the
 start names that extra. ``device="auto"`` stays on the CPU: the ONNX runtime uses a GPU only when asked.
 
-On the CPU the pool is fp32 (ONNX Runtime's CPU kernels compute in fp32); int8 and windowed KV caches, LoRA
-adapters (the runtime has no adapter slots, so loading one is refused by name) and Gemma 3 are not
-served here yet. ONNX Runtime's threads follow the engine's ``threads`` (``engine_cpus`` pins the
-process before the session starts its pool, so its workers inherit the CPUs), and its workers do not
-spin between runs (``session.intra_op.allow_spinning`` 0): on a shared RIC node a spinning pool burns
-the cores other xApps run on.
+On the CPU the pool is fp32 (ONNX Runtime's CPU kernels compute in fp32); int8 and windowed KV caches and
+LoRA adapters (the runtime has no adapter slots, so loading one is refused by name) are not served here
+yet. Gemma 3's hybrid pool (a block table per cache group) is served: each layer reads and writes its
+slot through its group's tables (``onnx_model.view_step_inputs``). ONNX Runtime's threads follow the
+engine's ``threads`` (``engine_cpus`` pins the process before the session starts its pool, so its
+workers inherit the CPUs), and its workers do not spin between runs
+(``session.intra_op.allow_spinning`` 0): on a shared RIC node a spinning pool burns the cores other
+xApps run on.
 """
 
 from __future__ import annotations
