@@ -978,7 +978,8 @@ def ortgenai_notes(s: Series) -> list[str]:
              f"({s.fact('device')} execution provider), under {s.config.python}"
              f"{' with ' + s.config.env['PYTHONPATH'] if 'PYTHONPATH' in s.config.env else ''}; decoder session "
              f"options {json.dumps(session)} set through og.Config.overlay, the rest ORT GenAI's defaults "
-             f"(spinning workers)."),
+             f"(spinning workers); ONNX Runtime picks its own kernels for this CPU, whatever --no-amx or "
+             f"--avx2-only set for ricllm."),
             (f"ORT GenAI's model: `{build['builder']}` (onnxruntime-genai {build['versions']['onnxruntime-genai']}, "
              f"onnx-ir {build['versions']['onnx-ir']}) on an fp32 HF folder that transformers {build['transformers']} "
              f"unpacked from {build['gguf']} (benchmarks/ortgenai_peer.py; built once, {build['hf_folder_s']} s + "
@@ -1123,12 +1124,13 @@ def parse_args_from(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ortgenai", action="store_true",
                         help="add ONNX Runtime GenAI as a peer: its int4 CPU model built from the same GGUF "
                              "(an fp32 HF folder written by transformers, then ORT GenAI's builder with its CPU "
-                             "recipe: RTN int4, block 32, accuracy level 4), both once into $RICLLM_CACHE_DIR/ortgenai/ "
-                             "(a minute or two), nothing downloaded; see benchmarks/ortgenai_peer.py")
+                             "recipe: RTN int4, block 32, accuracy level 4), both once into "
+                             "$RICLLM_CACHE_DIR/ortgenai/ (a minute or two), nothing downloaded; see "
+                             "benchmarks/ortgenai_peer.py")
     parser.add_argument("--ortgenai-python", default=None, metavar="PYTHON",
                         help="with --ortgenai: an interpreter with onnxruntime-genai and onnx-ir (default: this one; "
-                             "where it lacks them, ortgenai_peer.VERSIONS are installed into $RICLLM_CACHE_DIR/ortgenai-VERSION, "
-                             "over this venv's ONNX Runtime)")
+                             "where it lacks them, ortgenai_peer.VERSIONS are installed into "
+                             "$RICLLM_CACHE_DIR/ortgenai-VERSION, over this venv's ONNX Runtime)")
     parser.add_argument("--no-publish", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--child", choices=["measure", "ready", "probe"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
