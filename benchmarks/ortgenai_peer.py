@@ -138,8 +138,11 @@ def run_step(command: list[str], env: dict, what: str) -> tuple[float, str | Non
     """(seconds, why it failed or None); its output (the builder logs every node it quantizes) is shown
     only when it fails."""
     start = time.perf_counter()
-    done = subprocess.run(command, check=False, env=dict(os.environ, **OFFLINE, **env), capture_output=True,
-                          text=True)
+    try:
+        done = subprocess.run(command, check=False, env=dict(os.environ, **OFFLINE, **env), capture_output=True,
+                              text=True)
+    except OSError as error:
+        return time.perf_counter() - start, f"{what} could not start ({error}): `{' '.join(command)}`"
     if done.returncode:
         print("\n".join((done.stdout + done.stderr).splitlines()[-30:]), file=sys.stderr)
         return time.perf_counter() - start, (f"{what} failed (exit status {done.returncode}; the end of its "

@@ -4,7 +4,6 @@ and the targets' verdict lines. No model, no engine, no child process."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -271,33 +270,3 @@ def test_ort_genai_runs_as_a_peer_under_its_interpreter_with_its_built_model(tmp
     assert env["PYTHONPATH"] == "/cache/ortgenai-0.18.0" and env["OMP_NUM_THREADS"] == str(bench.THREADS)
     assert bench.ORTGENAI_SESSION["model"]["decoder"]["session_options"]["intra_op_num_threads"] == bench.THREADS
     assert [c.engine for c in bench.configurations(args, llamacpp_ok=False)] == ["ricllm"]  # no peer: no row
-
-
-def test_ort_genai_under_an_interpreter_that_cannot_import_it_is_named_not_run(tmp_path):
-    from benchmarks import ortgenai_peer
-
-    python, env, problem = ortgenai_peer.packages(str(tmp_path / "no-python"), tmp_path, ortgenai_peer.VERSIONS)
-    assert python == str(tmp_path / "no-python") and env == {} and "no-python" in problem
-    python, env, problem = ortgenai_peer.packages(sys.executable, tmp_path, {})
-    if problem:  # this venv has no ORT GenAI: the import error names the module
-        assert "onnxruntime_genai" in problem
-
-
-def test_ort_genai_reads_every_initializer_per_token_but_the_rope_tables(tmp_path):
-    import numpy as np
-    import onnx
-    from onnx import helper, numpy_helper
-
-    from benchmarks import ortgenai_peer
-
-    initializers = [numpy_helper.from_array(np.zeros((960, 18, 16), np.uint8), "qkv.weight_Q4"),
-                    numpy_helper.from_array(np.zeros((960, 18), np.float32), "qkv.weight_scales"),
-                    numpy_helper.from_array(np.zeros(576, np.float32), "norm.weight"),
-                    numpy_helper.from_array(np.zeros((8192, 32), np.float32), "cos_cache"),
-                    numpy_helper.from_array(np.zeros((8192, 32), np.float32), "sin_cache")]
-    graph = helper.make_graph([], "g", [], [], initializer=initializers)
-    onnx.save(helper.make_model(graph), str(tmp_path / "model.onnx"))
-    assert ortgenai_peer.weight_bytes(tmp_path) == 960 * 18 * 16 + 960 * 18 * 4 + 576 * 4
-    config = {"model": {"decoder": {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_size": 64}}}
-    (tmp_path / "genai_config.json").write_text(json.dumps(config))
-    assert ortgenai_peer.kv_bytes_per_token(tmp_path) == 2 * 30 * 3 * 64 * 4  # fp32 K and V
