@@ -39,7 +39,8 @@ ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtim
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
 native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
 auto:onnx is LLM(model, dtype="float32", runtime="onnx"): the GGUF as an ONNX graph in ONNX
-Runtime (MatMulNBits on the file's 4- and 8-bit blocks, an fp32 KV pool: half the tokens per byte).
+Runtime (MatMulNBits on the file's 4- and 8-bit blocks, an fp32 KV pool: half the tokens per byte,
+so its budget is twice, 512MiB: the same tokens as the others' 256MiB).
 --ortgenai adds ONNX Runtime GenAI as a peer (benchmarks/ortgenai_peer.py): the same GGUF unpacked
 by transformers into an fp32 HF folder, built by ORT GenAI's model builder into an int4 CPU model
 with its CPU recipe (RTN int4, block 32, accuracy level 4), both once into $RICLLM_CACHE_DIR/ortgenai/;
@@ -103,6 +104,7 @@ ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
 THREADS = 2
 KV_BUDGET = "256MiB"
+ONNX_KV_BUDGET = "512MiB"  # the ONNX runtime's pool is fp32: the tokens KV_BUDGET buys the others at bf16
 RESULT_MARK, READY_MARK = "BENCH_RESULT ", "BENCH_READY "
 FULL = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 8, 16, 32], "prefill_len": 512, "prefill_repeats": 3}
 QUICK = {"prompt_len": 32, "new_tokens": 8, "streams": [1, 4], "prefill_len": 32, "prefill_repeats": 1}
@@ -121,6 +123,11 @@ TORCH_AVX2 = {k: v for k, v in AVX2_ONLY.items() if not k.startswith("RICLLM_")}
 
 def progress(message: str) -> None:
     print(f"[bench_cpu] {message}", file=sys.stderr, flush=True)
+
+
+def kv_budget(runtime: str) -> str:
+    """The KV budget of a ricllm configuration: the same tokens for every runtime."""
+    return ONNX_KV_BUDGET if runtime == "onnx" else KV_BUDGET
 
 
 def peak_rss_mb() -> float:
@@ -143,7 +150,8 @@ class RicllmEngine:
         self.params = SamplingParams
         onnx = spec["runtime"] == "onnx"  # ONNX Runtime computes in fp32, on the file's own weight formats
         self.llm = LLM(spec["model"], dtype="float32" if onnx else "bfloat16",
-                       weights="auto" if onnx else spec["weights"], kv_cache_budget=KV_BUDGET, threads=THREADS,
+                       weights="auto" if onnx else spec["weights"], kv_cache_budget=kv_budget(spec["runtime"]),
+                       threads=THREADS,
                        runtime=spec["runtime"])
         assert self.llm.engine.runtime.name == spec["runtime"], self.llm.engine.runtime.why
         self.preemptions: dict[int, int] = {}
@@ -954,7 +962,8 @@ def series_notes(s: Series) -> list[str]:
     lines = []
     preempted = [{n: c for n, c in (run.get("preemptions") or {}).items() if c} for run in s.runs if run]
     if any(preempted):
-        lines.append(f"{s.label}: KV preemptions per repeat (streams: count) {preempted} under the {KV_BUDGET} budget.")
+        lines.append(f"{s.label}: KV preemptions per repeat (streams: count) {preempted} under the "
+                     f"{kv_budget(s.config.spec['runtime'])} budget.")
     failed = sum(run is None for run in s.runs)
     if failed:
         lines.append(f"{s.label}: {failed} of {len(s.runs)} repeats failed (their children's stderr is above).")
@@ -1048,8 +1057,8 @@ def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, pro
                f"Model: {model.name}. {sizes['prompt_len']}-token prompts, "
                f"{sizes['new_tokens']} new tokens, greedy, EOS ignored; prompt throughput: one "
                f"{sizes['prefill_len']}-token prompt (median of {sizes['prefill_repeats']}); ricllm KV budget "
-               f"{KV_BUDGET}; each configuration in its own process, {repeats} repeat{'s' if repeats > 1 else ''} "
-               f"interleaved: median "
+               f"{KV_BUDGET} ({ONNX_KV_BUDGET} for the ONNX runtime's fp32 pool: the same tokens); each "
+               f"configuration in its own process, {repeats} repeat{'s' if repeats > 1 else ''} interleaved: median "
                f"[min–max]; ratios: median [min–max] of the per-repeat ratios.")
     publish("CPU benchmark: ricllm vs llama.cpp vs HF", details, body, append=append)
 

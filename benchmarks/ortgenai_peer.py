@@ -6,9 +6,11 @@ into a plain fp32 model, which ``save_pretrained`` writes beside the tokenizer. 
 writes the int4 CPU model with the settings ORT GenAI recommends for the CPU (Microsoft's
 ``cpu-int4-rtn-block-32-acc-level-4`` releases): round-to-nearest int4 in blocks of 32, accuracy
 level 4 (MatMulNBits quantizes the activations to int8), symmetric, the tied embedding and head
-shared. Both folders land in ``$RICLLM_CACHE_DIR/ortgenai/``, keyed by the GGUF's sha256 and the
-versions that wrote them, so only a first run builds them. Nothing is downloaded: every step runs
-with the Hugging Face hub offline, from the local file.
+shared; and ``prune_lm_head``, so that a prefill computes the head's logits at the last prompt
+position only, as the other engines do. Both folders land in ``$RICLLM_CACHE_DIR/ortgenai/``,
+keyed by the GGUF's sha256, the versions that wrote them and the builder's options, so only a first
+run builds them. Nothing is downloaded: every step runs with the Hugging Face hub offline, from the
+local file.
 
 The packages: an interpreter that imports ``onnxruntime_genai`` and ``onnx_ir`` (the builder's
 one need beside torch, transformers and onnx) serves as it is; otherwise ``VERSIONS`` are installed,
@@ -24,6 +26,7 @@ in its own process so that the benchmark's parent never holds the unpacked model
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,7 +39,10 @@ from pathlib import Path
 
 THIS = Path(__file__).resolve()
 VERSIONS = {"onnxruntime-genai": "0.18.0", "onnx-ir": "1.1.0"}  # pinned: the builder's options move between releases
-BUILDER = ["-p", "int4", "-e", "cpu", "--extra_options", "accuracy_level=4", "block_size=32"]
+# ORT GenAI's CPU recipe, and the head's logits at each sequence's last prompt position only, as every
+# engine in bench_cpu computes them: by default the builder's prefill computes [batch, prompt, vocab]
+# fp32 logits (1.6 GB at 32 streams of 256 tokens, the head's product on every prompt row)
+BUILDER = ["-p", "int4", "-e", "cpu", "--extra_options", "accuracy_level=4", "block_size=32", "prune_lm_head=true"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 ROPE_TABLES = ("cos_cache", "sin_cache")  # read a row per position, not whole per token
 
@@ -150,12 +156,18 @@ def run_step(command: list[str], env: dict, what: str) -> tuple[float, str | Non
     return time.perf_counter() - start, None
 
 
+def model_folder(cache: Path, digest: str, versions: dict[str, str]) -> Path:
+    """Where the built model of the GGUF with this sha256 lives: keyed by ORT GenAI's version and BUILDER."""
+    options = hashlib.sha256(" ".join(BUILDER).encode()).hexdigest()[:8]
+    return cache / "ortgenai" / f"int4-cpu-{digest[:16]}-genai-{versions['onnxruntime-genai']}-{options}"
+
+
 def build(gguf: Path, digest: str, python: str, env: dict, cache: Path, versions: dict[str, str],
           transformers_version: str) -> tuple[Path | None, str | None]:
     """The int4 model folder for ``gguf`` (built on first use: the HF folder, then the builder); why not."""
     root = cache / "ortgenai"
     hf = root / f"hf-{digest[:16]}-transformers-{transformers_version}"
-    model_dir = root / f"int4-cpu-{digest[:16]}-genai-{versions['onnxruntime-genai']}"
+    model_dir = model_folder(cache, digest, versions)
     if (model_dir / "build.json").is_file():
         return model_dir, None
     root.mkdir(parents=True, exist_ok=True)

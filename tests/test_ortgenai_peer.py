@@ -64,7 +64,8 @@ def test_every_initializer_is_read_per_token_but_the_rope_tables(tmp_path):
 
 def test_a_built_model_is_reused_without_running_anything(tmp_path):
     digest = "ab" * 32
-    model_dir = tmp_path / "ortgenai" / f"int4-cpu-{digest[:16]}-genai-{ortgenai_peer.VERSIONS['onnxruntime-genai']}"
+    model_dir = ortgenai_peer.model_folder(tmp_path, digest, ortgenai_peer.VERSIONS)
+    assert model_dir.parent == tmp_path / "ortgenai"
     model_dir.mkdir(parents=True)
     (model_dir / "build.json").write_text("{}")
     found, problem = ortgenai_peer.build(Path("/no/such.gguf"), digest, "/no/python", {}, tmp_path,
