@@ -983,6 +983,8 @@ def ortgenai_notes(s: Series) -> list[str]:
     """What ORT GenAI ran (versions, provider, session, builder) and where it is not like for like."""
     build = s.config.spec["ortgenai_build"]
     session = ORTGENAI_SESSION["model"]["decoder"]["session_options"]
+    hf_folder = (f"the HF folder {build['hf_folder_s']} s" if build["hf_folder_s"] is not None else
+                 "the HF folder of an earlier build")
     return [(f"ORT GenAI: onnxruntime-genai {s.fact('version')} on ONNX Runtime {s.fact('onnxruntime')} "
              f"({s.fact('device')} execution provider), under {s.config.python}"
              f"{' with ' + s.config.env['PYTHONPATH'] if 'PYTHONPATH' in s.config.env else ''}; decoder session "
@@ -991,8 +993,8 @@ def ortgenai_notes(s: Series) -> list[str]:
              f"--avx2-only set for ricllm."),
             (f"ORT GenAI's model: `{build['builder']}` (onnxruntime-genai {build['versions']['onnxruntime-genai']}, "
              f"onnx-ir {build['versions']['onnx-ir']}) on an fp32 HF folder that transformers {build['transformers']} "
-             f"unpacked from {build['gguf']} (benchmarks/ortgenai_peer.py; built once, {build['hf_folder_s']} s + "
-             f"{build['builder_s']} s, not in the table: its time to ready loads the built folder)."),
+             f"unpacked from {build['gguf']} (benchmarks/ortgenai_peer.py; built once: {hf_folder}, then the "
+             f"builder {build['builder_s']} s; not in the table, whose time to ready loads the built folder)."),
             ("ORT GenAI is not like for like in: its weights, the GGUF's Q4_1 unpacked and quantized again "
              "(symmetric int4, blocks of 32, fp32 scales; the head int4 over codes shared with the embedding, "
              "where ricllm's head is int8); its KV, fp32 (GroupQueryAttention over each stream's contiguous past, "

@@ -171,7 +171,7 @@ def build(gguf: Path, digest: str, python: str, env: dict, cache: Path, versions
     if (model_dir / "build.json").is_file():
         return model_dir, None
     root.mkdir(parents=True, exist_ok=True)
-    hf_s = 0.0
+    hf_s = None  # the HF folder of an earlier build, reused
     if not (hf / "config.json").is_file():
         progress(f"ORT GenAI: writing {gguf.name} as an fp32 Hugging Face folder into {hf} (once; about a minute)")
         staging = Path(tempfile.mkdtemp(prefix=hf.name + "-", dir=root))
@@ -192,7 +192,7 @@ def build(gguf: Path, digest: str, python: str, env: dict, cache: Path, versions
     shutil.rmtree(staging / "builder-cache", ignore_errors=True)
     facts = {"gguf": gguf.name, "sha256": digest, "versions": versions, "transformers": transformers_version,
              "builder": " ".join(["python -m onnxruntime_genai.models.builder -i HF -o OUT", *BUILDER]),
-             "hf_folder_s": round(hf_s, 1), "builder_s": round(build_s, 1),
+             "hf_folder_s": hf_s and round(hf_s, 1), "builder_s": round(build_s, 1),
              "weight_bytes": weight_bytes(staging), "kv_bytes_per_token": kv_bytes_per_token(staging)}
     (staging / "build.json").write_text(json.dumps(facts, indent=1))
     staging.rename(model_dir)

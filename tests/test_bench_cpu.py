@@ -270,3 +270,19 @@ def test_ort_genai_runs_as_a_peer_under_its_interpreter_with_its_built_model(tmp
     assert env["PYTHONPATH"] == "/cache/ortgenai-0.18.0" and env["OMP_NUM_THREADS"] == str(bench.THREADS)
     assert bench.ORTGENAI_SESSION["model"]["decoder"]["session_options"]["intra_op_num_threads"] == bench.THREADS
     assert [c.engine for c in bench.configurations(args, llamacpp_ok=False)] == ["ricllm"]  # no peer: no row
+
+
+def test_ort_genai_notes_name_its_versions_session_builder_and_what_differs():
+    build = {"builder": "python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4", "gguf": "m.gguf",
+             "versions": {"onnxruntime-genai": "0.18.0", "onnx-ir": "1.1.0"}, "transformers": "5.25.0",
+             "hf_folder_s": None, "builder_s": 9.5}
+    facts = {"version": "0.18.0", "onnxruntime": "libonnxruntime.so.1.31.1", "device": "CPU"}
+    peer = bench.Series(bench.Config("ORT GenAI", "ortgenai", "/venv/bin/python", {"ortgenai_build": build}),
+                        [run(40.0, **facts)])
+    text = "\n".join(bench.ortgenai_notes(peer))
+    assert "onnxruntime-genai 0.18.0 on ONNX Runtime libonnxruntime.so.1.31.1 (CPU execution provider)" in text
+    assert f'"intra_op_num_threads": {bench.THREADS}' in text and build["builder"] in text
+    assert "the HF folder of an earlier build, then the builder 9.5 s" in text
+    assert "not like for like" in text and "fp32" in text and "static" in text
+    build["hf_folder_s"] = 31.2
+    assert "the HF folder 31.2 s, then the builder 9.5 s" in "\n".join(bench.ortgenai_notes(peer))
