@@ -19,7 +19,8 @@ Measured, for every engine:
      first token): ricllm from one generate() (its TTFTs); HF from two generate() calls (1 and
      128 new tokens); llama.cpp from its own loop: one batch prefills every stream, then each
      step decodes one token of every stream in one llama_decode (one seq_id per stream, as
-     llama-batched-bench does), argmax over the logits;
+     llama-batched-bench does), argmax over the logits; ORT GenAI from one Generator over the
+     batch (its first token: append_tokens, the prefill, then the first generate_next_token);
   3. prompt throughput: tokens/s prefilling one 512-token prompt and sampling its first token
      (median of 3 different prompts);
   4. time to ready: wall time from starting a fresh process to a model ready to generate.
@@ -33,13 +34,20 @@ Measured, for every engine:
      decode cannot beat B / (weight bytes read per token + KV bytes per context token * the
      mean decode context); the table gives each configuration's fraction of that bound. Each
      child counts its own weight bytes (ricllm: as its latency roofline does; llama.cpp: the
-     model's tensor bytes; HF: its parameters), the embedding table only where it is the head.
+     model's tensor bytes; HF: its parameters; ORT GenAI: its graph's initializers but the RoPE
+     tables), the embedding table only where it is the head.
 
 ricllm: LLM(model, dtype="bfloat16", weights=W, kv_cache_budget="256MiB", runtime=R). On a Q4_1
 file weights="int4" resolves to int4 layers + int8 head, which is what "auto" gives; with the
 native runtime (no torch in the process) it is what LLM() runs by default here (labelled).
 auto:onnx is LLM(model, dtype="float32", runtime="onnx"): the GGUF as an ONNX graph in ONNX
-Runtime (MatMulNBits on the file's 4- and 8-bit blocks, an fp32 KV pool: half the tokens per byte).
+Runtime (MatMulNBits on the file's 4- and 8-bit blocks, an fp32 KV pool: half the tokens per byte,
+so its budget is twice, 512MiB: the same tokens as the others' 256MiB).
+--ortgenai adds ONNX Runtime GenAI as a peer (benchmarks/ortgenai_peer.py): the same GGUF unpacked
+by transformers into an fp32 HF folder, built by ORT GenAI's model builder into an int4 CPU model
+with its CPU recipe (RTN int4, block 32, accuracy level 4), both once into $RICLLM_CACHE_DIR/ortgenai/;
+its Generator takes the streams as one batch, greedy, its decoder session at THREADS intra-op
+threads. A second table divides every other ricllm configuration and ORT GenAI by the default.
 --no-amx, --avx2-only and --ricllm-env set the ricllm children's environment (--no-amx: the C kernels
 without AMX, and torch's MKL and oneDNN capped below AMX: what an AMD EPYC Zen 4 runs; --avx2-only:
 what an AVX2-only CPU runs; see cpu_caps.py); each
@@ -63,6 +71,7 @@ The summary, ratios and the decode targets (PASS/FAIL) are appended to benchmark
     python benchmarks/bench_cpu.py [--configs int4:native int4:torch int8:native bf16:torch] [--repeats N]
         [--no-amx] [--ricllm-env KEY=VALUE ...] [--skip-hf] [--skip-llamacpp] [--no-publish]
     python benchmarks/bench_cpu.py --avx2-like-for-like   # the avx2 family against an AVX2-only llama.cpp
+    python benchmarks/bench_cpu.py --configs int4:native auto:onnx --ortgenai   # both ONNX Runtime paths
     python benchmarks/bench_cpu.py --tree main=../main-tree --tree branch=. --skip-hf --skip-llamacpp
         # two revisions of ricllm side by side, interleaved, under this script's one harness
 
@@ -88,13 +97,16 @@ from pathlib import Path
 
 try:  # stdlib only, as this module
     from benchmarks.cpu_caps import AVX2_ONLY, WITHOUT_AMX
+    from benchmarks.ortgenai_peer import Peer, prepare as prepare_ortgenai
 except ImportError:  # run as a script (the children too): this folder is the first sys.path entry
     from cpu_caps import AVX2_ONLY, WITHOUT_AMX
+    from ortgenai_peer import Peer, prepare as prepare_ortgenai
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
 THREADS = 2
 KV_BUDGET = "256MiB"
+ONNX_KV_BUDGET = "512MiB"  # the ONNX runtime's pool is fp32: the tokens KV_BUDGET buys the others at bf16
 RESULT_MARK, READY_MARK = "BENCH_RESULT ", "BENCH_READY "
 FULL = {"prompt_len": 256, "new_tokens": 128, "streams": [1, 8, 16, 32], "prefill_len": 512, "prefill_repeats": 3,
         "single_stream_trials": 5}
@@ -117,6 +129,11 @@ def progress(message: str) -> None:
     print(f"[bench_cpu] {message}", file=sys.stderr, flush=True)
 
 
+def kv_budget(runtime: str) -> str:
+    """The KV budget of a ricllm configuration: the same tokens for every runtime."""
+    return ONNX_KV_BUDGET if runtime == "onnx" else KV_BUDGET
+
+
 def peak_rss_mb() -> float:
     """This process's own peak RSS in MB (10^6 bytes): VmHWM, in KiB."""
     try:
@@ -137,7 +154,8 @@ class RicllmEngine:
         self.params = SamplingParams
         onnx = spec["runtime"] == "onnx"  # ONNX Runtime computes in fp32, on the file's own weight formats
         self.llm = LLM(spec["model"], dtype="float32" if onnx else "bfloat16",
-                       weights="auto" if onnx else spec["weights"], kv_cache_budget=KV_BUDGET, threads=THREADS,
+                       weights="auto" if onnx else spec["weights"], kv_cache_budget=kv_budget(spec["runtime"]),
+                       threads=THREADS,
                        runtime=spec["runtime"])
         assert self.llm.engine.runtime.name == spec["runtime"], self.llm.engine.runtime.why
         self.preemptions: dict[int, int] = {}
@@ -149,14 +167,19 @@ class RicllmEngine:
 
     def facts(self) -> dict:
         """Read after the measurements: the roofline's bytes as ricllm's own latency roofline counts
-        them (its bandwidth copy is not used), and the kernel family under this child's env."""
+        them (its bandwidth copy is not used), and the kernels that ran: ricllm's family under this
+        child's env, or ONNX Runtime's."""
         from ricllm.kernels.cpu_library import kernel_family
 
         from ricllm.engine.calibration import roofline_of
 
         roofline = roofline_of(self.llm.engine)
-        return {"weight_bytes": roofline.weight_bytes, "kv_bytes_per_token": roofline.kv_bytes_per_token,
-                "kernel_family": kernel_family()}
+        facts = {"weight_bytes": roofline.weight_bytes, "kv_bytes_per_token": roofline.kv_bytes_per_token}
+        if self.llm.engine.runtime.name != "onnx":
+            return dict(facts, kernel_family=kernel_family())
+        import onnxruntime  # the runtime has loaded it: its kernels run the model, not ricllm's
+
+        return dict(facts, kernel_family=f"ONNX Runtime {onnxruntime.__version__}'s CPU kernels")
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
         before = self.llm.kv_cache_stats()["preemptions"]
@@ -366,7 +389,63 @@ def llamacpp_build_flags(package: Path) -> str | None:
     return None
 
 
-ENGINES = {"ricllm": RicllmEngine, "hf": HFEngine, "llamacpp": LlamaCppEngine}
+class OrtGenAIEngine:
+    """ONNX Runtime GenAI's Generator on the int4 model its builder wrote from the same GGUF
+    (ortgenai_peer.py): the streams as one batch, every decode step one run for all of them."""
+
+    def __init__(self, spec: dict):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(spec["ortgenai_model"])
+        config.clear_providers()  # the CPU execution provider, ORT GenAI's default
+        config.overlay(json.dumps(ORTGENAI_SESSION))
+        self.model = og.Model(config)
+        self.build = spec["ortgenai_build"]
+
+    def describe(self) -> dict:
+        return {"version": self.og.__version__, "device": self.model.device_type,
+                "onnxruntime": Path(os.environ.get("ORT_LIB_PATH", "unknown")).name}
+
+    def facts(self) -> dict:
+        """The roofline's bytes as the peer's build counted them (its initializers, an fp32 K and V)."""
+        return {"weight_bytes": self.build["weight_bytes"], "kv_bytes_per_token": self.build["kv_bytes_per_token"]}
+
+    def _generator(self, prompts: list[list[int]], new_tokens: int):
+        """A greedy generator for these prompts, its cache sized to prompt + new tokens (ORT GenAI
+        allocates batch × max_length up front); EOS cannot end a stream before max_length."""
+        assert len({len(p) for p in prompts}) == 1, "ORT GenAI's batch takes prompts of one length"
+        params = self.og.GeneratorParams(self.model)
+        length = len(prompts[0]) + new_tokens
+        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(prompts))
+        return self.og.Generator(self.model, params)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        import numpy as np
+
+        generator = self._generator(prompts, new_tokens)
+        start = time.perf_counter()
+        generator.append_tokens(np.array(prompts, dtype=np.int32))  # the prefill
+        generator.generate_next_token()  # picks every stream's first token from the prefill's logits
+        first = time.perf_counter() - start
+        while not generator.is_done():
+            generator.generate_next_token()  # one decode run for the batch, then the pick
+        total = time.perf_counter() - start
+        prompt_len = len(prompts[0])
+        assert all(len(generator.get_sequence(i)) == prompt_len + new_tokens for i in range(len(prompts)))
+        self.first_tokens = generator.get_sequence(0)[prompt_len:].tolist()
+        return first, total
+
+    def prefill(self, prompt: list[int]) -> float:
+        return self.generate([prompt], 1)[0]
+
+
+# ORT GenAI's decoder session: intra-op threads as every engine here; its other settings are its own
+# (the CPU execution provider, spinning workers)
+ORTGENAI_SESSION = {"model": {"decoder": {"session_options": {"intra_op_num_threads": THREADS,
+                                                              "inter_op_num_threads": 1}}}}
+
+ENGINES = {"ricllm": RicllmEngine, "hf": HFEngine, "llamacpp": LlamaCppEngine, "ortgenai": OrtGenAIEngine}
 
 
 def measure(spec: dict) -> dict:
@@ -563,10 +642,10 @@ def model_facts(model: Path) -> tuple[int, tuple[str, str]]:
 
 
 def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True,
-                   avx2_peer: tuple[str, bool] | None = None) -> list[Config]:
+                   avx2_peer: tuple[str, bool] | None = None, ortgenai: Peer | None = None) -> list[Config]:
     """ricllm's configurations (with the --no-amx / --avx2-only / --ricllm-env environment), then the
     peers. ``avx2_peer``: the AVX2 llama.cpp's (interpreter, extra buffers on), which the ratios are
-    against; the native build is then a reference only."""
+    against; the native build is then a reference only. ``ortgenai``: ORT GenAI's packages and model."""
     avx2 = args.avx2_only or args.avx2_like_for_like
     ricllm_env = {**args.ricllm_env, **(WITHOUT_AMX if args.no_amx else {}), **(AVX2_ONLY if avx2 else {})}
     trees = args.tree or [None]
@@ -582,9 +661,16 @@ def configurations(args, llamacpp_ok: bool, extra_buffers: bool = True,
     if avx2_peer:
         configs += [Config(f"llama.cpp, AVX2 build, flash attention {'on' if on else 'off'}", "llamacpp", avx2_peer[0],
                            {"flash_attn": on, "extra_buffers": avx2_peer[1], "compared": True}) for on in (False, True)]
+    if ortgenai:
+        configs.append(Config(ORTGENAI_LABEL, "ortgenai", ortgenai.python,
+                              {"ortgenai_model": str(ortgenai.model_dir), "ortgenai_build": ortgenai.build},
+                              ortgenai.env))
     if not args.skip_hf:
         configs.append(Config("HF transformers bf16", "hf", sys.executable, env=TORCH_AVX2 if avx2 else {}))
     return configs
+
+
+ORTGENAI_LABEL = "ORT GenAI int4 (RTN, block 32, accuracy level 4)"
 
 
 def compared_peers(series: list["Series"]) -> list["Series"]:
@@ -845,6 +931,22 @@ def ratio_table(ours: list[Series], peers: list[Series], sizes: dict) -> str:
     return "\n".join(lines)
 
 
+def native_ratio_table(series: list[Series], sizes: dict) -> str | None:
+    """Per measurement: every other ricllm configuration and ORT GenAI / ricllm's default (int4
+    native), median [min–max] of the per-repeat ratios; None without the default or anything to compare."""
+    default = next((s for s in series if s.config.spec.get("is_default")), None)
+    others = [s for s in series if s is not default and s.config.engine in ("ricllm", "ortgenai")]
+    if default is None or not others:
+        return None
+    lines = ["| / " + default.label + " | " + " | ".join(s.label for s in others) + " |",
+             "|---|" + "---:|" * len(others)]
+    keys = [(f"decode_{n}", f"decode, {n} stream{'s' if n > 1 else ''}") for n in sizes["streams"]]
+    for key, name in keys + [("prompt_tps", f"prompt ({sizes['prefill_len']} tokens)")]:
+        cells = [fmt_stat(ratio_stat(s, default, key), ".2f", "×") for s in others]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def target_lines(series: list[Series], bandwidth: float, sizes: dict) -> str:
     """Issue 21's targets against the default-format ricllm configuration (int4 native)."""
     ours = next((s for s in series if s.config.spec.get("is_default")), None)
@@ -871,18 +973,45 @@ def series_notes(s: Series) -> list[str]:
     lines = []
     preempted = [{n: c for n, c in (run.get("preemptions") or {}).items() if c} for run in s.runs if run]
     if any(preempted):
-        lines.append(f"{s.label}: KV preemptions per repeat (streams: count) {preempted} under the {KV_BUDGET} budget.")
+        lines.append(f"{s.label}: KV preemptions per repeat (streams: count) {preempted} under the "
+                     f"{kv_budget(s.config.spec['runtime'])} budget.")
     failed = sum(run is None for run in s.runs)
     if failed:
         lines.append(f"{s.label}: {failed} of {len(s.runs)} repeats failed (their children's stderr is above).")
     if s.config.engine == "ricllm":
         env = " ".join(f"{k}={v}" for k, v in s.config.env.items()) or "none"
-        lines.append(f"{s.label}: kernel family {s.fact('kernel_family')} (extra env: {env}); torch "
+        lines.append(f"{s.label}: kernels: {s.fact('kernel_family')} (extra env: {env}); torch "
                      f"{'was' if s.fact('torch_imported') else 'was not'} imported by the serving process.")
+    if s.config.engine == "ortgenai":
+        lines += ortgenai_notes(s)
     if s.config.engine == "hf":
         lines.append(f"HF: transformers {s.fact('version')}, `generate` with min_new_tokens; its TTFT is a separate "
                      f"1-token `generate`.")
     return lines
+
+
+def ortgenai_notes(s: Series) -> list[str]:
+    """What ORT GenAI ran (versions, provider, session, builder) and where it is not like for like."""
+    build = s.config.spec["ortgenai_build"]
+    session = ORTGENAI_SESSION["model"]["decoder"]["session_options"]
+    hf_folder = (f"the HF folder {build['hf_folder_s']} s" if build["hf_folder_s"] is not None else
+                 "the HF folder of an earlier build")
+    return [(f"ORT GenAI: onnxruntime-genai {s.fact('version')} on ONNX Runtime {s.fact('onnxruntime')} "
+             f"({s.fact('device')} execution provider), under {s.config.python}"
+             f"{' with ' + s.config.env['PYTHONPATH'] if 'PYTHONPATH' in s.config.env else ''}; decoder session "
+             f"options {json.dumps(session)} set through og.Config.overlay, the rest ORT GenAI's defaults "
+             f"(spinning workers); ONNX Runtime picks its own kernels for this CPU, whatever --no-amx or "
+             f"--avx2-only set for ricllm."),
+            (f"ORT GenAI's model: `{build['builder']}` (onnxruntime-genai {build['versions']['onnxruntime-genai']}, "
+             f"onnx-ir {build['versions']['onnx-ir']}) on an fp32 HF folder that transformers {build['transformers']} "
+             f"unpacked from {build['gguf']} (benchmarks/ortgenai_peer.py; built once: {hf_folder}, then the "
+             f"builder {build['builder_s']} s; not in the table, whose time to ready loads the built folder)."),
+            ("ORT GenAI is not like for like in: its weights, the GGUF's Q4_1 unpacked and quantized again "
+             "(symmetric int4, blocks of 32, fp32 scales; the head int4 over codes shared with the embedding, "
+             "where ricllm's head is int8); its KV, fp32 (GroupQueryAttention over each stream's contiguous past, "
+             "allocated for batch × (prompt + new tokens) when a generator starts); and its batch, static: every "
+             "stream prefilled in one run, then one run per step for all of them. Its first token is "
+             "append_tokens (the prefill) plus the first generate_next_token.")]
 
 
 def llamacpp_notes(peers: list[Series], problems: list[str]) -> list[str]:
@@ -916,28 +1045,33 @@ def roofline_note(bandwidth: float, sizes: dict) -> str:
             f"(ricllm.engine.calibration.roofline_of: packed projections with their scales, not the 8-bit "
             f"offsets one-row products recompute; norms, the head; the embedding only where it is the head), "
             f"llama.cpp llama_model_size (every tensor; "
-            f"the tied head is token_embd), HF its parameters once each (bf16).")
+            f"the tied head is token_embd), HF its parameters once each (bf16), ORT GenAI its graph's "
+            f"initializers but the RoPE tables (the int4 head's codes are also its embedding).")
 
 
 def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, problems: list[str], failed: list[str],
-           append: bool) -> None:
+           append: bool, ortgenai_problem: str | None = None) -> None:
     from benchmarks.results import publish
 
     ours = [s for s in series if s.config.engine == "ricllm"]
     peers = compared_peers(series)
     every_peer = [s for s in series if s.config.engine == "llamacpp"]
-    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(every_peer, problems) + [
+    notes = [n for s in series for n in series_notes(s)] + llamacpp_notes(every_peer, problems) + (
+        [f"ORT GenAI was not measured: {ortgenai_problem}."] if ortgenai_problem else []) + [
         f"{label}: no repeat produced results (its children's errors are in the log)." for label in failed]
-    body = "\n\n".join([side_by_side(series, sizes, bandwidth), ratio_table(ours, peers, sizes),
-                        target_lines(series, bandwidth, sizes), roofline_note(bandwidth, sizes), "\n".join(notes)])
+    tables = [side_by_side(series, sizes, bandwidth), ratio_table(ours, peers, sizes),
+              native_ratio_table(series, sizes)]
+    body = "\n\n".join([t for t in tables if t] + [target_lines(series, bandwidth, sizes),
+                                                   roofline_note(bandwidth, sizes), "\n".join(notes)])
     repeats = max(len(s.runs) for s in series)
-    families = sorted({f"{s.fact('kernel_family')}" for s in ours}) or ["not run"]
+    families = sorted({f"{s.fact('kernel_family')}" for s in ours if s.config.spec["runtime"] != "onnx"}) or [
+        "not run"]
     details = (f"CPU flags: {cpu_flags()}. ricllm kernel family: {'; '.join(families)}. "
                f"Model: {model.name}. {sizes['prompt_len']}-token prompts, "
                f"{sizes['new_tokens']} new tokens, greedy, EOS ignored; prompt throughput: one "
                f"{sizes['prefill_len']}-token prompt (median of {sizes['prefill_repeats']}); ricllm KV budget "
-               f"{KV_BUDGET}; each configuration in its own process, {repeats} repeat{'s' if repeats > 1 else ''} "
-               f"interleaved: median "
+               f"{KV_BUDGET} ({ONNX_KV_BUDGET} for the ONNX runtime's fp32 pool: the same tokens); each "
+               f"configuration in its own process, {repeats} repeat{'s' if repeats > 1 else ''} interleaved: median "
                f"[min–max]; ratios: median [min–max] of the per-repeat ratios.")
     publish("CPU benchmark: ricllm vs llama.cpp vs HF", details, body, append=append)
 
@@ -1009,6 +1143,16 @@ def parse_args_from(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--llamacpp-python", default=sys.executable,
                         help=f"interpreter with llama-cpp-python (default: this one, %(default)s; `{SETUP_HINT}` "
                              f"installs it)")
+    parser.add_argument("--ortgenai", action="store_true",
+                        help="add ONNX Runtime GenAI as a peer: its int4 CPU model built from the same GGUF "
+                             "(an fp32 HF folder written by transformers, then ORT GenAI's builder with its CPU "
+                             "recipe: RTN int4, block 32, accuracy level 4), both once into "
+                             "$RICLLM_CACHE_DIR/ortgenai/ (a minute or two), nothing downloaded; see "
+                             "benchmarks/ortgenai_peer.py")
+    parser.add_argument("--ortgenai-python", default=None, metavar="PYTHON",
+                        help="with --ortgenai: an interpreter with onnxruntime-genai and onnx-ir (default: this one; "
+                             "where it lacks them, ortgenai_peer.VERSIONS are installed into "
+                             "$RICLLM_CACHE_DIR/ortgenai-VERSION, over this venv's ONNX Runtime)")
     parser.add_argument("--no-publish", action="store_true", help="print only; do not append to RESULTS.md")
     parser.add_argument("--child", choices=["measure", "ready", "probe"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1050,14 +1194,20 @@ def main() -> None:
     avx2_peer = None
     if avx2_python and avx2_problem is None:
         avx2_peer = (avx2_python, llamacpp_extra_buffers_run(avx2_python, base))
-    configs = configurations(args, llamacpp_ok, extra_buffers, avx2_peer)
+    ortgenai, ortgenai_problem = None, None
+    if args.ortgenai:
+        ortgenai, ortgenai_problem = prepare_ortgenai(model, args.ortgenai_python)
+        if ortgenai_problem:
+            progress(f"SKIP ORT GenAI: {ortgenai_problem}")
+    configs = configurations(args, llamacpp_ok, extra_buffers, avx2_peer, ortgenai)
     runs = run_all(configs, base, args.repeats)
     labelled = label_series(configs, runs, auto_formats)
     series, failed = [s for s in labelled if any(s.runs)], [s.label for s in labelled if not any(s.runs)]
     if not series:
         sys.exit("no configuration produced results (see the children's errors above)")
     problems = [p for p in (problem, avx2_problem) if p]
-    report(series, sizes, model, bandwidth, problems, failed, append=not (args.quick or args.no_publish))
+    report(series, sizes, model, bandwidth, problems, failed, append=not (args.quick or args.no_publish),
+           ortgenai_problem=ortgenai_problem)
 
 
 if __name__ == "__main__":

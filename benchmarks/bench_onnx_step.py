@@ -10,7 +10,15 @@ contiguous past the same gather would run before the op. The write-back of the n
 pool (numpy, after the run) is timed apart. ``--threads`` sets ONNX Runtime's intra-op threads
 (spinning off, as the runtime runs it).
 
-    python benchmarks/bench_onnx_step.py [--streams 1 8 32] [--context 256] [--steps 20] [--threads 2]
+A second table splits the step's kernel time into the parts profile_decode.py gives for the native
+runtime: the layers' 4-bit products (MatMulNBits, with Q4_1's offset products and block sums), the
+head (the 8-bit MatMulNBits over the vocabulary), attention (the scores' and values' MatMul, the
+Softmax, the bias and the transposes that group query heads on their KV head), the paged-pool
+nodes, and the rest (norms, RoPE, SwiGLU, reshapes, the embedding lookup). Where others load the machine, ``--threads 1
+--cpu-time`` times the step by this process's CPU time (ONNX Runtime then runs every node on the
+calling thread); the parts are shares of the profiled kernel time, which the load scales alike.
+
+    python benchmarks/bench_onnx_step.py [--streams 1 8 32] [--context 256] [--steps 20] [--threads 2] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from ricllm.model.spec import ModelSpec
 
 BLOCK_SIZE = 16
 PAGED_NODES = ("past_gather", "kv_concat")
+PARTS = ("products", "head", "attention", "paged pool", "rest")
 
 
 def decode_batch(streams: int, context: int, num_blocks: int, rng: np.random.Generator) -> FlatBatch:
@@ -49,8 +58,32 @@ def decode_batch(streams: int, context: int, num_blocks: int, rng: np.random.Gen
                      prefill_products=0)
 
 
-def measure(path: Path, spec: ModelSpec, streams: int, context: int, steps: int, threads: int) -> dict:
+def node_parts(path: Path, vocab_size: int) -> dict[str, str]:
+    """Each node's part of the step (PARTS), from the graph: its op, its name and what it reads."""
+    import onnx
+
+    parts = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        n = next((a.i for a in node.attribute if a.name == "N"), None)
+        offsets = any(name.endswith("_offsets") or "_offsets_" in name for name in node.input)
+        if node.op_type == "MatMulNBits":
+            parts[node.name] = "head" if n == vocab_size else "products"
+        elif node.name.startswith(PAGED_NODES):
+            parts[node.name] = "paged pool"
+        elif offsets or node.op_type == "ReduceSum":
+            parts[node.name] = "products"  # Q4_1's offsets: block sums, then a small fp32 product
+        elif node.op_type in ("MatMul", "Softmax", "Transpose") or "attention_bias" in node.input:
+            parts[node.name] = "attention"  # scores, their softmax, the values; the query heads' grouping
+        else:
+            parts[node.name] = "rest"
+    return parts
+
+
+def measure(path: Path, spec: ModelSpec, streams: int, context: int, steps: int, threads: int,
+            cpu_time: bool, parts_of: dict[str, str]) -> dict:
     import onnxruntime as ort
+
+    clock = time.process_time if cpu_time else time.perf_counter
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -65,24 +98,28 @@ def measure(path: Path, spec: ModelSpec, streams: int, context: int, steps: int,
     step_s, write_s = [], []
     for step in range(steps + 2):
         flat = decode_batch(streams, context, num_blocks, rng)
-        start = time.perf_counter()
+        start = clock()
         outputs = session.run(None, {**step_inputs(flat, BLOCK_SIZE), **pools})
-        middle = time.perf_counter()
+        middle = clock()
         slots = np.asarray(flat.slot_mapping)
         for name, present in zip([o.name for o in session.get_outputs()][1:], outputs[1:]):
             pools[name.replace("present", "past")][slots] = present
         if step >= 2:  # the first runs allocate
             step_s.append(middle - start)
-            write_s.append(time.perf_counter() - middle)
+            write_s.append(clock() - middle)
     events = json.loads(Path(session.end_profiling()).read_text())
     by_node: dict[str, float] = collections.Counter()
     for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            by_node[event["name"].rsplit("_", 3)[0]] += event["dur"] * 1e-6
+            by_node[event["name"].removesuffix("_kernel_time")] += event["dur"] * 1e-6
     total = sum(by_node.values())
     paged = sum(seconds for name, seconds in by_node.items() if name.startswith(PAGED_NODES))
+    by_part = collections.Counter({part: 0.0 for part in PARTS})
+    for name, seconds in by_node.items():
+        by_part[parts_of.get(name, "rest")] += seconds
     return {"streams": streams, "context": context, "step_ms": statistics.median(step_s) * 1e3,
-            "paged_share": paged / total, "write_back_ms": statistics.median(write_s) * 1e3}
+            "paged_share": paged / total, "write_back_ms": statistics.median(write_s) * 1e3,
+            "part_shares": {part: by_part[part] / total for part in PARTS}}
 
 
 def main() -> int:
@@ -92,17 +129,27 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the step and the write-back by this process's CPU time, not the wall clock "
+                             "(with --threads 1, the work's own time where others load the machine)")
     args = parser.parse_args()
     path, meta, _ = load_or_export(resolve_model_path(args.model), use_cache=True)
     spec = ModelSpec.from_dict(meta["spec"])
+    parts_of = node_parts(path, spec.vocab_size)
+    clock = "CPU time" if args.cpu_time else "wall clock"
     print(f"{spec.name}: layers {meta['weight_formats'][0]}, head {meta['weight_formats'][1]}, "
-          f"{args.threads} threads, context {args.context}")
+          f"{args.threads} threads, context {args.context}, {clock}")
+    rows = [measure(path, spec, streams, args.context, args.steps, args.threads, args.cpu_time, parts_of)
+            for streams in args.streams]
     print("| streams | step (ms) | tok/s | paged-pool nodes (gather + concat) | write-back (ms) |")
     print("|---:|---:|---:|---:|---:|")
-    for streams in args.streams:
-        row = measure(path, spec, streams, args.context, args.steps, args.threads)
-        print(f"| {streams} | {row['step_ms']:.1f} | {streams / row['step_ms'] * 1e3:.0f} | "
+    for row in rows:
+        print(f"| {row['streams']} | {row['step_ms']:.1f} | {row['streams'] / row['step_ms'] * 1e3:.0f} | "
               f"{row['paged_share']:.1%} | {row['write_back_ms']:.2f} |")
+    print("\n| streams | " + " | ".join(PARTS) + " |  (shares of the step's kernel time)")
+    print("|---:|" + "---:|" * len(PARTS))
+    for row in rows:
+        print(f"| {row['streams']} | " + " | ".join(f"{row['part_shares'][part]:.1%}" for part in PARTS) + " |")
     return 0
 
 

@@ -234,3 +234,55 @@ def test_the_avx2_llama_cpp_is_built_at_the_locked_version_with_avx512_and_amx_o
     help_text = subprocess.run([sys.executable, str(bench.THIS), "--help"], check=True, capture_output=True,
                                text=True, timeout=60).stdout
     assert "--avx2-like-for-like" in help_text
+
+
+def test_the_onnx_runtime_and_ort_genai_are_divided_by_the_default_per_repeat():
+    configs = [bench.Config("native", "ricllm", sys.executable, {"weights": "int4", "runtime": "native"}),
+               bench.Config("onnx", "ricllm", sys.executable, {"weights": "auto", "runtime": "onnx"}),
+               bench.Config("ORT GenAI", "ortgenai", sys.executable),
+               bench.Config("FA on", "llamacpp", sys.executable)]
+    runs = {"native": [run(200.0, 600.0, 1000.0, formats=["int4", "int8"]), run(100.0, 600.0, 1000.0)],
+            "onnx": [run(100.0, 150.0, 250.0, formats=["int4", "int8"]), run(60.0, 300.0, None)],
+            "ORT GenAI": [run(80.0, 240.0, 500.0), run(50.0, 120.0, 200.0)], "FA on": [run(90.0), run(90.0)]}
+    series = bench.label_series(configs, runs, auto_formats=("int4", "int8"))
+    table = bench.native_ratio_table(series, SIZES)
+    lines = table.splitlines()
+    assert lines[0] == ("| / native (int4 layers, int8 head; the default) | onnx (int4 layers, int8 head) | "
+                        "ORT GenAI |")  # llama.cpp has its own table
+    # one stream: onnx 0.5 and 0.6, ORT GenAI 0.4 and 0.5, paired by repeat
+    assert lines[2] == "| decode, 1 stream | 0.55× [0.50–0.60] | 0.45× [0.40–0.50] |"
+    assert lines[3] == "| decode, 32 streams | 0.38× [0.25–0.50] | 0.30× [0.20–0.40] |"
+    assert lines[4] == "| prompt (512 tokens) | 0.25× | 0.35× [0.20–0.50] |"  # onnx's second prompt is missing
+    assert bench.native_ratio_table(series[:1], SIZES) is None  # nothing beside the default
+    assert bench.native_ratio_table(series[1:], SIZES) is None  # no default to divide by
+
+
+def test_ort_genai_runs_as_a_peer_under_its_interpreter_with_its_built_model(tmp_path):
+    build = {"weight_bytes": 84e6, "kv_bytes_per_token": 46080}
+    peer = bench.Peer("/venv/bin/python", {"PYTHONPATH": "/cache/ortgenai-0.18.0"}, tmp_path, build)
+    args = bench.parse_args_from(["--configs", "int4:native", "--ortgenai", "--skip-hf"])
+    assert args.ortgenai and args.ortgenai_python is None
+    configs = bench.configurations(args, llamacpp_ok=False, ortgenai=peer)
+    ort = [c for c in configs if c.engine == "ortgenai"]
+    assert len(ort) == 1 and ort[0].python == "/venv/bin/python"
+    assert ort[0].spec == {"ortgenai_model": str(tmp_path), "ortgenai_build": build}
+    env = bench.child_env(ort[0].env)
+    assert env["PYTHONPATH"] == "/cache/ortgenai-0.18.0" and env["OMP_NUM_THREADS"] == str(bench.THREADS)
+    assert bench.ORTGENAI_SESSION["model"]["decoder"]["session_options"]["intra_op_num_threads"] == bench.THREADS
+    assert [c.engine for c in bench.configurations(args, llamacpp_ok=False)] == ["ricllm"]  # no peer: no row
+
+
+def test_ort_genai_notes_name_its_versions_session_builder_and_what_differs():
+    build = {"builder": "python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4", "gguf": "m.gguf",
+             "versions": {"onnxruntime-genai": "0.18.0", "onnx-ir": "1.1.0"}, "transformers": "5.25.0",
+             "hf_folder_s": None, "builder_s": 9.5}
+    facts = {"version": "0.18.0", "onnxruntime": "libonnxruntime.so.1.31.1", "device": "CPU"}
+    peer = bench.Series(bench.Config("ORT GenAI", "ortgenai", "/venv/bin/python", {"ortgenai_build": build}),
+                        [run(40.0, **facts)])
+    text = "\n".join(bench.ortgenai_notes(peer))
+    assert "onnxruntime-genai 0.18.0 on ONNX Runtime libonnxruntime.so.1.31.1 (CPU execution provider)" in text
+    assert f'"intra_op_num_threads": {bench.THREADS}' in text and build["builder"] in text
+    assert "the HF folder of an earlier build, then the builder 9.5 s" in text
+    assert "not like for like" in text and "fp32" in text and "static" in text
+    build["hf_folder_s"] = 31.2
+    assert "the HF folder 31.2 s, then the builder 9.5 s" in "\n".join(bench.ortgenai_notes(peer))
