@@ -13,7 +13,8 @@ repeats; a ratio (ricllm / llama.cpp) is the median [min–max] of the per-repea
 Measured, for every engine:
   1. one stream: a 256-token prompt, 128 new tokens, greedy, EOS ignored: decode tok/s, the
      median of 5 such generations (another prompt each): one takes about half a second, short
-     enough that a shared VM's noise (±15 % between runs in one process) would decide a single one;
+     enough that a shared VM's noise (±15 % between runs in one process) would decide a single one
+     (--multi-stream-trials N does the same with N generations at 8 or more streams);
   2. aggregate decode tok/s at 8, 16 and 32 streams (each stream its own 256-token prompt,
      128 new tokens). Decode tok/s = streams * (new - 1) / (total - time to the last stream's
      first token): ricllm from one generate() (its TTFTs); HF from two generate() calls (1 and
@@ -492,7 +493,7 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 def workload_spec(model: Path, vocab: int, sizes: dict) -> dict:
     """Everything a measuring child needs besides its engine: sizes and the shared prompts."""
     def trials(streams: int) -> list[list[list[int]]]:
-        count = sizes["single_stream_trials"] if streams == 1 else 1
+        count = sizes["single_stream_trials"] if streams == 1 else sizes.get("multi_stream_trials", 1)
         return [random_prompts(streams, sizes["prompt_len"], vocab, seed=1000 + streams + 100 * t) for t in range(count)]
 
     decode = {str(s): trials(s) for s in sizes["streams"]}
@@ -1068,7 +1069,9 @@ def report(series: list[Series], sizes: dict, model: Path, bandwidth: float, pro
         "not run"]
     details = (f"CPU flags: {cpu_flags()}. ricllm kernel family: {'; '.join(families)}. "
                f"Model: {model.name}. {sizes['prompt_len']}-token prompts, "
-               f"{sizes['new_tokens']} new tokens, greedy, EOS ignored; prompt throughput: one "
+               f"{sizes['new_tokens']} new tokens, greedy, EOS ignored, decode tok/s the median of "
+               f"{sizes['single_stream_trials']} generations at one stream and of "
+               f"{sizes.get('multi_stream_trials', 1)} at more; prompt throughput: one "
                f"{sizes['prefill_len']}-token prompt (median of {sizes['prefill_repeats']}); ricllm KV budget "
                f"{KV_BUDGET} ({ONNX_KV_BUDGET} for the ONNX runtime's fp32 pool: the same tokens); each "
                f"configuration in its own process, {repeats} repeat{'s' if repeats > 1 else ''} interleaved: median "
@@ -1115,6 +1118,9 @@ def parse_args_from(argv: list[str]) -> argparse.Namespace:
                              "formats in ONNX Runtime, fp32 activations; default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs of every configuration, interleaved (default: %(default)s; 1 for a smoke run)")
+    parser.add_argument("--multi-stream-trials", type=positive_int, default=1,
+                        help="generations per repeat at 8 or more streams, each with other prompts, their median "
+                             "kept (default: %(default)s; one stream always takes the median of five)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (32-token prompts, 8 new "
                         "tokens, streams 1 and 4); never publishes")
     parser.add_argument("--no-amx", action="store_true", help="run the ricllm children as on a CPU without AMX "
@@ -1171,7 +1177,7 @@ def main() -> None:
     from ricllm.model.loader import default_model_path
 
     model = Path(args.model).resolve() if args.model else default_model_path()
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL, multi_stream_trials=args.multi_stream_trials)
     problem = None if args.skip_llamacpp else llamacpp_problem(args.llamacpp_python)
     if problem:
         progress(f"SKIP llama.cpp: {problem}")
