@@ -34,6 +34,20 @@ def tiny_tied_q8_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm_like(tmp_path_factory) -> Path:
+    """SmolLM2's storage: Q4_1 layers and a tied Q8_0 embedding that is also the head; GQA 4:2, d_h 16."""
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_smollm_like") / "tiny_smollm_like.gguf", seed=7,
+                                 tied=True, quant="Q4_1", embedding_quant="Q8_0", pad_vocab_to=16)
+
+
+@pytest.fixture
+def onnx_modules():
+    """ONNX Runtime and onnx, or a skip (a failure in CI: tests/helpers.require)."""
+    require_module("onnxruntime")
+    require_module("onnx")
+
+
+@pytest.fixture(scope="session")
 def tiny_native_gguf(tmp_path_factory):
     """Q4_1 layers, vocabulary padded to whole tiles of 16 head rows: the native runtime serves it."""
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_native") / "tiny_native.gguf", seed=5,

@@ -20,22 +20,9 @@ import pytest
 from ricllm import LLM
 from ricllm.engine.runtime.flat_batch import FlatBatch
 from ricllm.errors import ConfigError
-from tests.helpers import require_module, write_tiny_llama_gguf
 
 MS = "com.microsoft"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _onnxruntime():
-    require_module("onnxruntime")
-    require_module("onnx")
-
-
-@pytest.fixture(scope="module")
-def tiny_smollm_like(tmp_path_factory) -> Path:
-    """SmolLM2's storage: Q4_1 layers and a tied Q8_0 embedding that is also the head; GQA 4:2, d_h 16."""
-    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_paged") / "tiny_paged.gguf", seed=7, tied=True,
-                                 quant="Q4_1", embedding_quant="Q8_0", pad_vocab_to=16)
+pytestmark = pytest.mark.usefixtures("onnx_modules")
 
 
 @pytest.fixture(scope="module")

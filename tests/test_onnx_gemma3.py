@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
-from tests.helpers import gemma3_270m_path, require_module, write_tiny_gemma3_gguf
+from tests.helpers import gemma3_270m_path, write_tiny_gemma3_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_oracle_parity import random_prompts
 
@@ -34,10 +34,7 @@ EXACT_RELATIVE = 1e-4
 WINDOW = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _onnxruntime():
-    require_module("onnxruntime")
-    require_module("onnx")
+pytestmark = pytest.mark.usefixtures("onnx_modules")
 
 
 def q4_k_m_like_types(name: str) -> str | None:

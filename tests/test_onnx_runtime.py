@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import ConfigError
-from tests.helpers import require_module, write_tiny_llama_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_oracle_parity import random_prompts
 
@@ -31,17 +30,7 @@ FP32_MAX_LOGIT_DIFFERENCE = 1e-4
 PACKED_MAX_LOGIT_DIFFERENCE = 0.3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _onnxruntime():
-    require_module("onnxruntime")
-    require_module("onnx")
-
-
-@pytest.fixture(scope="module")
-def tiny_smollm_like(tmp_path_factory) -> Path:
-    """SmolLM2's storage: Q4_1 layers and a tied Q8_0 embedding that is also the head."""
-    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny_onnx") / "tiny_onnx.gguf", seed=7, tied=True,
-                                 quant="Q4_1", embedding_quant="Q8_0", pad_vocab_to=16)
+pytestmark = pytest.mark.usefixtures("onnx_modules")
 
 
 def onnx_llm(path: Path, **kwargs) -> LLM:

@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from ricllm.cache.kv_cache import CacheGeometry, cache_shape
-from ricllm.engine.runtime.flat_batch import FlatBatch, flatten
-from ricllm.engine.runtime.narrow_head import StepLogits, plan_head, step_logits
+from ricllm.engine.runtime.flat_batch import FlatBatch
+from ricllm.engine.runtime.onnx_model import GraphStepRunner
 from ricllm.engine.runtime.onnx_paged_attention import CACHE_DTYPE
-from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.errors import ConfigError
 from ricllm.model.spec import ModelSpec
 
@@ -109,22 +108,10 @@ class OnnxCudaModel:
         return self.path.stat().st_size
 
 
-class OnnxCudaModelRunner:
+class OnnxCudaModelRunner(GraphStepRunner):
     def __init__(self, model: OnnxCudaModel, kv_cache: OnnxCudaKVCache):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.geometry.block_size
-
-    def run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None = None
-            ) -> tuple[np.ndarray | StepLogits, list[int]]:
-        """Logits ``[N, vocab]`` (fp32, on the host) for the rows that sample, and those rows' batch
-        indices; with ``allowed`` a ``StepLogits`` whose constrained rows are gathered from the whole head."""
-        flat = flatten(batch, self.block_size)
-        logits = self.compute(flat)
-        if allowed is None:
-            return logits, flat.logits_rows
-        plan = plan_head(allowed, 1, False)  # every row whole: the graph has one head
-        by_row = step_logits(plan, allowed, logits, None, lambda matrix, row, columns: matrix[row, columns])
-        return by_row, flat.logits_rows
 
     def compute(self, flat: FlatBatch) -> np.ndarray:
         """One graph run: the logits of the step's rows ``flat.logits_rows``; the step's K/V written into

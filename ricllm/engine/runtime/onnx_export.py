@@ -43,8 +43,8 @@ import numpy as np
 
 # the graphs' building blocks (``onnx_graph``, which the Gemma graph builds on too) are this module's names as well
 from ricllm.engine.runtime.onnx_graph import (  # noqa: F401
-    ACCURACY_LEVEL, BLOCK, MASKED, MS_DOMAIN, PACKED_TYPES, FileTensor, GraphBuilder, OnnxExportUnsupported,
-    matmul_nbits, matmul_nbits_weights, read_tensors, rms_norm, rope_row_order, rotate_halves)
+    ACCURACY_LEVEL, BLOCK, MASKED, MS_DOMAIN, PACKED_TYPES, DecoderGraph, FileTensor, GraphBuilder,
+    OnnxExportUnsupported, matmul_nbits, matmul_nbits_weights, read_tensors, rms_norm, rope_row_order, rotate_halves)
 from ricllm.logging import get_logger
 from ricllm.model.spec import ModelSpec
 from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
@@ -57,12 +57,8 @@ MAX_ENTRIES = 4
 # ------------------------------------------------------------------------------ the graph
 
 
-class LlamaGraph:
+class LlamaGraph(DecoderGraph):
     """Writes the decoder's nodes into a ``GraphBuilder`` from the file's tensors."""
-
-    def __init__(self, spec: ModelSpec, tensors: dict[str, FileTensor]):
-        self.spec, self.tensors, self.g = spec, tensors, GraphBuilder()
-        self.formats: dict[str, str] = {}
 
     def linear(self, x: str, names: list[str], stem: str, row_orders: list[np.ndarray | None] | None = None) -> str:
         """``x @ W.T`` with W the file's tensors ``names`` stacked by rows (q, k, v as one product)."""
@@ -122,48 +118,29 @@ class LlamaGraph:
         """RoPE on ``x [T, heads, d_h]``: halves (a, b) -> (a·cos − b·sin, b·cos + a·sin)."""
         return rotate_halves(self.g, x, cos, sin)
 
+    def qkv(self, layer: int, h: str) -> list[str]:
+        """The layer's q, k and v ``[T, width]``: one product, its q and k rows in RoPE's order."""
+        spec, g, prefix = self.spec, self.g, f"blk.{layer}"
+        orders = [rope_row_order(spec.q_size, spec.num_heads), rope_row_order(spec.kv_size, spec.num_kv_heads), None]
+        qkv = self.linear(h, [f"{prefix}.attn_q.weight", f"{prefix}.attn_k.weight", f"{prefix}.attn_v.weight"],
+                          f"layer{layer}_qkv", orders)
+        return g.op("Split", [qkv, g.constant("split", np.asarray([spec.q_size, spec.kv_size, spec.kv_size],
+                                                                   dtype=np.int64))], 3, axis=-1)
+
     def attention(self, layer: int, h: str, cos: str, sin: str, steps: dict[str, str]) -> str:
         spec, g = self.spec, self.g
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         prefix = f"blk.{layer}"
-        orders = [rope_row_order(spec.q_size, heads), rope_row_order(spec.kv_size, kv_heads), None]
-        qkv = self.linear(h, [f"{prefix}.attn_q.weight", f"{prefix}.attn_k.weight", f"{prefix}.attn_v.weight"],
-                          f"layer{layer}_qkv", orders)
-        q, k, v = g.op("Split", [qkv, g.constant("split", np.asarray([spec.q_size, spec.kv_size, spec.kv_size],
-                                                                      dtype=np.int64))], 3, axis=-1)
+        q, k, v = self.qkv(layer, h)
         q = self.rotate(g.one("Reshape", [q, g.shape(-1, heads, dim)]), cos, sin)
         g.op("Identity", [self.rotate(g.one("Reshape", [k, g.shape(-1, kv_heads, dim)]), cos, sin)],
              [f"present_key_{layer}"])
         g.op("Reshape", [v, g.shape(-1, kv_heads, dim)], [f"present_value_{layer}"])
-        # [B, P+Q, n_kv, d_h]; the nodes named ``past_gather`` and ``kv_concat`` are what serving the paged
-        # pool costs over a contiguous past (benchmarks/bench_onnx_step.py measures them)
-        keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", "past_slots"], axis=0,
-                                               node="past_gather"),
-                                         g.one("Gather", [f"present_{kind}_{layer}", "query_rows"], axis=0)],
-                              axis=1, node="kv_concat")
-                        for kind in ("key", "value"))
-        queries = g.one("Gather", [g.one("Mul", [q, steps["scale"]]), "query_rows"], axis=0)  # [B, Q, heads, d_h]
-        # [B, n_kv, group·Q, d_h]: query head j·group + i attends with KV head j
-        queries = g.one("Reshape", [g.one("Transpose", [queries], perm=[0, 2, 1, 3]), steps["grouped"]])
-        scores = g.one("MatMul", [queries, g.one("Transpose", [keys], perm=[0, 2, 3, 1])])
-        scores = g.one("Add", [g.one("Reshape", [scores, steps["scores5"]]), "attention_bias"])
-        probs = g.one("Reshape", [g.one("Softmax", [scores], axis=-1), steps["scores4"]])
-        out = g.one("MatMul", [probs, g.one("Transpose", [values], perm=[0, 2, 1, 3])])  # [B, n_kv, group·Q, d_h]
-        out = g.one("Transpose", [g.one("Reshape", [out, steps["heads"]])], perm=[0, 2, 1, 3])  # [B, Q, heads, d_h]
-        out = g.one("Gather", [g.one("Reshape", [out, g.shape(-1, heads * dim)]), "token_rows"], axis=0)
+        out = self.attend_over_pool(layer, q, "past_slots", "attention_bias", steps["scores5"], steps["scores4"], steps)
         return self.linear(out, [f"{prefix}.attn_output.weight"], f"layer{layer}_o")
 
     def mlp(self, layer: int, h: str) -> str:
-        g, inter = self.g, self.spec.intermediate_size
-        gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"],
-                              f"layer{layer}_gate_up")
-        gate, up = g.op("Split", [gate_up, g.constant("split", np.asarray([inter, inter], dtype=np.int64))], 2, axis=-1)
-        act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
-        return self.linear(act, [f"blk.{layer}.ffn_down.weight"], f"layer{layer}_down")
-
-    def norm(self, x: str, delta: str | None, weight: str) -> tuple[str, str]:
-        """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
-        return rms_norm(self.g, x, delta, self.tensors[weight].values(), self.spec.rms_norm_eps)
+        return self.gated_mlp(layer, h, lambda gate: self.g.one("Mul", [gate, self.g.one("Sigmoid", [gate])]))
 
     def build(self):
         from onnx import TensorProto, helper
@@ -175,10 +152,7 @@ class LlamaGraph:
         keys = g.one("Shape", ["attention_bias"], start=4, end=5)
         minus_one = g.constant("minus_one", np.asarray([-1], dtype=np.int64))
 
-        def dims(*parts) -> str:
-            return g.one("Concat", [p if isinstance(p, str) else g.constant("dim", np.asarray([p], dtype=np.int64))
-                                    for p in parts], axis=0)
-
+        dims = self.dims
         steps = {"scale": g.constant("scale", np.asarray(spec.attention_scale, dtype=np.float32)),
                  "grouped": dims(batch, kv_heads, minus_one, dim),
                  "scores5": dims(batch, kv_heads, group, queries, keys),

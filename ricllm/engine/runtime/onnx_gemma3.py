@@ -31,8 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ricllm.cache.kv_groups import kv_cache_groups, layer_groups
-from ricllm.engine.runtime.onnx_graph import (FileTensor, GraphBuilder, OnnxExportUnsupported, rms_norm,
-                                              rotate_halves)
+from ricllm.engine.runtime.onnx_graph import DecoderGraph, FileTensor, OnnxExportUnsupported, rms_norm, rotate_halves
 from ricllm.engine.runtime.onnx_quants import NBITS_TYPES, nbits_gather, nbits_matmul, nbits_weight, stacked
 from ricllm.model.formats import MIXED
 from ricllm.model.spec import ModelSpec
@@ -65,13 +64,13 @@ def gemma3_weight_formats(formats: dict[str, str]) -> tuple[str, str]:
     return (layers.pop() if len(layers) == 1 else "mixed"), formats["head"]
 
 
-class Gemma3Graph:
+class Gemma3Graph(DecoderGraph):
     """Writes Gemma 3's nodes into a ``GraphBuilder`` from the file's tensors and raw blocks
     (``blocks``: each quantized tensor's ``[rows, columns / type block, type bytes]``)."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, FileTensor], blocks: dict[str, np.ndarray]):
-        self.spec, self.tensors, self.blocks, self.g = spec, tensors, blocks, GraphBuilder()
-        self.formats: dict[str, str] = {}
+        super().__init__(spec, tensors)
+        self.blocks = blocks
         self.views, self.view_of_layer = layer_views(spec)
 
     def linear(self, x: str, names: list[str], stem: str) -> str:
@@ -164,33 +163,12 @@ class Gemma3Graph:
                                             f"{prefix}.attn_k_norm.weight"), *rope)
         g.op("Identity", [k], [f"present_key_{layer}"])
         g.op("Reshape", [v, g.shape(-1, kv_heads, dim)], [f"present_value_{layer}"])
-        keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", slots_input(group, window)], axis=0,
-                                               node="past_gather"),
-                                         g.one("Gather", [f"present_{kind}_{layer}", "query_rows"], axis=0)],
-                              axis=1, node="kv_concat")
-                        for kind in ("key", "value"))
-        queries = g.one("Gather", [g.one("Mul", [q, steps["scale"]]), "query_rows"], axis=0)  # [B, Q, heads, d_h]
-        # [B, n_kv, group·Q, d_h]: query head j·group + i attends with KV head j
-        queries = g.one("Reshape", [g.one("Transpose", [queries], perm=[0, 2, 1, 3]), steps["grouped"]])
-        scores = g.one("MatMul", [queries, g.one("Transpose", [keys], perm=[0, 2, 3, 1])])
-        scores = g.one("Add", [g.one("Reshape", [scores, steps["scores5", window]]), bias_input(window)])
-        probs = g.one("Reshape", [g.one("Softmax", [scores], axis=-1), steps["scores4", window]])
-        out = g.one("MatMul", [probs, g.one("Transpose", [values], perm=[0, 2, 1, 3])])  # [B, n_kv, group·Q, d_h]
-        out = g.one("Transpose", [g.one("Reshape", [out, steps["heads"]])], perm=[0, 2, 1, 3])  # [B, Q, heads, d_h]
-        out = g.one("Gather", [g.one("Reshape", [out, g.shape(-1, heads * dim)]), "token_rows"], axis=0)
+        out = self.attend_over_pool(layer, q, slots_input(group, window), bias_input(window), steps["scores5", window],
+                                    steps["scores4", window], steps)
         return self.linear(out, [f"{prefix}.attn_output.weight"], f"layer{layer}_o")
 
     def mlp(self, layer: int, h: str) -> str:
-        g, inter = self.g, self.spec.intermediate_size
-        gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"],
-                              f"layer{layer}_gate_up")
-        gate, up = g.op("Split", [gate_up, g.constant("split", np.asarray([inter, inter], dtype=np.int64))], 2, axis=-1)
-        act = g.one("Mul", [g.one("Gelu", [gate], approximate="tanh"), up])
-        return self.linear(act, [f"blk.{layer}.ffn_down.weight"], f"layer{layer}_down")
-
-    def norm(self, x: str, delta: str | None, weight: str) -> tuple[str, str]:
-        """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
-        return rms_norm(self.g, x, delta, self.tensors[weight].values(), self.spec.rms_norm_eps)
+        return self.gated_mlp(layer, h, lambda gate: self.g.one("Gelu", [gate], approximate="tanh"))
 
     def build(self):
         from onnx import TensorProto, helper
@@ -201,10 +179,7 @@ class Gemma3Graph:
         batch, queries = g.one("Shape", ["query_rows"], start=0, end=1), g.one("Shape", ["query_rows"], start=1, end=2)
         minus_one = g.constant("minus_one", np.asarray([-1], dtype=np.int64))
 
-        def dims(*parts) -> str:
-            return g.one("Concat", [p if isinstance(p, str) else g.constant("dim", np.asarray([p], dtype=np.int64))
-                                    for p in parts], axis=0)
-
+        dims = self.dims
         steps = {"scale": g.constant("scale", np.asarray(spec.attention_scale, dtype=np.float32)),
                  "grouped": dims(batch, kv_heads, minus_one, dim), "heads": dims(batch, heads, queries, dim)}
         for window in windows:

@@ -180,3 +180,52 @@ def rms_norm(g: GraphBuilder, x: str, delta: str | None, gamma: np.ndarray, eps:
     normed, _, _, total = g.op("SkipSimplifiedLayerNormalization", [delta, x, weight], 4, domain=MS_DOMAIN,
                                epsilon=eps)
     return normed, total
+
+
+class DecoderGraph:
+    """What every architecture's graph is built of besides its attention: the file's tensors written into one
+    ``GraphBuilder``, its RMSNorm and its gated MLP. A subclass gives ``linear`` and ``build``."""
+
+    def __init__(self, spec, tensors: dict[str, FileTensor]):
+        self.spec, self.tensors, self.g = spec, tensors, GraphBuilder()
+        self.formats: dict[str, str] = {}
+
+    def norm(self, x: str, delta: str | None, weight: str) -> tuple[str, str]:
+        """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
+        return rms_norm(self.g, x, delta, self.tensors[weight].values(), self.spec.rms_norm_eps)
+
+    def gated_mlp(self, layer: int, h: str, activation) -> str:
+        """``down(activation(gate(h)) · up(h))``, gate and up one product."""
+        g, inter = self.g, self.spec.intermediate_size
+        gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"],
+                              f"layer{layer}_gate_up")
+        gate, up = g.op("Split", [gate_up, g.constant("split", np.asarray([inter, inter], dtype=np.int64))], 2, axis=-1)
+        return self.linear(g.one("Mul", [activation(gate), up]), [f"blk.{layer}.ffn_down.weight"], f"layer{layer}_down")
+
+    def dims(self, *parts: str | int) -> str:
+        """A shape ``[parts]`` for ``Reshape``: node outputs (1-element int64) and numbers, concatenated."""
+        g = self.g
+        return g.one("Concat", [p if isinstance(p, str) else g.constant("dim", np.asarray([p], dtype=np.int64))
+                                for p in parts], axis=0)
+
+    def attend_over_pool(self, layer: int, q: str, past_slots: str, bias: str, scores5: str, scores4: str,
+                         steps: dict) -> str:
+        """The step's queries ``q [T, heads, d_h]`` against each sequence's cached K/V, gathered from the pool by
+        ``past_slots``, and the step's own (``present_*_{layer}``), masked by ``bias``: ``[rows, heads·d_h]`` for
+        the step's ``token_rows``. The nodes named ``past_gather`` and ``kv_concat`` are what serving the paged
+        pool costs over a contiguous past (benchmarks/bench_onnx_step.py measures them)."""
+        g, heads, dim = self.g, self.spec.num_heads, self.spec.head_dim
+        keys, values = (g.one("Concat", [g.one("Gather", [f"past_{kind}_{layer}", past_slots], axis=0,
+                                               node="past_gather"),
+                                         g.one("Gather", [f"present_{kind}_{layer}", "query_rows"], axis=0)],
+                              axis=1, node="kv_concat")
+                        for kind in ("key", "value"))  # [B, P+Q, n_kv, d_h]
+        queries = g.one("Gather", [g.one("Mul", [q, steps["scale"]]), "query_rows"], axis=0)  # [B, Q, heads, d_h]
+        # [B, n_kv, group·Q, d_h]: query head j·group + i attends with KV head j
+        queries = g.one("Reshape", [g.one("Transpose", [queries], perm=[0, 2, 1, 3]), steps["grouped"]])
+        scores = g.one("MatMul", [queries, g.one("Transpose", [keys], perm=[0, 2, 3, 1])])
+        scores = g.one("Add", [g.one("Reshape", [scores, scores5]), bias])
+        probs = g.one("Reshape", [g.one("Softmax", [scores], axis=-1), scores4])
+        out = g.one("MatMul", [probs, g.one("Transpose", [values], perm=[0, 2, 1, 3])])  # [B, n_kv, group·Q, d_h]
+        out = g.one("Transpose", [g.one("Reshape", [out, steps["heads"]])], perm=[0, 2, 1, 3])  # [B, Q, heads, d_h]
+        return g.one("Gather", [g.one("Reshape", [out, g.shape(-1, heads * dim)]), "token_rows"], axis=0)

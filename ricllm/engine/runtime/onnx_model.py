@@ -11,6 +11,8 @@ the runner's, after the run. Numpy and ONNX Runtime only: this module never impo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from pathlib import Path
 
 import numpy as np
@@ -68,15 +70,10 @@ class OnnxModel:
         return self.path.stat().st_size
 
 
-class OnnxModelRunner:
-    def __init__(self, model: OnnxModel, kv_cache: OnnxKVCache):
-        self.model, self.kv_cache = model, kv_cache
-        self.block_size = kv_cache.geometry.block_size
-        rows = kv_cache.geometry.num_blocks * self.block_size
-        spec = model.spec
-        # each layer's pool as the graph reads it: [slots, n_kv, d_h], views of the pool
-        self.pools = {f"past_{kind}_{layer}": array.reshape(rows, spec.num_kv_heads, spec.head_dim)
-                      for layer, pair in enumerate(kv_cache.layers) for kind, array in zip(("key", "value"), pair)}
+class GraphStepRunner(ABC):
+    """One engine step as one graph run (``compute``, in a subclass): this is what the engine asks of it."""
+
+    block_size: int
 
     def run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None = None
             ) -> tuple[np.ndarray | StepLogits, list[int]]:
@@ -89,6 +86,21 @@ class OnnxModelRunner:
         plan = plan_head(allowed, 1, False)  # every row whole: the graph has one head
         by_row = step_logits(plan, allowed, logits, None, lambda matrix, row, columns: matrix[row, columns])
         return by_row, flat.logits_rows
+
+    @abstractmethod
+    def compute(self, flat: FlatBatch) -> np.ndarray:
+        """The logits of the step's rows ``flat.logits_rows``, the step's K/V written into the pool."""
+
+
+class OnnxModelRunner(GraphStepRunner):
+    def __init__(self, model: OnnxModel, kv_cache: OnnxKVCache):
+        self.model, self.kv_cache = model, kv_cache
+        self.block_size = kv_cache.geometry.block_size
+        rows = kv_cache.geometry.num_blocks * self.block_size
+        spec = model.spec
+        # each layer's pool as the graph reads it: [slots, n_kv, d_h], views of the pool
+        self.pools = {f"past_{kind}_{layer}": array.reshape(rows, spec.num_kv_heads, spec.head_dim)
+                      for layer, pair in enumerate(kv_cache.layers) for kind, array in zip(("key", "value"), pair)}
 
     def compute(self, flat: FlatBatch) -> np.ndarray:
         """One graph run: the logits ``[len(flat.logits_rows), vocab]`` of the step's rows

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ricllm.engine.runtime.onnx_export import MS_DOMAIN, LlamaGraph, rope_row_order
+from ricllm.engine.runtime.onnx_export import MS_DOMAIN, LlamaGraph
 
 # PagedAttention's inputs by position (its schema in ONNX Runtime 1.31); "" is an absent optional input
 PAGED_INPUTS = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
@@ -51,11 +51,7 @@ class PagedLlamaGraph(LlamaGraph):
         spec, g = self.spec, self.g
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         prefix = f"blk.{layer}"
-        orders = [rope_row_order(spec.q_size, heads), rope_row_order(spec.kv_size, kv_heads), None]
-        qkv = self.linear(h, [f"{prefix}.attn_q.weight", f"{prefix}.attn_k.weight", f"{prefix}.attn_v.weight"],
-                          f"layer{layer}_qkv", orders)
-        q, k, v = g.op("Split", [qkv, g.constant("split", np.asarray([spec.q_size, spec.kv_size, spec.kv_size],
-                                                                      dtype=np.int64))], 3, axis=-1)
+        q, k, v = self.qkv(layer, h)
 
         def rotated(x: str, n: int) -> str:  # [T, n·d_h] -> RoPE per head -> [T, n·d_h]
             return g.one("Reshape", [self.rotate(g.one("Reshape", [x, g.shape(-1, n, dim)]), cos, sin),
