@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ricllm.model.spec import ModelSpec
 from ricllm.version import __version__
 OPSET = 23  # RMSNormalization
 MS_DOMAIN = "com.microsoft"
@@ -186,7 +187,7 @@ class DecoderGraph:
     """What every architecture's graph is built of besides its attention: the file's tensors written into one
     ``GraphBuilder``, its RMSNorm and its gated MLP. A subclass gives ``linear`` and ``build``."""
 
-    def __init__(self, spec, tensors: dict[str, FileTensor]):
+    def __init__(self, spec: ModelSpec, tensors: dict[str, FileTensor]):
         self.spec, self.tensors, self.g = spec, tensors, GraphBuilder()
         self.formats: dict[str, str] = {}
 
@@ -194,7 +195,7 @@ class DecoderGraph:
         """(RMSNorm of ``x + delta``, ``x + delta``); ``delta`` None: of ``x``."""
         return rms_norm(self.g, x, delta, self.tensors[weight].values(), self.spec.rms_norm_eps)
 
-    def gated_mlp(self, layer: int, h: str, activation) -> str:
+    def gated_mlp(self, layer: int, h: str, activation: Callable[[str], str]) -> str:
         """``down(activation(gate(h)) · up(h))``, gate and up one product."""
         g, inter = self.g, self.spec.intermediate_size
         gate_up = self.linear(h, [f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"],
