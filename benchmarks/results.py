@@ -13,15 +13,35 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+# AMD's family 25 (0x19) models by generation; a VM's model name is often just "AMD EPYC"
+AMD_FAMILY_25 = ((0x00, 0x0F, "Zen 3"), (0x10, 0x1F, "Zen 4"), (0x20, 0x2F, "Zen 3"), (0x40, 0x4F, "Zen 3+"),
+                 (0x50, 0x5F, "Zen 3"), (0x60, 0x7F, "Zen 4"), (0xA0, 0xAF, "Zen 4c"))
+
+
+def cpu_fields() -> dict[str, str]:
+    """The first processor's /proc/cpuinfo fields ({} where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
+def cpu_name(fields: dict[str, str]) -> str:
+    """The model name, with the family and model, and AMD's generation where the VM hides it."""
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    family, model = fields.get("cpu family"), fields.get("model")
+    if family is None or model is None:
+        return name
+    generation = ""
+    if fields.get("vendor_id") == "AuthenticAMD" and family == "25":
+        generation = next((g + ", " for lo, hi, g in AMD_FAMILY_25 if lo <= int(model) <= hi), "")
+    return f"{name} ({generation}family {family} model {model})"
+
+
+def machine() -> str:
+    cpu = cpu_name(cpu_fields())
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
