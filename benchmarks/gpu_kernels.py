@@ -52,6 +52,7 @@ class HeadShape:
 
 SMOLLM2 = HeadShape("SmolLM2", 9, 3, 64)
 LLAMA3_8B = HeadShape("Llama-3-8B", 32, 8, 128)
+GEMMA3_270M = HeadShape("Gemma 3 270M", 4, 1, 256)  # its windowed layers: the window checks below
 BLOCK_SIZE = 16
 
 
@@ -63,7 +64,7 @@ class Settings:
     dry_run: bool
     batches: tuple[int, ...] = (1, 16, 64, 256)
     contexts: tuple[int, ...] = (512, 4096, 32768)
-    shapes: tuple[HeadShape, ...] = (SMOLLM2, LLAMA3_8B)
+    shapes: tuple[HeadShape, ...] = (SMOLLM2, LLAMA3_8B, GEMMA3_270M)
     check_batch: int = 48
     check_max_context: int = 6000
     timing_reps: int = 30
