@@ -43,7 +43,7 @@ def run_replay(model: str, scenario: str, out: Path) -> dict:
     if result.returncode not in (0, 1):
         raise SystemExit(f"bench_models: {' '.join(command)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     overall = json.loads((out / "report.json").read_text())["aggregates"]["overall"]
-    return {field: overall.get(field) for field in FIELDS} | {"exit": result.returncode}
+    return {field: overall.get(field) for field in FIELDS}
 
 
 def median_range(values: list[float | None], fmt: str) -> str:

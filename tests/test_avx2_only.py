@@ -1,8 +1,7 @@
 """The suite's CPU-dependent part again on an emulated AVX2-only CPU (AMD Zen 2/3, Xeons before Skylake-SP),
 whatever CPU runs the suite: ricllm's avx2 kernel family, its bf16 probe answering no, and torch's own
 kernels (ATen, MKL, oneDNN) held to AVX2 (``benchmarks/cpu_caps.py``'s ``AVX2_ONLY``). The kernel family
-and torch's instruction sets are chosen once per process, so each area runs in one child process. On a CPU
-that is AVX2-only already, the children that repeat tests of the suite are skipped: the suite ran them there.
+and torch's instruction sets are chosen once per process, so each area runs in one child process.
 
 An AVX2 CPU multiplies bf16 nowhere in hardware; ``dtype="auto"`` still takes bf16 there, as ricllm's
 packed-weight kernels do the products (the file's 4-bit weights stay packed), so the default model is
@@ -31,11 +30,6 @@ MISSING = sorted(cpu_library.FAMILIES["avx2"][1] - cpu_library.cpu_flags())
 pytestmark = pytest.mark.skipif(not cpu_library.IS_X86 or bool(MISSING),
                                 reason=f"this CPU cannot run the avx2 family (x86-64-v3; it lacks "
                                        f"{' '.join(MISSING) or 'x86-64'})")
-# An AVX2-only CPU (no AVX-512) runs the avx2 family, no bf16 products and torch's AVX2 code natively: the suite's
-# own runs of the tests the children below repeat are already those tests on this CPU.
-NATIVE_AVX2 = not MISSING and "avx512f" not in cpu_library.cpu_flags()
-suite_runs_them_natively = pytest.mark.skipif(
-    NATIVE_AVX2, reason="this CPU is AVX2-only: the suite runs these tests on the avx2 family natively")
 
 # a child pytest run that first says which kernel family its process got (built before any test runs)
 PYTEST = """
@@ -69,7 +63,6 @@ print(json.dumps({"family": kernel_family(), "bf16": cpu_bf16(), "aten": torch.b
 """
 
 
-@suite_runs_them_natively
 def test_the_emulation_runs_the_avx2_family_without_bf16_products():
     """What the other tests here rely on: the child runs the avx2 family, ricllm's probe finds no bf16
     products, ATen runs its AVX2 code, and dtype auto still takes bf16 (the packed kernels serve)."""
@@ -82,25 +75,21 @@ def test_the_emulation_runs_the_avx2_family_without_bf16_products():
     assert said["auto"][0] == "bfloat16" and "packed-weight kernels do the products" in said["auto"][1], said
 
 
-@suite_runs_them_natively
 def test_the_avx2_familys_products_match_the_reference():
     """test_quant_gemm's parity tests (every row range, both widths, bf16 and fp32 activations) and the
     half-step bound of the int8 activations (every avx2 row count runs on them)."""
     pytest_avx2_only("tests/kernels/test_quant_gemm.py", "-k", "parity or quantization_step", at_least=7)
 
 
-@suite_runs_them_natively
 def test_the_avx2_familys_lora_updates_match_the_reference():
     """test_cpu_lora's parity tests: several adapters per batch, fp32 and bf16 activations and weights."""
     pytest_avx2_only("tests/kernels/test_cpu_lora.py", "-k", "parity", at_least=28)
 
 
-@suite_runs_them_natively
 def test_the_runtimes_compute_the_same_bits_on_the_avx2_family():
     pytest_avx2_only("tests/test_native_runtime.py", "-k", "bit_identical or unchunked", at_least=2)
 
 
-@suite_runs_them_natively
 def test_a_short_replay_runs_on_the_avx2_family():
     """The in-process replay of the tiny model (24 requests, about 2 s of arrivals) and its report's checks."""
     pytest_avx2_only("tests/replay/test_replay.py", "-k", "in_process_replay_report", at_least=1)
@@ -145,7 +134,6 @@ def test_both_runtimes_serve_the_default_model_packed_in_bf16(smollm2):
 
 
 @pytest.mark.slow
-@suite_runs_them_natively
 def test_the_avx2_family_keeps_the_default_models_greedy_choices_and_perplexity(smollm2_oracle_file):
     """test_weight_formats' oracle checks of the native runtime (int8 and int4 layers) on the avx2 family:
     teacher-forced greedy agreement with HF fp32 >= 95%, perplexity within 2% of fp32's. The HF fp32
