@@ -102,7 +102,7 @@ def quality(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
 
 def quality_rows(path: Path) -> tuple[int, float, dict[str, tuple[float, float]]]:
     """(tokens, HF fp32 perplexity, the torch runtime's (agreement, perplexity))."""
-    from tests.test_gemma3 import gemma3_oracle
+    from tests.hf_oracle import gemma3_oracle
     from tests.test_weight_formats import TEXT, teacher_forced_logits
 
     progress("torch runtime")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import require_module, smollm2_path, write_tiny_llama_gguf
+from tests.hf_oracle import load_hf_oracle
 from tests.smollm2_oracle import ORACLE_FILE_ENV, compute_oracle_figures
 
 torch.set_num_threads(2)
@@ -73,16 +74,6 @@ def smollm2_oracle_file(smollm2, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_oracle(smollm2_oracle_file) -> dict:
     return torch.load(smollm2_oracle_file)
-
-
-def load_hf_oracle(path):
-    """HF transformers on the same GGUF, fp32: the numerical oracle."""
-    require_module("transformers")
-    require_module("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -16,22 +16,10 @@ import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
 from ricllm.errors import ConfigError
-from tests.helpers import ROOT, TINY_GEMMA3, gemma3_270m_path, require_module, write_tiny_gemma3_gguf
+from tests.helpers import ROOT, TINY_GEMMA3, gemma3_270m_path, write_tiny_gemma3_gguf
+from tests.hf_oracle import gemma3_oracle
 from tests.test_oracle_parity import assert_matches_oracle, random_prompts
 from tests.test_weight_formats import TEXT, teacher_forced_logits
-
-
-def gemma3_oracle(path, query_pre_attn_scalar: int = 256):
-    """HF transformers on the GGUF, fp32. Its GGUF loader leaves ``query_pre_attn_scalar`` at its
-    default, 256: the head dim of every Gemma 3 but the 27B. ricllm scales by the head dim, as
-    llama.cpp does, so the tiny model's oracle is told its heads' width."""
-    require_module("transformers")
-    require_module("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                 query_pre_attn_scalar=query_pre_attn_scalar)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def engine(path: Path, runtime: str, **kwargs) -> LLM:
 
 def peft_logits(gguf: Path, adapter_folder: Path | None, token_ids: list[int], positions: list[int]) -> torch.Tensor:
     """PEFT's logits on HF's Gemma 3 of the GGUF (fp32), under the adapter in ``adapter_folder`` (None: none)."""
-    from tests.test_gemma3 import gemma3_oracle
+    from tests.hf_oracle import gemma3_oracle
 
     model = gemma3_oracle(gguf, HEAD_DIM)
     if adapter_folder is not None:

@@ -206,7 +206,7 @@ def test_peft_applies_the_updates_ricllm_reads(spec, tiny_gguf, tmp_path):
     update equals ricllm's, patterns and rsLoRA included."""
     require_module("peft")  # the dev extra's; CI fails without it
     import peft
-    from tests.conftest import load_hf_oracle
+    from tests.hf_oracle import load_hf_oracle
 
     folder = write_lora_adapter(tmp_path / "ours", spec, rank=4, alpha=8, seed=2, config={
         "rank_pattern": {"q_proj": 8}, "alpha_pattern": {"model.layers.1.mlp.down_proj": 3}})
@@ -219,7 +219,7 @@ def test_what_peft_saves_ricllm_reads(spec, tiny_gguf, tmp_path):
     projections of one layer) loads here with PEFT's updates."""
     require_module("peft")  # the dev extra's; CI fails without it
     import peft
-    from tests.conftest import load_hf_oracle
+    from tests.hf_oracle import load_hf_oracle
 
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
                              layers_to_transform=[1], rank_pattern={"v_proj": 2}, alpha_pattern={"o_proj": 5},
@@ -241,7 +241,7 @@ def test_what_peft_saves_ricllm_reads(spec, tiny_gguf, tmp_path):
 def test_what_peft_saves_beyond_plain_lora_is_refused(spec, tiny_gguf, tmp_path, fields, message):
     require_module("peft")  # the dev extra's; CI fails without it
     import peft
-    from tests.conftest import load_hf_oracle
+    from tests.hf_oracle import load_hf_oracle
 
     config = peft.LoraConfig(r=4, lora_alpha=8, **{"target_modules": ["q_proj", "v_proj"], **fields})
     peft.get_peft_model(load_hf_oracle(tiny_gguf), config).save_pretrained(str(tmp_path / "saved"))

@@ -19,7 +19,7 @@ from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.lora_request import AdapterSlot
 from ricllm.model.lora import LoraAdapter, load_lora_adapter
 from ricllm.sequence import Sequence
-from tests.conftest import load_hf_oracle
+from tests.hf_oracle import load_hf_oracle
 from tests.helpers import require_module
 from tests.lora_adapters import write_lora_adapter
 

@@ -324,7 +324,7 @@ def gemma3_270m_text_oracle():
     """HF transformers fp32 on the installed GGUF, over a text longer than the 512-token window: the
     tokens, HF's argmax at each position and its perplexity (the model let go once they are computed)."""
     from tests.smollm2_oracle import TEXT
-    from tests.test_gemma3 import gemma3_oracle
+    from tests.hf_oracle import gemma3_oracle
 
     path = gemma3_270m_path()
     oracle = gemma3_oracle(path)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ricllm import LLM, SamplingParams
-from tests.conftest import load_hf_oracle
+from tests.hf_oracle import load_hf_oracle
 from tests.recorder import LogitsRecorder
 
 PROMPT_LENGTHS = (1, 7, 16, 33, 50)
