@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.helpers import require_module, smollm2_path, write_tiny_llama_gguf
-from tests.hf_oracle import load_hf_oracle
-from tests.smollm2_oracle import ORACLE_FILE_ENV, compute_oracle_figures
+from tests.helpers import gemma3_270m_path, require_module, smollm2_path, write_tiny_llama_gguf
+from tests.hf_oracle import gemma3_oracle, load_hf_oracle
+from tests.smollm2_oracle import ORACLE_FILE_ENV, TEXT, compute_oracle_figures
 
 torch.set_num_threads(2)
 
@@ -74,6 +76,25 @@ def smollm2_oracle_file(smollm2, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_oracle(smollm2_oracle_file) -> dict:
     return torch.load(smollm2_oracle_file)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_hf():
+    """HF fp32 on the installed Gemma 3 270M, loaded once for the torch and the ONNX runtimes' checks."""
+    return gemma3_oracle(gemma3_270m_path())
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_text_oracle(gemma3_270m_hf):
+    """HF fp32 over ``TEXT`` thrice, longer than Gemma 3's 512-token window: the tokens, HF's argmax at
+    each position and its perplexity."""
+    from ricllm.model.loader import open_checkpoint
+
+    ids = open_checkpoint(gemma3_270m_path()).tokenizer.encode("\n\n".join([TEXT] * 3))
+    with torch.no_grad():
+        logits = gemma3_270m_hf(torch.tensor([ids])).logits[0, :-1].float()
+    perplexity = math.exp(F.cross_entropy(logits, torch.tensor(ids[1:])).item())
+    return {"ids": ids, "argmax": logits.argmax(-1), "perplexity": perplexity}
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers import cache_with_kernels
+
 
 def ricllm(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "ricllm.cli", *args], capture_output=True, text=True,
@@ -69,7 +71,7 @@ def test_bad_flag_value_is_a_clear_error(tiny_gguf):
 
 
 def test_prepare_fills_the_weight_cache_and_the_fit_that_the_next_start_uses(tiny_gguf, tmp_path, monkeypatch):
-    env = {**os.environ, "RICLLM_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "RICLLM_CACHE_DIR": str(cache_with_kernels(tmp_path))}
     first = ricllm("prepare", "--model", str(tiny_gguf), "--dtype", "bfloat16", "--calibrate", env=env)
     assert first.returncode == 0, first.stderr
     assert f"converted from {tiny_gguf}" in first.stdout and str(tmp_path / "weights") in first.stdout

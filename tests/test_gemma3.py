@@ -182,11 +182,6 @@ def gemma3_270m_fp32(gemma3_270m):
                weight_cache=False)
 
 
-@pytest.fixture(scope="module")
-def gemma3_270m_oracle(gemma3_270m):
-    return gemma3_oracle(gemma3_270m)
-
-
 @pytest.mark.slow
 def test_gemma3_270m_is_found_by_its_short_name_with_its_shape(gemma3_270m, gemma3_270m_fp32):
     from ricllm.model.loader import read_tensor_types, resolve_model_path
@@ -204,7 +199,7 @@ def test_gemma3_270m_is_found_by_its_short_name_with_its_shape(gemma3_270m, gemm
 
 
 @pytest.mark.slow
-def test_greedy_tokens_match_hf_on_gemma3_270m(gemma3_270m_fp32, gemma3_270m_oracle):
+def test_greedy_tokens_match_hf_on_gemma3_270m(gemma3_270m_fp32, gemma3_270m_hf):
     """32 greedy tokens on three prompts are HF's: at every position HF's argmax over the prompt and
     ricllm's tokens so far (one teacher-forced HF pass, which two cores afford) is ricllm's token."""
     llm = gemma3_270m_fp32
@@ -213,22 +208,19 @@ def test_greedy_tokens_match_hf_on_gemma3_270m(gemma3_270m_fp32, gemma3_270m_ora
         full = out.prompt_token_ids + out.token_ids
         positions = list(range(len(out.prompt_token_ids) - 1, len(full) - 1))
         with torch.no_grad():
-            reference = gemma3_270m_oracle(torch.tensor([full])).logits[0, positions].float()
+            reference = gemma3_270m_hf(torch.tensor([full])).logits[0, positions].float()
         assert out.token_ids == reference.argmax(-1).tolist(), out.prompt
         torch.testing.assert_close(teacher_forced_logits(llm, full, positions), reference, atol=5e-4, rtol=0)
 
 
 @pytest.mark.slow
-def test_teacher_forced_agreement_and_perplexity_match_hf_on_gemma3_270m(gemma3_270m_fp32, gemma3_270m_oracle):
+def test_teacher_forced_agreement_and_perplexity_match_hf_on_gemma3_270m(gemma3_270m_fp32, gemma3_270m_text_oracle):
     """On a text longer than the 512-token window, read in prefill chunks of 512."""
-    llm = gemma3_270m_fp32
+    llm, oracle = gemma3_270m_fp32, gemma3_270m_text_oracle
     ids = llm.tokenizer.encode("\n\n".join([TEXT] * 3))
-    assert len(ids) > 700
-    targets = torch.tensor(ids[1:])
-    with torch.no_grad():
-        reference = gemma3_270m_oracle(torch.tensor([ids])).logits[0, :-1].float()
+    assert len(ids) > 700 and ids == oracle["ids"]
     ours = teacher_forced_logits(llm, ids, list(range(len(ids) - 1)))
-    agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    ppl, reference_ppl = (math.exp(F.cross_entropy(x, targets).item()) for x in (ours, reference))
+    agreement = (ours.argmax(-1) == oracle["argmax"]).float().mean().item()
+    ppl = math.exp(F.cross_entropy(ours, torch.tensor(ids[1:])).item())
     assert agreement >= 0.99, f"greedy agreement with HF fp32 {agreement:.1%}"
-    assert abs(ppl / reference_ppl - 1) <= 0.001, f"perplexity {ppl:.4f} vs HF fp32 {reference_ppl:.4f}"
+    assert abs(ppl / oracle["perplexity"] - 1) <= 0.001, f"perplexity {ppl:.4f} vs HF fp32 {oracle['perplexity']:.4f}"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ricllm import LLM, SamplingParams
-from tests.helpers import gemma3_270m_path, write_tiny_gemma3_gguf
+from tests.helpers import write_tiny_gemma3_gguf
 from tests.recorder import LogitsRecorder
 from tests.test_oracle_parity import random_prompts
 
@@ -317,25 +317,6 @@ def gemma3_teacher_forced(llm: LLM, token_ids: list[int], chunk: int = 512) -> t
         targets = torch.tensor(token_ids[start + 1:start + 1 + len(logits)])
         logprobs.append(F.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
     return torch.cat(argmax), torch.cat(logprobs)
-
-
-@pytest.fixture(scope="module")
-def gemma3_270m_text_oracle():
-    """HF transformers fp32 on the installed GGUF, over a text longer than the 512-token window: the
-    tokens, HF's argmax at each position and its perplexity (the model let go once they are computed)."""
-    from tests.smollm2_oracle import TEXT
-    from tests.hf_oracle import gemma3_oracle
-
-    path = gemma3_270m_path()
-    oracle = gemma3_oracle(path)
-    from ricllm.model.loader import open_checkpoint
-
-    ids = open_checkpoint(path).tokenizer.encode("\n\n".join([TEXT] * 3))
-    with torch.no_grad():
-        logits = oracle(torch.tensor([ids])).logits[0, :-1].float()
-    targets = torch.tensor(ids[1:])
-    ppl = math.exp(F.cross_entropy(logits, targets).item())
-    return {"ids": ids, "argmax": logits.argmax(-1), "perplexity": ppl}
 
 
 @pytest.mark.slow

@@ -22,10 +22,11 @@ def nvcc(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([NVCC, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("arch", [["-arch=sm_90"], []], ids=["sm_90", "default-arch"])
-def test_paged_decode_compiles_with_nvcc(arch: list[str], tmp_path: Path) -> None:
+def test_paged_decode_compiles_for_hopper_with_nvcc_without_spills(tmp_path: Path) -> None:
+    """sm_90, the H100 and H200 the GPU checks run on: torch's extension build compiles for the device it
+    finds, and a kernel that spills there is slow where it matters."""
     obj = tmp_path / "paged_decode.o"
-    proc = nvcc("-c", "-std=c++17", "-O3", *arch, "-Xptxas", "-v",
+    proc = nvcc("-c", "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v",
                 str(CSRC / "paged_decode.cu"), "-o", str(obj))
     assert proc.returncode == 0, proc.stderr
     assert obj.stat().st_size > 0
