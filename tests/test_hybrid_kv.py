@@ -12,12 +12,13 @@ from ricllm import LLM, SamplingParams
 from ricllm.cache.kv_cache_manager import KVCacheManager
 from ricllm.cache.kv_groups import kv_cache_groups
 from ricllm.engine.admission import NO_BEST_EFFORT, work_of
+from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.schedule_bound import schedule_bounds
 from ricllm.kv_window import EVICTED, KVWindow, most_blocks
 from ricllm.model.spec import ModelSpec
 from ricllm.sequence import Sequence
 from tests.helpers import write_tiny_gemma3_gguf
-from tests.test_admission import drain, make_engine
+from tests.test_admission import COEFFICIENTS, drain, make_engine
 from tests.test_oracle_parity import random_prompts
 
 BLOCK = 4
@@ -28,6 +29,14 @@ VOCAB = 317
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory):
     return write_tiny_gemma3_gguf(tmp_path_factory.mktemp("hybrid") / "tiny_gemma3.gguf", seed=3)
+
+
+@pytest.fixture(scope="module")
+def stored_fit(tmp_path_factory) -> str:
+    """A latency fit to admit against: these tests count blocks, not time, so no calibration."""
+    fit = tmp_path_factory.mktemp("fit") / "fit.json"
+    LatencyModel(list(COEFFICIENTS)).save(fit)
+    return str(fit)
 
 
 def _engine(path, **settings) -> LLM:
@@ -101,8 +110,8 @@ def test_a_long_sequence_keeps_only_the_windows_blocks_in_the_sliding_groups(tin
     assert engine.cache.pool.num_used == 0
 
 
-def test_admission_reserves_per_group(tiny_gemma3):
-    llm = _engine(tiny_gemma3, admission="deadline", max_num_batched_tokens=16)
+def test_admission_reserves_per_group(tiny_gemma3, stored_fit):
+    llm = _engine(tiny_gemma3, admission="deadline", max_num_batched_tokens=16, latency_fit=stored_fit)
     prompt = random_prompts(VOCAB, [100], seed=6)[0]
     seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=20, deadline_ms=60_000, ignore_eos=True))
     assert seq.promised
@@ -241,8 +250,8 @@ def test_gemma3_270m_holds_the_per_group_equations_blocks_at_4096_tokens():
     assert blocks * geometry.bytes_per_block == 20_692_992  # against 6 · 256 blocks with every layer whole
 
 
-def test_the_admission_caps_count_every_groups_blocks(tiny_gemma3):
-    llm = _engine(tiny_gemma3, admission="deadline", max_num_batched_tokens=16)
+def test_the_admission_caps_count_every_groups_blocks(tiny_gemma3, stored_fit):
+    llm = _engine(tiny_gemma3, admission="deadline", max_num_batched_tokens=16, latency_fit=stored_fit)
     admission, num_blocks = llm.engine.admission, llm.engine.kv_cache.geometry.num_blocks
     row = next(r for r in admission.caps(1000, 16, contexts=(128,)) if r["context"] == 128)
     each = -(-144 // BLOCK) + 6 * KVWindow(0, WINDOW).max_blocks(16, BLOCK)
