@@ -9,7 +9,6 @@ import re
 import pytest
 
 from ricllm.cli import main
-from ricllm.engine.chat_prefix import render_chat_prefix
 from ricllm.model.loader import open_checkpoint
 from ricllm.model.lora import load_lora_adapter
 from ricllm.paths import file_digest

@@ -9,7 +9,6 @@ mismatch; prints ``large pool OK`` on success.
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 

@@ -10,7 +10,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest.py sets it too)
 
 import pytest
-import torch
 
 from ricllm import LLM, SamplingParams
 from ricllm import kernels

@@ -21,7 +21,7 @@ from ricllm import protocol as p
 from ricllm.client import RicClient, ServerError
 from ricllm.config import SettingsError
 from tests.lora_adapters import write_lora_adapter
-from tests.serve.test_lifecycle import WAIT_S, ConfigServer, serve_from_config_file
+from tests.serve.test_lifecycle import WAIT_S, serve_from_config_file
 from tests.serve.test_server import http_get, metric_values, run_cli, wait_for
 
 PROMPT = "Cell 7 reports PRB usage high and throughput low."

@@ -46,7 +46,6 @@ from ricllm.engine.runtime.onnx_graph import (  # noqa: F401
     ACCURACY_LEVEL, BLOCK, MASKED, MS_DOMAIN, PACKED_TYPES, DecoderGraph, FileTensor, GraphBuilder,
     OnnxExportUnsupported, matmul_nbits, matmul_nbits_weights, read_tensors, rms_norm, rope_row_order, rotate_halves)
 from ricllm.logging import get_logger
-from ricllm.model.spec import ModelSpec
 from ricllm.paths import cache_dir, evict_least_recent, file_digest, touch_used
 from ricllm.version import __version__
 

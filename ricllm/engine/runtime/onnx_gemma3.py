@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ricllm.cache.kv_groups import kv_cache_groups, layer_groups
-from ricllm.engine.runtime.onnx_graph import DecoderGraph, FileTensor, OnnxExportUnsupported, rms_norm, rotate_halves
+from ricllm.engine.runtime.onnx_graph import DecoderGraph, FileTensor, OnnxExportUnsupported, rotate_halves
 from ricllm.engine.runtime.onnx_quants import NBITS_TYPES, nbits_gather, nbits_matmul, nbits_weight, stacked
 from ricllm.model.formats import MIXED
 from ricllm.model.spec import ModelSpec
