@@ -21,10 +21,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Self
 
-# Spins for duty·period, sleeps the rest; exits when its parent is gone (a crashed run leaves no hog).
+# Says it is up, waits for "go", then spins for duty·period and sleeps the rest; exits when its parent is
+# gone (a crashed run leaves no hog) or closes its stdin without "go".
 _HOG_SOURCE = """
 import os, sys, time
 duty, period, parent = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+print("ready", flush=True)
+if sys.stdin.readline() != "go\\n":
+    sys.exit(0)
 while os.getppid() == parent:
     start = time.perf_counter()
     while time.perf_counter() - start < duty * period:
@@ -38,7 +42,10 @@ class CpuHog:
     """Child processes that keep ``cpus`` busy for ``duty`` (0 to 1) of every ``period_s``.
 
     ``cpus`` defaults to every CPU this process may run on (the engine's, when it is pinned).
-    A context manager; ``start`` and ``stop`` may also be called mid-run.
+    A context manager; ``start`` and ``stop`` may also be called mid-run. ``spawn`` starts the processes
+    ahead, waiting: a Python interpreter's own start-up takes a whole CPU for tens of milliseconds, a
+    burst that is not the neighbour the duty describes, so a scenario spawns before its clock starts and
+    ``start`` only lets them spin.
     """
 
     def __init__(self, cpus: Iterable[int] | None = None, duty: float = 1.0, period_s: float = 0.01):
@@ -50,26 +57,43 @@ class CpuHog:
         self.duty = duty
         self.period_s = period_s
         self._children: list[subprocess.Popen] = []
+        self._spinning = False
 
     @property
     def running(self) -> bool:
-        return any(child.poll() is None for child in self._children)
+        """Spinning (started, and a process still alive)."""
+        return self._spinning and any(child.poll() is None for child in self._children)
+
+    def spawn(self) -> None:
+        """Start the processes, each pinned to its CPU and waiting to spin; returns once all are up."""
+        if self._children:
+            return
+        for cpu in self.cpus:
+            child = subprocess.Popen([sys.executable, "-c", _HOG_SOURCE, str(self.duty), str(self.period_s),
+                                      str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            os.sched_setaffinity(child.pid, {cpu})
+            self._children.append(child)
+        for child in self._children:
+            child.stdout.readline()
 
     def start(self) -> None:
         if self.running:
             return
-        for cpu in self.cpus:
-            child = subprocess.Popen([sys.executable, "-c", _HOG_SOURCE, str(self.duty), str(self.period_s),
-                                      str(os.getpid())])
-            os.sched_setaffinity(child.pid, {cpu})
-            self._children.append(child)
+        self.spawn()
+        for child in self._children:
+            child.stdin.write("go\n")
+            child.stdin.close()
+        self._spinning = True
 
     def stop(self) -> None:
         for child in self._children:
             child.kill()
         for child in self._children:
             child.wait()
+            for pipe in (child.stdin, child.stdout):
+                pipe.close()
         self._children = []
+        self._spinning = False
 
     def __enter__(self) -> Self:
         self.start()

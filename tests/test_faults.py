@@ -50,6 +50,33 @@ def test_cpu_hog_spins_on_its_cpus_and_stop_leaves_no_process():
     hog.stop()  # idempotent
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(60)
+def test_a_spawned_hog_waits_without_spinning_until_it_starts():
+    """Spawned ahead, the processes are up (their start-up done) and idle: the neighbour begins at its
+    duty cycle when started, not with interpreters starting up."""
+    hog = CpuHog(sorted(os.sched_getaffinity(0))[:1], duty=0.5, period_s=0.01)
+    hog.spawn()
+    try:
+        pid = hog._children[0].pid
+        assert alive(pid) and not hog.running
+        waiting = cpu_seconds(pid)
+        time.sleep(0.5)
+        assert cpu_seconds(pid) - waiting <= 0.02, "a spawned hog spins before it is started"
+        hog.start()
+        assert hog.running and [child.pid for child in hog._children] == [pid]
+        time.sleep(0.5)
+        assert cpu_seconds(pid) - waiting >= 0.1, "a started hog does not spin"
+    finally:
+        hog.stop()
+    assert wait_gone([pid], 5) == []
+
+
 @pytest.mark.timeout(60)
 def test_cpu_hog_as_context_manager_stops_on_error():
     with pytest.raises(RuntimeError), CpuHog(duty=0.2) as hog:

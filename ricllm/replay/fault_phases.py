@@ -57,20 +57,28 @@ class FaultSchedule:
         finally:
             self.stop_all()
 
-    def _start(self, i: int) -> None:
+    def spawn_all(self) -> None:
+        """Every phase's processes, started and waiting (``CpuHog.spawn``): called before the replay's
+        clock starts, so a phase's start is its duty cycle, not interpreters starting up."""
         from ricllm.faults import CpuHog
 
-        phase = self.phases[i]
-        hog = CpuHog(self.cpus, duty=phase.duty, period_s=phase.period_ms / 1000)
-        self.hogs[i] = hog
-        hog.start()
+        for i, phase in enumerate(self.phases):
+            if self.hogs[i] is None and self.started[i] is None:
+                self.hogs[i] = CpuHog(self.cpus, duty=phase.duty, period_s=phase.period_ms / 1000)
+                self.hogs[i].spawn()
+
+    def _start(self, i: int) -> None:
+        self.spawn_all()
+        self.hogs[i].start()
         self.started[i] = time.perf_counter() - self.t0
 
     def _stop(self, i: int) -> None:
         hog, self.hogs[i] = self.hogs[i], None
         if hog is not None:
+            spinning = hog.running
             hog.stop()
-            self.stopped[i] = time.perf_counter() - self.t0
+            if spinning:
+                self.stopped[i] = time.perf_counter() - self.t0
 
     def stop_all(self) -> None:
         """Idempotent; safe from ``finally`` on any path (error, Ctrl-C, cancellation)."""

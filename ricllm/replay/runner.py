@@ -93,6 +93,7 @@ class Replayer:
             started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
             print(f"replaying {len(self.plan)} requests over {self.plan[-1].send_offset_s:.1f} s "
                   f"({self.backend.mode}); Ctrl-C stops and still writes the report", file=sys.stderr, flush=True)
+            self.faults.spawn_all()
             self.t0 = time.perf_counter()
             sampler = asyncio.create_task(self._sample_loop())
             faults = asyncio.create_task(self.faults.run(self.t0, self._sleep, self.stop)) if self.faults else None
