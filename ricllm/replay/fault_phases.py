@@ -60,15 +60,20 @@ class FaultSchedule:
     def spawn_all(self) -> None:
         """Every phase's processes, started and waiting (``CpuHog.spawn``): called before the replay's
         clock starts, so a phase's start is its duty cycle, not interpreters starting up."""
+        for i in range(len(self.phases)):
+            if self.hogs[i] is None and self.started[i] is None:
+                self._spawn(i)
+
+    def _spawn(self, i: int) -> None:
         from ricllm.faults import CpuHog
 
-        for i, phase in enumerate(self.phases):
-            if self.hogs[i] is None and self.started[i] is None:
-                self.hogs[i] = CpuHog(self.cpus, duty=phase.duty, period_s=phase.period_ms / 1000)
-                self.hogs[i].spawn()
+        phase = self.phases[i]
+        self.hogs[i] = CpuHog(self.cpus, duty=phase.duty, period_s=phase.period_ms / 1000)
+        self.hogs[i].spawn()
 
     def _start(self, i: int) -> None:
-        self.spawn_all()
+        if self.hogs[i] is None:  # not spawned ahead (a schedule run without ``spawn_all``)
+            self._spawn(i)
         self.hogs[i].start()
         self.started[i] = time.perf_counter() - self.t0
 
