@@ -24,6 +24,14 @@ def test_help_lists_commands():
     assert "--kv-cache-budget" in ricllm("generate", "--help").stdout
 
 
+def test_adapt_help_states_each_default_once_and_only_where_there_is_one():
+    helped = ricllm("adapt", "--help").stdout
+    options = " ".join(helped.split()).split(" --")[1:]
+    assert "(default: None)" not in helped and "(default: [])" not in helped
+    assert all(option.count("(default:") <= 1 for option in options), options
+    assert "--steps STEPS optimizer steps (default: 100)" in " ".join(helped.split())
+
+
 def test_generate_prints_text_and_timings(tiny_gguf):
     result = ricllm("generate", "hello world", "--model", str(tiny_gguf), "--max-tokens", "5", "--ignore-eos",
                     "--dtype", "float32")

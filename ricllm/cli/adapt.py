@@ -35,7 +35,7 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
                     "judgement prints the share correct with the adapter, without it, and of the model prompted with "
                     "the template itself, beside always answering the majority class. Exit status 2 for a mistake "
                     "in the arguments or the scenario.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsWhereMeaningful)
     parser.add_argument("scenario", nargs="?", default="default", help="scenario file, or a bundled scenario's name")
     parser.add_argument("--template", default=None,
                         help="the template whose policy to learn (default: the scenario's first template with one)")
@@ -108,6 +108,17 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=cmd_adapt)
+
+
+class DefaultsWhereMeaningful(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where the help already says it, or it is none
+    off or empty (an unset option, a bare flag, a repeatable one: "(default: None)" says nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        unset = action.default is None or action.default is False or action.default == []
+        if unset or "(default:" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 @dataclass

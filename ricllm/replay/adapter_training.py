@@ -13,11 +13,13 @@ as a pinned template is served, and each row's request once, its answers branchi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
 import json
 import random
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,10 @@ from ricllm.replay.adapt import (IGNORE_INDEX, Example, TemplatePolicy, Tokenize
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MANIFEST = "ricllm_adapt.json"
+# What transformers and peft say of a GGUF read as an HF model and of a LoRA wrapped around it: nothing a
+# user can act on (ricllm reads no HF tokenizer config and turns no checkpointing on), so not printed.
+THIRD_PARTY_NOISE = ((FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+                     (UserWarning, r"Could not find a config file in"))
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,8 @@ def with_lora(model, settings: TrainingSettings):
     config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0,
                              target_modules=list(LORA_TARGETS), bias="none")
     torch.manual_seed(settings.seed)
-    return peft.get_peft_model(model, config)
+    with _quiet_third_party():
+        return peft.get_peft_model(model, config)
 
 
 def collate(batch: Sequence[TokenizedExample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -329,6 +336,16 @@ def save_adapter(model, out: Path, manifest: dict[str, Any]) -> Path:
     """The adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``) and
     ``ricllm_adapt.json``: what it was trained on and how."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
+    with _quiet_third_party():
+        model.save_pretrained(str(out))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
+
+
+@contextlib.contextmanager
+def _quiet_third_party() -> Iterator[None]:
+    """Within it, ``THIRD_PARTY_NOISE`` is not shown; every other warning still is."""
+    with warnings.catch_warnings():
+        for category, message in THIRD_PARTY_NOISE:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
