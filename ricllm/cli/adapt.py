@@ -69,8 +69,9 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the training rows and of training")
     parser.add_argument("--eval-seed", type=int, default=None, help="seed of the held-out drawn rows "
                         "(default: seed + 1)")
-    parser.add_argument("--missing-share", type=float, default=0.08, help="share of drawn rows with one KPI missing; with --counterfactual-share, the share of twins "
-                             "made by losing one KPI the policy asks missing(KPI) of")
+    parser.add_argument("--missing-share", type=float, default=0.08,
+                        help="share of drawn rows with one KPI missing; with --counterfactual-share, the share of "
+                             "twins made by losing one KPI the policy asks missing(KPI) of")
     parser.add_argument("--drawn-share", type=float, default=0.0,
                         help="with --rows trace: this share of the training rows is drawn from the KPI ranges of the "
                              "rows outside the scored window instead (the answers taking turns), so the thresholds get "
@@ -264,7 +265,8 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     trained_on = (f"trained on {len(split.training)} of the trace's {split.reports_outside} KPI reports outside the "
                   f"window the replay scores ({held.outside} of trace time; a seeded sample), each rendered as the "
                   f"replay's request for this template"
-                  + (f", and {len(drawn)} rows drawn from those reports' KPI ranges (seed {args.seed})" if drawn else "")
+                  + (f", and {len(drawn)} rows drawn from those reports' KPI ranges (seed {args.seed})"
+                     if drawn else "")
                   + (f", and {len(twins)} counterfactual twins of those reports (one KPI moved across a number the "
                      "policy compares it with, relabelled by the policy"
                      + (", each in one batch with its report)" if units else ")") if twins else "")
@@ -272,7 +274,8 @@ def _trace_rows(args: argparse.Namespace, scenario, trace, template) -> Rows:
     manifest = {"training": {"source": "trace reports outside the scored window", "rows": len(training),
                              "reports_outside": split.reports_outside, "drawn_rows": len(drawn),
                              "counterfactual_rows": len(twins), "counterfactual_reach": args.counterfactual_reach,
-                             "counterfactual_pairs": args.counterfactual_pairs, "spans_s": held.spans, "seed": args.seed},
+                             "counterfactual_pairs": args.counterfactual_pairs, "spans_s": held.spans,
+                             "seed": args.seed},
                 "held_out": held.manifest}
     return Rows(training, held.rows, trained_on, held.said, held.seen, manifest, units)
 
@@ -328,7 +331,7 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
     print(f"training multiplies in {'bfloat16' if bf16 else 'float32'} ({why}), {args.threads} threads")
     manifest = {**manifest, "training": {**manifest["training"], "dtype": "bfloat16" if bf16 else "float32"}}
     tokenizer = checkpoint.tokenizer
-    model = at.with_lora(at.load_base_model(checkpoint.path, checkpoint.spec), settings)
+    model = at.with_lora(at.load_base_model(checkpoint.path, checkpoint.spec, progress=not args.no_progress), settings)
     result = at.train(model, tokenizer, system, rows.training, settings, not args.no_progress, rows.units)
     at.save_adapter(model, out, {**manifest, "final_loss": result.losses[-1]})
     adapter = load_lora_adapter(out, checkpoint.spec)

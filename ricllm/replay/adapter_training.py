@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import io
 import itertools
 import json
 import random
@@ -70,21 +71,24 @@ class TrainingResult:
     losses: list[float] = field(default_factory=list)
 
 
-def load_base_model(path: Path, spec: ModelSpec | None = None):
+def load_base_model(path: Path, spec: ModelSpec | None = None, progress: bool = True):
     """HF transformers' model of ``path`` (a .gguf file or an HF folder), fp32, for training. For a
     Gemma 3 GGUF, ``spec`` (ricllm's reading of the file) gives what HF's GGUF reader leaves at its
     defaults: the attention scale (``query_pre_attn_scalar``, 256 there, the head dim of Gemma 3 270M
-    but not of every Gemma 3) and the final logit softcap, so the model trained is the one ricllm serves."""
+    but not of every Gemma 3) and the final logit softcap, so the model trained is the one ricllm serves.
+    ``progress``: transformers' own bars while it reads the file (its GGUF reader's takes no setting,
+    so without them what it writes to stderr meanwhile is dropped)."""
     from transformers import AutoModelForCausalLM
 
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    scalar = None if spec is None else spec.query_pre_attn_scalar
-    read_as_served = {} if spec is None or spec.architecture != "gemma3" else {  # HF's config takes a whole scalar
-        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
-        "final_logit_softcapping": spec.final_logit_softcapping}
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                **read_as_served)
+    with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
+        if path.is_dir():
+            return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        scalar = None if spec is None else spec.query_pre_attn_scalar
+        read_as_served = {} if spec is None or spec.architecture != "gemma3" else {  # HF's config takes a whole scalar
+            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+            "final_logit_softcapping": spec.final_logit_softcapping}
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                    **read_as_served)
 
 
 def head_logits(network, hidden: torch.Tensor) -> torch.Tensor:
