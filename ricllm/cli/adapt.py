@@ -112,7 +112,7 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
 
 
 class DefaultsWhereMeaningful(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default after its help, except where the help already says it, or it is none
+    """Each option's default after its help, except where the help already says it, or it is none,
     off or empty (an unset option, a bare flag, a repeatable one: "(default: None)" says nothing)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
