@@ -38,7 +38,7 @@ from ricllm.paths import cache_dir, shipped_folder
 CSRC = shipped_folder("kernels")
 IS_BF16_BY_NAME = {"bfloat16": 1, "float32": 0}  # the element types the kernels take: their is_bf16 flag
 SOURCES = (CSRC / "cpu_paged_attention.c", CSRC / "cpu_fused_ops.c", CSRC / "cpu_quant_gemm.c",
-           CSRC / "cpu_decoder.c", CSRC / "cpu_prefill_attention.c", CSRC / "cpu_lora.c")
+           CSRC / "cpu_decoder.c", CSRC / "cpu_prefill_attention.c", CSRC / "cpu_lora.c", CSRC / "cpu_team.c")
 HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_lora.h")
 # Reassociation lets the compiler vectorize the dot products; no -ffast-math: the softmax
 # relies on -inf behaving as IEEE says.
@@ -101,6 +101,7 @@ SIGNATURES = {  # C entry point -> argument types (every one returns int: 0, or 
     "ricllm_gemma3_stack_layout": [_I],
     # x, x_stride, y, y_stride, in, out, segments, starts, ends, ranks, a, b_t, scales, is_bf16, weights_bf16, threads
     "ricllm_lora": [_P, ctypes.c_int64, _P, ctypes.c_int64, _I, _I, _I] + [_P] * 6 + [_I, _I, _I],
+    "ricllm_pin_team": [_P, _I],  # cpus (int32), count
 }
 
 

@@ -17,6 +17,7 @@ from ricllm.engine.runtime.narrow_head import TILE, StepLogits, plan_head, step_
 from ricllm.engine.scheduler import ScheduledBatch
 from ricllm.kernels.aligned import aligned_empty
 from ricllm.kernels.decoder_stack_call import CACHE_TYPE_CODES, DecoderStackCall, LoraStepArgument, layer_addresses
+from ricllm.kernels.team import PinnedTeam
 from ricllm.model import native_weights
 from ricllm.model.native_weights import NativeWeights, Packed
 
@@ -137,12 +138,18 @@ class NativeModelRunner:
         self.model, self.kv_cache, self.lora = model, kv_cache, lora
         self.block_size = kv_cache.geometry.block_size
         self.narrow_head = True  # constrained rows on the k-wide head where it is exact (off: the whole head)
+        self.team = PinnedTeam(model.threads)
         model.bind_cache(kv_cache)
 
     def run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None = None
             ) -> tuple[np.ndarray | StepLogits, list[int]]:
         """Logits ``[N, vocab]`` (fp32) for the rows that sample, and those rows' batch indices;
         with ``allowed`` (per sampled row, its constraint's allowed ids or None) a ``StepLogits``."""
+        with self.team.computing():
+            return self._run(batch, allowed)
+
+    def _run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None
+             ) -> tuple[np.ndarray | StepLogits, list[int]]:
         flat = flatten(batch, self.block_size)
         hidden = self.model.forward(flat.input_ids, flat.positions, flat, self.lora.stack_step(flat.lora_segments))
         hidden = _take_rows(hidden, flat.logits_rows)
