@@ -60,7 +60,7 @@ def fit_key(engine) -> dict:
         "max_packed_rows": engine.config.max_packed_rows, "runtime": engine.runtime.name,
         "decoder_stack": engine.runtime.name == "native" or engine.runtime.model.decoder_stack is not None,
         "block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-        "capabilities": repr(engine.runtime.capabilities),
+        "capabilities": repr(engine.runtime.capabilities), "pin_threads": engine.config.pin_threads,
     }
 
 

@@ -89,3 +89,20 @@ def test_a_thread_with_fewer_cpus_than_the_team_pins_nothing():
     one_cpu, inside, new_threads = on_own_thread(body)
     assert inside == one_cpu
     assert all(len(cpus) >= 1 and cpus == one_cpu for cpus in new_threads.values())
+
+
+@pytest.mark.parametrize("pin_threads", [True, False])
+def test_the_native_engine_pins_its_team_only_when_its_setting_says(tiny_native_gguf, pin_threads):
+    """``pin_threads`` (default on): a generate on the engine's thread leaves a worker on its second
+    CPU alone; off, every thread the step started may run on all of the thread's CPUs."""
+    from ricllm import LLM, SamplingParams
+
+    def body():
+        before = set(thread_cpus())
+        llm = LLM(str(tiny_native_gguf), runtime="native", weights="int4", threads=2, pin_threads=pin_threads,
+                  weight_cache=False, kv_cache_budget="4MiB")
+        llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0.0))
+        return sorted(os.sched_getaffinity(0)), [cpus for tid, cpus in thread_cpus().items() if tid not in before]
+
+    own, new_threads = on_own_thread(body)
+    assert ({own[1]} in new_threads) is pin_threads

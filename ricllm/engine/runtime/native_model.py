@@ -134,11 +134,11 @@ def packed_addresses(p: Packed) -> tuple[int, int, int]:
 
 
 class NativeModelRunner:
-    def __init__(self, model: NativeModel, kv_cache: NativeKVCache, lora: LoraSlots):
+    def __init__(self, model: NativeModel, kv_cache: NativeKVCache, lora: LoraSlots, pin_threads: bool = True):
         self.model, self.kv_cache, self.lora = model, kv_cache, lora
         self.block_size = kv_cache.geometry.block_size
         self.narrow_head = True  # constrained rows on the k-wide head where it is exact (off: the whole head)
-        self.team = PinnedTeam(model.threads)
+        self.team = PinnedTeam(model.threads if pin_threads else 1)  # a team of one pins nothing
         model.bind_cache(kv_cache)
 
     def run(self, batch: ScheduledBatch, allowed: list[np.ndarray | None] | None = None
