@@ -152,9 +152,9 @@ class EngineSettings(StrictModel):
               "within the CPUs the process may run on (its affinity mask, e.g. a pod's cpuset); the server's "
               "socket, HTTP and ZeroMQ threads then run on the other CPUs. null: unpinned", metavar="LIST")
     pin_threads: bool = setting(
-        True, "native runtime: while a step runs, each thread of the C kernels on a CPU of its own among the "
-              "engine's (a worker woken after a pause then starts at once; ricllm.kernels.team); false: the OS "
-              "scheduler places them")
+        True, "native runtime: while a step runs, each thread of the C kernels on a CPU of its own, where the "
+              "engine's CPUs number its threads (a worker woken after a pause then starts at once; "
+              "ricllm.kernels.team); false: the OS scheduler places them")
     runtime: Literal["auto", "native", "torch", "onnx"] = setting(
         "auto", "native: numpy and ricllm's C kernels, no torch in the process; torch: the torch model, every "
                 "device and format; onnx: the model as an ONNX graph in ONNX Runtime (the [onnx] extra), no "

@@ -8,9 +8,10 @@ tick"). With each worker pinned to a CPU of its own and the stepping thread on t
 while it computes, a woken worker starts at once.
 
 The stepping thread is pinned only for the duration of ``computing()``: threads it starts between
-steps (a user's own, in an offline ``LLM``) keep its CPUs. Where the thread may run on fewer CPUs
-than the team has threads (a cpuset smaller than ``threads``), nothing is pinned: two threads of the
-team on one CPU would wait on each other either way.
+steps (a user's own, in an offline ``LLM``) keep its CPUs. Only a thread whose CPUs number exactly
+the team's threads is pinned (``engine_cpus``, or a pod's cpuset, sized to the team; a 2-CPU VM):
+with more, other processes may load any of them, and the scheduler's freedom to move a thread off a
+loaded CPU is worth more than a fast wake; with fewer, two threads of the team share a CPU either way.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ log = get_logger("ricllm.kernels.team")
 
 class PinnedTeam:
     """``threads`` threads of the C kernels, each on one of the stepping thread's CPUs while a step
-    runs. Invariant: inside ``computing()`` on a thread whose CPUs are ``cpus`` (sorted), that thread
-    runs on ``cpus[0]`` and worker t of its team on ``cpus[t]``; outside, the thread's CPUs are as
-    they were."""
+    runs. Invariant: inside ``computing()`` on a thread whose CPUs are ``cpus`` (sorted, as many as
+    ``threads``), that thread runs on ``cpus[0]`` and worker t of its team on ``cpus[t]``; outside,
+    and on a thread with another number of CPUs, the thread's CPUs are as they were."""
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -64,7 +65,7 @@ class PinnedTeam:
     def _pin_workers(self, own_cpus: set[int]) -> int | None:
         if self.threads < 2:
             return None
-        if len(own_cpus) < self.threads:
+        if len(own_cpus) != self.threads:
             log.info("team_not_pinned", threads=self.threads, cpus=len(own_cpus))
             return None
         cpus = np.array(sorted(own_cpus)[:self.threads], dtype=np.int32)

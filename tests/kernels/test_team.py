@@ -106,3 +106,17 @@ def test_the_native_engine_pins_its_team_only_when_its_setting_says(tiny_native_
 
     own, new_threads = on_own_thread(body)
     assert ({own[1]} in new_threads) is pin_threads
+
+
+def test_a_thread_with_more_cpus_than_the_team_is_left_to_the_scheduler(monkeypatch):
+    """Three CPUs for a team of two (no engine_cpus on a bigger node): nothing is pinned, since other
+    processes may load any of them and the scheduler may move a thread off a loaded one."""
+    import ricllm.kernels.team as team_module
+
+    calls = []
+    monkeypatch.setattr(team_module.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(team_module.os, "sched_setaffinity", lambda pid, cpus: calls.append(set(cpus)))
+    monkeypatch.setattr(team_module, "library", lambda: pytest.fail("the team's workers were pinned"))
+    with PinnedTeam(2).computing():
+        pass
+    assert calls == []
