@@ -68,7 +68,7 @@ class PinnedTeam:
         if len(own_cpus) != self.threads:
             log.info("team_not_pinned", threads=self.threads, cpus=len(own_cpus))
             return None
-        cpus = np.array(sorted(own_cpus)[:self.threads], dtype=np.int32)
+        cpus = np.array(sorted(own_cpus), dtype=np.int32)  # as many as threads: one each
         failed = library().ricllm_pin_team(cpus.ctypes.data, self.threads)
         if failed:
             log.warning("team_not_pinned", threads=self.threads, workers_not_pinned=failed)

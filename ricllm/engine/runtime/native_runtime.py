@@ -58,8 +58,8 @@ def build_native_runtime(config: EngineConfig, model_path: Path) -> Runtime:
     lora = LoraSlots(weights.spec, config.max_loras, bf16=True)  # in the activations' type: bf16
     return Runtime(
         name="native", why="the C decoder stack serves this model whole", spec=weights.spec,
-        tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache, runner=NativeModelRunner(model, kv_cache, lora, config.pin_threads),
-        lora=lora,
+        tokenizer=weights.tokenizer, model=model, kv_cache=kv_cache,
+        runner=NativeModelRunner(model, kv_cache, lora, config.pin_threads), lora=lora,
         sample=numpy_sampler.sample, sample_allowed=numpy_sampler.sample_allowed,
         new_generator=numpy_sampler.new_generator, device="cpu", dtype="bfloat16",
         threads=threads, attention_backend="cpu", weight_formats=weights.weight_formats, weights_source=source,
