@@ -236,7 +236,7 @@ def sample_server_stats(inbound: int = 0):
                          deadlines={"met": 3, "missed": 0},
                          latency_model=LatencyStats(steps=40, median_abs_error=0.05, p95_abs_error=0.2,
                                                     decode_multiplier=1.02, prefill_multiplier=1.01,
-                                                    after_idle_excess_s=0.004, correction=1.02),
+                                                    after_idle_multiplier=1.3, correction=1.02),
                          templates={"t-1": p.TemplateStats(num_tokens=37, pinned=True, num_pinned_tokens=32)},
                          draining=False)
 

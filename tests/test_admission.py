@@ -371,27 +371,29 @@ def test_a_later_admission_re_promises_the_earlier_request_with_its_work_beside_
 
 def test_a_request_an_idle_engine_serves_in_one_step_holds_no_stall_reserve():
     """The stall reserve is room for a busy step to run late; a request whose only step is the
-    first after an idle gap is charged that step's after-idle excess instead, and one more step
+    first after an idle gap is charged that step's after-idle multiplier instead, and one more step
     brings the reserve back."""
     from ricllm.engine.admission import Work, finish_bounds
 
     model = LatencyModel([0.010, 0.0, 0.0, 0.0, 0.0, 0.0])
     model.keep_overruns(64, 0.05)
     model.observe(StepFeatures(0, 1, 10), 0.040)  # one busy step 30 ms past its bound
-    assert model.stall_reserve == pytest.approx(0.030)
+    for _ in range(20):
+        model.observe(StepFeatures(6, 0, 6), 0.015, after_idle=True)  # first steps after a gap: 1.5x their fit
+    assert model.stall_reserve == pytest.approx(0.030) and model.after_idle_multiplier == pytest.approx(1.5)
+    assert model.step_multiplier == pytest.approx(1.0)
     one_step, two_steps = Work(1.0, 6, 1, 20), Work(1.0, 6, 2, 20)
     [idle_one] = finish_bounds([one_step], model, 64, 0.0, after_idle=True)
     [idle_two] = finish_bounds([two_steps], model, 64, 0.0, after_idle=True)
     [busy_one] = finish_bounds([one_step], model, 64, 0.0)
-    excess = model.after_idle_excess
-    assert idle_one == pytest.approx(model.multiplier("decode") * 0.010 + excess)
-    assert idle_two == pytest.approx(model.multiplier("decode") * 0.020 + excess + 0.030)
-    assert busy_one == pytest.approx(model.multiplier("decode") * 0.010 + 0.030)
+    assert idle_one == pytest.approx(1.5 * 0.010)
+    assert idle_two == pytest.approx(1.5 * 0.010 + 0.010 + 0.030)
+    assert busy_one == pytest.approx(0.010 + 0.030)
 
 
 def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machine(tiny_gguf):
-    """Probes measure what a step after a gap costs on the machine now, the after-idle excess: none
-    at the fit's speed, half a probe step at 1.5x. A burst of stalled busy steps that made the engine
+    """Probes measure what a step after a gap costs on the machine now, the after-idle multiplier:
+    1 at the fit's speed, 1.5 at 1.5x. A burst of stalled busy steps that made the engine
     refuse is forgotten within 2 s, though no busy step runs, and probes never move it."""
     for factor in (1.0, 1.5):
         engine, clock = make_engine(tiny_gguf, slowdown=lambda factor=factor: factor)
@@ -405,7 +407,7 @@ def test_an_idle_engine_that_refuses_measures_probe_steps_and_follows_the_machin
         assert engine.snapshot().steps >= 40  # each refusal, at most every 50 ms, measured one probe step
         probe = engine.step_history[-1].features
         assert probe.num_prefill_tokens == 1
-        assert latency.after_idle_excess == pytest.approx((factor - 1) * latency.base(probe), abs=1e-9)
+        assert latency.after_idle_multiplier == pytest.approx(factor)
         assert latency.multipliers == {"decode": 1.0, "prefill": 1.0} and inflated > 50
 
 

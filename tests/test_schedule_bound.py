@@ -113,3 +113,23 @@ def test_a_small_chunk_is_charged_the_c_kernels_costs_and_a_large_one_the_op_by_
     for bound in (finish_bounds, lambda w, m, b, t: schedule_bounds(w, m, b, t, NO_BEST_EFFORT)):
         assert bound(small, model, 512, 0.0) == pytest.approx([8 * 1e-4])
         assert bound(large, model, 512, 0.0) == pytest.approx([200 * (1e-4 + 1e-3) + 0.01])
+
+
+def test_a_prompt_rides_on_the_weights_the_roofline_reads():
+    """A step's time is the larger of its terms and the roofline (its weights read once): a lone
+    prompt's one step is charged that, not the roofline plus the prompt, by both bounds; and a
+    prompt split over several steps is still charged at least what its steps take."""
+    from ricllm.engine.latency_model import Roofline
+    from ricllm.engine.scheduler import StepFeatures
+
+    model = LatencyModel([0.004, 0.0005], roofline=Roofline(8e6, 0.0, 1e9))  # 4 ms + 0.5 ms a token; 8 ms floor
+    for tokens in (4, 12, 40):
+        one_step = [Work(deadline=1.0, prefill_left=tokens, decode_left=1, final_context=tokens + 1)]
+        fitted = model.base(StepFeatures(tokens, 0, tokens))
+        assert fitted == pytest.approx(max(0.004 + 0.0005 * tokens, 0.008))
+        assert finish_bounds(one_step, model, 64, 0.0) == pytest.approx([fitted])
+        assert schedule_bounds(one_step, model, 64, 0.0, NO_BEST_EFFORT) == pytest.approx([fitted])
+    chunked = [Work(deadline=1.0, prefill_left=40, decode_left=1, final_context=41)]  # 16 + 16 + 8 tokens
+    steps = sum(model.base(StepFeatures(n, 0, 0)) for n in (16, 16, 8))  # 12 + 12 + 8 ms
+    for bound in (finish_bounds(chunked, model, 16, 0.0), schedule_bounds(chunked, model, 16, 0.0, NO_BEST_EFFORT)):
+        assert steps <= bound[0] <= steps + 0.008 + 1e-12  # the floor's room is taken off once, not per step

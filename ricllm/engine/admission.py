@@ -38,10 +38,11 @@ request's bound does not take it: one stalled step is the stall reserve's, and r
 would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
 its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
 ``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only when
-the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is the after-idle
-excess: the 0.9 quantile of the seconds by which the last 64 first-steps-after-a-gap (and probes)
-ran past their busy bound. The first step of the work is the one after the gap, so it is added
-once; a busy engine's bounds never add it, and those steps never move ``m``.
+the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is
+``(m_idle - m)⁺ · first``: the first step of the work, the one after the gap (``first``: at most
+one step at the full batch with all the prefill), charged ``m_idle``, the 0.9 quantile of measured /
+fitted over the last 64 first-steps-after-a-gap (and probes), where that is the larger. A busy
+engine's bounds never charge it, and those steps never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision. So
 it is the fast pre-check: what it keeps is kept at once. Only when it puts a request past its
@@ -56,8 +57,8 @@ re-checks keep its deadline then, not that figure).
 
 The guarantee, exactly: if every busy step takes at most its fitted time × its kind's multiplier,
 except at most one busy step per request that may run past that by at most ``stall``, and the first
-step after an idle gap runs past it by at most ``idle``, every admitted request finishes within its
-deadline, with ``safety_margin`` (a fraction of the bound) to spare. ``m`` and ``idle`` are 0.9
+step after an idle gap takes at most its fitted time × ``m_idle``, every admitted request finishes
+within its deadline, with ``safety_margin`` (a fraction of the bound) to spare. ``m`` and ``m_idle`` are 0.9
 quantiles, so a step past them is expected one time in ten: the margin, the reserve and the slack
 of the other steps absorb it, and every report measures how often a finish passed its bound
 (``bound_below_actual``) and a deadline was missed. Assumed, not guaranteed: that
@@ -207,18 +208,21 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     step in flight. Every fitted term counts: a step that carries the admitted
     requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
     The op-by-op terms are charged only when a step may pass the runtime's kernel limits
-    (``may_run_op_by_op``). Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
+    (``may_run_op_by_op``). A step's time is the larger of its fitted terms and the roofline (the
+    weights read once); prefill tokens ride on that read, so the room the roofline leaves above one
+    step's other terms is taken off the prefill, once: for steps of at most ``L`` other terms, roofline
+    ``R`` and prefill ``p_i``, Σ max(L + p_i, R) <= N·max(L, R) + (Σ p_i - (R - L)⁺)⁺.
+    Every step is charged ``model.bound_multiplier``: the larger of the decode and prefill
     multipliers and, with ``follow_last_step`` (promises re-checked between a busy engine's steps),
     of the last busy step's own ratio.
     Each bound also holds ``model.reserve``: the stall reserve (room for one busy step to run as
     late as the worst recent one did) unless ``after_idle`` and the request finishes in its first
-    step, and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), the after-idle excess
-    once: the first step of the work is the first after the gap.
+    step, and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), ``model.after_idle_charge``
+    of the first step, the one after the gap (at most one step at the full batch with all the prefill).
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.reads(w.final_context) for w in works) + best_effort.context
     a, b, c, d, e, f, g, h, k = model.coefficients  # LatencyModel pads a shorter fit with zeros
-    step = a + (c + k) * batch + d * context_max
     prefill_all = sum(w.prefill_left for w in works)
     attention_all = sum(w.prefill_left * w.reads(w.final_context) for w in works)
     chunk, chunk_attention = 0, 0
@@ -226,18 +230,21 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         chunk = best_effort_chunk
         chunk_attention = min(best_effort_chunk * best_effort.longest_pending, model.kernel_prefill_work)
     op = may_run_op_by_op(works, token_budget, model.kernel_limits, chunk, chunk_attention)
-    step += (b + g * op) * chunk + (e + h * op) * chunk_attention
-    if model.roofline is not None:
-        step = max(step, model.roofline.seconds(StepFeatures(0, batch, context_max)))
-    step += adapter_step_s(works, model, best_effort.adapted)
+    linear = a + (c + k) * batch + d * context_max + (b + g * op) * chunk + (e + h * op) * chunk_attention
+    floor = model.roofline.seconds(StepFeatures(0, batch, context_max)) if model.roofline is not None else 0.0
+    slack = max(floor - linear, 0.0)
+    step = max(linear, floor) + adapter_step_s(works, model, best_effort.adapted)
     step += model.adapter_block_s * chunk / ADAPTER_ROWS_PER_BLOCK if best_effort.adapted else 0.0
-    prefill_cost = ((b + g * op) * prefill_all + (e + h * op) * attention_all + adapter_prefill_s(works, model)
-                    + chunk_reach_s(works, model))
+    prefill_linear = (b + g * op) * prefill_all + (e + h * op) * attention_all + chunk_reach_s(works, model)
+    adapter_prefill = adapter_prefill_s(works, model)
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
+    first_step = step + max(prefill_linear + f * op - slack, 0.0) + adapter_prefill
+    idle_charge = model.after_idle_charge(first_step) if after_idle else 0.0
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
-        reserve = model.reserve(steps - after_idle, after_idle)
-        bounds.append(now + busy_s + multiplier * (steps * step + prefill_cost + f * op * prefill_steps) + reserve)
+        prefill = max(prefill_linear + f * op * prefill_steps - slack, 0.0) + adapter_prefill
+        reserve = model.reserve(steps - after_idle) + idle_charge
+        bounds.append(now + busy_s + multiplier * (steps * step + prefill) + reserve)
     return bounds
 
 
@@ -490,7 +497,7 @@ class AdmissionController:
                 "reserved_blocks": self.reserved_blocks, "promised_in_flight": len(self.admitted),
                 "latency_model": {"coefficients": self.latency.coefficients,
                                   "step_multipliers": self.latency.multipliers,
-                                  "after_idle_excess_ms": self.latency.after_idle_excess * 1000,
+                                  "after_idle_multiplier": self.latency.after_idle_multiplier,
                                   **self.latency.error_summary()}}
 
     # ------------------------------------------------------------ running

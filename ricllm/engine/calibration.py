@@ -5,7 +5,7 @@ steps at several batch sizes and contexts, prompts joining a running decode batc
 chunks behind a cached prefix (a prompt's tail after its template) and decodes of constrained
 answers (where the runtime narrows the head, the head's term is set apart by them), then fits
 ``LatencyModel``; last, a few steps that each follow a pause measure what a first step after an
-idle gap costs beyond the fit (the after-idle seed of ``StepErrors``). The fit depends on the
+idle gap runs from the fit (the after-idle seed of ``StepErrors``). The fit depends on the
 model file, dtype, weight format, attention backend, device, thread count and ricllm version,
 which together key the cache file, so a second start pays nothing.
 """
@@ -29,7 +29,7 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 11  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 12  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
@@ -179,7 +179,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
     samples += _constrained_samples(engine, prompt, started, budget_s)
     model = fit(samples, roofline_of(engine), engine.runtime.capabilities.kernel_limits)
     model = LatencyModel(model.coefficients, model.roofline,
-                         {**model.residuals, "after_idle": _after_idle_excesses(engine, model, prompt)},
+                         {**model.residuals, "after_idle": _after_idle_ratios(engine, model, prompt)},
                          kernel_limits=model.kernel_limits)
     model.errors.extend((t - model.base(f)) / t for f, t in samples)  # in-sample error, reported below
     _reset_counters(engine)
@@ -241,18 +241,18 @@ def _constrained_samples(engine, prompt, started: float, budget_s: float) -> lis
     return samples
 
 
-def _after_idle_excesses(engine, model: LatencyModel, prompt) -> list[float]:
-    """Seconds by which the first step after each of a few pauses ran past the fit's busy bound:
-    a short tail behind a cached prefix, as a request behind a pinned template arrives."""
+def _after_idle_ratios(engine, model: LatencyModel, prompt) -> list[float]:
+    """measured / fitted of the first step after each of a few pauses: a short tail behind a
+    cached prefix, as a request behind a pinned template arrives."""
     prefix = prompt(AFTER_IDLE_PREFIX) if _fits(engine, 1, AFTER_IDLE_PREFIX + 17, 1) else []
     if prefix:
         _run(engine, prefix)
-    excesses = []
+    ratios = []
     for _ in range(AFTER_IDLE_PAUSES):
         time.sleep(AFTER_IDLE_PAUSE_S)
         first = _run(engine, prefix + prompt(16))[0]
-        excesses.append(float(f"{first.duration_s - model.predict(first.features):.4g}"))
-    return excesses
+        ratios.append(float(f"{first.duration_s / max(model.base(first.features), 1e-9):.4g}"))
+    return ratios
 
 
 def _fits(engine, batch: int, length: int, new_tokens: int, joining: int = 0) -> bool:

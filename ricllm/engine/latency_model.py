@@ -49,6 +49,7 @@ from ricllm.engine.step_errors import BUSY_KINDS, STEP_KINDS, StepErrors, busy_k
 if TYPE_CHECKING:
     from ricllm.engine.runtime.capabilities import KernelLimits
 
+RESIDUAL_UNITS = "ratio"  # what a fit file's residuals hold, every kind's: measured / fitted
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step",
             "op_by_op_prefill_tokens", "op_by_op_prefill_attention", "head_rows")
 
@@ -143,10 +144,17 @@ class LatencyModel:
         return max(self.step_multiplier, self.step_errors.latest_busy_ratio(self.clock()))
 
     @property
-    def after_idle_excess(self) -> float:
-        """Seconds the first step after an idle gap runs past its busy bound: a bound made while the
-        engine is idle adds it once."""
-        return self.step_errors.after_idle_excess(self.clock())
+    def after_idle_multiplier(self) -> float:
+        """measured / fitted that all but the slowest tenth of recent first steps after an idle gap
+        stay within: a bound made while the engine is idle charges its first step this where it is
+        the larger (``after_idle_charge``)."""
+        return self.step_errors.multiplier("after_idle", self.clock())
+
+    def after_idle_charge(self, first_step_s: float) -> float:
+        """Seconds a bound made while idle adds beyond ``step_multiplier`` on every step: the
+        first step (fitted at most ``first_step_s``) charged the after-idle multiplier instead,
+        where that is the larger."""
+        return max(self.after_idle_multiplier - self.step_multiplier, 0.0) * first_step_s
 
     def predict(self, f: StepFeatures) -> float:
         """Seconds for one busy step carrying ``f``: the fit times its kind's multiplier."""
@@ -154,16 +162,14 @@ class LatencyModel:
 
     def observe(self, f: StepFeatures, measured_s: float, after_idle: bool = False) -> None:
         """Learn from a measured step: a busy one moves its kind's multiplier and the stall reserve,
-        one after an idle gap (or a probe) only the after-idle excess. Either records the relative
-        error of the point estimate (the fit times the kind's median ratio)."""
-        base, kind, now = self.base(f), busy_kind(f.num_prefill_tokens), self.clock()
-        bound = base * self.step_errors.multiplier(kind, now)
+        one after an idle gap (or a probe) only the after-idle multiplier. Either records the
+        relative error of the point estimate (the fit times the kind's median ratio)."""
+        base, now = self.base(f), self.clock()
+        kind = "after_idle" if after_idle else busy_kind(f.num_prefill_tokens)
         point = base * self.step_errors.typical_ratio(kind, now)
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
-        if after_idle:
-            self.step_errors.add("after_idle", measured_s - bound, now)
-            return
-        self._record_overrun(max(measured_s - bound, 0.0))
+        if not after_idle:
+            self._record_overrun(max(measured_s - base * self.step_errors.multiplier(kind, now), 0.0))
         if base > 0 and measured_s > 0:
             self.step_errors.add(kind, measured_s / base, now)
 
@@ -176,16 +182,14 @@ class LatencyModel:
         margin, this reserve does. A longer stall is the machine taken away, not one slow step:
         reserving it would refuse every request for the whole window (a 5 s stall did, for about
         50 s of idle probes); the multipliers and the slowdown detector answer a machine that stays
-        slow. Steps after an idle gap are the after-idle excess's, not this."""
+        slow. Steps after an idle gap are the after-idle multiplier's, not this."""
         return min(self._worst_overrun, self.stall_cap)
 
-    def reserve(self, busy_steps: int, after_idle: bool) -> float:
+    def reserve(self, busy_steps: int) -> float:
         """Seconds a bound holds beyond its steps' fitted time × multiplier: the stall reserve when at
-        least one of its steps runs busy (``busy_steps``), and the after-idle excess once when its
-        first step follows an idle gap. A request that an idle engine serves in one step runs no busy
-        step, so no busy step's stall can delay it."""
-        stall = self.stall_reserve if busy_steps > 0 else 0.0
-        return stall + (self.after_idle_excess if after_idle else 0.0)
+        least one of its steps runs busy (``busy_steps``). A request that an idle engine serves in
+        one step runs no busy step, so no busy step's stall can delay it."""
+        return self.stall_reserve if busy_steps > 0 else 0.0
 
     def keep_overruns(self, steps: int, cap_s: float) -> None:
         """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""
@@ -222,11 +226,14 @@ class LatencyModel:
         """The fit and the calibration's residuals: nothing learned online, so a slow run's errors
         do not outlive it in the cached fit."""
         return {"features": list(FEATURES), "coefficients": self.coefficients,
-                "roofline": asdict(self.roofline) if self.roofline else None, "residuals": self.residuals}
+                "roofline": asdict(self.roofline) if self.roofline else None, "residuals": self.residuals,
+                "residual_units": RESIDUAL_UNITS}
 
     @classmethod
     def from_json(cls, data: dict) -> "LatencyModel":
-        """A fit file (a ``correction`` an older version wrote is ignored: it was one run's). Its
+        """A fit file (a ``correction`` an older version wrote is ignored: it was one run's; so are
+        after-idle residuals in a file not marked ``residual_units: ratio``, which are seconds: that
+        kind then starts at the fit's word). Its
         ``features`` must be the leading terms of ``FEATURES``, in order: a term it lacks is 0."""
         named = list(data.get("features") or FEATURES[:len(data["coefficients"])])
         if named != list(FEATURES[:len(named)]) or len(named) != len(data["coefficients"]):
@@ -234,6 +241,8 @@ class LatencyModel:
         roofline = Roofline(**data["roofline"]) if data.get("roofline") else None
         residuals = {kind: [float(v) for v in values] for kind, values in (data.get("residuals") or {}).items()
                      if kind in STEP_KINDS}
+        if data.get("residual_units") != RESIDUAL_UNITS:  # a file whose after-idle residuals are seconds
+            residuals.pop("after_idle", None)
         return cls(coefficients=list(data["coefficients"]), roofline=roofline, residuals=residuals)
 
     def save(self, path: Path, key: dict | None = None) -> None:

@@ -382,7 +382,7 @@ class LLMEngine:
             latency = LatencyStats(errors["steps"], errors["median_abs_error"], errors["p95_abs_error"],
                                    correction=max(multipliers.values()), decode_multiplier=multipliers["decode"],
                                    prefill_multiplier=multipliers["prefill"],
-                                   after_idle_excess_s=model.after_idle_excess)
+                                   after_idle_multiplier=model.after_idle_multiplier)
         counts, scheduler, tally = admission or {}, self.scheduler, self.outputs.deadline_counts
         return EngineStats(
             kv_cache=_kv_cache_stats(self.kv_cache, self.cache, scheduler), running=len(scheduler.running),

@@ -20,8 +20,8 @@ row per sequence and, when a step of it may pass the runtime's kernel limits, th
 Prefill tokens and their attention are charged once, where they run, as the closed form charges
 them. Best effort is charged as the closed form charges it, on every step: its sequences at their
 final contexts and, while any may still prefill, ``best_effort_chunk`` tokens a step. The error
-model applies as in the closed form: the multiplier on the fitted steps, the stall reserve and the
-after-idle excess once. At most two events per request: O(n log n) per bound.
+model applies as in the closed form: the multiplier on the fitted steps, the stall reserve, and
+the after-idle multiplier on the first step. At most two events per request: O(n log n) per bound.
 Rows under LoRA adapters are charged their adapters' weight reads: a segment's adapted decodes and
 prefill tokens in blocks of four, plus one read per adapter in the plan (a partial block) while
 any of its rows run.
@@ -61,20 +61,22 @@ class StepCost:
     def segment_seconds(self, steps: int, seqs: int, context: int, prefill: int, attention: int,
                         op_by_op: bool = True, adapted_seqs: int = 0, adapted_prefill: int = 0) -> float:
         """``steps`` alike steps of ``seqs`` sequences at ``context`` positions, carrying ``prefill``
-        tokens of ``attention`` work among them (charged once); ``op_by_op``: the steps may pass the
+        tokens of ``attention`` work among them (charged once, less the room the roofline leaves
+        above a step's other terms, as ``finish_bounds`` takes it); ``op_by_op``: the steps may pass the
         CPU kernel's limits, so their op-by-op terms are charged. ``adapted_seqs`` of the sequences
         and ``adapted_prefill`` of the tokens are under LoRA adapters."""
         seqs += self.best_effort_seqs
         context += self.best_effort_context
-        step = self.fixed + (self.per_seq + self.per_head_row) * seqs + self.per_context * context
-        if self.model.roofline is not None:
-            step = max(step, self.model.roofline.seconds(StepFeatures(0, seqs, context)))
         op = bool(prefill) and op_by_op
-        step += self.op_by_op if op else 0.0
+        linear = (self.fixed + (self.per_seq + self.per_head_row) * seqs + self.per_context * context
+                  + (self.op_by_op if op else 0.0))
+        floor = self.model.roofline.seconds(StepFeatures(0, seqs, context)) if self.model.roofline else 0.0
+        step = max(linear, floor)
         if self.adapter_read and (adapted_seqs or adapted_prefill or self.adapter_reads_per_step):
             step += self.adapter_read * (adapted_seqs / ADAPTER_ROWS_PER_BLOCK + self.adapter_reads_per_step)
-        return (steps * step + (self.per_prefill_token + self.op_by_op_prefill_token * op) * prefill
-                + (self.per_attention + self.op_by_op_attention * op) * attention
+        prefill_s = ((self.per_prefill_token + self.op_by_op_prefill_token * op) * prefill
+                     + (self.per_attention + self.op_by_op_attention * op) * attention)
+        return (steps * step + max(prefill_s - max(floor - linear, 0.0), 0.0)  # prefill rides on the floor's read
                 + self.adapter_read * adapted_prefill / ADAPTER_ROWS_PER_BLOCK)
 
 
@@ -163,6 +165,7 @@ class Plan:
     finish_seconds: list = field(default_factory=list)
     step: int = 0
     seconds: float = 0.0
+    first_step_seconds: float = 0.0  # at least the first step's: one step of the first segment with all its prefill
 
     def run(self, queue: PrefillQueue) -> list[float]:
         while True:
@@ -182,9 +185,14 @@ class Plan:
                                                       for i, got, _ in taken)
         seqs = len(self.decoding.ends) + len(taken)
         adapted = [(i, got) for i, got, _ in taken if self.works[i].adapter is not None]
-        self.seconds += self.cost.segment_seconds(steps, seqs, context, prefill, attention,
-                                                  self.may_run_op_by_op(taken, per_step),
-                                                  self.decoding.adapted + len(adapted), sum(g for _, g in adapted))
+        def seconds(count: int) -> float:
+            return self.cost.segment_seconds(count, seqs, context, prefill, attention,
+                                             self.may_run_op_by_op(taken, per_step),
+                                             self.decoding.adapted + len(adapted), sum(g for _, g in adapted))
+
+        if self.step == 0:
+            self.first_step_seconds = seconds(1)
+        self.seconds += seconds(steps)
         self.step = end
         self.leave_at(end)
         for index, _, done in taken:
@@ -261,8 +269,9 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
             plan.start_decoding(index)
     seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
+    first_step = model.after_idle_charge(plan.first_step_seconds) if after_idle else 0.0
     counts = step_counts(works, prefill_cap or token_budget)
-    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, after_idle)
+    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle) + first_step
             for s, (_, steps) in zip(seconds, counts)]
 
 

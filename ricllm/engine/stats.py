@@ -40,8 +40,8 @@ class KVCacheStats:
 @dataclass(frozen=True)
 class LatencyStats:
     """How far the step-latency model's predictions were from measured steps (relative errors), and
-    what admission's bounds add to the fit now (``StepErrors``): the decode and prefill steps'
-    multipliers (measured / fitted) and the after-idle excess (seconds, once per bound made idle).
+    what admission's bounds add to the fit now (``StepErrors``): the multipliers (measured / fitted)
+    of decode steps, of prefill steps and of the first step after an idle gap.
     ``correction``, the larger multiplier, is kept one release for clients that read it."""
 
     steps: int
@@ -51,7 +51,7 @@ class LatencyStats:
     # None only in a reply from a server that predates the error model
     decode_multiplier: float | None = None
     prefill_multiplier: float | None = None
-    after_idle_excess_s: float | None = None
+    after_idle_multiplier: float | None = None
 
 
 @dataclass(frozen=True)

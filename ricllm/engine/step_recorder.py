@@ -89,7 +89,7 @@ class StepRecorder:
 
     def probe(self, now: float) -> None:
         """Measure one small step while idle and refusing for time: what a first step after a gap
-        costs here now (cold caches, the clock ramped down), the bound's after-idle excess. It
+        costs here now (cold caches, the clock ramped down), the bound's after-idle multiplier. It
         informs that alone: a step of an idle machine says nothing of a busy one's, whose recent
         errors age out instead (``StepErrors``). At most one probe per ``PROBE_INTERVAL_S``."""
         if now - self.last_probe < PROBE_INTERVAL_S:
@@ -107,4 +107,4 @@ class StepRecorder:
         self.record(batch.features(), self.clock() - started, after_idle=True)
         self.cache.free(seq)
         seq.drop_blocks()
-        log.info("latency_probe", after_idle_excess_ms=round(self.latency.after_idle_excess * 1000, 3))
+        log.info("latency_probe", after_idle_multiplier=round(self.latency.after_idle_multiplier, 3))

@@ -212,7 +212,7 @@ def _latency_figures(latency) -> dict[str, float | None]:
     """What the bounds add to the fit now, per kind of step (``LatencyStats``); None without admission."""
     return {"latency_decode_multiplier": latency.decode_multiplier if latency else None,
             "latency_prefill_multiplier": latency.prefill_multiplier if latency else None,
-            "latency_after_idle_excess_ms": latency.after_idle_excess_s * 1000 if latency else None}
+            "latency_after_idle_multiplier": latency.after_idle_multiplier if latency else None}
 
 
 def _cancel_all(engine) -> int:

@@ -38,8 +38,7 @@ Deprecated (kept for one release, their HELP says so, removed in the next): the 
 ``ricxapp_inbound_queue_length``, ``ricxapp_kv_cache_usage_ratio``, ``ricxapp_kv_cache_blocks``,
 ``ricxapp_prefix_cache_*_tokens_total``, ``ricxapp_preemptions_total`` and
 ``ricxapp_latency_model_*``; and ``ricxapp_ricllm_latency_model_correction`` (one factor for every
-step), now ``ricxapp_ricllm_latency_model_step_multiplier{step_kind}`` beside
-``ricxapp_ricllm_latency_model_after_idle_excess_seconds``. The engine's are re-read from the same snapshot at scrape time (no
+step), now ``ricxapp_ricllm_latency_model_step_multiplier{step_kind}`` (decode, prefill, after_idle). The engine's are re-read from the same snapshot at scrape time (no
 cost to the engine); the request ones cost one more observation per request (a microsecond or
 two), never per token: the old ``tpot`` histogram takes each request's mean, not its steps.
 """
@@ -194,11 +193,10 @@ def _step_error_gauges(latency: LatencyStats, model: str) -> Iterator[Metric]:
     multipliers = GaugeMetricFamily(f"{PREFIX}_latency_model_step_multiplier",
                                     "Measured / fitted step time that admission's bounds charge, by step kind",
                                     labels=["model_name", "step_kind"])
-    for kind, value in (("decode", latency.decode_multiplier), ("prefill", latency.prefill_multiplier)):
+    for kind, value in (("decode", latency.decode_multiplier), ("prefill", latency.prefill_multiplier),
+                        ("after_idle", latency.after_idle_multiplier)):
         multipliers.add_metric([model, kind], value)
     yield multipliers
-    yield _gauge("latency_model_after_idle_excess_seconds", "Seconds a first step after an idle gap runs past "
-                 "its busy bound; a bound made while idle adds it once", latency.after_idle_excess_s, model)
     yield _gauge("latency_model_correction", "The larger step multiplier" + DEPRECATED.format(
         f"{PREFIX}_latency_model_step_multiplier"), latency.correction, model)
 

@@ -17,14 +17,14 @@ from ricllm.engine.latency_model import LatencyModel
 from tests.replay.test_replay import FIT, scenario_file
 
 TIGHT = "  tight: {deadline_ms: 60, max_tokens: 4, weight: 6, ignore_eos: true}\n"
-COLD_STEP_LATE_S = 0.3  # what the fit's calibration says a first step after an idle gap runs past its bound
+COLD_STEP_RATIO = 100.0  # what the fit's calibration says a first step after an idle gap takes, times its fit
 
 
 @pytest.fixture(scope="module")
 def audited(tiny_gguf, tmp_path_factory) -> tuple[int, dict]:
     folder = tmp_path_factory.mktemp("audit")
     fit = folder / "fit.json"
-    LatencyModel(list(FIT), residuals={"after_idle": [COLD_STEP_LATE_S]}).save(fit)
+    LatencyModel(list(FIT), residuals={"after_idle": [COLD_STEP_RATIO]}).save(fit)
     path = scenario_file(folder, tiny_gguf, fit, duration_s=4, extra_classes=TIGHT)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RICLLM_CACHE_DIR", str(folder / "cache"))

@@ -241,7 +241,7 @@ def test_a_tiny_replay_with_a_fault_phase_reports_it(tiny_gguf, tmp_path, monkey
     inside = [r for r in report["requests"] if r["reaction_window"] == 0]
     assert len(inside) == window["admitted"] == report["aggregates"]["overall"]["window_admitted"]
     assert all(r["admitted"] and r["sent_s"] < window["end_s"] and r["done_s"] > window["start_s"] for r in inside)
-    assert all("latency_decode_multiplier" in s and "latency_after_idle_excess_ms" in s for s in report["timeline"])
+    assert all("latency_decode_multiplier" in s and "latency_after_idle_multiplier" in s for s in report["timeline"])
     out = capsys.readouterr().out
     assert "fault neighbour: cpu_hog duty 0.5" in out and "reaction window" in out
     page = " ".join(parse_html(tmp_path / "report" / "report.html").text)

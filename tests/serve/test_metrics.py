@@ -102,9 +102,8 @@ def test_the_engine_series_carry_the_served_model_name(server):
     queries = values[(P + "prefix_cache_queries_total", model)]
     assert queries >= result.num_prompt_tokens and values[(P + "prefix_cache_hits_total", model)] <= queries
     assert (P + "num_preemptions_total", model) in values and (P + "inbound_queue_length", model) in values
-    for kind in ("decode", "prefill"):  # what the bounds charge, per kind of step
+    for kind in ("decode", "prefill", "after_idle"):  # what the bounds charge, per kind of step
         assert values[(P + "latency_model_step_multiplier", (*model, ("step_kind", kind)))] > 0
-    assert values[(P + "latency_model_after_idle_excess_seconds", model)] >= 0
 
 
 def _idle_after(base_url: str, prompt_tokens: int) -> dict | None:
