@@ -147,7 +147,8 @@ def test_the_deadline_counts_from_http_arrival(server):
     assert status == 429, answer
     error = answer["error"]
     assert error["code"] == "DEADLINE_INFEASIBLE" and "passed while the request was queued" in error["message"]
-    assert error["numbers"]["deadline_ms"] == 200 and error["numbers"]["waited_ms"] >= 300
+    # stamped when the server read the headers, a little after the client sent them and began its pause
+    assert error["numbers"]["deadline_ms"] == 200 and error["numbers"]["waited_ms"] >= 250
 
 
 def test_the_timings_count_from_http_arrival(server):
