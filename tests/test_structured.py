@@ -223,6 +223,26 @@ def test_no_sampled_answer_takes_more_decisions_than_its_grammar_bound(llm):
     assert all(o.finish_reason == "stop" for o in outputs) and max(sampled) <= compiled.max_decisions
 
 
+def test_no_answer_has_steps_compute_more_than_its_grammar_bound(llm):
+    """A forced token is computed with the decision before it when another decision follows; the
+    forced tail that completes the answer is appended, never computed. So the steps of one answer
+    compute at most its prompt, its forced start, one row per decision but the last, and
+    ``max_forced_computed``; a one-decision answer computes no forced token past its start."""
+    engine = llm.engine
+    compiled = engine.compile_structured({"json": DECISION})
+    assert compiled.max_forced_computed is not None and compiled.max_decisions > 1
+    assert compiled.max_forced_computed < compiled.max_tokens - compiled.max_decisions  # the tail is left out
+    assert engine.compile_structured({"choice": ["offload", "hold"]}).max_forced_computed == 0
+    for seed in range(12):
+        engine.step_history.clear()
+        [out] = llm.generate(["hello"], SamplingParams(max_tokens=64, temperature=2.0, seed=seed,
+                                                       structured={"json": DECISION}))
+        computed = sum(r.features.num_prefill_tokens + r.features.num_decode_seqs for r in engine.step_history)
+        sampled = len(out.token_ids) - out.num_forced_tokens
+        start = len(engine.compile_structured({"json": DECISION}).new_matcher().compute_ff_tokens())
+        assert computed <= len(out.prompt_token_ids) + start + sampled - 1 + compiled.max_forced_computed
+
+
 def test_free_text_has_no_decision_bound_and_plans_every_token(llm):
     compiled = llm.engine.compile_structured({"json": {"type": "object", "properties": {
         "reason": {"type": "string", "maxLength": 40}}, "required": ["reason"], "additionalProperties": False}})

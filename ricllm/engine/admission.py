@@ -128,12 +128,15 @@ def work_of(seq: Sequence) -> Work:
     admission on (``KVCacheManager.hold_prefix``), so they are not prefill work; an answer's forced
     start is prefilled with the prompt, so it is. A constrained answer decodes one step per
     sampling decision its grammar may still take (``decode_steps_left``); every other token it may
-    still get is forced, computed as chunks: prefill work."""
+    still get is forced, computed as chunks: prefill work, no more than its grammar's
+    ``max_forced_computed`` (a forced tail that completes the answer is appended, never computed)."""
     prefill_tokens = seq.num_prompt_tokens + seq.num_forced_at_arrival
     done = max(seq.num_computed_tokens, seq.pinned_prefix_tokens, seq.prefix_hit_tokens)
     prefill_left = max(prefill_tokens - done, 0)
     decode_left = seq.decode_steps_left
     forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
+    if seq.guide is not None and seq.guide.grammar.max_forced_computed is not None:
+        forced_left = min(forced_left, seq.guide.grammar.max_forced_computed)
     return Work(seq.deadline, prefill_left + forced_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id,
                 seq.status is SequenceStatus.RUNNING, seq.adapter.slot if seq.adapter is not None else None,

@@ -32,7 +32,9 @@ class CompiledGrammar:
     token included, or None when the constraint does not bound it: the most any answer has the
     engine's way (``walk_answers``) where the walk ends, else the bound of its longest text in bytes;
     ``max_decisions``: the most tokens any complete answer samples (the rest the grammar forces),
-    or None when not known."""
+    or None when not known; ``max_forced_computed``: the most forced tokens past the answer's forced
+    start that any complete answer has a step compute (those a later decision follows: a forced
+    tail that completes the answer is appended, never computed), or None when not known."""
 
     spec: StructuredSpec
     grammar: str
@@ -41,6 +43,7 @@ class CompiledGrammar:
     fresh: llguidance.LLMatcher
     fresh_vocab_size: int  # the grammar's tokenizer's vocabulary: the width of its masks
     max_decisions: int | None = None
+    max_forced_computed: int | None = None
 
     def new_matcher(self) -> llguidance.LLMatcher:
         return self.fresh.deep_copy()
@@ -87,10 +90,12 @@ class GrammarCompiler:
         walked = walk_answers(fresh, self.ll_tokenizer) if longest is not None else None
         most_tokens = None if longest is None else min(longest + 1, walked[1] if walked else longest + 1)
         compiled = CompiledGrammar(spec, grammar, self._fewest_tokens(bounds.shortest_answers(spec)), most_tokens,
-                                   fresh, self.ll_tokenizer.vocab_size, walked[0] if walked else None)
+                                   fresh, self.ll_tokenizer.vocab_size, walked[0] if walked else None,
+                                   walked[2] if walked else None)
         self.num_compiled += 1
         log.info("grammar_compiled", kind=spec.kind, key=spec.key, min_tokens=compiled.min_tokens,
-                 max_tokens=compiled.max_tokens, max_decisions=compiled.max_decisions)
+                 max_tokens=compiled.max_tokens, max_decisions=compiled.max_decisions,
+                 max_forced_computed=compiled.max_forced_computed)
         return compiled
 
     def answer_problem(self, compiled: CompiledGrammar, text: str) -> str | None:
@@ -136,29 +141,32 @@ MAX_DECISION_STATES = 64  # answer prefixes walked for max_decisions (~0.3 ms ea
 MAX_BRANCHES = 512  # tokens allowed at one point beyond which the answer is free text: not explored
 
 
-def walk_answers(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokenizer) -> tuple[int, int] | None:
-    """(the most tokens any complete answer samples, the most tokens any complete answer has), the
-    engine's way: after each sampled token the grammar's forced tokens are appended without
-    sampling, and the answer ends once the grammar stops (a sampled end token counts as one of
-    each). A depth-first walk over every token the grammar allows, memoized on the answer's bytes
+def walk_answers(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokenizer) -> tuple[int, int, int] | None:
+    """(the most tokens any complete answer samples, the most tokens any complete answer has, the
+    most forced tokens past its forced start that any complete answer computes), the engine's way:
+    after each sampled token the grammar's forced tokens are appended without sampling, the next
+    step computes them with that token when a decision follows, and the answer ends once the
+    grammar stops (a sampled end token counts as one of each; the forced tokens that end it are
+    never computed). A depth-first walk over every token the grammar allows, memoized on the answer's bytes
     so far (the grammar's state is a function of them); None when the answers are too many to walk
     (free text, wide ranges): admission then plans every answer token as a step."""
     width = ll_tokenizer.vocab_size
     words = np.zeros((width + 31) // 32, dtype=np.int32)
     ends, memo = set(ll_tokenizer.eos_tokens), {}
 
-    def most_after(matcher: llguidance.LLMatcher, answer: bytes) -> tuple[int, int]:
+    def most_after(matcher: llguidance.LLMatcher, answer: bytes) -> tuple[int, int, int]:
         forced = matcher.compute_ff_tokens()
         if forced:
             matcher.consume_tokens(forced)
             answer += ll_tokenizer.decode_bytes(forced)
         if matcher.is_stopped():
-            return 0, len(forced)
+            return 0, len(forced), 0
         if answer not in memo:
             children = list(_each_allowed(matcher, answer))
-            memo[answer] = (1 + max(d for d, _ in children), 1 + max(t for _, t in children))
-        decisions, tokens = memo[answer]
-        return decisions, len(forced) + tokens
+            memo[answer] = tuple(1 + max(child[i] for child in children) for i in range(2)) + (
+                max(computed for _, _, computed in children),)
+        decisions, tokens, computed = memo[answer]
+        return decisions, len(forced) + tokens, len(forced) + computed
 
     def _each_allowed(matcher: llguidance.LLMatcher, answer: bytes):
         if len(memo) >= MAX_DECISION_STATES:
@@ -169,19 +177,21 @@ def walk_answers(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokeniz
             raise OverflowError
         for token in allowed.tolist():
             if token in ends:
-                yield 0, 0  # ending the answer is itself the last decision, and its last token
+                yield 0, 0, 0  # ending the answer is itself the last decision, and its last token
                 continue
             child = matcher.deep_copy()
             child.consume_tokens([token])
             yield most_after(child, answer + ll_tokenizer.decode_bytes([token]))
 
     try:
-        decisions, tokens = most_after(fresh.deep_copy(), b"")
+        start = fresh.deep_copy()
+        start_forced = len(start.compute_ff_tokens())  # the forced start, prefilled with the prompt
+        decisions, tokens, computed = most_after(start, b"")
     except OverflowError:
         return None
     if decisions == 0:  # its arrival forced the whole answer: it still samples once, the end token
-        return 1, tokens + 1
-    return decisions, tokens
+        return 1, tokens + 1, 0
+    return decisions, tokens, computed - start_forced
 
 
 def _grammar_text(spec: StructuredSpec) -> str:
