@@ -144,14 +144,14 @@ def test_the_after_idle_multiplier_covers_nine_cold_steps_in_ten_and_one_outlier
 def test_a_sustained_slowdown_raises_the_bound_within_10_slowed_steps_and_it_falls_back_within_50():
     model, clock, rng = calibrated(seed=7)
     busy_steps(model, clock, rng, 200)
-    normal = model.step_multiplier
+    normal = model.step_multiplier  # a 0.9 quantile of the machine's noise: a 1.5x slowdown lifts it about 1.4x
     for slowed in range(1, 11):
         busy_steps(model, clock, rng, 1, slowdown=1.5)
-        if model.step_multiplier >= 1.4 * normal:
+        if model.step_multiplier >= 1.35 * normal:
             break
-    assert model.step_multiplier >= 1.4 * normal, "10 slowed steps and the bound has not risen"
+    assert model.step_multiplier >= 1.35 * normal, "10 slowed steps and the bound has not risen"
     busy_steps(model, clock, rng, 40, slowdown=1.5)  # the slowdown lasts
-    assert model.step_multiplier >= 1.4 * normal
+    assert model.step_multiplier >= 1.35 * normal
     for recovered in range(1, 51):
         busy_steps(model, clock, rng, 1)
         if model.step_multiplier <= 1.05 * normal:
@@ -222,3 +222,47 @@ def test_the_engine_charges_steps_after_a_gap_and_probes_to_after_idle_only(tiny
     joining = engine.add_request(prompt(12, 98), SamplingParams(max_tokens=1, deadline_ms=400, ignore_eos=True))
     busy_bound = joining.predicted_finish - clock.now
     assert busy.promised and joining.promised and busy_bound < 3.0 * fitted
+
+
+def test_a_gap_the_engine_spends_taking_in_arrivals_is_not_idle(tiny_gguf):
+    """Between two steps of a backlogged engine, a burst of arrivals can take longer than the idle
+    gap to take in; the next step is a busy one (its errors move the busy multipliers), while a
+    step after the same gap with nothing left to run is an after-idle one."""
+    engine, clock = make_engine(tiny_gguf)
+    counts = engine.admission.latency.step_errors.steps
+    params = SamplingParams(max_tokens=8, deadline_ms=60_000, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(prompt(12, 200 + i), params)
+    engine.step()
+    busy, idle = counts["busy"], counts["after_idle"]
+    clock.now += 0.05  # the intake of a burst: longer than the idle gap, with work left
+    assert not engine.steps.idle_at(clock.now)
+    engine.step()
+    assert (counts["busy"], counts["after_idle"]) == (busy + 1, idle)
+    while engine.has_unfinished():
+        engine.step()
+    clock.now += 0.05  # nothing to run: idle
+    assert engine.steps.idle_at(clock.now)
+    engine.add_request(prompt(12, 300), params)
+    engine.step()
+    assert counts["after_idle"] == idle + 1
+
+
+def test_a_few_slow_steps_lift_the_calibrations_stand_ins_and_one_stall_does_not():
+    """Steps of 400 ms come five to the 2 s window: too few to set the quantile alone. Where the
+    fit underrates them all (here 1.5x), the calibration's residuals that stand in for the missing
+    steps are lifted to their level once three are in, so the bound covers most of them; a lone
+    stall among normal steps moves nothing."""
+    model, clock, rng = calibrated(seed=13)
+    fresh = model.multiplier("prefill")
+    for _ in range(5):
+        clock.now += 0.4
+        model.observe(PREFILL, 1.5 * machine_seconds(PREFILL, rng))
+    ratios = sorted(1.5 * machine_seconds(PREFILL, rng) / model.base(PREFILL) for _ in range(200))
+    covered = sum(r <= model.multiplier("prefill") for r in ratios) / len(ratios)
+    assert model.multiplier("prefill") > 1.35 * fresh and covered >= 0.8
+    model, clock, rng = calibrated(seed=13)
+    for slow in (False, True, False, False):
+        clock.now += 0.4
+        model.observe(PREFILL, (5.0 if slow else 1.0) * machine_seconds(PREFILL, rng))
+    assert model.multiplier("prefill") < 1.15 * fresh  # the stall is one value of the pool, not its level

@@ -222,7 +222,8 @@ class LLMEngine:
         ready, tokens, head_rows = self._run(batch)
         now = self.clock()
         finished += [self._end(seq, reason, now) for seq, reason in self.outputs.append(ready, tokens, now)]
-        self.steps.record(replace(features, head_rows=head_rows), self.clock() - entered, after_idle)
+        self.steps.record(replace(features, head_rows=head_rows), self.clock() - entered, after_idle,
+                          work_left=self.scheduler.has_unfinished())
         return finished
 
     def _schedule(self, now: float) -> tuple[ScheduledBatch, list[RequestOutput]]:

@@ -4,7 +4,8 @@ Three kinds, because they err differently:
 
 - ``decode``: a step that carries no prefill token;
 - ``prefill``: a step that carries prefill (a prompt's chunk, forced tokens), decodes beside it or not;
-- ``after_idle``: the first step after the engine ran none for more than ``IDLE_GAP_S``, and every
+- ``after_idle``: the first step after the engine had nothing to run for more than ``IDLE_GAP_S``
+  (a gap after a step that left work is its own intake, not idle time), and every
   probe step (``StepRecorder.probe``, run only while idle). Cold caches and a CPU clock that ramps back
   up make it run many times its fit; the next step is already warm.
 
@@ -17,7 +18,11 @@ kind's, so within 8 slowed steps of a half-and-half mix), and forgotten 32 busy 
 after it ends; 2 s also covers an engine that refuses everything and so measures no busy step.
 While fewer than ``min_samples`` (32) recent ratios are at hand the
 calibration's own residuals stand in for the missing ones, so a fresh start is neither blind (the
-fit at its word) nor pessimistic (the max of the first few steps). The slowest tenth of steps are
+fit at its word) nor pessimistic (the max of the first few steps); once three recent ratios are in,
+the stand-ins are lifted by how much slower their median runs than the residuals' (never lowered):
+steps of 400 ms (a backlog prefilled sixty requests at a time) come five to a 2 s window, too few to
+set the quantile alone, and where the fit underrates them all (1.3-1.7x) the residuals' own spread
+would otherwise keep the bound below most of them. The slowest tenth of steps are
 the stall reserve's (``LatencyModel.stall_reserve``), an amount of seconds held once per bound, as
 one stall is. A quantile over a 32-step window, not an adaptive conformal update: at a 0.999
 coverage such an update lowers itself by 0.1% of its step size per covered step, so it could not
@@ -52,10 +57,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-IDLE_GAP_S = 0.02  # ran no step for longer than this: idle. A busy engine steps back to back (well under 1 ms
-# between steps); every probe (at most one per 50 ms) comes after a longer gap
+IDLE_GAP_S = 0.02  # had nothing to run for longer than this: idle. A busy engine steps back to back (well under
+# 1 ms between steps, or the time its intake of a burst takes); every probe (at most one per 50 ms) comes after
+# a longer gap
 AFTER_IDLE_WINDOW = 64  # after-idle steps whose 0.9 quantile of measured / fitted a bound made while idle charges
 AFTER_IDLE_SEED_WEIGHT = 16  # steps the calibration's cold steps stand in for until real ones come
+LEVEL_MIN_SAMPLES = 3  # recent values whose median may lift the seed's level (``_level``)
 BUSY_KINDS = ("decode", "prefill")
 STEP_KINDS = (*BUSY_KINDS, "after_idle")
 
@@ -97,12 +104,28 @@ class RecentQuantile:
 
     def _pool(self) -> list[float]:
         recent = [v for _, _, v in self.recent]
-        return recent + _spread(self.seed or [self.neutral], self.min_samples - len(recent))
+        missing = self.min_samples - len(recent)
+        if missing <= 0:
+            return recent
+        seed = self.seed or [self.neutral]
+        level = _level(recent, seed)
+        return recent + _spread([v * level for v in seed], missing)
 
     def median(self, now: float, step: int) -> float:
         """The typical value, of the same values as the quantile."""
         self.value(now, step)
         return _at(sorted(self._pool()), 0.5)
+
+
+def _level(recent: list[float], seed: list[float]) -> float:
+    """How much slower than the seed's the recent values run: the ratio of their medians once
+    ``LEVEL_MIN_SAMPLES`` are in (a median, so one stall does not move it), never below 1. The seed
+    gives the spread, the recent values its level: a workload the fit underrates (its steps all run
+    1.4x it) raises the quantile within a few steps, though they are too few to set it alone."""
+    if len(recent) < LEVEL_MIN_SAMPLES:
+        return 1.0
+    seed_median = _at(sorted(seed), 0.5)
+    return max(_at(sorted(recent), 0.5) / seed_median, 1.0) if seed_median > 0 else 1.0
 
 
 def _at(ordered: list[float], quantile: float) -> float:

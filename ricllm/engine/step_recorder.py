@@ -51,17 +51,23 @@ class StepRecorder:
         self.detector = SlowdownDetector()  # is the typical step slower than it has lately been?
         self.slowdowns: list[SlowdownEvent] = []
         self.last_end = -math.inf  # engine-clock time the last step (probes included) ended
+        self.work_left = False  # the engine still had requests to run when its last step ended
         self.last_probe = -math.inf
 
     def idle_at(self, now: float) -> bool:
-        """Whether no step ran for longer than ``IDLE_GAP_S``: the next step is a cold one."""
-        return now - self.last_end > IDLE_GAP_S
+        """Whether the engine has had nothing to run for longer than ``IDLE_GAP_S``: the next step
+        is a cold one. A gap after a step that left work is the engine's own (taking in a burst of
+        arrivals between two steps can take longer than that), not idle time."""
+        return not self.work_left and now - self.last_end > IDLE_GAP_S
 
-    def record(self, features: StepFeatures, duration_s: float, after_idle: bool = False) -> None:
+    def record(self, features: StepFeatures, duration_s: float, after_idle: bool = False,
+               work_left: bool = False) -> None:
         """``after_idle``: the step followed a gap (or was a probe); the slowdown detector watches
-        busy steps only, as a cold step is no sign of a slower machine."""
+        busy steps only, as a cold step is no sign of a slower machine. ``work_left``: requests
+        remain to be run after it."""
         self.num_steps += 1
         self.last_end = self.clock()
+        self.work_left = work_left
         self.history.append(StepRecord(features, duration_s))
         if self.latency is not None:
             self.latency.observe(features, duration_s, after_idle)

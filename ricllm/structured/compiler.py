@@ -141,7 +141,8 @@ MAX_DECISION_STATES = 64  # answer prefixes walked for max_decisions (~0.3 ms ea
 MAX_BRANCHES = 512  # tokens allowed at one point beyond which the answer is free text: not explored
 
 
-def walk_answers(fresh: llguidance.LLMatcher, ll_tokenizer: llguidance.LLTokenizer) -> tuple[int, int, int] | None:
+def walk_answers(fresh: llguidance.LLMatcher,
+                 ll_tokenizer: llguidance.LLTokenizer) -> tuple[int, int, int] | None:
     """(the most tokens any complete answer samples, the most tokens any complete answer has, the
     most forced tokens past its forced start that any complete answer computes), the engine's way:
     after each sampled token the grammar's forced tokens are appended without sampling, the next
