@@ -241,8 +241,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     prefill_linear = (b + g * op) * prefill_all + (e + h * op) * attention_all + chunk_reach_s(works, model)
     adapter_prefill = adapter_prefill_s(works, model)
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
-    first_step = step + max(prefill_linear + f * op - slack, 0.0) + adapter_prefill
-    idle_charge = model.after_idle_charge(first_step) if after_idle else 0.0
+    idle_charge = 0.0
+    if after_idle:  # the first step: the full batch with all the prefill
+        idle_charge = model.after_idle_charge(step + max(prefill_linear + f * op - slack, 0.0) + adapter_prefill)
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget)):
         prefill = max(prefill_linear + f * op * prefill_steps - slack, 0.0) + adapter_prefill

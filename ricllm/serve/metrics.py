@@ -39,8 +39,9 @@ Deprecated (kept for one release, their HELP says so, removed in the next): the 
 ``ricxapp_prefix_cache_*_tokens_total``, ``ricxapp_preemptions_total`` and
 ``ricxapp_latency_model_*``; and ``ricxapp_ricllm_latency_model_correction`` (one factor for every
 step), now ``ricxapp_ricllm_latency_model_step_multiplier{step_kind}`` (decode, prefill, after_idle).
-The engine's are re-read from the same snapshot at scrape time (no cost to the engine); the request ones cost one more observation per request (a microsecond or
-two), never per token: the old ``tpot`` histogram takes each request's mean, not its steps.
+The engine's are re-read from the same snapshot at scrape time (no cost to the engine); the request
+ones cost one more observation per request (a microsecond or two), never per token: the old ``tpot``
+histogram takes each request's mean, not its steps.
 """
 
 from __future__ import annotations
