@@ -248,6 +248,29 @@ def test_a_gap_the_engine_spends_taking_in_arrivals_is_not_idle(tiny_gguf):
     assert counts["after_idle"] == idle + 1
 
 
+def test_steps_that_only_pin_a_prefix_are_an_idle_engines_and_leave_the_busy_multipliers(tiny_gguf):
+    """Pinning a template at start runs prefill steps that serve no request; run 3x their fit
+    here (a cold process), they inform the after-idle multiplier alone: the busy multipliers, which
+    every busy step of a request's bound is charged, stay the fit's."""
+    slow = {"on": False}
+    engine, clock = make_engine(tiny_gguf, step_time=lambda f, s=1.0: true_step_time(f) * (3.0 if slow["on"] else 1.0))
+    latency, counts = engine.admission.latency, engine.admission.latency.step_errors.steps
+    slow["on"] = True
+    for i in range(3):
+        engine.pin_prefix(prompt(40, 400 + i))
+        while engine.has_unfinished():
+            engine.step()
+        clock.now += 0.001  # pinned one after another: no idle gap between them
+    slow["on"] = False
+    assert counts["busy"] == 0 and counts["after_idle"] == 3
+    assert latency.multipliers == pytest.approx({"decode": 1.0, "prefill": 1.0})
+    assert latency.after_idle_multiplier == pytest.approx(3.0, rel=0.05)
+    engine.add_request(prompt(12, 410), SamplingParams(max_tokens=4, deadline_ms=60_000, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()  # a request's steps after them are busy ones
+    assert counts["busy"] == 4 and counts["after_idle"] == 3
+
+
 def test_a_few_slow_steps_lift_the_calibrations_stand_ins_and_one_stall_does_not():
     """Steps of 400 ms come five to the 2 s window: too few to set the quantile alone. Where the
     fit underrates them all (here 1.5x), the calibration's residuals that stand in for the missing

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Union
 
 from ricllm.config import EngineConfig
+from ricllm.engine.collector import FullCollections
 
 if TYPE_CHECKING:
     from ricllm.engine.llm_engine import LLMEngine
@@ -124,18 +125,24 @@ class EngineLoop:
             self.driver.on_exit()
 
     def _loop(self, engine: LLMEngine) -> None:
-        """Commands, then one step, until stopped: no work, nothing queued, and a stop requested."""
-        driver = self.driver
-        while True:
-            was_idle = not engine.has_unfinished()
-            commands = self._take(block=was_idle)
-            driver.on_commands(commands)
-            if engine.has_unfinished():
-                driver.on_outputs(engine.step())
-            elif driver.stop_requested() and self.inbox.empty():
-                driver.on_stopped()
-                return
-            driver.after_round(was_idle and not commands)
+        """Commands, then one step, until stopped: no work, nothing queued, and a stop requested.
+        Full garbage collections run at idle rounds only (``collector``)."""
+        driver, collections = self.driver, FullCollections()
+        collections.hold()
+        try:
+            while True:
+                was_idle = not engine.has_unfinished()
+                commands = self._take(block=was_idle)
+                driver.on_commands(commands)
+                if engine.has_unfinished():
+                    driver.on_outputs(engine.step())
+                elif driver.stop_requested() and self.inbox.empty():
+                    driver.on_stopped()
+                    return
+                driver.after_round(was_idle and not commands)
+                collections.after_round(was_idle and not commands)
+        finally:
+            collections.release()
 
     def _take(self, block: bool) -> list[Any]:
         """Everything queued; with ``block`` (nothing to step) wait a little for the first one."""

@@ -11,7 +11,6 @@ this same loop.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import random
 import threading
@@ -26,6 +25,7 @@ from ricllm.cache.kv_groups import sliding_windows
 from ricllm.config import LIVE_ADMISSION_CONTROLS, EngineConfig
 from ricllm.engine.admission import AdmissionController
 from ricllm.engine.chat_prefix import PinnedTemplate, render_chat_prefix
+from ricllm.engine.collector import freeze_heap
 from ricllm.engine.constrained import ConstrainedDecoding, computed_head_rows
 from ricllm.engine.lora_registry import LoraRegistry
 from ricllm.engine.output_processor import OutputProcessor
@@ -94,7 +94,7 @@ class LLMEngine:
                                             config.admission.tightest_deadline_tokens)
             log.info("admission_caps", deadline_ms=config.admission.tightest_deadline_ms,
                      tokens=config.admission.tightest_deadline_tokens, caps=self.caps)
-        _freeze_heap()
+        freeze_heap()
         self.steps.last_end = self.clock()  # the build has just run or loaded the model: no idle gap yet
         self.startup_s = self.clock() - started
         _log_start(self.runtime, config, self.max_model_len, self.startup_s)
@@ -211,6 +211,10 @@ class LLMEngine:
         The step's measured time, which the latency model learns from, runs from entry to return:
         scheduling, sampling and finishing requests are part of every step's cost (about 0.4 ms
         of a 10 ms decode step on 2 cores), and a bound that left them out would drift past it.
+        A step that computes prefixes to pin and nothing else is recorded as an idle engine's, as a
+        probe is (``StepRecorder.record``): no request waits on it (it runs at start, or when a
+        template is added to an idle engine), so it is no step of a busy engine, whose multipliers
+        the bounds of busy steps charge.
         """
         if threading.get_ident() != self._stepping_on:
             self._stepping_on = _stepping_thread_changed(self._built_on)
@@ -218,7 +222,7 @@ class LLMEngine:
         batch, finished = self._schedule(entered)
         if not batch:
             return finished
-        features, after_idle = batch.features(), self.steps.idle_at(entered)
+        features, after_idle = batch.features(), self.steps.idle_at(entered) or batch.pins_only
         ready, tokens, head_rows = self._run(batch)
         now = self.clock()
         finished += [self._end(seq, reason, now) for seq, reason in self.outputs.append(ready, tokens, now)]
@@ -424,15 +428,6 @@ def _build_admission(engine: LLMEngine, latency_model) -> AdmissionController:
     config = engine.config
     return AdmissionController(config.admission, latency, engine.kv_cache.geometry.num_blocks, config.block_size,
                                config.max_num_batched_tokens, engine.max_model_len, engine.cache.group_windows)
-
-
-def _freeze_heap() -> None:
-    """Keep the objects alive now (the model, the tokenizer, every import) out of Python's cyclic
-    garbage collector: a full collection walks every tracked object, and one that fires between two
-    steps stalls the engine for all of it (93 ms measured in bench_admission, past a 100 ms
-    deadline that the bound had kept). Collected first, so no garbage is frozen with them."""
-    gc.collect()
-    gc.freeze()
 
 
 def _stepping_thread_changed(built_on: int) -> int:

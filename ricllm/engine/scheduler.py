@@ -65,6 +65,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    @property
+    def pins_only(self) -> bool:
+        """Every sequence in the step is computing a prefix to pin: no request is served by it."""
+        return all(seq.pin_on_finish is not None for seq, _ in self.items)
+
     def features(self) -> "StepFeatures":
         """What the step costs: prefill tokens, decode sequences, K/V positions read (per cache
         group), the head's rows (each sequence that samples: a whole row, until the runner says

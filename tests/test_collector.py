@@ -1,0 +1,88 @@
+"""Full garbage collections wait for the engine loop's idle rounds: one that fires between two steps
+stalls every request in them (``ricllm/engine/collector.py``)."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+from ricllm import SamplingParams
+from ricllm.config import EngineConfig
+from ricllm.engine.async_engine import EngineThread
+from ricllm.engine.collector import FullCollections
+
+
+@pytest.fixture
+def full_collections():
+    """Generation-2 collections, as they end."""
+    seen: list[int] = []
+
+    def note(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            seen.append(info["collected"])
+
+    gc.callbacks.append(note)
+    yield seen
+    gc.callbacks.remove(note)
+
+
+def survivors(count: int) -> list:
+    """Objects that live on (each with a cycle), as a request's records do: they age into the old
+    generation until its growth sets off a full collection."""
+    kept = []
+    for _ in range(count):
+        node: dict = {}
+        node["self"] = node
+        kept.append(node)
+    return kept
+
+
+def test_automatic_full_collections_wait_for_an_idle_round(full_collections):
+    unheld = survivors(300_000)
+    assert full_collections, "this much growth sets off a full collection on its own"
+    full_collections.clear()
+    loop = FullCollections(deferred_limit=10**9)
+    loop.hold()
+    try:
+        held = survivors(300_000)
+        loop.after_round(idle=False)
+        assert full_collections == []
+        loop.after_round(idle=True)
+        assert len(full_collections) == 1 and loop.collections == 1
+    finally:
+        loop.release()
+    assert gc.get_threshold()[2] < 1000
+    del unheld, held
+
+
+def test_a_loop_that_is_never_idle_still_collects_after_the_deferred_limit(full_collections):
+    loop = FullCollections(deferred_limit=3)
+    loop.hold()
+    try:
+        kept = []
+        while gc.get_count()[2] < 3:
+            kept += survivors(1_000)
+        assert full_collections == []
+        loop.after_round(idle=False)
+        assert len(full_collections) == 1 and gc.get_count()[2] == 0
+    finally:
+        loop.release()
+
+
+def test_the_engine_loop_holds_full_collections_while_it_runs_and_gives_them_back(tiny_gguf, full_collections):
+    before = gc.get_threshold()
+    worker = EngineThread(EngineConfig(model=str(tiny_gguf), dtype="float32"))
+    try:
+        out = worker.submit("hello", SamplingParams(max_tokens=4, ignore_eos=True)).result(timeout=60)
+        assert len(out.token_ids) == 4
+        assert worker.call(lambda engine: gc.get_threshold()[2]).result(timeout=30) > 10**9
+        full_collections.clear()
+        kept = survivors(50_000)  # ages some objects: an idle round collects them
+        time.sleep(0.3)
+        assert full_collections
+    finally:
+        worker.stop(timeout=30)
+    assert gc.get_threshold() == before
+    del kept
