@@ -72,10 +72,7 @@ class Sequence:
     pin_on_finish: object = None  # a PinHandle to fill with this sequence's full prompt blocks
     deadline: float | None = None  # absolute, on the engine clock
     reserved_blocks: int = 0  # worst-case blocks set aside by admission
-    waits_turn: bool = False  # admitted behind others (memory or seats all claimed): runs once it claims its turn
-    blocks_awaited: int = 0  # while it waits its turn: the blocks it reserves when it claims it
-    turn_at: float | None = None  # engine-clock time its turn was counted from, when admitted to wait it
-    promised: bool = False  # admitted against a deadline: never preempted; waits only while ``waits_turn``
+    promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
     pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
     prefix_hit_tokens: int = 0  # leading prompt tokens cached at admission: an admitted request holds them
     guide: object = None  # a ricllm.structured.guide.Guide when the answer is constrained

@@ -5,12 +5,9 @@ A request with a deadline is admitted only if
   request, no more than its window keeps at once: ``KVWindow.max_blocks``; with a hybrid cache,
   the sum over its cache groups, a sliding-window group's at most its window's) less the full
   blocks it shares with pinned prefixes, fits beside what every admitted deadline request has
-  reserved (pinned blocks excluded), or, when it does not fit now, admitted requests release
-  enough of theirs, finishing by their promised bounds, early enough that its time bound from
-  then holds (it waits its turn, ``waits_turn``, taken in admission order as they free,
-  ``claim_turns``; a seat of the batch, ``max_num_seqs``, likewise). An admitted request is therefore never preempted, and waits for memory only
-  as long as its bound counted; best-effort requests use only capacity nobody reserved, and are
-  the ones preempted when a deadline request claims its reservation.
+  reserved (pinned blocks excluded). An admitted request therefore never waits for memory and is
+  never preempted; best-effort requests use only capacity nobody reserved, and are the ones
+  preempted when a deadline request claims its reservation.
 - time: an upper bound on every admitted request's finish time, this one included, stays
   inside its deadline (with a safety margin) when they run earliest-deadline-first.
 
@@ -301,8 +298,7 @@ class AdmissionController:
     """
 
     def __init__(self, config: AdmissionSettings, latency: LatencyModel, num_blocks: int, block_size: int,
-                 max_num_batched_tokens: int, max_model_len: int, group_windows: tuple[int, ...] = (),
-                 max_num_seqs: int = 256):
+                 max_num_batched_tokens: int, max_model_len: int, group_windows: tuple[int, ...] = ()):
         self.config = config
         self.group_windows = group_windows  # the layer windows of a hybrid cache's groups 1.. (kv_groups)
         self.latency = latency
@@ -311,10 +307,8 @@ class AdmissionController:
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs  # the batch's seats: promised requests past them wait their turn
         self.admitted: dict[str, Sequence] = {}  # deadline requests not yet finished
         self.reserved_blocks = 0
-        self.awaiting: dict[str, Sequence] = {}  # admitted to wait their turn, in admission order: first claims first
         self.counts: dict[str, int] = {"admitted": 0}
         self.paced_steps = 0  # steps whose prefill the pace cap shortened
 
@@ -340,8 +334,9 @@ class AdmissionController:
         ``cached_hits``: leading blocks of the prompt in the prefix cache, pinned or not; an admitted
         request's bound credits them, and the engine holds them for it from then on.
         """
+        seq.prefix_hit_tokens = cached_hits * self.block_size
+
         def judge():
-            seq.prefix_hit_tokens = cached_hits * self.block_size
             return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s, after_idle)
 
         verdict = judge()
@@ -350,13 +345,12 @@ class AdmissionController:
         if isinstance(verdict, Rejection):
             self._count(verdict.code)
             return verdict
-        need, promise, bounds, turn_at = verdict
-        return self._admit(seq, need, promise, bounds, turn_at)
+        need, promise, bounds = verdict
+        return self._admit(seq, need, promise, bounds)
 
     def _judge(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool, dict[Sequence, float] | None, bool]:
-        """The refusal, or ``(blocks to reserve, promised, the finish bounds promised, the time its
-        turn is counted from if it waits one)``; changes nothing but the prefix credit it is judged with."""
+               busy_s: float, after_idle: bool) -> Rejection | tuple[int, bool, dict[Sequence, float] | None]:
+        """The refusal, or ``(blocks to reserve, promised, the finish bounds promised)``; changes nothing."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > self.max_model_len:
             return Rejection("CONTEXT_TOO_LONG",
@@ -373,78 +367,14 @@ class AdmissionController:
                              f"{capacity} blocks besides {pinned_blocks} pinned",
                              dict(blocks_needed=need, blocks_capacity=capacity, pinned_blocks=pinned_blocks))
         if not self._promisable(seq):
-            return self._queue_full(waiting) or (0, False, None, None)
-        free = capacity - self.committed_blocks
-        seats_short = len(self.admitted) + 1 - self.max_num_seqs
-        if need > free or seats_short > 0 or self.awaiting:
-            return self._behind_others(seq, now, need, free, seats_short, busy_s, after_idle)
-        verdict = self._first_late(seq, now, busy_s, after_idle)  # without best effort: the rescue pauses what a promise needs
-        return verdict if isinstance(verdict, Rejection) else (need, True, verdict, None)
-
-    @property
-    def committed_blocks(self) -> int:
-        """Blocks admitted requests hold a claim on: reserved, and awaited by those admitted behind them."""
-        return self.reserved_blocks + sum(s.blocks_awaited for s in self.awaiting.values())
-
-    def _behind_others(self, seq: Sequence, now: float, need: int, free: int, seats_short: int, busy_s: float,
-                       after_idle: bool) -> Rejection | tuple[int, bool, dict[Sequence, float], float]:
-        """The blocks it needs or the batch's seats (``max_num_seqs``) are all claimed by admitted
-        requests now, or others already wait their turn: admit it to wait its own, after theirs and
-        until admitted requests release enough of both as they finish (each by its promised bound,
-        a waiting one's counted from its turn), when its bound counted from then, with no credit for
-        prefix-cache hits it cannot hold while it waits, still meets its deadline. Else refuse it
-        for time (its turn comes too late), with the numbers. None jumps the queue: the turns
-        counted for those already waiting stay true."""
-        turn = now
-        why = []
-        if self.awaiting:
-            turn = max(turn, max(s.turn_at for s in self.awaiting.values()))
-            why.append(f"{len(self.awaiting)} admitted requests wait their turn before it")
+            return self._queue_full(waiting) or (0, False, None)
+        free = capacity - self.reserved_blocks
         if need > free:
-            turn = max(turn, self.blocks_released_by(need - free))
-            why.append(f"needs {need} KV blocks, {free} free beside admitted requests' claims")
-        if seats_short > 0:
-            turn = max(turn, self.seat_freed_by(seats_short))
-            why.append(f"all {self.max_num_seqs} seats of the batch (max_num_seqs) are promised")
-        seq.prefix_hit_tokens = 0
-        verdict = self._first_late(seq, now, busy_s, after_idle, starts_at=turn)
-        if not isinstance(verdict, Rejection):
-            return need, True, verdict, turn
-        return Rejection("DEADLINE_INFEASIBLE",
-                         f"{'; '.join(why)}: its turn comes in {(turn - now) * 1e3:.1f} ms, too late: {verdict.message}",
-                         {**verdict.numbers, "blocks_needed": need, "blocks_free": free,
-                          "turn_in_ms": round((turn - now) * 1e3, 3)})
-
-    def seat_freed_by(self, seats: int) -> float:
-        """The engine-clock time by which ``seats`` admitted requests (at most all of them) have
-        finished, each by its promised bound."""
-        return sorted(s.promised_finish for s in self.admitted.values())[seats - 1]
-
-    def blocks_released_by(self, blocks: int) -> float:
-        """The engine-clock time by which admitted requests, each finishing by its promised bound,
-        release ``blocks`` of the blocks they hold or await (``blocks`` is at most their sum, as a
-        request needs at most the whole budget)."""
-        released = 0
-        claims = sorted((s.promised_finish, s.reserved_blocks + s.blocks_awaited) for s in self.admitted.values())
-        for finish, held in claims:
-            released += held
-            if released >= blocks:
-                return finish
-        raise RuntimeError(f"admitted requests claim {released} KV blocks, fewer than the {blocks} a request is short "
-                           f"of: this is a bug in ricllm")
-
-    def claim_turns(self, pinned_blocks: int) -> None:
-        """Requests admitted to wait their turn take it, in admission order (their bounds counted on
-        that order), each as soon as its blocks are free: it reserves them and is an admitted
-        request like any other from then on, which the scheduler seats (preempting best effort
-        for a seat) and every re-check judges."""
-        while self.awaiting:
-            seq = next(iter(self.awaiting.values()))
-            if self.num_blocks - pinned_blocks - self.reserved_blocks < seq.blocks_awaited:
-                return
-            del self.awaiting[seq.request_id]
-            seq.reserved_blocks, seq.blocks_awaited, seq.waits_turn = seq.blocks_awaited, 0, False
-            self.reserved_blocks += seq.reserved_blocks
+            return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
+                             f"{capacity} are not reserved by admitted requests",
+                             dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
+        verdict = self._first_late(seq, now, busy_s, after_idle)  # without best effort: the rescue pauses what a promise needs
+        return verdict if isinstance(verdict, Rejection) else (need, True, verdict)
 
     def _promisable(self, seq: Sequence) -> bool:
         return self.promises and seq.deadline is not None and seq.params.priority != "best_effort"
@@ -458,8 +388,7 @@ class AdmissionController:
         return Rejection("QUEUE_FULL", f"{queued} {what} already wait (max_queue {self.config.max_queue})",
                          dict(waiting=queued, max_queue=self.config.max_queue))
 
-    def _degrade(self, seq: Sequence, refusal: Rejection,
-                 judge) -> Rejection | tuple[int, bool, dict[Sequence, float] | None, bool]:
+    def _degrade(self, seq: Sequence, refusal: Rejection, judge) -> Rejection | tuple[int, bool, dict[Sequence, float] | None]:
         """Binary search for the largest ``max_tokens`` that passes (every check is monotone in it)."""
         requested = seq.params
 
@@ -481,18 +410,13 @@ class AdmissionController:
         self._count("degraded")
         return verdict
 
-    def _first_late(self, seq: Sequence, now: float, busy_s: float, after_idle: bool,
-                    starts_at: float | None = None) -> Rejection | dict[Sequence, float]:
+    def _first_late(self, seq: Sequence, now: float, busy_s: float,
+                    after_idle: bool) -> Rejection | dict[Sequence, float]:
         """The refusal for the first request the new one would make late, or the bound of every
-        request with the new one admitted (the new one's included). ``starts_at``: it waits until
-        then for its turn, so its own bound is the one from now moved that much later, as is that
-        of every request already waiting its turn (the others finish no later than with them all
-        running from now, their work counted beside theirs)."""
+        request with the new one admitted (the new one's included)."""
         candidates = sorted([*self.admitted.values(), seq], key=_edf)
         works = [work_of(s) for s in candidates]
         bounds = self._bounds(candidates, now, NO_BEST_EFFORT, busy_s, after_idle=after_idle)
-        turns = [starts_at if s is seq else s.turn_at if s.waits_turn else None for s in candidates]
-        bounds = [b + max(t - now, 0.0) if t is not None else b for b, t in zip(bounds, turns)]
         late = self._refusal(seq, works, bounds, now)
         return late if late is not None else dict(zip(candidates, bounds))
 
@@ -527,23 +451,15 @@ class AdmissionController:
     def _count(self, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
 
-    def _admit(self, seq: Sequence, reserve: int, promise: bool, bounds: dict[Sequence, float] | None,
-               turn_at: float | None = None) -> None:
+    def _admit(self, seq: Sequence, reserve: int, promise: bool, bounds: dict[Sequence, float] | None) -> None:
         """``bounds``: every promised request's bound with this one admitted. Each earlier promise now
-        holds with this request's work beside it: that bound is the one it was last promised.
-        ``turn_at``: it waits its turn, counted from then, its blocks reserved when it takes it
-        (``claim_turns``), not now."""
+        holds with this request's work beside it: that bound is the one it was last promised."""
+        seq.reserved_blocks = reserve
         seq.promised = promise
         seq.predicted_finish = bounds[seq] if bounds else None
         for promised, bound in (bounds or {}).items():
             promised.promised_finish = bound
-        if turn_at is not None:
-            seq.waits_turn, seq.blocks_awaited, seq.turn_at = True, reserve, turn_at
-            self.awaiting[seq.request_id] = seq
-            self._count("admitted_to_wait")
-        else:
-            seq.reserved_blocks = reserve
-            self.reserved_blocks += reserve
+        self.reserved_blocks += reserve
         if promise:
             self.admitted[seq.request_id] = seq
         self.counts["admitted"] += 1
@@ -579,10 +495,9 @@ class AdmissionController:
         return low
 
     def stats(self) -> dict:
-        rejected = {k: v for k, v in self.counts.items() if k not in ("admitted", "degraded", "admitted_to_wait")}
+        rejected = {k: v for k, v in self.counts.items() if k not in ("admitted", "degraded")}
         return {"policy": self.config.policy, "admitted": self.counts["admitted"], "rejected": rejected,
                 "degraded": self.counts.get("degraded", 0), "paced_steps": self.paced_steps,
-                "admitted_to_wait": self.counts.get("admitted_to_wait", 0), "waiting_turn_now": len(self.awaiting),
                 "reserved_blocks": self.reserved_blocks, "promised_in_flight": len(self.admitted),
                 "latency_model": {"coefficients": self.latency.coefficients,
                                   "step_multipliers": self.latency.multipliers,
@@ -613,14 +528,11 @@ class AdmissionController:
     def _late(self, now: float, best_effort: BestEffortLoad, busy_s: float = 0.0,
               token_budget: int | None = None) -> list[Sequence]:
         """Admitted requests whose bound, safety margin included, passes their deadline, as re-checked
-        between steps (the last busy step's ratio counts). One waiting its turn counts as work for
-        the others but is not judged: its promise is counted from its turn, which a bound from now
-        does not see, and holding back the others' prefill for it would hold back the turn it waits
-        for."""
+        between steps (the last busy step's ratio counts)."""
         ordered = sorted(self.admitted.values(), key=_edf)
         bounds = self._bounds(ordered, now, best_effort, busy_s, token_budget, recheck=True)
         margin = 1 + self.config.safety_margin
-        return [s for s, b in zip(ordered, bounds) if now + (b - now) * margin > s.deadline and not s.waits_turn]
+        return [s for s, b in zip(ordered, bounds) if now + (b - now) * margin > s.deadline]
 
     def best_effort_may_join(self, now: float, best_effort: list[Sequence], joining: Sequence,
                              busy_s: float = 0.0) -> bool:
@@ -730,10 +642,8 @@ class AdmissionController:
 
     def release(self, seq: Sequence) -> None:
         self.reserved_blocks -= seq.reserved_blocks
-        seq.reserved_blocks = seq.blocks_awaited = 0
-        seq.waits_turn = False
+        seq.reserved_blocks = 0
         self.admitted.pop(seq.request_id, None)
-        self.awaiting.pop(seq.request_id, None)
 
 
 def _edf(seq: Sequence) -> tuple:

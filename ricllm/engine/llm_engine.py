@@ -171,12 +171,17 @@ class LLMEngine:
         pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter, seq.group_windows)
         rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
                                           after_idle=self.steps.idle_at(now), cached_hits=len(hits))
+        if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
+            self.admission.release(seq)
+            rejection = self.admission.reject(
+                "QUEUE_FULL", f"{self.config.max_num_seqs} deadline requests already hold every seat of the "
+                f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
         if rejection is not None:
             self.outputs.refuse(seq, rejection, now)
             if rejection.code == "DEADLINE_INFEASIBLE" and not self.scheduler.has_unfinished():
                 self.steps.probe(now)
             return False
-        if seq.promised and hits and not seq.waits_turn:  # one waiting its turn holds none: its bound credits none
+        if seq.promised and hits:
             seq.take_blocks(self.cache.hold_prefix(seq, hits))  # its bound credited them: no eviction may take them now
         if seq.degradation is not None:
             d = seq.degradation
@@ -326,7 +331,7 @@ class LLMEngine:
         requests reserved, nor the last free block. Raises ``CapacityError`` when it does not fit, or
         when admission refuses the pinning request now; the caller steps the engine until ``seq`` is done.
         """
-        self.checks.pin_fits(token_ids, self.admission.committed_blocks if self.admission is not None else 0)
+        self.checks.pin_fits(token_ids, self.admission.reserved_blocks if self.admission is not None else 0)
         handle = PinHandle(handle_id=next(self._pin_ids), token_ids=list(token_ids))
         seq = self.add_request(token_ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id=request_id,
                                pin_on_finish=handle, lora_request=lora_request)
@@ -422,8 +427,7 @@ def _build_admission(engine: LLMEngine, latency_model) -> AdmissionController:
     latency.kernel_limits = engine.runtime.capabilities.kernel_limits  # which steps pass them is the runtime's
     config = engine.config
     return AdmissionController(config.admission, latency, engine.kv_cache.geometry.num_blocks, config.block_size,
-                               config.max_num_batched_tokens, engine.max_model_len, engine.cache.group_windows,
-                               config.max_num_seqs)
+                               config.max_num_batched_tokens, engine.max_model_len, engine.cache.group_windows)
 
 
 def _stepping_thread_changed(built_on: int) -> int:

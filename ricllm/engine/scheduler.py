@@ -134,8 +134,6 @@ class Scheduler:
         best-effort sequences sit the step out (paused, not preempted), and if that is not enough
         only the requests at risk, and those due before them, prefill.
         """
-        if self.gate is not None:
-            self.gate.claim_turns(self.cache.num_pinned_blocks)
         self._seat_promises()
         order = self._apply_rescue(sorted(self.running, key=self.order_key), now)
         items: list[tuple[Sequence, int]] = []
@@ -146,7 +144,7 @@ class Scheduler:
             budget = min(budget, self.gate.prefill_token_cap(now, [s for s, _ in items], first, budget,
                                                              self._running_best_effort()))
         budget, more_preempted = self._continue(prefilling, budget, items)
-        if not (preempted or more_preempted) or not items:  # a step never stays empty while requests wait
+        if not (preempted or more_preempted):
             seated = self._schedule_waiting(budget, now)
             # a promise seated now may have preempted best effort this step already carried: it leaves the step
             items = [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING] + seated
@@ -212,16 +210,9 @@ class Scheduler:
         return [s for s in self.running if not s.promised]
 
     def _schedule_waiting(self, budget: int, now: float) -> list[tuple[Sequence, int]]:
-        """Waiting sequences in priority order, the first that cannot join ending the search; one
-        still waiting its turn (``AdmissionController.claim_turns``) is passed over instead: it
-        takes nothing, and those behind it were promised without it."""
         items: list[tuple[Sequence, int]] = []
-        at = 0
-        while at < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[at]
-            if seq.waits_turn:
-                at += 1
-                continue
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
             if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
             hits = (self.cache.find_cached_prefix(seq.token_ids, seq.adapter, seq.group_windows)
@@ -236,7 +227,7 @@ class Scheduler:
             if not allocated:
                 self.num_waits += 1
                 break
-            self.waiting.pop(at)
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             items.append((seq, num_new))
@@ -246,7 +237,7 @@ class Scheduler:
     def _seat_promises(self) -> None:
         """Promised sequences waiting for a seat (``max_num_seqs``) take those of best-effort ones,
         preempted newest first, before the step is built: admission counted seats for promises only."""
-        promised_waiting = sum(1 for s in self.waiting if s.promised and not s.waits_turn)
+        promised_waiting = sum(1 for s in self.waiting if s.promised)
         while promised_waiting and len(self.running) > self.max_num_seqs - promised_waiting:
             victim = self._victim(exclude=set(), best_effort_only=True)
             if victim is None:
