@@ -118,6 +118,23 @@ def test_kv_budget_and_context_rejections(tiny_gguf):
     assert rejected[-1].rejection.numbers == {"blocks_needed": 16, "blocks_free": 0, "blocks_reserved": 64}
 
 
+@pytest.mark.parametrize("seed", range(26, 30))
+def test_the_engine_never_builds_an_empty_step_while_requests_wait(tiny_gguf, seed):
+    """Arrivals faster than a small budget (24 or 40 blocks, 3 to 12 seats) serves, a third best
+    effort. A best-effort sequence that cannot grow within the blocks nobody reserved preempts
+    itself; when it was all the step carried, the waiting requests are seated in its place (with
+    seed 29 the engine raised "could not schedule any request" instead)."""
+    rng = random.Random(seed)
+    engine, clock = make_engine(tiny_gguf, max_num_seqs=rng.choice([3, 6, 12]),
+                                kv_cache_budget=rng.choice([24, 40]) * 16 * 512)
+    arrivals = poisson_arrivals(rng, 150, rng.choice([0.005, 0.01, 0.03]), clock.now, lambda i: (
+        prompt(rng.randint(5, 120), 1000 * seed + i),
+        SamplingParams(max_tokens=rng.randint(2, 24), deadline_ms=rng.choice([150, 400, 2000, 6000]), ignore_eos=True,
+                       priority=rng.choice(["near_rt", "non_rt", "best_effort"]))))
+    outputs = run_arrivals(engine, clock, arrivals)
+    assert len(outputs) == 150 and engine.admission.reserved_blocks == 0
+
+
 def test_reservations_never_oversubscribe_and_admitted_requests_are_never_late(tiny_gguf):
     engine, clock = make_engine(tiny_gguf)
     rng = random.Random(7)

@@ -144,7 +144,7 @@ class Scheduler:
             budget = min(budget, self.gate.prefill_token_cap(now, [s for s, _ in items], first, budget,
                                                              self._running_best_effort()))
         budget, more_preempted = self._continue(prefilling, budget, items)
-        if not (preempted or more_preempted):
+        if not (preempted or more_preempted) or not items:  # a step never stays empty while requests wait
             seated = self._schedule_waiting(budget, now)
             # a promise seated now may have preempted best effort this step already carried: it leaves the step
             items = [(s, n) for s, n in items if s.status is SequenceStatus.RUNNING] + seated
