@@ -15,9 +15,9 @@ The time bound. With a step costing ``a + b·P + c·D + d·C + e·Q + f·[op by 
 (``LatencyModel``; C and Q the positions each KV cache group's layers read, averaged over the
 groups, H the head's rows), request ``k`` in EDF order finishes within ``N_k`` steps, ``N_k = ceil(P_k / M)
 + decode_k - [P_k' > 0]``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it,
-``P_k'`` its own and ``M`` the per-step token budget less the ``B - 1`` other sequences that may
-decode beside it (decodes are seated first, a token of the budget each): the step that ends a
-prefill samples its first token. Every step carries at most all ``B`` sequences (best effort included) at
+``P_k'`` its own and ``M`` the per-step token budget less the sequences that may decode beside it
+(decodes are seated first, a token of the budget each: best effort, and every request with a
+decode step past the one its prefill samples): the step that ends a prefill samples its first token. Every step carries at most all ``B`` sequences (best effort included) at
 their final contexts ``C_max`` (what each group reads there: a sliding-window group at most its
 window), each sampling at most one whole head row, and best effort at most ``best_effort_chunk``
 prefill tokens; all pending prefill tokens are charged to everyone (later-deadline prefill chunks
@@ -246,7 +246,7 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     if after_idle:  # the first step: the full batch with all the prefill
         idle_charge = model.after_idle_charge(step + max(prefill_linear + f * op - slack, 0.0) + adapter_prefill)
     bounds = []
-    for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget, batch - 1)):
+    for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget, best_effort.seqs)):
         prefill = max(prefill_linear + f * op * prefill_steps - slack, 0.0) + adapter_prefill
         reserve = model.reserve(steps - after_idle) + idle_charge
         bounds.append(now + busy_s + multiplier * (steps * step + prefill) + reserve)

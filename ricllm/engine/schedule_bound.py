@@ -270,19 +270,21 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
     seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     first_step = model.after_idle_charge(plan.first_step_seconds) if after_idle else 0.0
-    counts = step_counts(works, prefill_cap or token_budget, len(works) - 1 + best_effort.seqs)
+    counts = step_counts(works, prefill_cap or token_budget, best_effort.seqs)
     return [now + busy_s + multiplier * s + model.reserve(steps - after_idle) + first_step
             for s, (_, steps) in zip(seconds, counts)]
 
 
-def step_counts(works: list, token_budget: int, other_rows: int = 0) -> list[tuple[int, int]]:
+def step_counts(works: list, token_budget: int, best_effort_rows: int = 0) -> list[tuple[int, int]]:
     """For each request (EDF-sorted ``Work``), at most how many steps until its prefill is done and
     until it finishes: the prefill of it and of everything ahead in chunks of ``token_budget`` less
-    the ``other_rows`` that may decode beside it (the scheduler seats decodes first, one token of the
-    budget each), then its decode steps, the first of which its last prefill step samples. Whatever
-    shares a step, no schedule takes more, so a request this puts at one step is served by one."""
+    the rows that may decode beside it (the scheduler seats decodes first, one token of the budget
+    each: every request with a decode step past the one its prefill samples, and the
+    ``best_effort_rows``), then its decode steps, the first of which its last prefill step samples.
+    Whatever shares a step, no schedule takes more, so a request this puts at one step is served by one."""
     counts, prefill_ahead = [], 0
-    per_step = max(token_budget - other_rows, 1)
+    decoding = sum(1 for w in works if w.decode_left - first_sampled_by_prefill(w) > 0) + best_effort_rows
+    per_step = max(token_budget - decoding, 1)
     for work in works:
         prefill_ahead += work.prefill_left
         prefill_steps = math.ceil(prefill_ahead / per_step)
