@@ -43,13 +43,19 @@ def survivors(count: int) -> list:
 
 
 def test_automatic_full_collections_wait_for_an_idle_round(full_collections):
-    unheld = survivors(300_000)
-    assert full_collections, "this much growth sets off a full collection on its own"
+    # a full collection fires on its own once the old generation has grown by a quarter since the last
+    gc.collect()
+    growth = len(gc.get_objects(generation=2)) // 4 + 100_000
     full_collections.clear()
+    unheld = survivors(growth)
+    assert full_collections, "this much growth sets off a full collection on its own"
+    gc.collect()
+    full_collections.clear()
+    growth = len(gc.get_objects(generation=2)) // 4 + 100_000
     loop = FullCollections(deferred_limit=10**9)
     loop.hold()
     try:
-        held = survivors(300_000)
+        held = survivors(growth)
         loop.after_round(idle=False)
         assert full_collections == []
         loop.after_round(idle=True)
