@@ -17,7 +17,8 @@ groups, H the head's rows), request ``k`` in EDF order finishes within ``N_k`` s
 + decode_k - [P_k' > 0]``, where ``P_k`` is the prefill of ``k`` and of everything ahead of it,
 ``P_k'`` its own and ``M`` the per-step token budget less the sequences that may decode beside it
 (decodes are seated first, a token of the budget each: best effort, and every request with a
-decode step past the one its prefill samples): the step that ends a prefill samples its first token. Every step carries at most all ``B`` sequences (best effort included) at
+decode step past the one its prefill samples): the step that ends a prefill samples its first
+token. Every step carries at most all ``B`` sequences (best effort included) at
 their final contexts ``C_max`` (what each group reads there: a sliding-window group at most its
 window), each sampling at most one whole head row, and best effort at most ``best_effort_chunk``
 prefill tokens; all pending prefill tokens are charged to everyone (later-deadline prefill chunks
