@@ -42,8 +42,8 @@ from ricllm.template import Template
 PROTOCOL_VERSION = 1
 DEFAULT_ENDPOINT = f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}"
 
-RejectCode = Literal["KV_BUDGET", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "DRAINING",
-                     "OUTPUT_TOO_SHORT"]
+RejectCode = Literal["KV_BUDGET", "KV_RESERVED", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL",
+                     "DRAINING", "OUTPUT_TOO_SHORT"]
 ErrorCode = Literal["MALFORMED", "UNKNOWN_TYPE", "VALIDATION", "DUPLICATE_ID", "UNKNOWN_TEMPLATE",
                     "UNKNOWN_ADAPTER", "ADAPTER_MISMATCH", "UNKNOWN_REQUEST", "TOO_LARGE", "INTERNAL"]
 # deadline: aborted once it passed; fallback: a decision below its template's min_confidence, answered with its fallback

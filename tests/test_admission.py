@@ -114,7 +114,7 @@ def test_kv_budget_and_context_rejections(tiny_gguf):
     rejected = [engine.add_request(prompt(200, 10 + i), SamplingParams(max_tokens=50, deadline_ms=100_000))
                 for i in range(4)]
     assert [r.rejection is None for r in rejected] == [True, True, True, False]
-    assert rejected[-1].rejection.code == "KV_BUDGET"
+    assert rejected[-1].rejection.code == "KV_RESERVED"  # for the present load: it fits once one finishes
     assert rejected[-1].rejection.numbers == {"blocks_needed": 16, "blocks_free": 0, "blocks_reserved": 64}
 
 
@@ -546,7 +546,7 @@ def test_degrade_shrinks_to_the_context_and_the_kv_budget(tiny_gguf):
         held = engine.add_request(prompt(200, 97 + i), SamplingParams(max_tokens=56, deadline_ms=100_000))
         assert held.promised and held.degradation is None
     last = engine.add_request(prompt(100, 98), SamplingParams(max_tokens=200, deadline_ms=100_000))
-    assert last.degradation.code == "KV_BUDGET"
+    assert last.degradation.code == "KV_RESERVED"
     assert last.degradation.granted_max_tokens == 16 * 16 - 100  # the 16 blocks left, less the prompt
     assert last.degradation.numbers == {"blocks_needed": 19, "blocks_free": 16, "blocks_reserved": 48}
     assert engine.admission.reserved_blocks == 64

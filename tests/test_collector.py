@@ -4,31 +4,21 @@ stalls every request in them (``ricllm/engine/collector.py``)."""
 from __future__ import annotations
 
 import gc
-import threading
 import time
-
-import pytest
 
 from ricllm import SamplingParams
 from ricllm.config import EngineConfig
 from ricllm.engine.async_engine import EngineThread
 from ricllm.engine.collector import FullCollections
+from tests.helpers import output_tail, python_with_env
 
 
-@pytest.fixture
-def full_collections():
-    """Generation-2 collections on this thread, as they end (an engine loop another test left
-    running collects on its own thread at its idle rounds)."""
+def full_collections_seen() -> list[int]:
+    """Generation-2 collections, as they end."""
     seen: list[int] = []
-    here = threading.get_ident()
-
-    def note(phase, info):
-        if phase == "stop" and info["generation"] == 2 and threading.get_ident() == here:
-            seen.append(info["collected"])
-
-    gc.callbacks.append(note)
-    yield seen
-    gc.callbacks.remove(note)
+    gc.callbacks.append(lambda phase, info: seen.append(info["collected"])
+                        if phase == "stop" and info["generation"] == 2 else None)
+    return seen
 
 
 def survivors(count: int) -> list:
@@ -42,21 +32,25 @@ def survivors(count: int) -> list:
     return kept
 
 
-def test_automatic_full_collections_wait_for_an_idle_round(full_collections):
-    # a full collection fires on its own once the old generation has grown by a quarter since the last
-    # (with Python's default thresholds: an engine loop another test left running holds them off)
-    before = gc.get_threshold()
-    gc.set_threshold(700, 10, 10)
+def in_a_fresh_interpreter(check: str) -> None:
+    """Runs ``check``, a function of this module, in a child: a test's process may hold engine loops
+    that other tests left running, and those collect on their own threads at their idle rounds."""
+    done = python_with_env({}, "-c", f"import tests.test_collector as t; t.{check}()", timeout=120)
+    assert done.returncode == 0, output_tail(done)
+
+
+def automatic_full_collections_wait_for_an_idle_round() -> None:
+    full_collections = full_collections_seen()
     gc.collect()
     growth = len(gc.get_objects(generation=2)) // 4 + 100_000
     full_collections.clear()
     unheld = survivors(growth)
-    gc.set_threshold(*before)
     assert full_collections, "this much growth sets off a full collection on its own"
     gc.collect()
     full_collections.clear()
     growth = len(gc.get_objects(generation=2)) // 4 + 100_000
     loop = FullCollections(deferred_limit=10**9)
+    before = gc.get_threshold()
     loop.hold()
     try:
         held = survivors(growth)
@@ -70,7 +64,8 @@ def test_automatic_full_collections_wait_for_an_idle_round(full_collections):
     del unheld, held
 
 
-def test_a_loop_that_is_never_idle_still_collects_after_the_deferred_limit(full_collections):
+def a_loop_that_is_never_idle_still_collects_after_the_deferred_limit() -> None:
+    full_collections = full_collections_seen()
     loop = FullCollections(deferred_limit=3)
     loop.hold()
     try:
@@ -82,6 +77,14 @@ def test_a_loop_that_is_never_idle_still_collects_after_the_deferred_limit(full_
         assert len(full_collections) == 1 and gc.get_count()[2] == 0
     finally:
         loop.release()
+
+
+def test_automatic_full_collections_wait_for_an_idle_round():
+    in_a_fresh_interpreter("automatic_full_collections_wait_for_an_idle_round")
+
+
+def test_a_loop_that_is_never_idle_still_collects_after_the_deferred_limit():
+    in_a_fresh_interpreter("a_loop_that_is_never_idle_still_collects_after_the_deferred_limit")
 
 
 def test_the_engine_loop_holds_full_collections_while_it_runs_and_gives_them_back(tiny_gguf):

@@ -92,7 +92,7 @@ from ricllm.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from ricllm.engine.runtime.capabilities import KernelLimits
 
-DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
+DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "KV_RESERVED", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
 
 
 @dataclass
@@ -372,7 +372,7 @@ class AdmissionController:
             return self._queue_full(waiting) or (0, False, None)
         free = capacity - self.reserved_blocks
         if need > free:
-            return Rejection("KV_BUDGET", f"needs {need} KV blocks ({total} tokens) but only {free} of "
+            return Rejection("KV_RESERVED", f"needs {need} KV blocks ({total} tokens) but only {free} of "
                              f"{capacity} are not reserved by admitted requests",
                              dict(blocks_needed=need, blocks_free=free, blocks_reserved=self.reserved_blocks))
         verdict = self._first_late(seq, now, busy_s, after_idle)  # without best effort: the rescue pauses what a promise needs

@@ -45,7 +45,14 @@ class InProcessBackend:
 
         loop = asyncio.get_running_loop()
         self.thread = await loop.run_in_executor(None, EngineThread, self._load)
-        for name, folder in (adapters or {}).items():
+        try:
+            return await self._prepare(plan, templates, adapters or {})
+        except BaseException:  # the replay stops here: its engine thread goes with it
+            await loop.run_in_executor(None, self.thread.stop, 60)
+            raise
+
+    async def _prepare(self, plan: list, templates: dict[str, Template], adapters: dict[str, Path]) -> dict[str, dict]:
+        for name, folder in adapters.items():
             await _await(self.thread.call(lambda e, n=name, f=folder: e.loras.add(n, f)))
         self.templates = templates
         pinned, prefixes = {}, {}
@@ -55,7 +62,7 @@ class InProcessBackend:
             except RicllmError as exc:  # a constraint the engine cannot compile, a template that does not fit
                 raise type(exc)(f"template {name!r}: {exc}") from None
         tokenizer = self.thread.engine.tokenizer
-        self.prompts = await loop.run_in_executor(None, _render_all, tokenizer, plan, prefixes)
+        self.prompts = await asyncio.get_running_loop().run_in_executor(None, _render_all, tokenizer, plan, prefixes)
         return pinned
 
     def _load(self):

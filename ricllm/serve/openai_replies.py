@@ -22,7 +22,9 @@ from ricllm.serve.openai_models import OpenAIError
 FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "abort", "fallback": "stop"}
 # Can never fit, whatever the load: the request must change (400). Refused for the present load: retry (429).
 NEVER_FITS = ("CONTEXT_TOO_LONG", "KV_BUDGET", "OUTPUT_TOO_SHORT")
-BUSY = ("QUEUE_FULL", "DEADLINE_INFEASIBLE")
+BUSY = ("QUEUE_FULL", "KV_RESERVED", "DEADLINE_INFEASIBLE")
+# Refusals of a promise for the present load: its deadline is stale by the time a client's backoff resends it.
+STALE_ON_RETRY = ("KV_RESERVED", "DEADLINE_INFEASIBLE")
 ERROR_STATUS = {"VALIDATION": 400, "UNKNOWN_TEMPLATE": 400, "UNKNOWN_ADAPTER": 404, "ADAPTER_MISMATCH": 400,
                 "TOO_LARGE": 413}
 

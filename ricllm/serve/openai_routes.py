@@ -209,7 +209,7 @@ async def _answered(work: Any) -> Response:
         return await work
     except OpenAIError as exc:
         log.info("openai_refused", status=exc.status, code=exc.code, param=exc.param, detail=exc.message)
-        headers = {"x-should-retry": "false"} if exc.code == "DEADLINE_INFEASIBLE" else None
+        headers = {"x-should-retry": "false"} if exc.code in r.STALE_ON_RETRY else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -511,10 +512,16 @@ def test_a_schema_the_engine_cannot_compile_stops_the_replay_naming_the_template
                                                                                   capsys):
     _, scenario, _ = decisions_replayed
     path = uncompilable(scenario, tmp_path)
+    engines_before = engine_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RICLLM_CACHE_DIR", str(tmp_path / "cache"))
         assert main(["replay", str(path), "--out", str(tmp_path / "report"), "--no-progress"]) == 2
     assert "template 'congestion': structured json cannot be compiled" in capsys.readouterr().err
+    assert engine_threads() == engines_before  # the replay's engine stopped with it
+
+
+def engine_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "ricllm-engine"}
 
 
 def test_a_choice_template_over_zeromq(serve, decisions_replayed, tmp_path, capsys):

@@ -186,6 +186,15 @@ def test_a_prompt_too_long_for_the_context_is_400_with_the_rejection(openai_clie
     assert numbers["max_model_len"] == 512 and numbers["max_tokens"] == 600
 
 
+def test_a_refusal_for_the_present_load_is_429_and_one_that_can_never_fit_is_400():
+    from ricllm.serve.openai_replies import refusal
+
+    reserved = refusal("KV_RESERVED", "needs 16 KV blocks (256 tokens) but only 0 of 64 are not reserved",
+                       {"blocks_needed": 16, "blocks_free": 0})
+    assert reserved.status == 429 and reserved.body()["error"]["numbers"]["blocks_free"] == 0
+    assert refusal("KV_BUDGET", "needs 80 KV blocks but the budget holds 64").status == 400
+
+
 def test_an_infeasible_deadline_is_429_with_the_rejection(openai_client):
     import openai
 
