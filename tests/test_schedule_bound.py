@@ -9,6 +9,7 @@ is one from the shorts' fifth step on.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -16,7 +17,7 @@ from ricllm import SamplingParams
 from ricllm.engine.admission import NO_BEST_EFFORT, BestEffortLoad, Work, finish_bounds, work_of
 from ricllm.engine.latency_model import LatencyModel
 from ricllm.engine.runtime.capabilities import C_KERNEL_LIMITS
-from ricllm.engine.schedule_bound import schedule_bounds
+from ricllm.engine.schedule_bound import schedule_bounds, step_counts
 from tests.test_admission import COEFFICIENTS, drain, make_engine, prompt, true_step_time
 
 SHORT = SamplingParams(max_tokens=4, deadline_ms=500, ignore_eos=True)
@@ -83,6 +84,31 @@ def test_the_schedule_bound_follows_the_batch_as_it_shrinks():
     assert bounds[:8] == pytest.approx([first] * 8)
     assert bounds[-1] == pytest.approx(first + 10 * alone)
     assert bounds[-1] < finish_bounds(works, model, 64, 0.0)[-1]
+
+
+def test_a_waiting_request_due_first_still_waits_for_the_running_prefills():
+    """The scheduler serves running prefills before it seats a waiting request, whatever their
+    deadlines: an 11-token request due in 40 ms beside a 60-token prefill already running takes two
+    64-token steps, not one (a random load found a promise the closed form put at one step missed)."""
+    works = [Work(0.04, 11, 1, 60, "urgent"), Work(2.0, 60, 10, 100, "running", running=True)]
+    assert step_counts(works, 64) == [(2, 2), (1, 10)]
+    assert step_counts([replace(works[0], running=True), works[1]], 64) == [(1, 1), (2, 11)]
+
+
+def test_a_request_that_takes_its_prompt_from_another_prefills_the_step_after_it():
+    """Two requests of one prompt: the one due later takes the other's blocks and prefills only its
+    last block, once they are cached; the requests behind it start only whole prefills while it waits."""
+    model = LatencyModel([0.010, 0.0001, 0.002, 0.0, 0.0])
+    owner, follower = Work(1.0, 40, 1, 137, "owner"), Work(1.0, 8, 1, 137, "follower", after="owner")
+    behind = Work(2.0, 60, 1, 61, "behind")
+    bounds = schedule_bounds([owner, follower, behind], model, 64, 0.0, NO_BEST_EFFORT)
+    # step 1: the owner's 40 tokens (the follower passed over; 60 do not fit the 24 left); step 2: 8 + 56
+    # of "behind"; step 3: its last 4 tokens
+    first, second, third = (0.010 + 0.0001 * 40 + 0.002, 0.010 + 0.0001 * 64 + 0.002 * 2,
+                            0.010 + 0.0001 * 4 + 0.002)
+    assert bounds == pytest.approx([first, first + second, first + second + third])
+    assert step_counts([owner, follower, behind], 64) == [(1, 1), (2, 2), (3, 3)]
+    assert finish_bounds([owner, follower, behind], model, 64, 0.0)[1] >= bounds[1]
 
 
 def test_the_schedule_bound_charges_best_effort_on_every_step():

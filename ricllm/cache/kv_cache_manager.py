@@ -119,18 +119,23 @@ class KVCacheManager:
         ``Sequence.group_windows``; None: the layers' own windows)."""
         if not self.enable_prefix_caching:
             return [] if not self.group_windows else PrefixHit([], [[] for _ in self.group_windows])
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        hits, parent = [], chain_root(adapter)
-        for i in range(max_blocks):
+        hits = self._cached_blocks_from(token_ids, 0, chain_root(adapter))
+        if not self.group_windows:
+            return hits
+        return self._hit_in_every_group(token_ids, hits, self.layer_windows if group_windows is None else group_windows)
+
+    def _cached_blocks_from(self, token_ids: list[int], start: int, parent: int | None) -> list[Block]:
+        """Cached full blocks of ``token_ids`` from block ``start`` on (``parent``: the chained hash
+        before it), up to the first miss, leaving the last token uncached."""
+        hits = []
+        for i in range(start, (len(token_ids) - 1) // self.block_size):
             chunk = token_ids[i * self.block_size:(i + 1) * self.block_size]
             parent = hash_block(parent, chunk)
             block = self.pool.lookup(parent, chunk)
             if block is None:
                 break
             hits.append(block)
-        if not self.group_windows:
-            return hits
-        return self._hit_in_every_group(token_ids, hits, self.layer_windows if group_windows is None else group_windows)
+        return hits
 
     @property
     def layer_windows(self) -> tuple[KVWindow | None, ...]:
@@ -205,6 +210,22 @@ class KVCacheManager:
         held = self._take_hits(seq, hits)
         return BlockGrant(held[0], [b.block_hash for b in hits], len(hits) * self.block_size,
                           self._count_query(seq, len(hits)), held[1:])
+
+    def extend_held_prefix(self, seq: Sequence) -> BlockGrant | None:
+        """Blocks cached since a waiting sequence took its prefix (``hold_prefix``; none, if it had no
+        hit then) that continue it: another request computed them, so this one need not. Taken as
+        ``hold_prefix`` takes them; None when none continue it, or with several cache groups or a
+        window of its own (there the held prefix stays as it was)."""
+        held = len(seq.block_table)
+        if (self.group_windows or not self.enable_prefix_caching or seq.kv_window is not None
+                or seq.num_computed_tokens != held * self.block_size or len(seq.block_hashes) != held):
+            return None
+        more = self._cached_blocks_from(seq.token_ids, held, seq.block_hashes[-1] if held else chain_root(seq.adapter))
+        if not more or not held:
+            return self.hold_prefix(seq, more) if more else None
+        self.prefix_hits_tokens += len(more) * self.block_size
+        cached = (held + len(more)) * self.block_size
+        return BlockGrant(self._take(more), [b.block_hash for b in more], cached, cached)
 
     def _hit_blocks(self, seq: Sequence, hits: list[Block]) -> list[Block]:
         """Every block a hit gives ``seq``: group 0's, and each other group's that its window reads."""
