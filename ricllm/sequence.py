@@ -77,6 +77,7 @@ class Sequence:
     prefix_hit_tokens: int = 0  # leading prompt tokens cached at admission: an admitted request holds them
     prefix_owner: Sequence | None = None  # an admitted request, due first, whose prefill computes this one's next prompt blocks
     shared_prefix_tokens: int = 0  # the leading prompt tokens it takes from ``prefix_owner`` (whole blocks)
+    blocks_from_owner: int = 0  # of those, the blocks its owner's reservation covers, not its own (0 once the owner ended)
     guide: object = None  # a ricllm.structured.guide.Guide when the answer is constrained
     confidence: float | None = None  # a constrained answer's decision confidence so far (ricllm.structured.fallback)
     model_text: str | None = None  # the model's own answer, when its fallback replaced it

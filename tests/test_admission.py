@@ -404,11 +404,18 @@ def test_a_burst_of_one_prompt_prefills_it_once_for_the_requests_still_waiting(t
     assert all(seq.promised for seq in burst)
     assert [(work_of(s).prefill_left, work_of(s).after) for s in burst] == [
         (40, None), (8, burst[0].request_id), (8, burst[0].request_id)]
+    # 139 tokens at most: 9 blocks; the first reserves the 2 blocks it computes for the others
+    assert [s.reserved_blocks for s in burst] == [9, 7, 7] and engine.admission.reserved_blocks == 23
     engine.step_history.clear()
     engine.step()  # room for two whole prompts: the others are passed over until the first's blocks are cached
     assert [work_of(seq).prefill_left for seq in burst] == [0, 8, 8]
     assert [seq.num_computed_tokens for seq in burst[1:]] == [128, 128]
-    done = {o.request_id: o for o in drain(engine)}
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+        if burst[0].request_id in done and len(done) < 3:  # the others hold its blocks: they reserve them now
+            assert [s.reserved_blocks for s in burst[1:]] == [9, 9] and engine.admission.reserved_blocks == 18
+    assert engine.admission.reserved_blocks == 0
     first, *others = (done[seq.request_id] for seq in burst)
     assert [h.features.num_prefill_tokens for h in list(engine.step_history)[:2]] == [40, 16]
     assert first.num_cached_tokens == 96 and [o.num_cached_tokens for o in others] == [128, 128]

@@ -354,7 +354,7 @@ class AdmissionController:
         if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
             verdict = self._degrade(seq, verdict, judge)
         if isinstance(verdict, Rejection) or not verdict[1]:
-            seq.prefix_owner, seq.shared_prefix_tokens = None, 0
+            seq.prefix_owner, seq.shared_prefix_tokens, seq.blocks_from_owner = None, 0, 0
         if isinstance(verdict, Rejection):
             self._count(verdict.code)
             return verdict
@@ -372,7 +372,8 @@ class AdmissionController:
                              dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                   max_model_len=self.max_model_len))
         pinned = seq.pinned_blocks_held(pinned_hits, self.block_size)
-        need = seq.most_blocks(self.block_size, self.token_budget) - pinned
+        seq.blocks_from_owner = max(seq.shared_prefix_tokens - seq.prefix_hit_tokens, 0) // self.block_size
+        need = seq.most_blocks(self.block_size, self.token_budget) - pinned - seq.blocks_from_owner
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
         if need > capacity:
@@ -651,12 +652,20 @@ class AdmissionController:
 
     def outstanding_reservation(self) -> int:
         """Blocks reserved by admitted requests but not yet allocated to them."""
-        return sum(max(s.reserved_blocks - s.num_held_blocks, 0) for s in self.admitted.values())
+        return sum(max(s.reserved_blocks - s.num_held_blocks + (0 if s.waits_for_owner else s.blocks_from_owner), 0)
+                   for s in self.admitted.values())
 
     def release(self, seq: Sequence) -> None:
+        """Its reservation ends. The blocks it computed for its followers (``prefix_owners``) stay with
+        them: each still admitted reserves its share from then on."""
         self.reserved_blocks -= seq.reserved_blocks
         seq.reserved_blocks = 0
         self.admitted.pop(seq.request_id, None)
+        for follower in self.admitted.values():
+            if follower.prefix_owner is seq and follower.blocks_from_owner:
+                follower.reserved_blocks += follower.blocks_from_owner
+                self.reserved_blocks += follower.blocks_from_owner
+                follower.blocks_from_owner = 0
 
 
 def _edf(seq: Sequence) -> tuple:

@@ -176,7 +176,7 @@ class LLMEngine:
                                           share=self.prefix_owners.share_for(seq, len(hits)))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
-            seq.prefix_owner, seq.shared_prefix_tokens = None, 0
+            seq.prefix_owner, seq.shared_prefix_tokens, seq.blocks_from_owner = None, 0, 0
             rejection = self.admission.reject(
                 "QUEUE_FULL", f"{self.config.max_num_seqs} deadline requests already hold every seat of the "
                 f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
