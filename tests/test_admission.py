@@ -579,7 +579,7 @@ def test_degrade_shrinks_to_the_context_and_the_kv_budget(tiny_gguf):
     for i in range(3):  # 256 tokens = 16 blocks each
         held = engine.add_request(prompt(200, 97 + i), SamplingParams(max_tokens=56, deadline_ms=100_000))
         assert held.promised and held.degradation is None
-    last = engine.add_request(prompt(100, 98), SamplingParams(max_tokens=200, deadline_ms=100_000))
+    last = engine.add_request(prompt(100, 198), SamplingParams(max_tokens=200, deadline_ms=100_000))
     assert last.degradation.code == "KV_RESERVED"
     assert last.degradation.granted_max_tokens == 16 * 16 - 100  # the 16 blocks left, less the prompt
     assert last.degradation.numbers == {"blocks_needed": 19, "blocks_free": 16, "blocks_reserved": 48}
