@@ -75,9 +75,6 @@ class Sequence:
     promised: bool = False  # admitted against a deadline: never preempted, never waits for memory
     pinned_prefix_tokens: int = 0  # leading prompt tokens held by pinned blocks (never recomputed)
     prefix_hit_tokens: int = 0  # leading prompt tokens cached at admission: an admitted request holds them
-    prefix_owner: Sequence | None = None  # an admitted request, due first, whose prefill computes this one's next prompt blocks
-    shared_prefix_tokens: int = 0  # the leading prompt tokens it takes from ``prefix_owner`` (whole blocks)
-    blocks_from_owner: int = 0  # of those, the blocks its owner's reservation covers, not its own (0 once the owner ended)
     guide: object = None  # a ricllm.structured.guide.Guide when the answer is constrained
     confidence: float | None = None  # a constrained answer's decision confidence so far (ricllm.structured.fallback)
     model_text: str | None = None  # the model's own answer, when its fallback replaced it
@@ -100,14 +97,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def waits_for_owner(self) -> bool:
-        """Its ``prefix_owner`` runs and has not computed the blocks it takes from it yet: it is not
-        seated until then (``ricllm.engine.prefix_owners``)."""
-        owner = self.prefix_owner
-        return (owner is not None and owner.finish_reason is None
-                and self.num_computed_tokens < self.shared_prefix_tokens)
 
     @property
     def windows(self) -> tuple[KVWindow | None, ...]:

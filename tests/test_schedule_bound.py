@@ -95,22 +95,6 @@ def test_a_waiting_request_due_first_still_waits_for_the_running_prefills():
     assert step_counts([replace(works[0], running=True), works[1]], 64) == [(1, 1), (2, 11)]
 
 
-def test_a_request_that_takes_its_prompt_from_another_prefills_the_step_after_it():
-    """Two requests of one prompt: the one due later takes the other's blocks and prefills only its
-    last block, once they are cached; the requests behind it start only whole prefills while it waits."""
-    model = LatencyModel([0.010, 0.0001, 0.002, 0.0, 0.0])
-    owner, follower = Work(1.0, 40, 1, 137, "owner"), Work(1.0, 8, 1, 137, "follower", after="owner")
-    behind = Work(2.0, 60, 1, 61, "behind")
-    bounds = schedule_bounds([owner, follower, behind], model, 64, 0.0, NO_BEST_EFFORT)
-    # step 1: the owner's 40 tokens (the follower passed over; 60 do not fit the 24 left); step 2: 8 + 56
-    # of "behind"; step 3: its last 4 tokens
-    first, second, third = (0.010 + 0.0001 * 40 + 0.002, 0.010 + 0.0001 * 64 + 0.002 * 2,
-                            0.010 + 0.0001 * 4 + 0.002)
-    assert bounds == pytest.approx([first, first + second, first + second + third])
-    assert step_counts([owner, follower, behind], 64) == [(1, 1), (2, 2), (3, 3)]
-    assert finish_bounds([owner, follower, behind], model, 64, 0.0)[1] >= bounds[1]
-
-
 def test_the_schedule_bound_charges_best_effort_on_every_step():
     model = LatencyModel(list(COEFFICIENTS))
     works = [Work(1.0, 16, 20, 36, "a")]

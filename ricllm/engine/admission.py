@@ -90,7 +90,6 @@ from ricllm.outputs import Degradation, Rejection
 from ricllm.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from ricllm.engine.prefix_owners import PrefixShare
     from ricllm.engine.runtime.capabilities import KernelLimits
 
 DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "KV_RESERVED", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
@@ -108,7 +107,6 @@ class Work:
     running: bool = False  # seated in the batch: its prefill is served before waiting requests'
     adapter: int | None = None  # the runtime slot of the LoRA adapter it is served under
     group_reaches: tuple[int, ...] = ()  # what a query of each of its cache groups 1.. reads (0: all)
-    after: str | None = None  # the request whose prefill computes part of its prompt: it prefills only after that
 
     def reads(self, context: int, span: int = 0) -> int | float:
         """K/V positions its layers read at ``context``, averaged over its cache groups
@@ -129,16 +127,13 @@ class Work:
 
 def work_of(seq: Sequence) -> Work:
     """Pinned prefix blocks are never recomputed, nor the cached ones an admitted request holds from
-    admission on (``KVCacheManager.hold_prefix``), nor those its prefix owner computes for it
-    (``prefix_owners``: it prefills after its owner), so they are not prefill work; an answer's forced
+    admission on (``KVCacheManager.hold_prefix``), so they are not prefill work; an answer's forced
     start is prefilled with the prompt, so it is. A constrained answer decodes one step per
     sampling decision its grammar may still take (``decode_steps_left``); every other token it may
     still get is forced, computed as chunks: prefill work, no more than its grammar's
     ``max_forced_computed`` (a forced tail that completes the answer is appended, never computed)."""
     prefill_tokens = seq.num_prompt_tokens + seq.num_forced_at_arrival
-    waits = seq.waits_for_owner
-    done = max(seq.num_computed_tokens, seq.pinned_prefix_tokens, seq.prefix_hit_tokens,
-               seq.shared_prefix_tokens if waits else 0)
+    done = max(seq.num_computed_tokens, seq.pinned_prefix_tokens, seq.prefix_hit_tokens)
     prefill_left = max(prefill_tokens - done, 0)
     decode_left = seq.decode_steps_left
     forced_left = seq.params.max_tokens - seq.num_output_tokens - decode_left
@@ -147,7 +142,7 @@ def work_of(seq: Sequence) -> Work:
     return Work(seq.deadline, prefill_left + forced_left, decode_left,
                 seq.num_prompt_tokens + seq.params.max_tokens, seq.request_id,
                 seq.status is SequenceStatus.RUNNING, seq.adapter.slot if seq.adapter is not None else None,
-                seq.group_reaches, seq.prefix_owner.request_id if waits else None)
+                seq.group_reaches)
 
 
 def adapter_step_s(works: list[Work], model: LatencyModel, best_effort_adapted: int = 0) -> float:
@@ -327,8 +322,7 @@ class AdmissionController:
     # ------------------------------------------------------------ decision
 
     def decide(self, seq: Sequence, now: float, pinned_blocks: int, pinned_hits: int, waiting: list[Sequence],
-               busy_s: float = 0.0, after_idle: bool = False, cached_hits: int = 0,
-               share: PrefixShare | None = None) -> Rejection | None:
+               busy_s: float = 0.0, after_idle: bool = False, cached_hits: int = 0) -> Rejection | None:
         """None to admit (and reserve), or the reason to refuse, with the numbers.
 
         Running best effort does not count against a new promise: it shares steps only while every
@@ -340,12 +334,9 @@ class AdmissionController:
         ``max_tokens`` that passes (``seq.degradation`` says so), when its prompt and one token pass.
         ``after_idle``: the engine has run no step for ``IDLE_GAP_S``, so the next is a cold one.
         ``cached_hits``: leading blocks of the prompt in the prefix cache, pinned or not; an admitted
-        request's bound credits them, and the engine holds them for it from then on. ``share``: an
-        admitted request due first whose prefill computes the prompt's next blocks; a promise
-        credits them, and charges the rest of the prompt after that request's prefill.
+        request's bound credits them, and the engine holds them for it from then on.
         """
         seq.prefix_hit_tokens = cached_hits * self.block_size
-        seq.prefix_owner, seq.shared_prefix_tokens = (share.owner, share.tokens) if share else (None, 0)
 
         def judge():
             return self._judge(seq, now, pinned_blocks, pinned_hits, waiting, busy_s, after_idle)
@@ -353,8 +344,6 @@ class AdmissionController:
         verdict = judge()
         if isinstance(verdict, Rejection) and self.config.degrade and verdict.code in DEGRADABLE:
             verdict = self._degrade(seq, verdict, judge)
-        if isinstance(verdict, Rejection) or not verdict[1]:
-            seq.prefix_owner, seq.shared_prefix_tokens, seq.blocks_from_owner = None, 0, 0
         if isinstance(verdict, Rejection):
             self._count(verdict.code)
             return verdict
@@ -372,8 +361,7 @@ class AdmissionController:
                              dict(prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
                                   max_model_len=self.max_model_len))
         pinned = seq.pinned_blocks_held(pinned_hits, self.block_size)
-        seq.blocks_from_owner = max(seq.shared_prefix_tokens - seq.prefix_hit_tokens, 0) // self.block_size
-        need = seq.most_blocks(self.block_size, self.token_budget) - pinned - seq.blocks_from_owner
+        need = seq.most_blocks(self.block_size, self.token_budget) - pinned
         seq.pinned_prefix_tokens = pinned_hits * self.block_size
         capacity = self.num_blocks - pinned_blocks
         if need > capacity:
@@ -652,20 +640,12 @@ class AdmissionController:
 
     def outstanding_reservation(self) -> int:
         """Blocks reserved by admitted requests but not yet allocated to them."""
-        return sum(max(s.reserved_blocks - s.num_held_blocks + (0 if s.waits_for_owner else s.blocks_from_owner), 0)
-                   for s in self.admitted.values())
+        return sum(max(s.reserved_blocks - s.num_held_blocks, 0) for s in self.admitted.values())
 
     def release(self, seq: Sequence) -> None:
-        """Its reservation ends. The blocks it computed for its followers (``prefix_owners``) stay with
-        them: each still admitted reserves its share from then on."""
         self.reserved_blocks -= seq.reserved_blocks
         seq.reserved_blocks = 0
         self.admitted.pop(seq.request_id, None)
-        for follower in self.admitted.values():
-            if follower.prefix_owner is seq and follower.blocks_from_owner:
-                follower.reserved_blocks += follower.blocks_from_owner
-                self.reserved_blocks += follower.blocks_from_owner
-                follower.blocks_from_owner = 0
 
 
 def _edf(seq: Sequence) -> tuple:

@@ -29,7 +29,6 @@ from ricllm.engine.collector import freeze_heap
 from ricllm.engine.constrained import ConstrainedDecoding, computed_head_rows
 from ricllm.engine.lora_registry import LoraRegistry
 from ricllm.engine.output_processor import OutputProcessor
-from ricllm.engine.prefix_owners import PrefixOwners
 from ricllm.engine.request_checks import RequestChecks
 from ricllm.engine.runtime.choice import build_runtime
 from ricllm.engine.runtime.interface import KVStore, Runtime
@@ -77,7 +76,6 @@ class LLMEngine:
         self.cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                     sliding_windows(self.kv_cache.geometry.groups))
         self.checks = RequestChecks(config, self.spec.vocab_size, self.max_model_len, num_blocks, self.cache)
-        self.prefix_owners = PrefixOwners(self.cache)
         self.constraints = ConstrainedDecoding(self.tokenizer, self.runtime, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.constraints)
         self.steps = StepRecorder(clock, self.runtime, self.cache)
@@ -172,11 +170,9 @@ class LLMEngine:
         """Ask admission; a refused request is finished as rejected (False)."""
         pinned_blocks, pinned_hits, hits = self.checks.prefix_share(seq.token_ids, seq.adapter, seq.group_windows)
         rejection = self.admission.decide(seq, now, pinned_blocks, pinned_hits, self.scheduler.waiting,
-                                          after_idle=self.steps.idle_at(now), cached_hits=len(hits),
-                                          share=self.prefix_owners.share_for(seq, len(hits)))
+                                          after_idle=self.steps.idle_at(now), cached_hits=len(hits))
         if rejection is None and seq.promised and len(self.admission.admitted) > self.config.max_num_seqs:
             self.admission.release(seq)
-            seq.prefix_owner, seq.shared_prefix_tokens, seq.blocks_from_owner = None, 0, 0
             rejection = self.admission.reject(
                 "QUEUE_FULL", f"{self.config.max_num_seqs} deadline requests already hold every seat of the "
                 f"batch (max_num_seqs)", max_num_seqs=self.config.max_num_seqs)
@@ -187,8 +183,6 @@ class LLMEngine:
             return False
         if seq.promised and hits:
             seq.take_blocks(self.cache.hold_prefix(seq, hits))  # its bound credited them: no eviction may take them now
-        if seq.promised:
-            self.prefix_owners.add(seq)
         if seq.degradation is not None:
             d = seq.degradation
             log.info("request_degraded", request_id=seq.request_id, code=d.code,
@@ -265,6 +259,12 @@ class LLMEngine:
         ready = [seq for seq, num_new in batch.items if seq.num_computed_tokens + num_new == seq.num_tokens]
         allowed = self.constraints.allowed(ready)  # None: no row is constrained, the whole head for all
         logits, _ = self.runtime.runner.run(batch) if allowed is None else self.runtime.runner.run(batch, allowed)
+        self._computed(batch)
+        return ready, self.constraints.sample(logits, ready), computed_head_rows(logits, len(ready))
+
+    def _computed(self, batch: ScheduledBatch) -> None:
+        """The batch's tokens are computed: blocks they filled are cached for later prompts (and taken
+        at once by waiting promises they continue), blocks a window let go are released."""
         cached = 0
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
@@ -275,13 +275,11 @@ class LLMEngine:
             seq.evict_group_blocks(self.cache.evict_outside_group_windows(seq))
         if cached:
             self.scheduler.take_prefixes_cached_since()
-        return ready, self.constraints.sample(logits, ready), computed_head_rows(logits, len(ready))
 
     def _end(self, seq: Sequence, reason: str, now: float, aborted: bool = False) -> RequestOutput:
         """End a request: its blocks freed (a pin's prompt blocks kept), its reservation released."""
         seq.finish_time = now
         self.scheduler.finish(seq, reason)
-        self.prefix_owners.remove(seq)
         self.loras.release(seq.adapter)
         if self.admission is not None:
             self.admission.release(seq)

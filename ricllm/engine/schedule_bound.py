@@ -130,43 +130,28 @@ class Decoding:
 
 @dataclass
 class PrefillQueue:
-    """Prefill left, in the order the scheduler gives it budget: ``pending`` indexes ``works``.
-    ``owner_of[i]``: the request whose prefill computes part of request ``i``'s prompt; ``i`` is
-    passed over until a step after that prefill is done, and past it only whole prefills start."""
+    """Prefill left, in the order the scheduler gives it budget: ``order`` indexes ``works``."""
 
-    pending: list[int]
+    order: list[int]
     left: list[int]
-    owner_of: dict[int, int] = field(default_factory=dict)
+    head: int = 0
 
     def steps_to_next_done(self, per_step: int) -> float:
-        first = next((i for i in self.pending if not self._passed_over(i)), None)
-        if first is None or per_step <= 0:
+        if self.head >= len(self.order) or per_step <= 0:
             return math.inf
-        return math.ceil(self.left[first] / per_step)
+        return math.ceil(self.left[self.order[self.head]] / per_step)
 
     def take(self, tokens: int) -> list[tuple[int, int, bool]]:
         """Run ``tokens`` prefill tokens in order: ``(index, tokens it got, its prefill is done)``."""
-        taken, passed = [], False
-        waiting = {i for i in self.pending if self._passed_over(i)}  # as the step starts: a prefill done in it counts after it
-        for index in list(self.pending):
-            if tokens <= 0:
-                break
-            if index in waiting:
-                passed = True
-                continue
-            if passed and self.left[index] > tokens:
-                break
+        taken = []
+        while tokens > 0 and self.head < len(self.order):
+            index = self.order[self.head]
             got = min(self.left[index], tokens)
             self.left[index] -= got
             tokens -= got
             taken.append((index, got, self.left[index] == 0))
-        done = {index for index, _, finished in taken if finished}
-        self.pending = [i for i in self.pending if i not in done]
+            self.head += self.left[index] == 0
         return taken
-
-    def _passed_over(self, index: int) -> bool:
-        owner = self.owner_of.get(index)
-        return owner is not None and self.left[owner] > 0
 
 
 @dataclass
@@ -246,12 +231,6 @@ class Plan:
             self.finish_seconds[index] = self.seconds
 
 
-def owners_of(works: list) -> dict[int, int]:
-    """Each request that prefills after another's prefill (``Work.after``), by index: that one's index."""
-    index = {w.request_id: i for i, w in enumerate(works)}
-    return {i: index[w.after] for i, w in enumerate(works) if w.after is not None and w.after in index}
-
-
 def prefill_order(works: list) -> list[int]:
     """Running prefills first, then waiting ones, each by deadline (``works`` is EDF-sorted)."""
     pending = [i for i, w in enumerate(works) if w.prefill_left > 0]
@@ -288,7 +267,7 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
     for index, work in enumerate(works):
         if work.prefill_left == 0:
             plan.start_decoding(index)
-    seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works], owners_of(works)))
+    seconds = plan.run(PrefillQueue(prefill_order(works), [w.prefill_left for w in works]))
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     first_step = model.after_idle_charge(plan.first_step_seconds) if after_idle else 0.0
     counts = step_counts(works, prefill_cap or token_budget, best_effort.seqs)
@@ -303,27 +282,18 @@ def step_counts(works: list, token_budget: int, best_effort_rows: int = 0) -> li
     the rows that may decode beside it (the scheduler seats decodes first, one token of the budget
     each: every request with a decode step past the one its prefill samples, and the
     ``best_effort_rows``), then its decode steps, the first of which its last prefill step samples.
-    Whatever shares a step, no schedule takes more, so a request this puts at one step is served by one.
-    A request that prefills after another's prefill (``Work.after``) takes at least one step more than
-    that one's; each such other request ahead may leave one step's budget unused (only whole prefills
-    start past a request passed over), so it adds a step to everything behind."""
+    Whatever shares a step, no schedule takes more, so a request this puts at one step is served by one."""
     counts, running_ahead, waiting_ahead = [], 0, 0
     running_all = sum(w.prefill_left for w in works if w.running)
     decoding = sum(1 for w in works if w.decode_left - first_sampled_by_prefill(w) > 0) + best_effort_rows
     per_step = max(token_budget - decoding, 1)
-    prefill_steps_of: dict[str, int] = {}
-    owners_ahead: set[str] = set()
     for work in works:
         if work.running:
             running_ahead += work.prefill_left
         else:
             waiting_ahead += work.prefill_left
         prefill_ahead = running_ahead if work.running else running_all + waiting_ahead
-        prefill_steps = math.ceil(prefill_ahead / per_step) + len(owners_ahead)
-        if work.after is not None:
-            prefill_steps = max(prefill_steps, prefill_steps_of.get(work.after, prefill_steps) + 1)
-            owners_ahead.add(work.after)
-        prefill_steps_of[work.request_id] = prefill_steps
+        prefill_steps = math.ceil(prefill_ahead / per_step)
         counts.append((prefill_steps, prefill_steps + work.decode_left - first_sampled_by_prefill(work)))
     return counts
 

@@ -210,16 +210,9 @@ class Scheduler:
         return [s for s in self.running if not s.promised]
 
     def _schedule_waiting(self, budget: int, now: float) -> list[tuple[Sequence, int]]:
-        """Waiting sequences in order while budget, blocks and seats last. One that waits for its
-        prefix owner (``Sequence.waits_for_owner``) is passed over, and past it only whole prefills
-        start: a prefill left half done would run before it next step (running prefills go first)."""
         items: list[tuple[Sequence, int]] = []
-        passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.waits_for_owner:
-                passed_over.append(self.waiting.pop(0))
-                continue
             if not (self._best_effort_may_join(seq, now) if not seq.promised else self._may_prefill(seq)):
                 break
             hits = (self.cache.find_cached_prefix(seq.token_ids, seq.adapter, seq.group_windows)
@@ -227,7 +220,7 @@ class Scheduler:
             cached = seq.num_computed_tokens + len(hits) * self.cache.block_size  # held since admission, or hit now
             num_new = self._hold_best_effort(seq, self._chunk(seq, min(seq.num_tokens - cached, budget), start=cached),
                                              start=cached)
-            if num_new == 0 or (passed_over and cached + num_new < seq.num_tokens):
+            if num_new == 0:
                 break
             allocated = (self._allocate_or_preempt(seq, num_new, {s for s, _ in items}, hits) if seq.promised
                          else self._within_unreserved(seq, num_new, hits) and self._allocate(seq, num_new, hits))
@@ -239,7 +232,6 @@ class Scheduler:
             self.running.append(seq)
             items.append((seq, num_new))
             budget -= num_new
-        self.waiting[:0] = passed_over
         return items
 
     def _seat_promises(self) -> None:
@@ -306,8 +298,8 @@ class Scheduler:
 
     def take_prefixes_cached_since(self) -> None:
         """Waiting promised sequences take the blocks cached since they took their prefix at
-        admission, where those continue it (``KVCacheManager.extend_held_prefix``): of a burst of
-        one prompt, the first request's prefill serves the others' from the next step on."""
+        admission, where those continue it (``KVCacheManager.extend_held_prefix``): of a burst of one
+        prompt, what the first request's prefill computed serves the others seated in later steps."""
         for seq in self.waiting:
             if seq.promised:
                 grant = self.cache.extend_held_prefix(seq)
