@@ -259,12 +259,6 @@ class LLMEngine:
         ready = [seq for seq, num_new in batch.items if seq.num_computed_tokens + num_new == seq.num_tokens]
         allowed = self.constraints.allowed(ready)  # None: no row is constrained, the whole head for all
         logits, _ = self.runtime.runner.run(batch) if allowed is None else self.runtime.runner.run(batch, allowed)
-        self._computed(batch)
-        return ready, self.constraints.sample(logits, ready), computed_head_rows(logits, len(ready))
-
-    def _computed(self, batch: ScheduledBatch) -> None:
-        """The batch's tokens are computed: blocks they filled are cached for later prompts (and taken
-        at once by waiting promises they continue), blocks a window let go are released."""
         cached = 0
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
@@ -273,8 +267,9 @@ class LLMEngine:
             cached += len(full)
             seq.evict_blocks(self.cache.evict_outside_window(seq))
             seq.evict_group_blocks(self.cache.evict_outside_group_windows(seq))
-        if cached:
+        if cached:  # waiting promises take at once the blocks that continue their prefix
             self.scheduler.take_prefixes_cached_since()
+        return ready, self.constraints.sample(logits, ready), computed_head_rows(logits, len(ready))
 
     def _end(self, seq: Sequence, reason: str, now: float, aborted: bool = False) -> RequestOutput:
         """End a request: its blocks freed (a pin's prompt blocks kept), its reservation released."""
