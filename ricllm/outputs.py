@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REJECTION_CODES = ("KV_BUDGET", "KV_RESERVED", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL", "OUTPUT_TOO_SHORT")
+REJECTION_CODES = ("KV_BUDGET", "KV_RESERVED", "CONTEXT_TOO_LONG", "DEADLINE_INFEASIBLE", "QUEUE_FULL",
+                   "OUTPUT_TOO_SHORT")
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ from ricllm.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from ricllm.engine.runtime.capabilities import KernelLimits
 
-DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "KV_RESERVED", "DEADLINE_INFEASIBLE")  # refusals a shorter answer can avoid
+# refusals a shorter answer can avoid
+DEGRADABLE = ("CONTEXT_TOO_LONG", "KV_BUDGET", "KV_RESERVED", "DEADLINE_INFEASIBLE")
 
 
 @dataclass
