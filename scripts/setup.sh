@@ -25,6 +25,16 @@ lock=()
 [ ${#groups[@]} -eq 0 ] || lock=(-c constraints.txt)
 groups=(engine report adapt "${groups[@]}")
 extras="[$(IFS=,; echo "${groups[*]}")]"
+# A new venv with everything takes about 3.3 GB (Triton, with --dev, 1 GB; torch 0.75 GB); the models' native
+# weights, the latency fits and the trained adapters add about 1 GB under the cache folder. A full disk would
+# stop pip half-way with "No space left on device": say so before anything is written.
+need_mb=4600
+free_mb=$(df -Pm . | awk 'NR == 2 {print $4}')
+if [ ! -x .venv/bin/python ] && [ "${free_mb:-0}" -lt "$need_mb" ]; then
+    echo "setup.sh: ${free_mb} MB free on the disk of $(pwd); a new .venv and its caches need about ${need_mb} MB." >&2
+    echo "setup.sh: free some space (df -h .) and run it again; nothing was installed." >&2
+    exit 1
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch is pinned, and installed before ricllm[engine] asks for it: on this kind of machine 2.13.0 is a local
 # CPU build; anything else pulls GBs of CUDA wheels.
