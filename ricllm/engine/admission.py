@@ -212,7 +212,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     times the longest such context, and at most ``model.kernel_prefill_work``, of attention work (the
     scheduler holds them to both: ``best_effort_prefill_cap``); ``busy_s`` is what remains of the
     step in flight. Every fitted term counts: a step that carries the admitted
-    requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too.
+    requests' prefill may run op by op, so each such step is charged the op-by-op fixed cost too, and
+    the positions it reads (at most the batch's final contexts) at the op-by-op price of a position.
     The op-by-op terms are charged only when a step may pass the runtime's kernel limits
     (``may_run_op_by_op``). A step's time is the larger of its fitted terms and the roofline (the
     weights read once); prefill tokens ride on that read, so the room the roofline leaves above one
@@ -228,7 +229,7 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.reads(w.final_context) for w in works) + best_effort.context
-    a, b, c, d, e, f, g, h, k = model.coefficients  # LatencyModel pads a shorter fit with zeros
+    a, b, c, d, e, f, g, h, k, j = model.coefficients  # LatencyModel pads a shorter fit with zeros
     prefill_all = sum(w.prefill_left for w in works)
     attention_all = sum(w.prefill_left * w.reads(w.final_context) for w in works)
     chunk, chunk_attention = 0, 0
@@ -237,6 +238,9 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         chunk_attention = min(best_effort_chunk * best_effort.longest_pending, model.kernel_prefill_work)
     op = may_run_op_by_op(works, token_budget, model.kernel_limits, chunk, chunk_attention)
     linear = a + (c + k) * batch + d * context_max + (b + g * op) * chunk + (e + h * op) * chunk_attention
+    if chunk and op:  # best effort's chunk may make every step run op by op
+        linear += j * context_max
+    op_step = (f + j * context_max) * op  # what a step with prefill pays beyond the others, op by op
     floor = model.roofline.seconds(StepFeatures(0, batch, context_max)) if model.roofline is not None else 0.0
     slack = max(floor - linear, 0.0)
     step = max(linear, floor) + adapter_step_s(works, model, best_effort.adapted)
@@ -246,10 +250,10 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     idle_charge = 0.0
     if after_idle:  # the first step: the full batch with all the prefill
-        idle_charge = model.after_idle_charge(step + max(prefill_linear + f * op - slack, 0.0) + adapter_prefill)
+        idle_charge = model.after_idle_charge(step + max(prefill_linear + op_step - slack, 0.0) + adapter_prefill)
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget, best_effort.seqs)):
-        prefill = max(prefill_linear + f * op * prefill_steps - slack, 0.0) + adapter_prefill
+        prefill = max(prefill_linear + op_step * prefill_steps - slack, 0.0) + adapter_prefill
         reserve = model.reserve(steps - after_idle) + idle_charge
         bounds.append(now + busy_s + multiplier * (steps * step + prefill) + reserve)
     return bounds

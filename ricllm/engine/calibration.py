@@ -2,9 +2,9 @@
 
 The sweep runs real steps of the loaded engine: prefill-only steps of several sizes, decode
 steps at several batch sizes and contexts, prompts joining a running decode batch (mixed steps),
-chunks behind a cached prefix (a prompt's tail after its template) and decodes of constrained
-answers (where the runtime narrows the head, the head's term is set apart by them), then fits
-``LatencyModel``; last, a few steps that each follow a pause measure what a first step after an
+chunks behind a cached prefix (a prompt's tail after its template, alone and a burst of them in one
+step) and decodes of constrained answers (where the runtime narrows the head, the head's term is set
+apart by them), then fits ``LatencyModel``; last, a few steps that each follow a pause measure what a first step after an
 idle gap runs from the fit (the after-idle seed of ``StepErrors``). The fit depends on the
 model file, dtype, weight format, attention backend, device, thread count and ricllm version,
 which together key the cache file, so a second start pays nothing.
@@ -29,13 +29,17 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 12  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 13  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
 MIXED = ((16, 48), (16, 96), (16, 400))  # (decoding sequences of 64 tokens, length of the prompt that joins)
 # (cached prefix, chunk): a prompt's tail after a template's cached blocks, and a template's own later chunks
 PREFIX_CHUNKS = ((512, 8), (512, 32), (512, 200))
+# (requests, tail, whole prompt beside them): requests of one cached prefix seated in one step, each prefilling
+# its tail, as a burst of one template's requests is; past the kernel's limits each tail reads the prefix apart
+PREFIX_BURSTS = ((16, 1, 0), (8, 12, 0), (16, 4, 0), (4, 4, 200))
+BURST_PREFIX = 512
 # decodes whose grammar allows a few tokens a step: where the runtime narrows the head, their steps
 # compute a sliver of it, which sets the head's term apart from the decode rows'
 CONSTRAINED_BATCHES = (1, 8, 32)
@@ -176,6 +180,7 @@ def calibrate(engine, budget_s: float = 20.0) -> LatencyModel:
             engine.step()
         samples += [(r.features, r.duration_s) for r in engine.step_history]
     samples += _prefix_chunk_samples(engine, prompt)
+    samples += _prefix_burst_samples(engine, prompt)
     samples += _constrained_samples(engine, prompt, started, budget_s)
     model = fit(samples, roofline_of(engine), engine.runtime.capabilities.kernel_limits)
     model = LatencyModel(model.coefficients, model.roofline,
@@ -215,6 +220,30 @@ def _prefix_chunk_samples(engine, prompt) -> list:
             continue
         _run(engine, prefix)
         samples += [(r.features, r.duration_s) for r in _run(engine, prefix + prompt(chunk))]
+    return samples
+
+
+def _prefix_burst_samples(engine, prompt) -> list:
+    """The first step of each of ``PREFIX_BURSTS``: requests of one cached prefix prefilling their
+    tails together (with a whole prompt beside them where one is given)."""
+    samples = []
+    for requests, tail, whole in PREFIX_BURSTS:
+        blocks = engine.cache.blocks_for_tokens(BURST_PREFIX) + requests * engine.cache.blocks_for_tokens(tail + 1)
+        if (not engine.config.enable_prefix_caching or requests + bool(whole) > engine.config.max_num_seqs
+                or requests * tail + whole > engine.config.max_num_batched_tokens
+                or blocks + engine.cache.blocks_for_tokens(whole + 1) > engine.kv_cache.geometry.num_blocks
+                or not _fits(engine, 1, BURST_PREFIX + tail, 1)):
+            continue
+        prefix = prompt(BURST_PREFIX)
+        _run(engine, prefix)
+        engine.step_history.clear()
+        for _ in range(requests):
+            engine.add_request(prefix + prompt(tail), SamplingParams(max_tokens=1, ignore_eos=True))
+        if whole:
+            engine.add_request(prompt(whole), SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        samples += [(r.features, r.duration_s) for r in engine.step_history]
     return samples
 
 

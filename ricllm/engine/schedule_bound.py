@@ -52,6 +52,7 @@ class StepCost:
     op_by_op_prefill_token: float
     op_by_op_attention: float
     per_head_row: float  # each sequence samples at most one row a step, computed whole at most
+    op_by_op_context: float  # each position read, in a step run op by op
     model: LatencyModel
     best_effort_seqs: int = 0
     best_effort_context: int = 0
@@ -69,7 +70,7 @@ class StepCost:
         context += self.best_effort_context
         op = bool(prefill) and op_by_op
         linear = (self.fixed + (self.per_seq + self.per_head_row) * seqs + self.per_context * context
-                  + (self.op_by_op if op else 0.0))
+                  + ((self.op_by_op + self.op_by_op_context * context) if op else 0.0))
         floor = self.model.roofline.seconds(StepFeatures(0, seqs, context)) if self.model.roofline else 0.0
         step = max(linear, floor)
         if self.adapter_read and (adapted_seqs or adapted_prefill or self.adapter_reads_per_step):
@@ -83,14 +84,15 @@ class StepCost:
 def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int, works: list = ()) -> StepCost:
     """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step, and the
     adapter reads of ``works`` and of best effort."""
-    a, b, c, d, e, f, g, h, k = model.coefficients
+    a, b, c, d, e, f, g, h, k, j = model.coefficients
     fixed = a
     chunk = best_effort_chunk if best_effort.longest_pending else 0
     if chunk:  # charged as if its steps ran op by op
         fixed += (b + g) * chunk + (e + h) * min(chunk * best_effort.longest_pending, model.kernel_prefill_work)
+        d += j
     adapters = len({w.adapter for w in works if w.adapter is not None})
     best_effort_reads = (best_effort.adapted + chunk) / ADAPTER_ROWS_PER_BLOCK + 1 if best_effort.adapted else 0.0
-    return StepCost(fixed, c, d, b, e, f, g, h, k, model, best_effort.seqs, best_effort.context,
+    return StepCost(fixed, c, d, b, e, f, g, h, k, j, model, best_effort.seqs, best_effort.context,
                     model.adapter_block_s, best_effort_reads if not adapters else best_effort_reads + adapters)
 
 
