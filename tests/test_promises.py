@@ -380,6 +380,45 @@ def test_the_bound_holds_the_worst_recent_overrun_once():
     assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.01)
 
 
+def requests_among_slow_steps(tiny_gguf, share: float) -> list:
+    """Near-RT requests of two to four tokens on a clock whose every seventh step runs 1.35 times its
+    time, from the first step: no stall is ever seen before one comes (the stall reserve is off).
+    The promised outputs."""
+    steps = {"n": 0}
+
+    def step_time(features, slowdown: float = 1.0) -> float:
+        steps["n"] += 1
+        return true_step_time(features, slowdown) * (1.35 if steps["n"] % 7 == 3 else 1.0)
+
+    engine, clock = make_engine(tiny_gguf, step_time=step_time, max_num_seqs=16, stall_reserve_steps=0,
+                                stall_reserve_share=share)
+    rng = random.Random(5)
+    arrivals = poisson_arrivals(rng, 300, 0.01, clock.now, lambda i: (
+        prompt(rng.randint(8, 40), 700 + i),
+        SamplingParams(max_tokens=rng.randint(2, 4), deadline_ms=60, ignore_eos=True)))
+    seqs = record_sequences(engine)
+    return [o for o in run_arrivals(engine, clock, arrivals) if seqs[o.request_id].promised]
+
+
+def test_a_step_a_third_slow_breaks_no_promise_though_none_was_seen_before(tiny_gguf):
+    """A share of each request's mean step is reserved whatever the steps so far did: the first slow
+    step is as covered as the hundredth."""
+    promised = requests_among_slow_steps(tiny_gguf, share=0.4)
+    assert len(promised) > 60 and all(o.deadline_met for o in promised)
+    without = requests_among_slow_steps(tiny_gguf, share=0.0)
+    assert sum(1 for o in without if not o.deadline_met) >= 3
+
+
+def test_the_bound_reserves_a_share_of_its_mean_step():
+    model = LatencyModel([0.4, 0.0, 0.0, 0.0, 0.0])  # 400 ms steps, none seen overrunning
+    work = [Work(deadline=5.0, prefill_left=0, decode_left=3, final_context=10)]
+    model.keep_overruns(1024, cap_s=0.05, share=0.4)
+    assert model.stall_reserve == 0.0
+    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.4 + 0.4 * 0.4)
+    model.keep_overruns(1024, cap_s=0.05, share=0.0)
+    assert finish_bounds(work, model, 64, now=0.0)[0] == pytest.approx(3 * 0.4)
+
+
 def test_building_an_engine_takes_its_objects_out_of_the_garbage_collectors_walk(tiny_gguf):
     """A full collection between two steps walks every tracked object (93 ms in bench_admission, past
     a 100 ms deadline): the engine freezes what exists once it is built, the model included."""

@@ -64,6 +64,10 @@ class AdmissionSettings(StrictModel):
     stall_reserve_max_ms: float = setting(
         50.0, "the most the stall reserve holds (ms): a longer stall is the machine taken away, which the "
               "step multipliers and the slowdown detector answer, not one slow step", ge=0)
+    stall_reserve_share: float = setting(
+        0.4, "every finish bound with a busy step reserves at least this share of its mean step, whatever the "
+             "stall reserve saw: one step of a request's plan may run that much past its bound (a neighbour's "
+             "burst on the host), as large a share of a 400 ms step as of a 20 ms one; 0: none", ge=0)
     tightest_deadline_ms: float = setting(500.0, "the tightest deadline class: the context and batch caps are "
                                                  "computed for it at start (ms)", gt=0)
     tightest_deadline_tokens: int = setting(16, "output tokens of the tightest deadline class", ge=1)

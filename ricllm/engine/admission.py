@@ -39,7 +39,9 @@ once and tends to run as it did, so the rescue answers a slowdown on its first s
 request's bound does not take it: one stalled step is the stall reserve's, and refusing for it
 would refuse what one step later fits. ``stall`` is the worst amount by which one busy step overran
 its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
-``stall_reserve_max_ms``, held only by a request with at least one busy step; ``idle``, only when
+``stall_reserve_max_ms``, and at least ``stall_reserve_share`` of the request's mean step (the
+bound's steps over their count: one step running that share past its bound, whatever its size),
+held only by a request with at least one busy step; ``idle``, only when
 the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is
 ``(m_idle - m)⁺ · first``: the first step of the work, the one after the gap (``first``: at most
 one step at the full batch with all the prefill), charged ``m_idle``, the 0.9 quantile of measured /
@@ -223,9 +225,10 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     multipliers and, with ``follow_last_step`` (promises re-checked between a busy engine's steps),
     of the last busy step's own ratio.
     Each bound also holds ``model.reserve``: the stall reserve (room for one busy step to run as
-    late as the worst recent one did) unless ``after_idle`` and the request finishes in its first
-    step, and, ``after_idle`` (the engine has been idle past ``IDLE_GAP_S``), ``model.after_idle_charge``
-    of the first step, the one after the gap (at most one step at the full batch with all the prefill).
+    late as the worst recent one did, and at least a share of the request's mean step) unless
+    ``after_idle`` and the request finishes in its first step, and, ``after_idle`` (the engine has
+    been idle past ``IDLE_GAP_S``), ``model.after_idle_charge`` of the first step, the one after the
+    gap (at most one step at the full batch with all the prefill).
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.reads(w.final_context) for w in works) + best_effort.context
@@ -254,8 +257,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     bounds = []
     for w, (prefill_steps, steps) in zip(works, step_counts(works, token_budget, best_effort.seqs)):
         prefill = max(prefill_linear + op_step * prefill_steps - slack, 0.0) + adapter_prefill
-        reserve = model.reserve(steps - after_idle) + idle_charge
-        bounds.append(now + busy_s + multiplier * (steps * step + prefill) + reserve)
+        work_s = multiplier * (steps * step + prefill)
+        bounds.append(now + busy_s + work_s + model.reserve(steps - after_idle, work_s / max(steps, 1)) + idle_charge)
     return bounds
 
 
@@ -309,7 +312,8 @@ class AdmissionController:
         self.config = config
         self.group_windows = group_windows  # the layer windows of a hybrid cache's groups 1.. (kv_groups)
         self.latency = latency
-        latency.keep_overruns(config.stall_reserve_steps, config.stall_reserve_max_ms / 1000)
+        latency.keep_overruns(config.stall_reserve_steps, config.stall_reserve_max_ms / 1000,
+                              config.stall_reserve_share)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.token_budget = max_num_batched_tokens

@@ -4,9 +4,9 @@ The sweep runs real steps of the loaded engine: prefill-only steps of several si
 steps at several batch sizes and contexts, prompts joining a running decode batch (mixed steps),
 chunks behind a cached prefix (a prompt's tail after its template, alone and a burst of them in one
 step) and decodes of constrained answers (where the runtime narrows the head, the head's term is set
-apart by them), then fits ``LatencyModel``; last, a few steps that each follow a pause measure what a first step after an
-idle gap runs from the fit (the after-idle seed of ``StepErrors``). The fit depends on the
-model file, dtype, weight format, attention backend, device, thread count and ricllm version,
+apart by them), then fits ``LatencyModel``; last, a few steps that each follow a pause measure what
+a first step after an idle gap runs from the fit (the after-idle seed of ``StepErrors``). The fit
+depends on the model file, dtype, weight format, attention backend, device, thread count and ricllm version,
 which together key the cache file, so a second start pays nothing.
 """
 

@@ -99,6 +99,7 @@ class LatencyModel:
     errors: deque = field(default_factory=lambda: deque(maxlen=2048), repr=False)
     overruns: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)  # s past the prediction
     stall_cap: float = 0.05  # s: the most one step's stall is reserved for
+    stall_share: float = 0.0  # of a request's mean step: the least its bound reserves for one slow step
     adapter_block_s: float = 0.0  # l: one read of the dearest resident adapter's weights for up to 4 rows
     step_errors: StepErrors = field(init=False, repr=False)
     _worst_overrun: float = field(default=0.0, init=False, repr=False)  # max(overruns), kept as they come and go
@@ -188,14 +189,22 @@ class LatencyModel:
         slow. Steps after an idle gap are the after-idle multiplier's, not this."""
         return min(self._worst_overrun, self.stall_cap)
 
-    def reserve(self, busy_steps: int) -> float:
-        """Seconds a bound holds beyond its steps' fitted time × multiplier: the stall reserve when at
-        least one of its steps runs busy (``busy_steps``). A request that an idle engine serves in
-        one step runs no busy step, so no busy step's stall can delay it."""
-        return self.stall_reserve if busy_steps > 0 else 0.0
+    def reserve(self, busy_steps: int, mean_step_s: float = 0.0) -> float:
+        """Seconds a bound holds beyond its steps' fitted time × multiplier when at least one of its
+        steps runs busy (``busy_steps``): the stall reserve, and at least ``stall_share`` of the
+        request's mean step (``mean_step_s``, as the bound charges it). The stall reserve sees a stall
+        only after one happened, and is capped in seconds; a host that slows one 400 ms step by a
+        third costs as large a share of it as of a 20 ms step, and the first such step comes
+        unannounced. A request that an idle engine serves in one step runs no busy step, so no busy
+        step's stall can delay it."""
+        if busy_steps <= 0:
+            return 0.0
+        return max(self.stall_reserve, self.stall_share * mean_step_s)
 
-    def keep_overruns(self, steps: int, cap_s: float) -> None:
-        """Size the window ``stall_reserve`` looks at (0: no reserve) and its cap."""
+    def keep_overruns(self, steps: int, cap_s: float, share: float = 0.0) -> None:
+        """Size the window ``stall_reserve`` looks at (0: no reserve), its cap, and the share of a
+        request's mean step every bound with a busy step reserves."""
+        self.stall_share = share
         self.overruns = deque(self.overruns, maxlen=steps)
         self._worst_overrun = max(self.overruns, default=0.0)
         self.stall_cap = cap_s

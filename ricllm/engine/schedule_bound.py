@@ -273,8 +273,8 @@ def schedule_bounds(works: list, model: LatencyModel, token_budget: int, now: fl
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     first_step = model.after_idle_charge(plan.first_step_seconds) if after_idle else 0.0
     counts = step_counts(works, prefill_cap or token_budget, best_effort.seqs)
-    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle) + first_step
-            for s, (_, steps) in zip(seconds, counts)]
+    return [now + busy_s + multiplier * s + model.reserve(steps - after_idle, multiplier * s / max(steps, 1))
+            + first_step for s, (_, steps) in zip(seconds, counts)]
 
 
 def step_counts(works: list, token_budget: int, best_effort_rows: int = 0) -> list[tuple[int, int]]:
