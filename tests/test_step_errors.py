@@ -17,7 +17,7 @@ from ricllm import SamplingParams
 from ricllm.engine.admission import Work, finish_bounds
 from ricllm.engine.latency_model import LatencyModel, fit
 from ricllm.engine.scheduler import StepFeatures
-from tests.test_admission import make_engine, prompt, true_step_time
+from tests.test_admission import make_engine, prompt, run_arrivals, true_step_time
 
 
 class Clock:
@@ -289,3 +289,56 @@ def test_a_few_slow_steps_lift_the_calibrations_stand_ins_and_one_stall_does_not
         clock.now += 0.4
         model.observe(PREFILL, (5.0 if slow else 1.0) * machine_seconds(PREFILL, rng))
     assert model.multiplier("prefill") < 1.15 * fresh  # the stall is one value of the pool, not its level
+
+
+def test_a_long_first_step_after_a_gap_is_charged_its_cold_part_only():
+    """Cold caches and a ramping clock cost the first tens of milliseconds of a step, not a share of
+    the whole of it: a 400 ms first step 20 ms past its fit is 1.33 over its cold 60 ms, and a bound
+    charges the multiplier to those 60 ms, which covers the whole step."""
+    from ricllm.engine.latency_model import AFTER_IDLE_WARM_S, after_idle_ratio
+
+    assert AFTER_IDLE_WARM_S == pytest.approx(0.06)
+    assert after_idle_ratio(0.012, 0.010) == pytest.approx(1.2)  # a short step: measured / fitted
+    assert after_idle_ratio(0.42, 0.40) == pytest.approx(1 + 0.02 / 0.06)
+    model = LatencyModel([0.4, 0.0, 0.0, 0.0, 0.0], residuals={"after_idle": [1.0, 1.0, 1.0, 1.0]})
+    for _ in range(10):
+        model.observe(StepFeatures(0, 1, 10), 0.42, after_idle=True)
+    assert model.after_idle_multiplier == pytest.approx(1 + 0.02 / 0.06)
+    charge = model.after_idle_charge(0.4)
+    assert charge == pytest.approx((model.after_idle_multiplier - model.step_multiplier) * 0.06)
+    assert model.step_multiplier * 0.4 + charge >= 0.42 > model.step_multiplier * 0.4
+
+
+def bursts_after_pauses(tiny_gguf) -> list:
+    """Not the model's own form: each first step after a gap runs 15 ms past its time, whatever its
+    size; bursts of 30 requests whose first step is one 480-token prefill (106 ms), after 0.3 s
+    pauses, 240 ms deadlines. The after-idle multiplier starts where a calibration's short cold steps
+    put it (1.8). No stall reserve, so the after-idle charge alone holds the cold cost."""
+    from ricllm.engine.step_errors import StepErrors
+
+    last_end = {"t": -1.0}
+    clock = None
+
+    def cold_step_time(features, slowdown: float = 1.0) -> float:
+        cold = 0.015 if clock.now - last_end["t"] > 0.02 else 0.0
+        last_end["t"] = clock.now + true_step_time(features, slowdown) + cold
+        return true_step_time(features, slowdown) + cold
+
+    engine, clock = make_engine(tiny_gguf, step_time=cold_step_time, max_num_seqs=32, max_num_batched_tokens=512,
+                                kv_cache_budget=256 * 16 * 512, stall_reserve_share=0.0, stall_reserve_steps=0)
+    latency = engine.admission.latency
+    latency.step_errors = StepErrors({"after_idle": [1.8] * 4}, latency.quantile)
+    arrivals = [(clock.now + 0.3 * (1 + i // 30), prompt(16, 900 + i),
+                 SamplingParams(max_tokens=2, deadline_ms=240, ignore_eos=True)) for i in range(300)]
+    return run_arrivals(engine, clock, arrivals)
+
+
+def test_cold_first_steps_of_any_size_keep_their_promises(tiny_gguf, monkeypatch):
+    """Charged to its cold 60 ms, a 106 ms first step holds its 15 ms cold cost and the bursts are
+    served; charged to the whole step (the short steps' ratio on a long one), a fifth more were refused."""
+    import ricllm.engine.latency_model as latency_model
+
+    promised = [o for o in bursts_after_pauses(tiny_gguf) if o.finish_reason != "rejected"]
+    assert len(promised) > 220 and all(o.deadline_met for o in promised)
+    monkeypatch.setattr(latency_model, "AFTER_IDLE_WARM_S", 1e9)
+    assert sum(o.finish_reason != "rejected" for o in bursts_after_pauses(tiny_gguf)) < 200

@@ -43,9 +43,10 @@ its kind's bound over the last ``stall_reserve_steps`` busy steps, at most
 bound's steps over their count: one step running that share past its bound, whatever its size),
 held only by a request with at least one busy step; ``idle``, only when
 the engine has run no step for ``IDLE_GAP_S`` (20 ms) as the request arrives, is
-``(m_idle - m)⁺ · first``: the first step of the work, the one after the gap (``first``: at most
-one step at the full batch with all the prefill), charged ``m_idle``, the 0.9 quantile of measured /
-fitted over the last 64 first-steps-after-a-gap (and probes), where that is the larger. A busy
+``(m_idle - m)⁺ · min(first, W)``: the cold part (``AFTER_IDLE_WARM_S``, ``W``) of the first step
+of the work, the one after the gap (``first``: at most one step at the full batch with all the
+prefill), charged ``m_idle``, the 0.9 quantile of measured / fitted over the last 64 first-steps-
+after-a-gap (and probes; ``after_idle_ratio``: over ``W`` of a longer step), where that is the larger. A busy
 engine's bounds never charge it, and those steps never move ``m``.
 
 It is pessimistic (batches shrink as requests finish) but safe, and costs O(n) per decision. So

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ricllm.engine.latency_model import LatencyModel, Roofline, fit
+from ricllm.engine.latency_model import LatencyModel, Roofline, after_idle_ratio, fit
 from ricllm.errors import ConfigError, InvalidRequestError
 from ricllm.logging import get_logger
 from ricllm.paths import cache_dir, file_digest
@@ -29,7 +29,7 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 13  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 14  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)
@@ -271,8 +271,8 @@ def _constrained_samples(engine, prompt, started: float, budget_s: float) -> lis
 
 
 def _after_idle_ratios(engine, model: LatencyModel, prompt) -> list[float]:
-    """measured / fitted of the first step after each of a few pauses: a short tail behind a
-    cached prefix, as a request behind a pinned template arrives."""
+    """measured / fitted (``after_idle_ratio``) of the first step after each of a few pauses: a short
+    tail behind a cached prefix, as a request behind a pinned template arrives."""
     prefix = prompt(AFTER_IDLE_PREFIX) if _fits(engine, 1, AFTER_IDLE_PREFIX + 17, 1) else []
     if prefix:
         _run(engine, prefix)
@@ -280,7 +280,7 @@ def _after_idle_ratios(engine, model: LatencyModel, prompt) -> list[float]:
     for _ in range(AFTER_IDLE_PAUSES):
         time.sleep(AFTER_IDLE_PAUSE_S)
         first = _run(engine, prefix + prompt(16))[0]
-        ratios.append(float(f"{first.duration_s / max(model.base(first.features), 1e-9):.4g}"))
+        ratios.append(float(f"{after_idle_ratio(first.duration_s, max(model.base(first.features), 1e-9)):.4g}"))
     return ratios
 
 

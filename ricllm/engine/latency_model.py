@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from ricllm.engine.runtime.capabilities import KernelLimits
 
 RESIDUAL_UNITS = "ratio"  # what a fit file's residuals hold, every kind's: measured / fitted
+# The first step after an idle gap runs cold (caches, the CPU's clock, woken threads) for about this long, then
+# warm: on a 2-core EPYC, first steps fitted at 19-420 ms ran 4-21 ms (medians) past the same steps run warm,
+# 1.22 times a 19 ms step, 1.05 times a 420 ms one. Its multiplier is taken over, and charged to, this much.
+AFTER_IDLE_WARM_S = 0.06
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step",
             "op_by_op_prefill_tokens", "op_by_op_prefill_attention", "head_rows", "op_by_op_context_tokens")
 
@@ -156,9 +160,9 @@ class LatencyModel:
 
     def after_idle_charge(self, first_step_s: float) -> float:
         """Seconds a bound made while idle adds beyond ``step_multiplier`` on every step: the
-        first step (fitted at most ``first_step_s``) charged the after-idle multiplier instead,
-        where that is the larger."""
-        return max(self.after_idle_multiplier - self.step_multiplier, 0.0) * first_step_s
+        first step's cold part (its first ``AFTER_IDLE_WARM_S`` at most, of at most ``first_step_s``)
+        charged the after-idle multiplier instead, where that is the larger."""
+        return max(self.after_idle_multiplier - self.step_multiplier, 0.0) * min(first_step_s, AFTER_IDLE_WARM_S)
 
     def predict(self, f: StepFeatures) -> float:
         """Seconds for one busy step carrying ``f``: the fit times its kind's multiplier."""
@@ -170,12 +174,13 @@ class LatencyModel:
         relative error of the point estimate (the fit times the kind's median ratio)."""
         base, now = self.base(f), self.clock()
         kind = "after_idle" if after_idle else busy_kind(f.num_prefill_tokens)
-        point = base * self.step_errors.typical_ratio(kind, now)
+        typical = self.step_errors.typical_ratio(kind, now)
+        point = base + (typical - 1.0) * min(base, AFTER_IDLE_WARM_S) if after_idle else base * typical
         self.errors.append((measured_s - point) / measured_s if measured_s > 0 else 0.0)
         if not after_idle:
             self._record_overrun(max(measured_s - base * self.step_errors.multiplier(kind, now), 0.0))
         if base > 0 and measured_s > 0:
-            self.step_errors.add(kind, measured_s / base, now)
+            self.step_errors.add(kind, after_idle_ratio(measured_s, base) if after_idle else measured_s / base, now)
 
     @property
     def stall_reserve(self) -> float:
@@ -264,6 +269,13 @@ class LatencyModel:
     @classmethod
     def load(cls, path: Path) -> "LatencyModel":
         return cls.from_json(json.loads(Path(path).read_text())["model"])
+
+
+def after_idle_ratio(measured_s: float, fitted_s: float) -> float:
+    """What a first step after an idle gap ran past its fit, over the cold part it is charged on:
+    measured / fitted for a step within ``AFTER_IDLE_WARM_S``; a longer one's excess over that much,
+    so a bound that charges the ratio to a step's cold part covers the whole step."""
+    return 1.0 + (measured_s - fitted_s) / min(fitted_s, AFTER_IDLE_WARM_S)
 
 
 def fit(samples: list[tuple[StepFeatures, float]], roofline: Roofline | None = None,
