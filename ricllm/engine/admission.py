@@ -62,17 +62,17 @@ re-checks keep its deadline then, not that figure).
 
 The guarantee, exactly: if every busy step takes at most its fitted time × its kind's multiplier,
 except at most one busy step per request that may run past that by at most ``stall``, and the first
-step after an idle gap takes at most its fitted time × ``m_idle``, every admitted request finishes
-within its deadline, with ``safety_margin`` (a fraction of the bound) to spare. ``m`` and ``m_idle`` are 0.9
-quantiles, so a step past them is expected one time in ten: the margin, the reserve and the slack
-of the other steps absorb it, and every report measures how often a finish passed its bound
-(``bound_below_actual``) and a deadline was missed. Assumed, not guaranteed: that
-the next steps err as the last ones did, and that a gap of at most ``IDLE_GAP_S`` leaves the
-machine warm. A slowdown breaks the first for the few steps before the multiplier sees it (it is
-past the 0.9 quantile after 4 slowed steps of a kind: misses then are counted, not hidden);
+step after an idle gap takes at most its fitted time plus ``(m_idle - 1) · min(its fitted time,
+W)``, every admitted request finishes within its deadline, with ``safety_margin`` (a fraction of the
+bound) to spare. ``m`` and ``m_idle`` are 0.9 quantiles, so a step past them is expected one time in
+ten: the margin, the reserve and the slack of the other steps absorb it, and every report measures
+how often a finish passed its bound (``bound_below_actual``) and a deadline was missed. Assumed, not
+guaranteed: that the next steps err as the last ones did, and that a gap of at most ``IDLE_GAP_S``
+leaves the machine warm. A slowdown breaks the first for the few steps before the multiplier sees it
+(it is past the 0.9 quantile after 4 slowed steps of a kind: misses then are counted, not hidden);
 ``safety_margin`` is the room for them and for a stall longer than the reserve. Every bound is re-
-checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the
-prefill of requests due later; ``on_late`` decides what a request that still cannot make it does.
+checked each step: ``rescue`` pauses best effort, lowest priority first, then holds back the prefill
+of requests due later; ``on_late`` decides what a request that still cannot make it does.
 
 Two policies sit on the bound: ``prefill_token_cap`` paces prefill chunks for running decodes
 (never below the chunk the bound needs), and the opt-in ``degrade`` admits with the largest
