@@ -84,7 +84,7 @@ def test_a_llama_models_features_are_the_whole_context_as_one_group():
     op = runs_op_by_op(features, C_KERNEL_LIMITS)
     assert op
     q = 256 * 1280 + 500 * 600
-    assert vector.tolist() == [1.0, 756, 1, 5976, q, 1.0, 756, q, 2, 5976]
+    assert vector.tolist() == [1.0, 756, 1, 5976, q, 1.0, 756, q, 2, 5976, 0]
 
 
 def bounds(spec: ModelSpec, prompt: int, max_tokens: int, whole: bool = False,

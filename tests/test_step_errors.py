@@ -113,8 +113,8 @@ def test_cold_and_probe_steps_ten_times_slow_do_not_move_a_busy_engines_bound():
     assert (model.predict(DECODE), model.predict(PREFILL)) == pytest.approx(before[:2])
     assert finish_bounds(WORK, model, 64, clock.now) == pytest.approx(shifted)
     assert model.after_idle_multiplier > 5 * model.step_multiplier
-    a, b, c, d, e, _, _, _, k, _ = model.coefficients
-    first_step = a + (c + k) * 2 + d * 500 + b * 60 + e * (40 * 300 + 20 * 200)  # the full batch, all the prefill
+    a, b, c, d, e, _, _, _, k, _, x = model.coefficients
+    first_step = a + (c + k) * 2 + d * 500 + (b + x) * 60 + e * (40 * 300 + 20 * 200)  # the full batch, all the prefill
     charge = (model.after_idle_multiplier - model.step_multiplier) * first_step
     idle = finish_bounds(WORK, model, 64, clock.now, after_idle=True)
     assert [i - b for i, b in zip(idle, shifted)] == pytest.approx([charge, charge])  # one step, not every step

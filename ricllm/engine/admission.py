@@ -233,7 +233,7 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     """
     batch = len(works) + best_effort.seqs
     context_max = sum(w.reads(w.final_context) for w in works) + best_effort.context
-    a, b, c, d, e, f, g, h, k, j = model.coefficients  # LatencyModel pads a shorter fit with zeros
+    a, b, c, d, e, f, g, h, k, j, x = model.coefficients  # LatencyModel pads a shorter fit with zeros
     prefill_all = sum(w.prefill_left for w in works)
     attention_all = sum(w.prefill_left * w.reads(w.final_context) for w in works)
     chunk, chunk_attention = 0, 0
@@ -241,7 +241,8 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
         chunk = best_effort_chunk
         chunk_attention = min(best_effort_chunk * best_effort.longest_pending, model.kernel_prefill_work)
     op = may_run_op_by_op(works, token_budget, model.kernel_limits, chunk, chunk_attention)
-    linear = a + (c + k) * batch + d * context_max + (b + g * op) * chunk + (e + h * op) * chunk_attention
+    per_token = b + (max(g, x) if op else x)  # a step that may run op by op: either way's price of a token
+    linear = a + (c + k) * batch + d * context_max + per_token * chunk + (e + h * op) * chunk_attention
     if chunk and op:  # best effort's chunk may make every step run op by op
         linear += j * context_max
     op_step = (f + j * context_max) * op  # what a step with prefill pays beyond the others, op by op
@@ -249,7 +250,7 @@ def finish_bounds(works: list[Work], model: LatencyModel, token_budget: int, now
     slack = max(floor - linear, 0.0)
     step = max(linear, floor) + adapter_step_s(works, model, best_effort.adapted)
     step += model.adapter_block_s * chunk / ADAPTER_ROWS_PER_BLOCK if best_effort.adapted else 0.0
-    prefill_linear = (b + g * op) * prefill_all + (e + h * op) * attention_all + chunk_reach_s(works, model)
+    prefill_linear = per_token * prefill_all + (e + h * op) * attention_all + chunk_reach_s(works, model)
     adapter_prefill = adapter_prefill_s(works, model)
     multiplier = model.bound_multiplier(follow_last_step and not after_idle)
     idle_charge = 0.0

@@ -29,7 +29,7 @@ from ricllm.version import __version__
 
 log = get_logger("ricllm.calibration")
 
-CALIBRATION_VERSION = 14  # bump when the sweep or the model's form changes: old cached fits are ignored
+CALIBRATION_VERSION = 15  # bump when the sweep or the model's form changes: old cached fits are ignored
 PREFILL_LENGTHS = (32, 128, 512, 1024)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 256)

@@ -1,6 +1,7 @@
 """Predict one engine step's time from what it carries, so admission can promise deadlines.
 
-    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q + j·C) + k·H ) + l·A
+    t(step) = max( roofline,  a + b·P + c·D + d·C + e·Q + S·(f + g·P + h·Q + j·C) + (1−S)·x·P
+                             + k·H ) + l·A
 
 P prefill tokens, D decode sequences, C Σ context positions read, Q Σ (chunk × context) over
 prefill chunks (a chunk's attention costs its length times what it attends to, which a linear
@@ -13,7 +14,10 @@ computes its allowed tiles only; ``narrow_head``). S = 1 for a step past the run
 (``runs_op_by_op``; ``RuntimeCapabilities.kernel_limits``): with the C kernels, decode steps and
 small prefill chunks (a prompt's tail behind its template) run as one C call, whose prefill rows
 ride on the weights the decodes read anyway, while larger prefill steps run op by op (attention in
-SDPA or the C prefill kernel), a fixed cost and dearer tokens of their own. A runtime without such
+SDPA or the C prefill kernel), a fixed cost and dearer tokens of their own. Which way is dearer per
+token depends on the CPU (on a 2-core EPYC, a prompt's token costs less in the large products of the
+op-by-op path than as a row of the one call), so a prefill token in the one call has an extra price of
+its own too (``x``), and each fit is non-negative. A runtime without such
 limits (a GPU, the torch reference) has S = 0 on every step. Op by op, each prefill chunk's
 attention reads its whole context apart (``j·C``): a burst of short tails behind one long cached
 template reads that template once per tail, which its few chunk × context products do not price.
@@ -58,7 +62,8 @@ RESIDUAL_UNITS = "ratio"  # what a fit file's residuals hold, every kind's: meas
 # 1.22 times a 19 ms step, 1.05 times a 420 ms one. Its multiplier is taken over, and charged to, this much.
 AFTER_IDLE_WARM_S = 0.06
 FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_attention", "op_by_op_step",
-            "op_by_op_prefill_tokens", "op_by_op_prefill_attention", "head_rows", "op_by_op_context_tokens")
+            "op_by_op_prefill_tokens", "op_by_op_prefill_attention", "head_rows", "op_by_op_context_tokens",
+            "kernel_prefill_tokens")
 
 
 def runs_op_by_op(f: StepFeatures, limits: KernelLimits | None) -> bool:
@@ -71,7 +76,8 @@ def runs_op_by_op(f: StepFeatures, limits: KernelLimits | None) -> bool:
 def feature_vector(f: StepFeatures, limits: KernelLimits | None) -> np.ndarray:
     op = 1.0 if runs_op_by_op(f, limits) else 0.0
     return np.array([1.0, f.num_prefill_tokens, f.num_decode_seqs, f.num_context_tokens, f.prefill_attention,
-                     op, op * f.num_prefill_tokens, op * f.prefill_attention, f.head_rows, op * f.num_context_tokens])
+                     op, op * f.num_prefill_tokens, op * f.prefill_attention, f.head_rows, op * f.num_context_tokens,
+                     (1.0 - op) * f.num_prefill_tokens])
 
 
 @dataclass

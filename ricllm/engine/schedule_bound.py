@@ -53,6 +53,7 @@ class StepCost:
     op_by_op_attention: float
     per_head_row: float  # each sequence samples at most one row a step, computed whole at most
     op_by_op_context: float  # each position read, in a step run op by op
+    kernel_prefill_token: float  # each prefill token's extra in a step run as the kernel's one call
     model: LatencyModel
     best_effort_seqs: int = 0
     best_effort_context: int = 0
@@ -75,7 +76,8 @@ class StepCost:
         step = max(linear, floor)
         if self.adapter_read and (adapted_seqs or adapted_prefill or self.adapter_reads_per_step):
             step += self.adapter_read * (adapted_seqs / ADAPTER_ROWS_PER_BLOCK + self.adapter_reads_per_step)
-        prefill_s = ((self.per_prefill_token + self.op_by_op_prefill_token * op) * prefill
+        extra = max(self.op_by_op_prefill_token, self.kernel_prefill_token) if op else self.kernel_prefill_token
+        prefill_s = ((self.per_prefill_token + extra) * prefill
                      + (self.per_attention + self.op_by_op_attention * op) * attention)
         return (steps * step + max(prefill_s - max(floor - linear, 0.0), 0.0)  # prefill rides on the floor's read
                 + self.adapter_read * adapted_prefill / ADAPTER_ROWS_PER_BLOCK)
@@ -84,15 +86,15 @@ class StepCost:
 def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int, works: list = ()) -> StepCost:
     """The fit's terms, with ``best_effort`` (a ``BestEffortLoad``) charged on every step, and the
     adapter reads of ``works`` and of best effort."""
-    a, b, c, d, e, f, g, h, k, j = model.coefficients
+    a, b, c, d, e, f, g, h, k, j, x = model.coefficients
     fixed = a
     chunk = best_effort_chunk if best_effort.longest_pending else 0
     if chunk:  # charged as if its steps ran op by op
-        fixed += (b + g) * chunk + (e + h) * min(chunk * best_effort.longest_pending, model.kernel_prefill_work)
+        fixed += (b + max(g, x)) * chunk + (e + h) * min(chunk * best_effort.longest_pending, model.kernel_prefill_work)
         d += j
     adapters = len({w.adapter for w in works if w.adapter is not None})
     best_effort_reads = (best_effort.adapted + chunk) / ADAPTER_ROWS_PER_BLOCK + 1 if best_effort.adapted else 0.0
-    return StepCost(fixed, c, d, b, e, f, g, h, k, j, model, best_effort.seqs, best_effort.context,
+    return StepCost(fixed, c, d, b, e, f, g, h, k, j, x, model, best_effort.seqs, best_effort.context,
                     model.adapter_block_s, best_effort_reads if not adapters else best_effort_reads + adapters)
 
 
