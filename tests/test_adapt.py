@@ -166,7 +166,8 @@ def test_trace_rows_mixed_with_drawn_rows_say_how_many_of_each(tiny_gguf, tmp_pa
     (["adapt", "default", "--template", "nope"], "templates with a policy: congestion, energy"),
     (["adapt", "no-such-scenario"], "bundled:"),
     (["adapt", "--examples", "0"], "--examples must be at least 1"),
-], ids=["template", "scenario", "examples"])
+    (["adapt", "--average-last", "1.5"], "--average-last must be in [0, 1], got 1.5"),
+], ids=["template", "scenario", "examples", "average-last"])
 def test_a_mistake_is_refused_naming_what_exists(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -565,3 +566,28 @@ def test_adapt_on_gemma3_trains_an_adapter_the_engine_serves(tmp_path, capsys):
     moved = (recorder.stacked(tuned.request_id)[1] - recorder.stacked(base.request_id)[1]).abs().max().item()
     assert moved > 1e-3, f"the trained adapter moves the engine's logits by only {moved:g}"
     assert torch.isfinite(recorder.stacked(tuned.request_id)[1]).all()
+
+
+def test_the_adapter_kept_is_the_mean_of_its_weights_over_the_last_steps(tiny_gguf, scenario, trace, congestion):
+    """--average-last 0.5 of four steps keeps the mean of the weights after steps 3 and 4: the same
+    seed's runs of three and four steps, averaged."""
+    require_module("peft")
+    import torch
+
+    from ricllm.replay import adapter_training as at
+
+    checkpoint = open_checkpoint(tiny_gguf)
+    examples = adapt.make_examples(scenario, trace, congestion, 8, seed=0)
+    system = adapt.default_system_prompt(congestion)
+
+    def trained(steps: int, average_last: float = 0.0) -> list:
+        settings = at.TrainingSettings(steps=steps, batch_size=4, average_last=average_last)
+        torch.manual_seed(0)
+        model = at.with_lora(at.load_base_model(checkpoint.path, checkpoint.spec, progress=False), settings)
+        at.train(model, checkpoint.tokenizer, system, examples, settings, progress=False)
+        return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+    third, fourth, averaged = trained(3), trained(4), trained(4, average_last=0.5)
+    assert any(not torch.equal(a, b) for a, b in zip(third, fourth))
+    for a, b, mean in zip(third, fourth, averaged):
+        torch.testing.assert_close(mean, (a + b) / 2)

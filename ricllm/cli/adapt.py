@@ -64,6 +64,9 @@ def add_adapt_subparser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="the learning rate over the steps: constant, or cosine from --learning-rate down to zero "
                              "at the last step")
+    parser.add_argument("--average-last", type=float, default=0.0,
+                        help="keep the mean of the adapter's weights over this share of the last steps (e.g. 0.2), "
+                             "not the last step's; default 0: the last step's")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--alpha", type=int, default=16, help="LoRA alpha (the update is scaled by alpha / rank)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training rows and of training")
@@ -144,6 +147,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise AdaptError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.missing_share < 1:
         raise AdaptError(f"--missing-share must be in [0, 1), got {args.missing_share}")
+    if not 0 <= args.average_last <= 1:
+        raise AdaptError(f"--average-last must be in [0, 1], got {args.average_last}")
     for name in ("drawn_share", "counterfactual_share"):
         if not 0 <= getattr(args, name) < 1:
             raise AdaptError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
@@ -327,7 +332,7 @@ def _train_and_judge(args, checkpoint, template, system, rows: Rows, out: Path, 
     torch.set_num_threads(args.threads)
     bf16, why = at.bf16_training(args.train_dtype)
     settings = at.TrainingSettings(args.rank, args.alpha, args.steps, args.batch_size, args.learning_rate, args.seed,
-                                   bf16, args.lr_schedule)
+                                   bf16, args.lr_schedule, args.average_last)
     print(f"training multiplies in {'bfloat16' if bf16 else 'float32'} ({why}), {args.threads} threads")
     manifest = {**manifest, "training": {**manifest["training"], "dtype": "bfloat16" if bf16 else "float32"}}
     tokenizer = checkpoint.tokenizer
@@ -414,7 +419,7 @@ def _manifest(scenario, template, args, system, model_path, rows: Rows, scored_r
     from ricllm.replay.adapt import template_digest
 
     training = {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
-                "lr_schedule": args.lr_schedule,
+                "lr_schedule": args.lr_schedule, "average_last": args.average_last,
                 "rank": args.rank, "alpha": args.alpha, "seed": args.seed, **rows.manifest["training"]}
     return {"scenario": scenario.name, "template": template.name, "overrides": list(args.overrides),
             "policy": [{"when": r.when.text if r.when else None, "then": r.then} for r in template.policy.rules],
