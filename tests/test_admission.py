@@ -323,7 +323,7 @@ def test_the_fit_separates_the_costs_of_steps_run_op_by_op():
     of its own; the fit finds all three apart from the small chunks' costs."""
     from ricllm.engine.latency_model import FEATURES, feature_vector, fit, runs_op_by_op
 
-    truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006, 4e-4, 2e-8, 5e-5, 3e-6, 1e-5]  # op by op: 6 ms more, 20x dearer tokens
+    truth = [0.004, 2e-5, 3e-4, 1e-7, 1e-9, 0.006, 4e-4, 2e-8, 5e-5, 3e-6, 1e-5]  # op by op: 6 ms more, dearer tokens
     # each decode samples a head row, and so does each step whose prefill chunk ends its prompt
     samples = [StepFeatures(p, d, c, p * c // 2, head_rows=d + (p > 0)) for p in (0, 8, 16, 48, 64, 128, 256)
                for d in (0, 1, 4, 16) for c in (64, 512, 2048) if p or d]

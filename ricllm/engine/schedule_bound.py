@@ -89,7 +89,7 @@ def step_cost(model: LatencyModel, best_effort, best_effort_chunk: int, works: l
     a, b, c, d, e, f, g, h, k, j, x = model.coefficients
     fixed = a
     chunk = best_effort_chunk if best_effort.longest_pending else 0
-    if chunk:  # charged as if its steps ran op by op
+    if chunk:  # charged as if its steps ran op by op, each token at the dearer of the two ways' prices
         fixed += (b + max(g, x)) * chunk + (e + h) * min(chunk * best_effort.longest_pending, model.kernel_prefill_work)
         d += j
     adapters = len({w.adapter for w in works if w.adapter is not None})
